@@ -1,0 +1,263 @@
+//! kvirtd's configuration: `/etc/kvirt/kvirtd.toml`, every field optional,
+//! defaults that run on one host with nothing else installed.
+
+use crate::layout::{DaemonKind, HostLayout};
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+pub const DEFAULT_PATH: &str = "/etc/kvirt/kvirtd.toml";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("invalid config {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        source: Box<toml::de::Error>,
+    },
+    #[error("invalid config {path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// This host's node name (`status.nodeName`); the hostname when empty.
+    pub node_name: String,
+    pub source: SourceConfig,
+    pub paths: PathsConfig,
+    pub vm: VmConfig,
+    pub storage: StorageConfig,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct SourceConfig {
+    /// Directory of VMI manifests (YAML or JSON), kubelet-static-pod style.
+    pub directory: PathBuf,
+    /// Seconds between full resyncs of every VM (the safety net under events).
+    pub resync_seconds: u64,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PathsConfig {
+    pub state_dir: PathBuf,
+    pub runtime_dir: PathBuf,
+    pub cache_dir: PathBuf,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Emulation {
+    /// Use KVM when `/dev/kvm` answers, TCG otherwise.
+    Auto,
+    /// Always TCG (`<domain type='qemu'>`).
+    Always,
+    /// Always KVM.
+    Never,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DaemonChoice {
+    /// virtqemud when installed, else libvirtd.
+    Auto,
+    Virtqemud,
+    Libvirtd,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct VmConfig {
+    /// Unprivileged user (and group) every VM's daemon and QEMU run as.
+    pub user: String,
+    pub slice: String,
+    pub daemon: DaemonChoice,
+    pub emulation: Emulation,
+    /// Memory the unit may use beyond the guest's (daemon, QEMU, TCG cache).
+    pub overhead_mib: u64,
+    pub tasks_max: u64,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct StorageConfig {
+    /// hostDisk paths must lie under one of these.
+    pub host_disk_roots: Vec<PathBuf>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            node_name: String::new(),
+            source: SourceConfig::default(),
+            paths: PathsConfig::default(),
+            vm: VmConfig::default(),
+            storage: StorageConfig::default(),
+        }
+    }
+}
+
+impl Default for SourceConfig {
+    fn default() -> Self {
+        Self {
+            directory: "/etc/kvirt/vmis.d".into(),
+            resync_seconds: 30,
+        }
+    }
+}
+
+impl Default for PathsConfig {
+    fn default() -> Self {
+        let l = HostLayout::default();
+        Self {
+            state_dir: l.state_dir,
+            runtime_dir: l.runtime_dir,
+            cache_dir: l.cache_dir,
+        }
+    }
+}
+
+impl Default for VmConfig {
+    fn default() -> Self {
+        Self {
+            user: "kvirt".into(),
+            slice: "machine-kvirt.slice".into(),
+            daemon: DaemonChoice::Auto,
+            emulation: Emulation::Auto,
+            overhead_mib: 256,
+            tasks_max: 1024,
+        }
+    }
+}
+
+impl Default for StorageConfig {
+    fn default() -> Self {
+        Self {
+            host_disk_roots: vec!["/var/lib/kvirt/images".into()],
+        }
+    }
+}
+
+impl Config {
+    /// Reads the file; a missing file at the default path means defaults,
+    /// a missing file given explicitly is an error.
+    pub fn load(path: &Path, explicit: bool) -> Result<Self, ConfigError> {
+        let text = match std::fs::read_to_string(path) {
+            Ok(t) => t,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => {
+                return Self::default().validated(path)
+            }
+            Err(source) => {
+                return Err(ConfigError::Read {
+                    path: path.into(),
+                    source,
+                })
+            }
+        };
+        Self::parse(&text, path)
+    }
+
+    pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let cfg: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.into(),
+            source: Box::new(e),
+        })?;
+        cfg.validated(path)
+    }
+
+    fn validated(mut self, path: &Path) -> Result<Self, ConfigError> {
+        let invalid = |message: String| ConfigError::Invalid {
+            path: path.into(),
+            message,
+        };
+        if self.node_name.is_empty() {
+            self.node_name = nix::unistd::gethostname()
+                .ok()
+                .and_then(|h| h.into_string().ok())
+                .unwrap_or_else(|| "localhost".into());
+        }
+        for root in &self.storage.host_disk_roots {
+            if !root.is_absolute() {
+                return Err(invalid(format!(
+                    "storage.host_disk_roots: {} is not absolute",
+                    root.display()
+                )));
+            }
+        }
+        for (name, p) in [
+            ("paths.state_dir", &self.paths.state_dir),
+            ("paths.runtime_dir", &self.paths.runtime_dir),
+            ("paths.cache_dir", &self.paths.cache_dir),
+            ("source.directory", &self.source.directory),
+        ] {
+            if !p.is_absolute() {
+                return Err(invalid(format!("{name}: {} is not absolute", p.display())));
+            }
+        }
+        if !self.vm.slice.ends_with(".slice") {
+            return Err(invalid(format!(
+                "vm.slice: {:?} must end in .slice",
+                self.vm.slice
+            )));
+        }
+        if self.source.resync_seconds == 0 {
+            return Err(invalid("source.resync_seconds must be > 0".into()));
+        }
+        Ok(self)
+    }
+
+    pub fn layout(&self) -> HostLayout {
+        HostLayout {
+            state_dir: self.paths.state_dir.clone(),
+            runtime_dir: self.paths.runtime_dir.clone(),
+            cache_dir: self.paths.cache_dir.clone(),
+        }
+    }
+
+    /// The daemon to run new VMs with, looking at what is installed.
+    pub fn daemon_kind(&self, installed: impl Fn(&str) -> bool) -> DaemonKind {
+        match self.vm.daemon {
+            DaemonChoice::Virtqemud => DaemonKind::Virtqemud,
+            DaemonChoice::Libvirtd => DaemonKind::Libvirtd,
+            DaemonChoice::Auto if installed("virtqemud") => DaemonKind::Virtqemud,
+            DaemonChoice::Auto => DaemonKind::Libvirtd,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_file_is_all_defaults() {
+        let c = Config::parse("node_name = \"n1\"", Path::new("x")).unwrap();
+        assert_eq!(c.node_name, "n1");
+        assert_eq!(c.source.directory, PathBuf::from("/etc/kvirt/vmis.d"));
+        assert_eq!(c.vm.slice, "machine-kvirt.slice");
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_clear_errors() {
+        let e = Config::parse("nod_name = 1", Path::new("/etc/x.toml")).unwrap_err();
+        assert!(e.to_string().contains("/etc/x.toml"), "{e}");
+        assert!(e.to_string().contains("nod_name"), "{e}");
+        let e = Config::parse("[storage]\nhost_disk_roots=[\"rel\"]", Path::new("x")).unwrap_err();
+        assert!(e.to_string().contains("host_disk_roots"), "{e}");
+        let e = Config::parse("[vm]\nemulation=\"maybe\"", Path::new("x")).unwrap_err();
+        assert!(e.to_string().contains("emulation"), "{e}");
+    }
+
+    #[test]
+    fn daemon_auto_prefers_virtqemud() {
+        let c = Config::default();
+        assert_eq!(c.daemon_kind(|_| true), DaemonKind::Virtqemud);
+        assert_eq!(c.daemon_kind(|_| false), DaemonKind::Libvirtd);
+    }
+}

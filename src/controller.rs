@@ -1,0 +1,683 @@
+//! The level-triggered loop: one key per VM (its id), fed by manifest
+//! changes, unit state changes, libvirt domain events and a slow resync.
+//! Each reconcile observes the host, plans, carries the plan out and
+//! reports status; one VM's trouble never blocks another's.
+
+use crate::convert::{self, ConvertContext, Converted, DiskPrep, DomainType};
+use crate::key::{self, VmKey};
+use crate::layout::{DaemonKind, HostLayout, VmPaths};
+use crate::libvirt::{DomainRef, Hypervisor, LibvirtError};
+use crate::netns::{Netns, NetnsError};
+use crate::plan::{self, Desired, DomainState, Observed, Outcome, Step, UnitActivity};
+use crate::source::{SourceError, StatusStore};
+use crate::status;
+use crate::storage::{Storage, StorageError};
+use crate::systemd::{SystemdError, Units};
+use crate::unit::{self, UnitInput};
+use crate::vmi::{Phase, VirtualMachineInstance, VmiStatus};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tracing::{info, info_span, warn, Instrument};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerError {
+    #[error("VM {id}: {source}")]
+    Systemd { id: String, source: SystemdError },
+    #[error("VM {id}: {source}")]
+    Netns { id: String, source: NetnsError },
+    #[error("{source}")]
+    Libvirt { source: LibvirtError },
+    #[error("VM {id}: {source}")]
+    Storage { id: String, source: StorageError },
+    #[error("VM {id}: status: {source}")]
+    Status { id: String, source: SourceError },
+    #[error("VM {id}: teardown incomplete: {}", errors.join("; "))]
+    Teardown { id: String, errors: Vec<String> },
+}
+
+/// KubeVirt's event reasons, as kvirtd records them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventReason {
+    Created,
+    Started,
+    ShuttingDown,
+    Stopped,
+    SyncFailed,
+}
+
+/// Where Events about a VMI go (the log in standalone mode).
+pub trait Recorder: Send + Sync + 'static {
+    fn record(&self, key: &VmKey, reason: EventReason, message: &str, warning: bool);
+}
+
+/// Standalone mode: Events are log lines carrying the VM key.
+pub struct LogRecorder;
+
+impl Recorder for LogRecorder {
+    fn record(&self, key: &VmKey, reason: EventReason, message: &str, warning: bool) {
+        if warning {
+            warn!(vm = %key, reason = ?reason, "{message}");
+        } else {
+            info!(vm = %key, reason = ?reason, "{message}");
+        }
+    }
+}
+
+/// Host-wide facts every reconcile needs, fixed at start.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub node_name: String,
+    pub layout: HostLayout,
+    pub host_disk_roots: Vec<PathBuf>,
+    pub daemon: DaemonKind,
+    pub daemon_path: PathBuf,
+    pub domain_type: DomainType,
+    pub user: String,
+    pub slice: String,
+    pub overhead_bytes: u64,
+    pub tasks_max: u64,
+    /// How often the graceful shutdown re-sends the ACPI power button.
+    pub shutdown_resend: Duration,
+}
+
+pub struct Deps<U, N, H, S, St, R> {
+    pub units: U,
+    pub netns: N,
+    pub hypervisor: H,
+    pub storage: S,
+    pub status: St,
+    pub recorder: R,
+}
+
+/// What wakes the loop.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Trigger {
+    /// Something about this VM id changed.
+    Vm(String),
+    /// The set of VMIs changed: diff it and wake the ones that differ.
+    Vmis(BTreeMap<VmKey, VirtualMachineInstance>),
+    /// Look at every VM (the slow safety net).
+    Resync,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Reconciled {
+    pub requeue_after: Option<Duration>,
+}
+
+pub struct Controller<U, N, H, S, St, R> {
+    deps: Deps<U, N, H, S, St, R>,
+    settings: Settings,
+    /// The VMIs this host should run, by id, with the status kvirtd owns.
+    vmis: Mutex<HashMap<String, VirtualMachineInstance>>,
+}
+
+type Phases = BTreeMap<String, usize>;
+
+impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder>
+    Controller<U, N, H, S, St, R>
+{
+    pub fn new(deps: Deps<U, N, H, S, St, R>, settings: Settings) -> Arc<Self> {
+        Arc::new(Self {
+            deps,
+            settings,
+            vmis: Mutex::default(),
+        })
+    }
+
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    pub fn deps(&self) -> &Deps<U, N, H, S, St, R> {
+        &self.deps
+    }
+
+    fn vmis(&self) -> std::sync::MutexGuard<'_, HashMap<String, VirtualMachineInstance>> {
+        self.vmis.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// VM counts per phase, for `STATUS=` and `kvirtctl`.
+    pub fn phase_counts(&self) -> Phases {
+        let mut counts = Phases::new();
+        for vmi in self.vmis().values() {
+            let phase = vmi.status.phase.unwrap_or(Phase::Pending);
+            *counts.entry(format!("{phase:?}")).or_default() += 1;
+        }
+        counts
+    }
+
+    /// Takes a new set of VMIs; returns the ids whose VMI appeared, went
+    /// away or changed identity. Known statuses carry over (from memory, or
+    /// from the status store after a restart) when the UID matches.
+    pub async fn set_vmis(&self, new: BTreeMap<VmKey, VirtualMachineInstance>) -> Vec<String> {
+        let mut incoming = HashMap::new();
+        for (key, mut vmi) in new {
+            let id = key.id();
+            let known = self.vmis().get(&id).cloned();
+            let prev = match known {
+                Some(k) => Some(k),
+                None => self.deps.status.load(&key).await,
+            };
+            if let Some(prev) = prev.filter(|p| p.uid() == vmi.uid()) {
+                vmi.status = prev.status;
+            }
+            incoming.insert(id, vmi);
+        }
+        let mut vmis = self.vmis();
+        let mut changed: Vec<String> = incoming
+            .iter()
+            .filter(|(id, v)| vmis.get(*id).map(|o| o.uid()) != Some(v.uid()))
+            .map(|(id, _)| id.clone())
+            .collect();
+        changed.extend(vmis.keys().filter(|id| !incoming.contains_key(*id)).cloned());
+        *vmis = incoming;
+        changed.sort();
+        changed
+    }
+
+    /// Every id the host or the source knows of.
+    pub async fn all_ids(&self) -> Vec<String> {
+        let mut ids: HashSet<String> = self.vmis().keys().cloned().collect();
+        match self.deps.units.list_ids().await {
+            Ok(u) => ids.extend(u),
+            Err(e) => warn!("listing units: {e}"),
+        }
+        match self.deps.netns.list().await {
+            Ok(n) => ids.extend(n.iter().filter_map(|n| key::id_from_netns(n).map(str::to_owned))),
+            Err(e) => warn!("listing namespaces: {e}"),
+        }
+        ids.extend(self.deps.storage.list_ids().await);
+        let mut ids: Vec<String> = ids.into_iter().collect();
+        ids.sort();
+        ids
+    }
+
+    fn paths(&self, id: &str) -> VmPaths {
+        self.settings.layout.vm_by_id(id)
+    }
+
+    fn convert(&self, vmi: &VirtualMachineInstance, key: &VmKey) -> Result<Converted, String> {
+        if vmi.uid().is_none() {
+            return Err("metadata.uid: the VMI has no UID".into());
+        }
+        let paths = self.settings.layout.vm(key);
+        convert::convert(
+            vmi,
+            &ConvertContext {
+                key,
+                paths: &paths,
+                domain_type: self.settings.domain_type,
+                host_disk_roots: &self.settings.host_disk_roots,
+            },
+        )
+        .map_err(|e| e.to_string())
+    }
+
+    async fn observe(&self, id: &str, dom: Option<&DomainRef>) -> Result<Observed, ControllerError> {
+        let unit = self
+            .deps
+            .units
+            .get(&key::unit_name_of(id))
+            .await
+            .map_err(|source| ControllerError::Systemd { id: id.into(), source })?;
+        let netns = self
+            .deps
+            .netns
+            .exists(&key::netns_name_of(id))
+            .await
+            .map_err(|source| ControllerError::Netns { id: id.into(), source })?;
+        let paths = self.paths(id);
+        let mut obs = Observed {
+            netns,
+            state_dir: self.deps.storage.exists(&paths.state_dir).await,
+            runtime_dir: self.deps.storage.exists(&paths.runtime_dir).await,
+            domain: None,
+            unit,
+        };
+        if let Some(u) = obs.unit.as_ref().filter(|u| u.activity == UnitActivity::Active) {
+            let dom = match dom {
+                Some(d) => Some(self.domain_ref(id, u.daemon, &d.name)),
+                None => u.domain_name.as_ref().map(|n| self.domain_ref(id, u.daemon, n)),
+            };
+            if let Some(d) = dom {
+                obs.domain = self
+                    .deps
+                    .hypervisor
+                    .observe(&d)
+                    .await
+                    .map_err(|source| ControllerError::Libvirt { source })?;
+            }
+        }
+        Ok(obs)
+    }
+
+    fn domain_ref(&self, id: &str, daemon: Option<DaemonKind>, name: &str) -> DomainRef {
+        DomainRef {
+            id: id.into(),
+            uri: self
+                .paths(id)
+                .libvirt_uri(daemon.unwrap_or(self.settings.daemon)),
+            name: name.into(),
+        }
+    }
+
+    /// One pass for one VM: observe, plan, act, report.
+    pub async fn reconcile(&self, id: &str) -> Result<Reconciled, ControllerError> {
+        let vmi = self.vmis().get(id).cloned();
+        let key = vmi.as_ref().and_then(|v| v.key().ok());
+        let span = info_span!("vm", vm = %key.as_ref().map_or(id.to_owned(), |k| k.to_string()));
+        self.reconcile_inner(id, vmi, key).instrument(span).await
+    }
+
+    async fn reconcile_inner(
+        &self,
+        id: &str,
+        vmi: Option<VirtualMachineInstance>,
+        key: Option<VmKey>,
+    ) -> Result<Reconciled, ControllerError> {
+        let converted = match (&vmi, &key) {
+            (Some(v), Some(k)) => Some(self.convert(v, k)),
+            _ => None,
+        };
+        let dom = key.as_ref().map(|k| self.domain_ref(id, None, &k.domain_name()));
+        let obs = self.observe(id, dom.as_ref()).await?;
+        let desired = vmi.as_ref().map(|v| Desired {
+            uid: v.uid().unwrap_or_default().to_owned(),
+            grace: v.termination_grace_period(),
+            phase: v.status.phase,
+            invalid: converted.as_ref().and_then(|c| c.as_ref().err().cloned()),
+        });
+        let plan = plan::plan(desired.as_ref(), &obs);
+        let mut outcome = plan.outcome.clone();
+        if !plan.steps.is_empty() {
+            info!(steps = ?plan.steps, "acting");
+        }
+
+        let creating = plan.steps.contains(&Step::StartUnit) || plan.steps.contains(&Step::DefineDomain);
+        if let (Some(v), Some(k), true) = (&vmi, &key, creating) {
+            if v.status.phase.is_none() {
+                self.report(k, &Outcome::Phase(Phase::Scheduled)).await?;
+                self.deps.recorder.record(k, EventReason::Created, "VM is being created", false);
+            }
+        }
+
+        let ctx = StepCtx {
+            id,
+            obs: &obs,
+            key: key.as_ref(),
+            uid: vmi.as_ref().and_then(|v| v.uid()),
+            converted: converted.as_ref().and_then(|c| c.as_ref().ok()),
+            dom: dom.as_ref(),
+        };
+        let mut teardown_errors = Vec::new();
+        for step in &plan.steps {
+            let is_create = matches!(
+                step,
+                Step::CreateDirs
+                    | Step::PrepareDisks
+                    | Step::CreateNetns
+                    | Step::StartUnit
+                    | Step::DefineDomain
+                    | Step::StartDomain
+            );
+            if let Err(e) = self.run_step(step, &ctx).await {
+                if is_create {
+                    // Roll back what this attempt made; the VMI fails with why.
+                    warn!("cannot start: {e}");
+                    self.rollback(id, dom.as_ref()).await;
+                    outcome = Outcome::Failed(format!("cannot start: {e}"));
+                    break;
+                }
+                // Teardown continues past errors, and reports every one.
+                warn!("{e}");
+                teardown_errors.push(e.to_string());
+            }
+        }
+
+        if let Some(k) = &key {
+            self.report(k, &outcome).await?;
+        }
+        if !teardown_errors.is_empty() {
+            return Err(ControllerError::Teardown {
+                id: id.into(),
+                errors: teardown_errors,
+            });
+        }
+        Ok(Reconciled {
+            requeue_after: plan.requeue.then_some(Duration::from_millis(500)),
+        })
+    }
+
+    async fn rollback(&self, id: &str, dom: Option<&DomainRef>) {
+        let obs = match self.observe(id, dom).await {
+            Ok(o) => o,
+            Err(e) => {
+                warn!("rollback: cannot observe: {e}");
+                Observed {
+                    unit: None,
+                    netns: true,
+                    state_dir: true,
+                    runtime_dir: false,
+                    domain: None,
+                }
+            }
+        };
+        let p = plan::plan(None, &Observed { runtime_dir: false, ..obs });
+        let ctx = StepCtx {
+            id,
+            obs: &Observed::default(),
+            key: None,
+            uid: None,
+            converted: None,
+            dom,
+        };
+        for step in p.steps {
+            // A VM that never started needs no grace.
+            let step = match step {
+                Step::ShutdownDomain { .. } => Step::ShutdownDomain { grace: Duration::ZERO },
+                s => s,
+            };
+            if let Err(e) = self.run_step(&step, &ctx).await {
+                warn!("rollback: {e}");
+            }
+        }
+    }
+
+    async fn report(&self, key: &VmKey, outcome: &Outcome) -> Result<(), ControllerError> {
+        let id = key.id();
+        let Some(mut vmi) = self.vmis().get(&id).cloned() else {
+            return Ok(());
+        };
+        let now = now_rfc3339();
+        let next = match status::next_status(&vmi.status, outcome, &self.settings.node_name, &now) {
+            Ok(Some(s)) => s,
+            Ok(None) => return Ok(()),
+            Err(e) => {
+                warn!("not reporting: {e}");
+                return Ok(());
+            }
+        };
+        let old_phase = vmi.status.phase;
+        vmi.status = next;
+        self.deps
+            .status
+            .save(&vmi)
+            .await
+            .map_err(|source| ControllerError::Status { id: id.clone(), source })?;
+        if old_phase != vmi.status.phase {
+            info!(phase = ?vmi.status.phase, "phase changed");
+            let r = &self.deps.recorder;
+            match (outcome, vmi.status.phase) {
+                (Outcome::Invalid(m), _) => r.record(key, EventReason::SyncFailed, m, true),
+                (_, Some(Phase::Running)) => r.record(key, EventReason::Started, "VM started", false),
+                (Outcome::Failed(m), _) => r.record(key, EventReason::Stopped, m, true),
+                (_, Some(Phase::Succeeded)) => {
+                    r.record(key, EventReason::Stopped, "the guest powered off", false)
+                }
+                _ => {}
+            }
+        }
+        // Only a VMI still listed gets its status back; a removed one is gone.
+        if let Some(v) = self.vmis().get_mut(&id) {
+            if v.uid() == vmi.uid() {
+                v.status = vmi.status;
+            }
+        }
+        Ok(())
+    }
+
+    async fn run_step(&self, step: &Step, c: &StepCtx<'_>) -> Result<(), ControllerError> {
+        let id = c.id;
+        let paths = self.paths(id);
+        let storage_err = |source| ControllerError::Storage { id: id.into(), source };
+        let netns_err = |source| ControllerError::Netns { id: id.into(), source };
+        let sd_err = |source| ControllerError::Systemd { id: id.into(), source };
+        let lv_err = |source| ControllerError::Libvirt { source };
+        let conv = || c.converted.expect("create steps only run for a converted VMI");
+        let dom = || {
+            c.dom.cloned().unwrap_or_else(|| {
+                let unit = c.obs.unit.as_ref();
+                self.domain_ref(
+                    id,
+                    unit.and_then(|u| u.daemon),
+                    unit.and_then(|u| u.domain_name.as_deref()).unwrap_or(id),
+                )
+            })
+        };
+        match step {
+            Step::CreateDirs => self.deps.storage.create_dirs(&paths).await.map_err(storage_err),
+            Step::PrepareDisks => {
+                for d in &conv().disks {
+                    self.deps
+                        .storage
+                        .prepare_disk(d, &self.settings.host_disk_roots)
+                        .await
+                        .map_err(storage_err)?;
+                }
+                Ok(())
+            }
+            Step::CreateNetns => self
+                .deps
+                .netns
+                .create(&key::netns_name_of(id))
+                .await
+                .map_err(netns_err),
+            Step::StartUnit => {
+                let conv = conv();
+                let key = c.key.expect("a converted VMI has a key");
+                let spec = unit::unit_spec(&UnitInput {
+                    key,
+                    uid: c.uid.unwrap_or_default(),
+                    paths: &paths,
+                    host: &self.settings.layout,
+                    daemon: self.settings.daemon,
+                    daemon_path: self.settings.daemon_path.clone(),
+                    user: &self.settings.user,
+                    slice: &self.settings.slice,
+                    memory_max_bytes: conv
+                        .resources
+                        .memory_limit_bytes
+                        .unwrap_or(conv.resources.memory_bytes)
+                        + self.settings.overhead_bytes,
+                    cpu_weight: unit::cpu_weight(conv.resources.cpu_request_millis),
+                    tasks_max: self.settings.tasks_max,
+                    grace_seconds: self
+                        .vmis()
+                        .get(id)
+                        .map_or(30, |v| v.termination_grace_period().as_secs()),
+                    extra_rw_paths: conv
+                        .disks
+                        .iter()
+                        .filter_map(|d| match d {
+                            DiskPrep::CreateRawIfMissing { path, .. }
+                            | DiskPrep::RequireExisting { path, .. } => Some(path.clone()),
+                            DiskPrep::CreateQcow2 { .. } => None,
+                        })
+                        .collect(),
+                });
+                self.deps.units.start(&spec).await.map_err(sd_err)
+            }
+            Step::DefineDomain => self
+                .deps
+                .hypervisor
+                .define(&dom(), &conv().domain_xml)
+                .await
+                .map_err(lv_err),
+            Step::StartDomain => self.deps.hypervisor.start(&dom()).await.map_err(lv_err),
+            Step::ShutdownDomain { grace } => {
+                if let Some(k) = c.key {
+                    self.deps
+                        .recorder
+                        .record(k, EventReason::ShuttingDown, "shutting the guest down", false);
+                }
+                self.shutdown(&dom(), *grace).await
+            }
+            Step::StopUnit => {
+                self.deps.hypervisor.forget(id).await;
+                self.deps
+                    .units
+                    .stop(&key::unit_name_of(id))
+                    .await
+                    .map_err(sd_err)
+            }
+            Step::DeleteNetns => self
+                .deps
+                .netns
+                .delete(&key::netns_name_of(id))
+                .await
+                .map_err(netns_err),
+            Step::RemoveStateDir => self
+                .deps
+                .storage
+                .remove_dir(&paths.state_dir)
+                .await
+                .map_err(storage_err),
+            Step::RemoveRuntimeDir => self
+                .deps
+                .storage
+                .remove_dir(&paths.runtime_dir)
+                .await
+                .map_err(storage_err),
+        }
+    }
+
+    /// ACPI power button, re-sent, then destroy once the grace period is up
+    /// (KubeVirt's terminationGracePeriodSeconds behaviour).
+    async fn shutdown(&self, d: &DomainRef, grace: Duration) -> Result<(), ControllerError> {
+        let hv = &self.deps.hypervisor;
+        let deadline = tokio::time::Instant::now() + grace;
+        let mut next_press = tokio::time::Instant::now();
+        loop {
+            let state = hv
+                .observe(d)
+                .await
+                .map_err(|source| ControllerError::Libvirt { source })?
+                .map(|o| o.state);
+            if !matches!(state, Some(DomainState::Running | DomainState::Paused)) {
+                return Ok(());
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                info!("grace period over, destroying");
+                return hv.destroy(d).await.map_err(|source| ControllerError::Libvirt { source });
+            }
+            if now >= next_press {
+                if let Err(e) = hv.shutdown(d).await {
+                    warn!("ACPI shutdown: {e}");
+                }
+                next_press = now + self.settings.shutdown_resend;
+            }
+            tokio::time::sleep(Duration::from_millis(200).min(deadline - now)).await;
+        }
+    }
+
+    /// Reconciles every id once, concurrently: adoption before serving.
+    pub async fn reconcile_all(self: &Arc<Self>) -> Vec<(String, ControllerError)> {
+        let ids = self.all_ids().await;
+        let tasks: Vec<_> = ids
+            .into_iter()
+            .map(|id| {
+                let this = self.clone();
+                tokio::spawn(async move {
+                    let r = this.reconcile(&id).await;
+                    (id, r)
+                })
+            })
+            .collect();
+        let mut errors = Vec::new();
+        for t in tasks {
+            if let Ok((id, Err(e))) = t.await {
+                errors.push((id, e));
+            }
+        }
+        errors
+    }
+
+    /// The loop: runs until `triggers` closes. At most one reconcile per id
+    /// at a time; a trigger during one marks it to run again.
+    pub async fn run(self: Arc<Self>, triggers: UnboundedSender<Trigger>, mut rx: UnboundedReceiver<Trigger>) {
+        let (done_tx, mut done_rx) = unbounded_channel::<(String, Result<Reconciled, String>)>();
+        let mut running: HashSet<String> = HashSet::new();
+        let mut dirty: HashSet<String> = HashSet::new();
+        let mut failures: HashMap<String, u32> = HashMap::new();
+        let spawn = |id: String, running: &mut HashSet<String>, dirty: &mut HashSet<String>| {
+            if !running.insert(id.clone()) {
+                dirty.insert(id);
+                return;
+            }
+            let this = self.clone();
+            let done = done_tx.clone();
+            tokio::spawn(async move {
+                let r = this.reconcile(&id).await.map_err(|e| e.to_string());
+                let _ = done.send((id, r));
+            });
+        };
+        loop {
+            tokio::select! {
+                t = rx.recv() => match t {
+                    None => break,
+                    Some(Trigger::Vm(id)) => spawn(id, &mut running, &mut dirty),
+                    Some(Trigger::Vmis(vmis)) => {
+                        for id in self.set_vmis(vmis).await {
+                            spawn(id, &mut running, &mut dirty);
+                        }
+                    }
+                    Some(Trigger::Resync) => {
+                        for id in self.all_ids().await {
+                            spawn(id, &mut running, &mut dirty);
+                        }
+                    }
+                },
+                Some((id, result)) = done_rx.recv() => {
+                    running.remove(&id);
+                    let delay = match result {
+                        Ok(r) => {
+                            failures.remove(&id);
+                            r.requeue_after
+                        }
+                        Err(e) => {
+                            let n = failures.entry(id.clone()).or_default();
+                            *n += 1;
+                            let delay = Duration::from_secs(1 << (*n).min(6));
+                            warn!(vm = %id, retry_in = ?delay, "reconcile failed: {e}");
+                            Some(delay)
+                        }
+                    };
+                    if dirty.remove(&id) {
+                        spawn(id, &mut running, &mut dirty);
+                    } else if let Some(d) = delay {
+                        let tx = triggers.clone();
+                        tokio::spawn(async move {
+                            tokio::time::sleep(d).await;
+                            let _ = tx.send(Trigger::Vm(id));
+                        });
+                    }
+                }
+            }
+        }
+    }
+}
+
+struct StepCtx<'a> {
+    id: &'a str,
+    obs: &'a Observed,
+    key: Option<&'a VmKey>,
+    uid: Option<&'a str>,
+    converted: Option<&'a Converted>,
+    dom: Option<&'a DomainRef>,
+}
+
+/// The status of a VMI as last reported, for callers outside the loop.
+pub fn status_of(vmi: &VirtualMachineInstance) -> &VmiStatus {
+    &vmi.status
+}
+
+/// Kubernetes' timestamp form: RFC 3339, UTC, whole seconds.
+pub fn now_rfc3339() -> String {
+    let now = jiff::Timestamp::now();
+    jiff::Timestamp::from_second(now.as_second()).unwrap_or(now).to_string()
+}

@@ -1,0 +1,175 @@
+//! Guest memory, and the `resources` block that also feeds CPU sizing and
+//! the systemd unit's limits.
+
+use super::Errors;
+use crate::quantity::Quantity;
+use crate::vmi::{Memory, ResourceRequirements};
+use std::collections::BTreeMap;
+
+/// Resource names that do not affect the VM: the unit has no disk quota.
+const IGNORED_RESOURCES: &[&str] = &["ephemeral-storage"];
+
+/// `resources.requests`/`limits`, parsed and checked.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub(super) struct ResourceSpec {
+    pub memory_request: Option<u64>,
+    pub memory_limit: Option<u64>,
+    pub cpu_request: Option<u64>,
+    pub cpu_limit: Option<u64>,
+}
+
+impl ResourceSpec {
+    pub fn parse(res: Option<&ResourceRequirements>, errs: &mut Errors) -> Self {
+        let Some(res) = res else {
+            return Self::default();
+        };
+        const PATH: &str = "spec.domain.resources";
+        errs.reject_extra(PATH, &res.extra);
+        let requests = parse_list(&res.requests, &format!("{PATH}.requests"), errs);
+        let limits = parse_list(&res.limits, &format!("{PATH}.limits"), errs);
+        let spec = Self {
+            memory_request: requests.0,
+            memory_limit: limits.0,
+            cpu_request: requests.1,
+            cpu_limit: limits.1,
+        };
+        if let (Some(r), Some(l)) = (spec.memory_request, spec.memory_limit) {
+            if r > l {
+                errs.add(
+                    format!("{PATH}.requests.memory"),
+                    "must not be greater than limits.memory",
+                );
+            }
+        }
+        if let (Some(r), Some(l)) = (spec.cpu_request, spec.cpu_limit) {
+            if r > l {
+                errs.add(
+                    format!("{PATH}.requests.cpu"),
+                    "must not be greater than limits.cpu",
+                );
+            }
+        }
+        spec
+    }
+}
+
+/// (memory bytes, cpu millicores) of one list.
+fn parse_list(
+    list: &BTreeMap<String, Quantity>,
+    path: &str,
+    errs: &mut Errors,
+) -> (Option<u64>, Option<u64>) {
+    let mut out = (None, None);
+    for (name, q) in list {
+        let field = format!("{path}.{name}");
+        match name.as_str() {
+            "memory" => match q.to_bytes() {
+                Ok(b) => out.0 = Some(b),
+                Err(e) => errs.add(field, e),
+            },
+            "cpu" => match q.to_millis() {
+                Ok(m) => out.1 = Some(m),
+                Err(e) => errs.add(field, e),
+            },
+            n if IGNORED_RESOURCES.contains(&n) => {}
+            _ => errs.add(field, "resource not supported by kvirt"),
+        }
+    }
+    out
+}
+
+/// `memory.guest`, else the memory request (which Kubernetes defaults to the
+/// limit), as KubeVirt does.
+pub(super) fn guest_memory(mem: Option<&Memory>, res: &ResourceSpec, errs: &mut Errors) -> u64 {
+    const FIELD: &str = "spec.domain.memory.guest";
+    if let Some(mem) = mem {
+        errs.reject_extra("spec.domain.memory", &mem.extra);
+    }
+    let guest = match mem.and_then(|m| m.guest.as_ref()) {
+        Some(q) => match q.to_bytes() {
+            Ok(b) => Some(b),
+            Err(e) => {
+                errs.add(FIELD, e);
+                return 0;
+            }
+        },
+        None => None,
+    };
+    let Some(bytes) = guest.or(res.memory_request).or(res.memory_limit) else {
+        errs.add(
+            FIELD,
+            "guest memory is required: set spec.domain.memory.guest or spec.domain.resources.requests.memory",
+        );
+        return 0;
+    };
+    if bytes < 1 << 20 {
+        errs.add(
+            FIELD,
+            format!("{bytes} bytes is too little memory for a VM (minimum 1Mi)"),
+        );
+    }
+    if let (Some(_), Some(limit)) = (guest, res.memory_limit) {
+        if bytes > limit {
+            errs.add(FIELD, "must not be greater than resources.limits.memory");
+        }
+    }
+    bytes
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::test_support::*;
+    use super::super::DomainType;
+
+    #[test]
+    fn guest_wins_then_request_then_limit() {
+        let r = |y| run(&vmi(y), DomainType::Kvm).unwrap().resources;
+        let c = r("domain: {memory: {guest: 128Mi}, resources: {requests: {memory: 64Mi}, limits: {memory: 1Gi}}}");
+        assert_eq!(c.memory_bytes, 128 << 20);
+        assert_eq!(c.memory_limit_bytes, Some(1 << 30));
+        assert_eq!(
+            r("domain: {resources: {requests: {memory: 64Mi}}}").memory_bytes,
+            64 << 20
+        );
+        assert_eq!(
+            r("domain: {resources: {limits: {memory: 2Gi}}}").memory_bytes,
+            2 << 30
+        );
+        let x = run(
+            &vmi("domain: {resources: {requests: {memory: 1073741824}}}"),
+            DomainType::Kvm,
+        )
+        .unwrap()
+        .domain_xml;
+        assert!(x.contains("<memory unit=\"b\">1073741824</memory>"), "{x}");
+    }
+
+    #[test]
+    fn errors() {
+        let f = |y| fields(run(&vmi(y), DomainType::Kvm));
+        assert_eq!(f("domain: {}"), ["spec.domain.memory.guest"]);
+        assert_eq!(
+            f("domain: {memory: {guest: 64MB}}"),
+            ["spec.domain.memory.guest"]
+        );
+        assert_eq!(
+            f("domain: {memory: {guest: 1Ki}}"),
+            ["spec.domain.memory.guest"]
+        );
+        assert_eq!(
+            f("domain: {memory: {guest: 2Gi, hugepages: {pageSize: 2Mi}}, resources: {limits: {memory: 1Gi}}}"),
+            ["spec.domain.memory.hugepages", "spec.domain.memory.guest"]
+        );
+        assert_eq!(
+            f("domain: {resources: {requests: {memory: 2Gi, nvidia.com/gpu: 1}, limits: {memory: 1Gi}, overcommitGuestOverhead: true}}"),
+            [
+                "spec.domain.resources.overcommitGuestOverhead",
+                "spec.domain.resources.requests.nvidia.com/gpu",
+                "spec.domain.resources.requests.memory"
+            ]
+        );
+        let ok =
+            vmi("domain: {memory: {guest: 1Gi}, resources: {requests: {ephemeral-storage: 1Gi}}}");
+        assert!(run(&ok, DomainType::Kvm).is_ok());
+    }
+}

@@ -1,0 +1,381 @@
+//! VMI → libvirt domain XML, as a pure function.
+//!
+//! One small configurator per area (CPU, memory, firmware, features, clock,
+//! disks, other devices), in the spirit of KubeVirt's virt-launcher
+//! converter. The converter does no I/O: files the runtime has to create or
+//! check before defining the domain are returned as [`DiskPrep`]s.
+//!
+//! Anything in the VMI that kvirt does not implement is an error naming the
+//! field, never silently ignored: every spec type keeps unknown fields in an
+//! `extra` map, and each configurator rejects what it finds there. The only
+//! exceptions are the scheduling-only fields in [`IGNORED_SPEC_FIELDS`].
+
+mod clock;
+mod cpu;
+mod devices;
+mod disks;
+pub mod domain;
+mod features;
+mod firmware;
+mod memory;
+
+use crate::key::VmKey;
+use crate::layout::VmPaths;
+use crate::vmi::{Extra, VirtualMachineInstance};
+use std::fmt;
+use std::path::PathBuf;
+
+/// Top-level `spec` fields accepted without effect on the domain. They
+/// steer scheduling or live migration on a cluster, which a single host
+/// without pods has no use for; `hostname`/`subdomain` only reach the guest
+/// through DHCP, and there is no network yet. `architecture` is handled
+/// separately (only `amd64` is accepted).
+pub const IGNORED_SPEC_FIELDS: &[&str] = &[
+    "affinity",
+    "tolerations",
+    "topologySpreadConstraints",
+    "schedulerName",
+    "priorityClassName",
+    "evictionStrategy",
+    "hostname",
+    "subdomain",
+];
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DomainType {
+    /// Hardware virtualisation through `/dev/kvm`.
+    #[default]
+    Kvm,
+    /// TCG emulation, for hosts (and test containers) without KVM.
+    Qemu,
+}
+
+impl DomainType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Kvm => "kvm",
+            Self::Qemu => "qemu",
+        }
+    }
+}
+
+pub struct ConvertContext<'a> {
+    pub key: &'a VmKey,
+    pub paths: &'a VmPaths,
+    pub domain_type: DomainType,
+    /// hostDisk paths must lie under one of these (lexically; the runtime
+    /// re-checks the real path).
+    pub host_disk_roots: &'a [PathBuf],
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Converted {
+    pub domain_xml: String,
+    /// Files the runtime must create or check before defining the domain.
+    pub disks: Vec<DiskPrep>,
+    pub resources: Resources,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DiskPrep {
+    /// emptyDisk: a qcow2 of this virtual size in the VM's state dir.
+    CreateQcow2 {
+        volume: String,
+        path: PathBuf,
+        size_bytes: u64,
+    },
+    /// hostDisk DiskOrCreate: a sparse raw file of `capacity` if missing.
+    CreateRawIfMissing {
+        volume: String,
+        path: PathBuf,
+        size_bytes: u64,
+    },
+    /// hostDisk Disk: must exist (the runtime checks, and re-checks the
+    /// real path under the roots).
+    RequireExisting { volume: String, path: PathBuf },
+}
+
+/// What the systemd unit needs to size the VM's cgroup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Resources {
+    /// Guest RAM, without QEMU's overhead.
+    pub memory_bytes: u64,
+    pub vcpus: u32,
+    /// `resources.limits.memory`, if set.
+    pub memory_limit_bytes: Option<u64>,
+    /// `resources.requests.cpu` (defaulting to `limits.cpu`, as Kubernetes does).
+    pub cpu_request_millis: Option<u64>,
+}
+
+/// One problem with a VMI, located by its field path.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct ConvertError {
+    /// e.g. `spec.domain.devices.disks[1].lun`
+    pub field: String,
+    pub message: String,
+}
+
+/// Converts, or returns the first problem found.
+pub fn convert(
+    vmi: &VirtualMachineInstance,
+    ctx: &ConvertContext,
+) -> Result<Converted, ConvertError> {
+    convert_all_errors(vmi, ctx).map_err(|errs| {
+        errs.into_iter()
+            .next()
+            .expect("a failed conversion has at least one error")
+    })
+}
+
+/// Converts, or returns every problem found (for `kvirtctl domxml`).
+pub fn convert_all_errors(
+    vmi: &VirtualMachineInstance,
+    ctx: &ConvertContext,
+) -> Result<Converted, Vec<ConvertError>> {
+    let mut errs = Errors::default();
+    check_identity(vmi, ctx, &mut errs);
+    check_spec_fields(&vmi.spec.extra, &mut errs);
+
+    let spec = &vmi.spec;
+    let dom = &spec.domain;
+    errs.reject_extra("spec.domain", &dom.extra);
+    let res = memory::ResourceSpec::parse(dom.resources.as_ref(), &mut errs);
+    let memory_bytes = memory::guest_memory(dom.memory.as_ref(), &res, &mut errs);
+    let (cpu, vcpus) = cpu::convert(dom.cpu.as_ref(), &res, ctx.domain_type, &mut errs);
+    let (uuid, os, sysinfo) = firmware::convert(vmi, ctx.key, dom, &mut errs);
+    let features = features::convert(dom.features.as_ref(), &mut errs);
+    let clock = clock::convert(dom.clock.as_ref(), &mut errs);
+    let (disk_devs, controllers, preps) = disks::convert(spec, ctx, &mut errs);
+    let mut devices = devices::convert(spec, ctx.paths, &mut errs);
+    devices.disks = disk_devs;
+    devices.controllers = controllers;
+
+    if !errs.0.is_empty() {
+        return Err(errs.0);
+    }
+    let domain = domain::Domain {
+        type_: ctx.domain_type.as_str(),
+        name: ctx.key.domain_name(),
+        uuid,
+        metadata: domain::Metadata {
+            vm: domain::KvirtMetadata {
+                xmlns: domain::KVIRT_XMLNS,
+                uid: vmi.uid().map(str::to_owned),
+                namespace: ctx.key.namespace().to_owned(),
+                name: ctx.key.name().to_owned(),
+            },
+        },
+        memory: domain::Memory {
+            unit: "b",
+            value: memory_bytes,
+        },
+        vcpu: domain::Vcpu {
+            placement: "static",
+            count: vcpus,
+        },
+        sysinfo,
+        os,
+        features,
+        cpu,
+        clock,
+        on_poweroff: "destroy",
+        on_reboot: "restart",
+        on_crash: "destroy",
+        devices,
+    };
+    let domain_xml = domain.to_xml().map_err(|e| {
+        vec![ConvertError {
+            field: "spec".into(),
+            message: format!("cannot serialise the domain XML: {e}"),
+        }]
+    })?;
+    Ok(Converted {
+        domain_xml,
+        disks: preps,
+        resources: Resources {
+            memory_bytes,
+            vcpus,
+            memory_limit_bytes: res.memory_limit,
+            cpu_request_millis: res.cpu_request.or(res.cpu_limit),
+        },
+    })
+}
+
+/// The caller derives the key from the VMI; a mismatch would define the
+/// domain under another VM's name.
+fn check_identity(vmi: &VirtualMachineInstance, ctx: &ConvertContext, errs: &mut Errors) {
+    match vmi.key() {
+        Ok(key) if &key == ctx.key => {}
+        Ok(key) => errs.add(
+            "metadata",
+            format!("VMI is {key}, but the conversion is for {}", ctx.key),
+        ),
+        Err(e) => errs.add("metadata.name", e.to_string()),
+    }
+}
+
+fn check_spec_fields(extra: &Extra, errs: &mut Errors) {
+    for (k, v) in extra {
+        if IGNORED_SPEC_FIELDS.contains(&k.as_str()) {
+            continue;
+        }
+        if k == "architecture" {
+            if v.as_str() != Some("amd64") {
+                errs.add(
+                    "spec.architecture",
+                    format!("only amd64 is supported, not {v}"),
+                );
+            }
+            continue;
+        }
+        errs.add(format!("spec.{k}"), UNSUPPORTED);
+    }
+}
+
+const UNSUPPORTED: &str = "not supported by kvirt";
+
+/// Collects every problem so a user can fix a manifest in one pass.
+#[derive(Debug, Default)]
+pub(crate) struct Errors(Vec<ConvertError>);
+
+impl Errors {
+    fn add(&mut self, field: impl Into<String>, message: impl fmt::Display) {
+        self.0.push(ConvertError {
+            field: field.into(),
+            message: message.to_string(),
+        });
+    }
+
+    /// Every unknown field of an object is an error: it would change the VM
+    /// on a real KubeVirt, so running without it would be a lie.
+    fn reject_extra(&mut self, path: &str, extra: &Extra) {
+        for k in extra.keys() {
+            self.add(format!("{path}.{k}"), UNSUPPORTED);
+        }
+    }
+}
+
+/// Kubernetes DNS-1123 label: volume and disk names become file names and
+/// device aliases, so they must not carry anything else.
+fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::*;
+    use crate::layout::HostLayout;
+
+    pub fn vmi(spec_yaml: &str) -> VirtualMachineInstance {
+        let indented: String = spec_yaml.lines().map(|l| format!("  {l}\n")).collect();
+        VirtualMachineInstance::from_yaml(&format!(
+            "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\n\
+             metadata: {{name: vm, namespace: ns, uid: 0f2d3a9c-1111-4222-8333-444455556666}}\n\
+             spec:\n{indented}"
+        ))
+        .unwrap()
+    }
+
+    pub fn run(
+        vmi: &VirtualMachineInstance,
+        domain_type: DomainType,
+    ) -> Result<Converted, Vec<ConvertError>> {
+        let key = VmKey::new("ns", "vm").unwrap();
+        let paths = HostLayout::default().vm(&key);
+        let roots = [PathBuf::from("/srv/vms")];
+        convert_all_errors(
+            vmi,
+            &ConvertContext {
+                key: &key,
+                paths: &paths,
+                domain_type,
+                host_disk_roots: &roots,
+            },
+        )
+    }
+
+    pub const MEM: &str = "domain: {memory: {guest: 64Mi}}";
+
+    /// The fields of all errors, for compact assertions.
+    pub fn fields(r: Result<Converted, Vec<ConvertError>>) -> Vec<String> {
+        r.expect_err("expected errors")
+            .into_iter()
+            .map(|e| e.field)
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::*;
+    use super::*;
+
+    #[test]
+    fn minimal_defaults() {
+        let c = run(&vmi(MEM), DomainType::Kvm).unwrap();
+        let x = &c.domain_xml;
+        assert!(x.starts_with("<domain type=\"kvm\">"), "{x}");
+        assert!(x.contains("<name>ns_vm</name>"));
+        assert!(x.contains("<uuid>0f2d3a9c-1111-4222-8333-444455556666</uuid>"));
+        assert!(x.contains("<kvirt:uid>0f2d3a9c-1111-4222-8333-444455556666</kvirt:uid>"));
+        assert!(x.contains("<on_crash>destroy</on_crash>"));
+        assert_eq!(
+            c.resources,
+            Resources {
+                memory_bytes: 64 << 20,
+                vcpus: 1,
+                memory_limit_bytes: None,
+                cpu_request_millis: None
+            }
+        );
+        assert!(c.disks.is_empty());
+    }
+
+    #[test]
+    fn scheduling_fields_are_ignored_others_rejected() {
+        let v = vmi(&format!(
+            "{MEM}\nnodeSelector: {{a: b}}\naffinity: {{}}\ntolerations: []\narchitecture: amd64\n\
+             startStrategy: Paused\nreadinessProbe: {{}}"
+        ));
+        assert_eq!(
+            fields(run(&v, DomainType::Kvm)),
+            ["spec.readinessProbe", "spec.startStrategy"]
+        );
+        let v = vmi(&format!("{MEM}\narchitecture: arm64"));
+        assert_eq!(fields(run(&v, DomainType::Kvm)), ["spec.architecture"]);
+    }
+
+    #[test]
+    fn key_must_match() {
+        let mut v = vmi(MEM);
+        v.metadata.name = Some("other".into());
+        let e = run(&v, DomainType::Kvm).unwrap_err();
+        assert_eq!(e[0].field, "metadata");
+        assert_eq!(
+            e[0].to_string(),
+            "metadata: VMI is ns/other, but the conversion is for ns/vm"
+        );
+    }
+
+    #[test]
+    fn all_errors_are_reported() {
+        let v = vmi("domain: {cpu: {cores: 0}, foo: 1}\nnetworks: [{name: default, pod: {}}]");
+        let f = fields(run(&v, DomainType::Kvm));
+        assert_eq!(
+            f,
+            [
+                "spec.domain.foo",
+                "spec.domain.memory.guest",
+                "spec.domain.cpu.cores",
+                "spec.networks"
+            ]
+        );
+    }
+}

@@ -1,0 +1,198 @@
+//! The identity of one VM on this host, and the names derived from it.
+//!
+//! `<ns>_<name>` is KubeVirt's own domain name; `_` never occurs in a
+//! Kubernetes name, so the pair can be recovered from it. Everything that
+//! reaches a unit name, a netns name or a path goes through [`VmKey::id`],
+//! which is validated here once, so no caller has to escape again.
+
+use sha2::{Digest, Sha256};
+use std::fmt;
+
+/// Unit names are limited to 255 bytes: `kvirt-vm@` + id + `.service`.
+const MAX_ID_LEN: usize = 255 - "kvirt-vm@".len() - ".service".len();
+/// Length of the hash suffix that keeps shortened ids unique.
+const HASH_LEN: usize = 16;
+
+pub const UNIT_PREFIX: &str = "kvirt-vm@";
+pub const UNIT_SUFFIX: &str = ".service";
+pub const NETNS_PREFIX: &str = "kvirt-";
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum KeyError {
+    #[error("invalid {what} {value:?}: {reason}")]
+    Invalid {
+        what: &'static str,
+        value: String,
+        reason: &'static str,
+    },
+    #[error("{0:?} is not a kvirt VM id (<namespace>_<name>)")]
+    NotAnId(String),
+}
+
+/// Namespace and name of a VMI: the key of everything kvirtd does.
+#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct VmKey {
+    namespace: String,
+    name: String,
+}
+
+impl VmKey {
+    /// Validates both parts as Kubernetes names (RFC 1123 subdomain), which
+    /// also guarantees they are safe in unit names, netns names and paths.
+    pub fn new(namespace: &str, name: &str) -> Result<Self, KeyError> {
+        validate("namespace", namespace, 63)?;
+        validate("name", name, 253)?;
+        Ok(Self {
+            namespace: namespace.to_owned(),
+            name: name.to_owned(),
+        })
+    }
+
+    /// Parses `NS/NAME` (the CLI form) or `NS_NAME` (the domain name form).
+    pub fn parse(s: &str) -> Result<Self, KeyError> {
+        let (ns, name) = s
+            .split_once('/')
+            .or_else(|| s.split_once('_'))
+            .ok_or_else(|| KeyError::NotAnId(s.to_owned()))?;
+        Self::new(ns, name)
+    }
+
+    pub fn namespace(&self) -> &str {
+        &self.namespace
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// KubeVirt's domain name, `<ns>_<name>`, never shortened (libvirt has
+    /// no practical limit).
+    pub fn domain_name(&self) -> String {
+        format!("{}_{}", self.namespace, self.name)
+    }
+
+    /// The id used in unit, netns and directory names: the domain name, or a
+    /// deterministic shortened form with a hash when it would not fit a unit
+    /// name.
+    pub fn id(&self) -> String {
+        let full = self.domain_name();
+        if full.len() <= MAX_ID_LEN {
+            return full;
+        }
+        let digest = Sha256::digest(full.as_bytes());
+        let hash: String = digest
+            .iter()
+            .take(HASH_LEN / 2)
+            .map(|b| format!("{b:02x}"))
+            .collect();
+        // Names are ASCII, so byte slicing is on a char boundary.
+        let keep = MAX_ID_LEN - HASH_LEN - 1;
+        format!("{}-{hash}", &full[..keep])
+    }
+
+    pub fn unit_name(&self) -> String {
+        unit_name_of(&self.id())
+    }
+
+    pub fn netns_name(&self) -> String {
+        netns_name_of(&self.id())
+    }
+}
+
+/// Unit name of a VM known only by its id (found on the host).
+pub fn unit_name_of(id: &str) -> String {
+    format!("{UNIT_PREFIX}{id}{UNIT_SUFFIX}")
+}
+
+pub fn netns_name_of(id: &str) -> String {
+    format!("{NETNS_PREFIX}{id}")
+}
+
+impl fmt::Display for VmKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.namespace, self.name)
+    }
+}
+
+/// The id inside a `kvirt-vm@<id>.service` unit name, if it is one of ours.
+pub fn id_from_unit(unit: &str) -> Option<&str> {
+    unit.strip_prefix(UNIT_PREFIX)?.strip_suffix(UNIT_SUFFIX)
+}
+
+/// The id inside a `kvirt-<id>` netns name, if it is one of ours.
+pub fn id_from_netns(netns: &str) -> Option<&str> {
+    netns.strip_prefix(NETNS_PREFIX)
+}
+
+fn validate(what: &'static str, value: &str, max: usize) -> Result<(), KeyError> {
+    let err = |reason| {
+        Err(KeyError::Invalid {
+            what,
+            value: value.to_owned(),
+            reason,
+        })
+    };
+    if value.is_empty() {
+        return err("must not be empty");
+    }
+    if value.len() > max {
+        return err("too long");
+    }
+    if !value
+        .bytes()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+    {
+        return err("only lowercase letters, digits, '-' and '.' are allowed");
+    }
+    let first = value.as_bytes()[0];
+    let last = value.as_bytes()[value.len() - 1];
+    if !first.is_ascii_alphanumeric() || !last.is_ascii_alphanumeric() {
+        return err("must start and end with a letter or digit");
+    }
+    if value.split('.').any(|part| part.is_empty()) {
+        return err("must not contain empty '.' parts");
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_contract() {
+        let k = VmKey::new("default", "my-vm").unwrap();
+        assert_eq!(k.domain_name(), "default_my-vm");
+        assert_eq!(k.unit_name(), "kvirt-vm@default_my-vm.service");
+        assert_eq!(k.netns_name(), "kvirt-default_my-vm");
+        assert_eq!(k.to_string(), "default/my-vm");
+        assert_eq!(id_from_unit(&k.unit_name()), Some("default_my-vm"));
+    }
+
+    #[test]
+    fn parse_accepts_both_forms() {
+        let a = VmKey::parse("ns/vm").unwrap();
+        let b = VmKey::parse("ns_vm").unwrap();
+        assert_eq!(a, b);
+        assert!(VmKey::parse("novm").is_err());
+    }
+
+    #[test]
+    fn rejects_what_could_escape_a_path_or_unit() {
+        for bad in ["", "..", "a/b", "a_b", "A", "-a", "a-", "a..b", "a b", "a\\x2d"] {
+            assert!(VmKey::new("ns", bad).is_err(), "{bad:?} accepted");
+        }
+        assert!(VmKey::new(&"a".repeat(64), "vm").is_err());
+    }
+
+    #[test]
+    fn long_names_are_shortened_deterministically() {
+        let long = "a".repeat(253);
+        let k1 = VmKey::new("ns", &long).unwrap();
+        let k2 = VmKey::new("ns", &format!("{}b", "a".repeat(252))).unwrap();
+        assert!(k1.unit_name().len() <= 255, "{}", k1.unit_name().len());
+        assert_eq!(k1.id(), VmKey::new("ns", &long).unwrap().id());
+        assert_ne!(k1.id(), k2.id());
+        assert_eq!(k1.domain_name().len(), 256);
+    }
+}

@@ -1,0 +1,149 @@
+//! Where a VM's files live on the host. Pure: paths only, nothing touched.
+
+use crate::key::VmKey;
+use std::path::{Path, PathBuf};
+
+/// Which libvirt daemon serves a VM; decides the socket name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DaemonKind {
+    Virtqemud,
+    Libvirtd,
+}
+
+impl DaemonKind {
+    pub fn binary_name(self) -> &'static str {
+        match self {
+            Self::Virtqemud => "virtqemud",
+            Self::Libvirtd => "libvirtd",
+        }
+    }
+
+    fn socket_name(self) -> &'static str {
+        match self {
+            Self::Virtqemud => "virtqemud-sock",
+            Self::Libvirtd => "libvirt-sock",
+        }
+    }
+}
+
+/// The host-wide roots, from the config.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostLayout {
+    pub state_dir: PathBuf,
+    pub runtime_dir: PathBuf,
+    pub cache_dir: PathBuf,
+}
+
+impl Default for HostLayout {
+    fn default() -> Self {
+        Self {
+            state_dir: "/var/lib/kvirt".into(),
+            runtime_dir: "/run/kvirt".into(),
+            cache_dir: "/var/cache/kvirt".into(),
+        }
+    }
+}
+
+impl HostLayout {
+    pub fn vms_state_dir(&self) -> PathBuf {
+        self.state_dir.join("vms")
+    }
+
+    pub fn vms_runtime_dir(&self) -> PathBuf {
+        self.runtime_dir.join("vms")
+    }
+
+    /// QEMU capability cache shared by every VM's daemon: the first define on
+    /// a fresh daemon probes QEMU for ~0.5 s, later ones reuse this.
+    pub fn qemu_capabilities_dir(&self) -> PathBuf {
+        self.cache_dir.join("qemu-capabilities")
+    }
+
+    pub fn vm(&self, key: &VmKey) -> VmPaths {
+        VmPaths::new(self, &key.id())
+    }
+
+    /// Paths of a VM known only by its id (found on the host, VMI gone).
+    pub fn vm_by_id(&self, id: &str) -> VmPaths {
+        VmPaths::new(self, id)
+    }
+}
+
+/// One VM's directories and sockets.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VmPaths {
+    /// `/var/lib/kvirt/vms/<id>`: disks kvirt creates, libvirt's config.
+    pub state_dir: PathBuf,
+    /// `/run/kvirt/vms/<id>`: sockets, logs, status.
+    pub runtime_dir: PathBuf,
+}
+
+impl VmPaths {
+    fn new(host: &HostLayout, id: &str) -> Self {
+        Self {
+            state_dir: host.vms_state_dir().join(id),
+            runtime_dir: host.vms_runtime_dir().join(id),
+        }
+    }
+
+    /// The daemon's `XDG_RUNTIME_DIR`; session libvirt puts its socket under it.
+    pub fn xdg_runtime_dir(&self) -> PathBuf {
+        self.runtime_dir.join("xdg")
+    }
+
+    pub fn xdg_config_dir(&self) -> PathBuf {
+        self.state_dir.join("config")
+    }
+
+    pub fn xdg_cache_dir(&self) -> PathBuf {
+        self.state_dir.join("cache")
+    }
+
+    /// Where the shared capability cache is bound into this VM's cache.
+    pub fn capabilities_mount(&self) -> PathBuf {
+        self.xdg_cache_dir().join("libvirt/qemu/capabilities")
+    }
+
+    pub fn libvirt_socket(&self, daemon: DaemonKind) -> PathBuf {
+        self.xdg_runtime_dir()
+            .join("libvirt")
+            .join(daemon.socket_name())
+    }
+
+    pub fn libvirt_uri(&self, daemon: DaemonKind) -> String {
+        format!(
+            "qemu:///session?socket={}",
+            self.libvirt_socket(daemon).display()
+        )
+    }
+
+    pub fn serial_socket(&self) -> PathBuf {
+        self.runtime_dir.join("serial.sock")
+    }
+
+    pub fn serial_log(&self) -> PathBuf {
+        self.runtime_dir.join("console.log")
+    }
+
+    pub fn vnc_socket(&self) -> PathBuf {
+        self.runtime_dir.join("vnc.sock")
+    }
+
+    pub fn status_file(&self) -> PathBuf {
+        self.runtime_dir.join("status.json")
+    }
+
+    /// Disks kvirt creates for the VM (emptyDisk).
+    pub fn disk_dir(&self) -> PathBuf {
+        self.state_dir.join("disks")
+    }
+
+    pub fn empty_disk(&self, volume: &str) -> PathBuf {
+        self.disk_dir().join(format!("{volume}.qcow2"))
+    }
+
+    pub fn is_under(&self, path: &Path) -> bool {
+        path.starts_with(&self.state_dir) || path.starts_with(&self.runtime_dir)
+    }
+}

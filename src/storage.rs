@@ -1,0 +1,317 @@
+//! A VM's directories and disk files on the host.
+
+use crate::convert::DiskPrep;
+use crate::layout::{HostLayout, VmPaths};
+use nix::unistd::{chown, Gid, Uid};
+use std::future::Future;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    #[error("{path}: {op}: {source}")]
+    Io {
+        path: PathBuf,
+        op: &'static str,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Disk { path: PathBuf, message: String },
+    #[error("user {0:?} does not exist")]
+    NoUser(String),
+    #[error("worker thread died")]
+    Thread,
+}
+
+/// Who owns the VM's files: the unprivileged user its daemon runs as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Owner {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl Owner {
+    pub fn lookup(user: &str) -> Result<Self, StorageError> {
+        let u = nix::unistd::User::from_name(user)
+            .ok()
+            .flatten()
+            .ok_or_else(|| StorageError::NoUser(user.into()))?;
+        Ok(Self {
+            uid: u.uid.as_raw(),
+            gid: u.gid.as_raw(),
+        })
+    }
+}
+
+pub trait Storage: Send + Sync + 'static {
+    fn create_dirs(&self, paths: &VmPaths) -> impl Future<Output = Result<(), StorageError>> + Send;
+    /// Creates or checks one disk; `roots` re-checks hostDisks after symlinks.
+    fn prepare_disk(&self, disk: &DiskPrep, roots: &[PathBuf]) -> impl Future<Output = Result<(), StorageError>> + Send;
+    fn remove_dir(&self, dir: &Path) -> impl Future<Output = Result<(), StorageError>> + Send;
+    fn exists(&self, dir: &Path) -> impl Future<Output = bool> + Send;
+    /// Ids of VMs that have a state or runtime directory.
+    fn list_ids(&self) -> impl Future<Output = Vec<String>> + Send;
+}
+
+#[derive(Clone, Debug)]
+pub struct HostStorage {
+    pub host: HostLayout,
+    /// `None` keeps files owned by the caller (tests without root).
+    pub owner: Option<Owner>,
+}
+
+fn io(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> StorageError {
+    let path = path.to_owned();
+    move |source| StorageError::Io { path, op, source }
+}
+
+impl HostStorage {
+    fn own(&self, path: &Path) -> Result<(), StorageError> {
+        if let Some(o) = self.owner {
+            chown(path, Some(Uid::from_raw(o.uid)), Some(Gid::from_raw(o.gid)))
+                .map_err(|e| io(path, "chown")(e.into()))?;
+        }
+        Ok(())
+    }
+
+    fn mkdir(&self, dir: &Path, mode: u32, owned: bool) -> Result<(), StorageError> {
+        std::fs::create_dir_all(dir).map_err(io(dir, "create directory"))?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
+            .map_err(io(dir, "chmod"))?;
+        if owned {
+            self.own(dir)?;
+        }
+        Ok(())
+    }
+
+    fn create_dirs_blocking(&self, p: &VmPaths) -> Result<(), StorageError> {
+        // Parents belong to root and only let owners of a VM's own directory in.
+        for parent in [self.host.vms_state_dir(), self.host.vms_runtime_dir()] {
+            self.mkdir(&parent, 0o711, false)?;
+        }
+        self.mkdir(&self.host.qemu_capabilities_dir(), 0o700, true)?;
+        for dir in [&p.state_dir, &p.runtime_dir] {
+            self.mkdir(dir, 0o700, true)?;
+        }
+        for dir in [
+            p.xdg_runtime_dir(),
+            p.xdg_config_dir(),
+            p.xdg_cache_dir(),
+            p.capabilities_mount(),
+            p.disk_dir(),
+        ] {
+            self.mkdir(&dir, 0o700, true)?;
+        }
+        // libvirt creates these itself but as parents of the mount point above.
+        let mut d = p.capabilities_mount();
+        while d.pop() && d != p.xdg_cache_dir() {
+            self.own(&d)?;
+        }
+        Ok(())
+    }
+
+    fn prepare_disk_blocking(&self, disk: &DiskPrep, roots: &[PathBuf]) -> Result<(), StorageError> {
+        match disk {
+            DiskPrep::CreateQcow2 {
+                path, size_bytes, ..
+            } => {
+                if path.exists() {
+                    return Ok(());
+                }
+                let out = std::process::Command::new("qemu-img")
+                    .args(["create", "-q", "-f", "qcow2"])
+                    .arg(path)
+                    .arg(size_bytes.to_string())
+                    .output()
+                    .map_err(io(path, "run qemu-img"))?;
+                if !out.status.success() {
+                    return Err(StorageError::Disk {
+                        path: path.clone(),
+                        message: format!(
+                            "qemu-img create failed: {}",
+                            String::from_utf8_lossy(&out.stderr).trim()
+                        ),
+                    });
+                }
+                self.own(path)
+            }
+            DiskPrep::CreateRawIfMissing {
+                path, size_bytes, ..
+            } => {
+                check_under_roots(path, roots, true)?;
+                if !path.exists() {
+                    if let Some(parent) = path.parent() {
+                        std::fs::create_dir_all(parent).map_err(io(parent, "create directory"))?;
+                    }
+                    let f = std::fs::File::create_new(path).map_err(io(path, "create disk"))?;
+                    f.set_len(*size_bytes).map_err(io(path, "size disk"))?;
+                }
+                check_under_roots(path, roots, false)?;
+                self.own(path)
+            }
+            DiskPrep::RequireExisting { path, .. } => {
+                if !path.is_file() {
+                    return Err(StorageError::Disk {
+                        path: path.clone(),
+                        message: "hostDisk does not exist (type Disk needs an existing file)".into(),
+                    });
+                }
+                check_under_roots(path, roots, false)?;
+                self.own(path)
+            }
+        }
+    }
+}
+
+/// The converter checked the path as written; this checks where it really
+/// leads, so a symlink cannot take a hostDisk out of the allowed roots.
+fn check_under_roots(path: &Path, roots: &[PathBuf], parent_only: bool) -> Result<(), StorageError> {
+    let target = if parent_only {
+        match path.parent().map(std::fs::canonicalize) {
+            Some(Ok(p)) => p,
+            _ => return Ok(()), // parent created later, checked again then
+        }
+    } else {
+        std::fs::canonicalize(path).map_err(io(path, "resolve"))?
+    };
+    let roots: Vec<PathBuf> = roots
+        .iter()
+        .map(|r| std::fs::canonicalize(r).unwrap_or_else(|_| r.clone()))
+        .collect();
+    if roots.iter().any(|r| target.starts_with(r)) {
+        Ok(())
+    } else {
+        Err(StorageError::Disk {
+            path: path.into(),
+            message: format!(
+                "resolves to {}, outside the allowed hostDisk roots",
+                target.display()
+            ),
+        })
+    }
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, StorageError> + Send + 'static,
+) -> Result<T, StorageError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|_| StorageError::Thread)?
+}
+
+impl Storage for HostStorage {
+    async fn create_dirs(&self, paths: &VmPaths) -> Result<(), StorageError> {
+        let (this, p) = (self.clone(), paths.clone());
+        blocking(move || this.create_dirs_blocking(&p)).await
+    }
+
+    async fn prepare_disk(&self, disk: &DiskPrep, roots: &[PathBuf]) -> Result<(), StorageError> {
+        let (this, d, r) = (self.clone(), disk.clone(), roots.to_vec());
+        blocking(move || this.prepare_disk_blocking(&d, &r)).await
+    }
+
+    async fn remove_dir(&self, dir: &Path) -> Result<(), StorageError> {
+        let dir = dir.to_owned();
+        blocking(move || match std::fs::remove_dir_all(&dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&dir, "remove")(e)),
+            _ => Ok(()),
+        })
+        .await
+    }
+
+    async fn exists(&self, dir: &Path) -> bool {
+        dir.exists()
+    }
+
+    async fn list_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = [self.host.vms_state_dir(), self.host.vms_runtime_dir()]
+            .iter()
+            .filter_map(|d| std::fs::read_dir(d).ok())
+            .flatten()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .collect();
+        ids.sort();
+        ids.dedup();
+        ids
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::key::VmKey;
+
+    fn storage(root: &Path) -> HostStorage {
+        HostStorage {
+            host: HostLayout {
+                state_dir: root.join("lib"),
+                runtime_dir: root.join("run"),
+                cache_dir: root.join("cache"),
+            },
+            owner: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn creates_and_removes_a_vms_directories() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = storage(tmp.path());
+        let p = s.host.vm(&VmKey::new("ns", "vm").unwrap());
+        s.create_dirs(&p).await.unwrap();
+        assert!(p.capabilities_mount().is_dir());
+        assert!(p.xdg_runtime_dir().is_dir());
+        assert_eq!(s.list_ids().await, vec!["ns_vm".to_string()]);
+        s.remove_dir(&p.state_dir).await.unwrap();
+        s.remove_dir(&p.state_dir).await.unwrap();
+        assert!(!p.state_dir.exists());
+    }
+
+    #[tokio::test]
+    async fn host_disks_stay_under_their_roots_even_through_symlinks() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = storage(tmp.path());
+        let root = tmp.path().join("images");
+        let outside = tmp.path().join("outside");
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        std::fs::write(outside.join("secret.img"), b"x").unwrap();
+        std::os::unix::fs::symlink(outside.join("secret.img"), root.join("link.img")).unwrap();
+        let roots = vec![root.clone()];
+        let err = s
+            .prepare_disk(
+                &DiskPrep::RequireExisting {
+                    volume: "v".into(),
+                    path: root.join("link.img"),
+                },
+                &roots,
+            )
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("outside the allowed"), "{err}");
+
+        let new = root.join("sub/new.img");
+        s.prepare_disk(
+            &DiskPrep::CreateRawIfMissing {
+                volume: "v".into(),
+                path: new.clone(),
+                size_bytes: 1 << 20,
+            },
+            &roots,
+        )
+        .await
+        .unwrap();
+        assert_eq!(std::fs::metadata(&new).unwrap().len(), 1 << 20);
+
+        let missing = s
+            .prepare_disk(
+                &DiskPrep::RequireExisting {
+                    volume: "v".into(),
+                    path: root.join("none.img"),
+                },
+                &roots,
+            )
+            .await
+            .unwrap_err();
+        assert!(missing.to_string().contains("does not exist"), "{missing}");
+    }
+}

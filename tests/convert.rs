@@ -1,0 +1,199 @@
+//! Converts every VMI in `tests/fixtures/vmis/` and compares with the
+//! snapshot in `tests/snapshots/`; produced XML must pass libvirt's own
+//! schema (`virt-xml-validate`).
+//!
+//! Fixture conventions, in leading comments:
+//! - `# expect-error: FIELD` (repeatable): conversion must fail with exactly
+//!   these error fields, in order;
+//! - `# domain-type: qemu`: convert for TCG instead of KVM.
+//!
+//! Update snapshots with `INSTA_UPDATE=always cargo test --test convert`
+//! (or `cargo insta review`) and review the diff.
+
+use kvirt::convert::{convert, convert_all_errors, ConvertContext, DomainType};
+use kvirt::layout::HostLayout;
+use kvirt::vmi::VirtualMachineInstance;
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const HOST_DISK_ROOT: &str = "/srv/vms";
+
+struct Fixture {
+    name: String,
+    yaml: String,
+    expect_errors: Vec<String>,
+    domain_type: DomainType,
+}
+
+fn fixtures() -> Vec<Fixture> {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/vmis");
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(&dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|x| x == "yaml"))
+        .collect();
+    paths.sort();
+    assert!(paths.len() >= 10, "fixtures missing in {}", dir.display());
+    paths
+        .into_iter()
+        .map(|p| {
+            let yaml = std::fs::read_to_string(&p).unwrap();
+            let directive = |name: &str| -> Vec<String> {
+                yaml.lines()
+                    .filter_map(|l| l.strip_prefix(&format!("# {name}:")))
+                    .map(|v| v.trim().to_owned())
+                    .collect()
+            };
+            let domain_type = match directive("domain-type").first().map(String::as_str) {
+                None | Some("kvm") => DomainType::Kvm,
+                Some("qemu") => DomainType::Qemu,
+                Some(other) => panic!("{}: unknown domain-type {other}", p.display()),
+            };
+            Fixture {
+                name: p.file_stem().unwrap().to_string_lossy().into_owned(),
+                expect_errors: directive("expect-error"),
+                domain_type,
+                yaml,
+            }
+        })
+        .collect()
+}
+
+fn convert_fixture(
+    f: &Fixture,
+) -> Result<kvirt::convert::Converted, Vec<kvirt::convert::ConvertError>> {
+    let vmi =
+        VirtualMachineInstance::from_yaml(&f.yaml).unwrap_or_else(|e| panic!("{}: {e}", f.name));
+    let key = vmi.key().unwrap();
+    let paths = HostLayout::default().vm(&key);
+    let roots = [PathBuf::from(HOST_DISK_ROOT)];
+    let ctx = ConvertContext {
+        key: &key,
+        paths: &paths,
+        domain_type: f.domain_type,
+        host_disk_roots: &roots,
+    };
+    let all = convert_all_errors(&vmi, &ctx);
+    // `convert` must agree with `convert_all_errors` and report the first.
+    match (&all, convert(&vmi, &ctx)) {
+        (Ok(a), Ok(b)) => assert_eq!(a, &b),
+        (Err(a), Err(b)) => assert_eq!(a[0], b),
+        _ => panic!("{}: convert and convert_all_errors disagree", f.name),
+    }
+    all
+}
+
+fn snapshot(name: &str, body: &str) {
+    insta::with_settings!({
+        snapshot_path => "snapshots",
+        prepend_module_to_snapshot => false,
+        omit_expression => true,
+    }, {
+        insta::assert_snapshot!(name, body);
+    });
+}
+
+/// Runs libvirt's schema check; skipped (loudly) where libvirt-clients is
+/// not installed.
+fn validate(name: &str, xml: &str) {
+    let mut file = tempfile::Builder::new().suffix(".xml").tempfile().unwrap();
+    std::io::Write::write_all(&mut file, xml.as_bytes()).unwrap();
+    match Command::new("virt-xml-validate")
+        .arg(file.path())
+        .arg("domain")
+        .output()
+    {
+        Ok(out) => assert!(
+            out.status.success(),
+            "{name}: virt-xml-validate failed:\n{}{}\n{xml}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr),
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+            eprintln!("virt-xml-validate not installed: {name} not validated")
+        }
+        Err(e) => panic!("virt-xml-validate: {e}"),
+    }
+}
+
+#[test]
+fn fixtures_convert_as_snapshotted() {
+    for f in fixtures() {
+        let body = match convert_fixture(&f) {
+            Ok(c) => {
+                assert!(
+                    f.expect_errors.is_empty(),
+                    "{}: converted but expected {:?}",
+                    f.name,
+                    f.expect_errors
+                );
+                validate(&f.name, &c.domain_xml);
+                let mut body = format!("resources: {:?}\n", c.resources);
+                for d in &c.disks {
+                    writeln!(body, "prep: {d:?}").unwrap();
+                }
+                body.push_str("---\n");
+                body.push_str(&c.domain_xml);
+                body
+            }
+            Err(errs) => {
+                let got: Vec<&str> = errs.iter().map(|e| e.field.as_str()).collect();
+                assert_eq!(
+                    got, f.expect_errors,
+                    "{}: wrong error fields: {errs:#?}",
+                    f.name
+                );
+                errs.iter().map(|e| format!("error: {e}\n")).collect()
+            }
+        };
+        snapshot(&f.name, &body);
+    }
+}
+
+#[test]
+fn vmi_round_trips_through_json() {
+    for f in fixtures() {
+        let vmi = VirtualMachineInstance::from_yaml(&f.yaml).unwrap();
+        let mut untyped: serde_json::Value = serde_norway::from_str(&f.yaml).unwrap();
+        // `null` reads as absent and is not written back.
+        drop_nulls(&mut untyped);
+        assert_eq!(serde_json::to_value(&vmi).unwrap(), untyped, "{}", f.name);
+    }
+}
+
+fn drop_nulls(v: &mut serde_json::Value) {
+    match v {
+        serde_json::Value::Object(m) => {
+            m.retain(|_, v| !v.is_null());
+            m.values_mut().for_each(drop_nulls);
+        }
+        serde_json::Value::Array(a) => a.iter_mut().for_each(drop_nulls),
+        _ => {}
+    }
+}
+
+#[test]
+fn error_display_names_the_field() {
+    let f = fixtures()
+        .into_iter()
+        .find(|f| f.name == "bad-lun")
+        .unwrap();
+    let vmi = VirtualMachineInstance::from_yaml(&f.yaml).unwrap();
+    let key = vmi.key().unwrap();
+    let paths = HostLayout::default().vm(&key);
+    let err = convert(
+        &vmi,
+        &ConvertContext {
+            key: &key,
+            paths: &paths,
+            domain_type: DomainType::Kvm,
+            host_disk_roots: &[PathBuf::from(HOST_DISK_ROOT)],
+        },
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "spec.domain.devices.disks[0].lun: LUN (SCSI passthrough) disks are not supported"
+    );
+}
