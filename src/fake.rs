@@ -1,0 +1,299 @@
+//! Recording fakes of every external system, sharing one simulated host so
+//! tests can check what the loop did, in order, across systems.
+
+use crate::controller::{EventReason, Recorder};
+use crate::convert::DiskPrep;
+use crate::key::{self, VmKey};
+use crate::layout::VmPaths;
+use crate::libvirt::{DomainRef, Hypervisor, LibvirtError};
+use crate::netns::{Netns, NetnsError};
+use crate::plan::{DomainObs, DomainState, UnitActivity, UnitObs};
+use crate::source::{SourceError, StatusStore};
+use crate::storage::{Storage, StorageError};
+use crate::systemd::{SystemdError, Units};
+use crate::unit::{Prop, UnitSpec, ENV_GRACE, ENV_NAME, ENV_NAMESPACE, ENV_UID};
+use crate::vmi::VirtualMachineInstance;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+#[derive(Debug, Default)]
+pub struct HostState {
+    pub units: BTreeMap<String, UnitObs>,
+    pub unit_specs: BTreeMap<String, UnitSpec>,
+    pub netns: BTreeSet<String>,
+    pub dirs: BTreeSet<PathBuf>,
+    pub disks: Vec<DiskPrep>,
+    /// Domains by VM id.
+    pub domains: BTreeMap<String, DomainObs>,
+    pub statuses: BTreeMap<VmKey, VirtualMachineInstance>,
+    pub events: Vec<(VmKey, EventReason, String)>,
+    /// Every call, in order: `start kvirt-vm@ns_vm.service`, `define ns_vm`...
+    pub calls: Vec<String>,
+    /// Calls (by their recorded text prefix) that fail.
+    pub fail: BTreeSet<String>,
+    /// Whether guests power off when the ACPI button is pressed.
+    pub guests_ignore_acpi: bool,
+}
+
+#[derive(Clone, Default)]
+pub struct FakeHost(Arc<Mutex<HostState>>);
+
+impl FakeHost {
+    pub fn state(&self) -> MutexGuard<'_, HostState> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn take_calls(&self) -> Vec<String> {
+        std::mem::take(&mut self.state().calls)
+    }
+
+    /// Records a call; returns true when the test asked it to fail.
+    fn call(&self, what: String) -> bool {
+        let mut s = self.state();
+        let fail = s.fail.iter().any(|f| what.starts_with(f.as_str()));
+        s.calls.push(what);
+        fail
+    }
+
+    /// The guest powers itself off, as a real one would.
+    pub fn guest_poweroff(&self, id: &str) {
+        if let Some(d) = self.state().domains.get_mut(id) {
+            d.state = DomainState::Shutdown;
+        }
+    }
+
+    pub fn fail(&self, prefix: &str) {
+        self.state().fail.insert(prefix.into());
+    }
+}
+
+fn env_of(spec: &UnitSpec, k: &str) -> Option<String> {
+    spec.properties.iter().find_map(|p| match p {
+        Prop::Strs("Environment", env) => env
+            .iter()
+            .find_map(|e| e.strip_prefix(k)?.strip_prefix('=').map(str::to_owned)),
+        _ => None,
+    })
+}
+
+fn injected(what: &str) -> String {
+    format!("injected failure: {what}")
+}
+
+impl Units for FakeHost {
+    async fn start(&self, spec: &UnitSpec) -> Result<(), SystemdError> {
+        if self.call(format!("start {}", spec.name)) {
+            return Err(SystemdError::Job {
+                unit: spec.name.clone(),
+                verb: "start",
+                result: injected("start"),
+            });
+        }
+        let obs = UnitObs {
+            activity: UnitActivity::Active,
+            uid: env_of(spec, ENV_UID),
+            daemon: None,
+            grace: env_of(spec, ENV_GRACE)
+                .and_then(|g| g.parse().ok())
+                .map(Duration::from_secs),
+            domain_name: env_of(spec, ENV_NAMESPACE)
+                .zip(env_of(spec, ENV_NAME))
+                .map(|(a, b)| format!("{a}_{b}")),
+            result: "success".into(),
+        };
+        let mut s = self.state();
+        s.units.insert(spec.name.clone(), obs);
+        s.unit_specs.insert(spec.name.clone(), spec.clone());
+        Ok(())
+    }
+
+    async fn stop(&self, unit: &str) -> Result<(), SystemdError> {
+        if self.call(format!("stop {unit}")) {
+            return Err(SystemdError::Job {
+                unit: unit.into(),
+                verb: "stop",
+                result: injected("stop"),
+            });
+        }
+        let mut s = self.state();
+        s.units.remove(unit);
+        // Stopping the unit kills its daemon and QEMU with it.
+        if let Some(id) = key::id_from_unit(unit) {
+            s.domains.remove(id);
+        }
+        Ok(())
+    }
+
+    async fn get(&self, unit: &str) -> Result<Option<UnitObs>, SystemdError> {
+        Ok(self.state().units.get(unit).cloned())
+    }
+
+    async fn list_ids(&self) -> Result<Vec<String>, SystemdError> {
+        Ok(self
+            .state()
+            .units
+            .keys()
+            .filter_map(|u| key::id_from_unit(u).map(str::to_owned))
+            .collect())
+    }
+}
+
+impl Netns for FakeHost {
+    async fn create(&self, name: &str) -> Result<(), NetnsError> {
+        if self.call(format!("netns add {name}")) {
+            return Err(NetnsError::Loopback {
+                name: name.into(),
+                message: injected("netns"),
+            });
+        }
+        self.state().netns.insert(name.into());
+        Ok(())
+    }
+
+    async fn delete(&self, name: &str) -> Result<(), NetnsError> {
+        self.call(format!("netns del {name}"));
+        self.state().netns.remove(name);
+        Ok(())
+    }
+
+    async fn exists(&self, name: &str) -> Result<bool, NetnsError> {
+        Ok(self.state().netns.contains(name))
+    }
+
+    async fn list(&self) -> Result<Vec<String>, NetnsError> {
+        Ok(self.state().netns.iter().cloned().collect())
+    }
+}
+
+impl Hypervisor for FakeHost {
+    async fn observe(&self, d: &DomainRef) -> Result<Option<DomainObs>, LibvirtError> {
+        Ok(self.state().domains.get(&d.id).cloned())
+    }
+
+    async fn define(&self, d: &DomainRef, xml: &str) -> Result<(), LibvirtError> {
+        if self.call(format!("define {}", d.name)) {
+            return Err(LibvirtError::Call {
+                id: d.id.clone(),
+                op: "define",
+                message: injected("define"),
+            });
+        }
+        let uid = xml
+            .find(":uid>")
+            .map(|i| &xml[i + 5..])
+            .and_then(|r| r.split('<').next())
+            .map(str::to_owned);
+        self.state().domains.insert(
+            d.id.clone(),
+            DomainObs {
+                state: DomainState::Shutoff,
+                uid,
+            },
+        );
+        Ok(())
+    }
+
+    async fn start(&self, d: &DomainRef) -> Result<(), LibvirtError> {
+        if self.call(format!("start-domain {}", d.name)) {
+            return Err(LibvirtError::Call {
+                id: d.id.clone(),
+                op: "start",
+                message: injected("start"),
+            });
+        }
+        if let Some(dom) = self.state().domains.get_mut(&d.id) {
+            dom.state = DomainState::Running;
+        }
+        Ok(())
+    }
+
+    async fn shutdown(&self, d: &DomainRef) -> Result<(), LibvirtError> {
+        self.call(format!("shutdown {}", d.name));
+        let mut s = self.state();
+        let ignore = s.guests_ignore_acpi;
+        if let Some(dom) = s.domains.get_mut(&d.id).filter(|_| !ignore) {
+            dom.state = DomainState::Shutdown;
+        }
+        Ok(())
+    }
+
+    async fn destroy(&self, d: &DomainRef) -> Result<(), LibvirtError> {
+        self.call(format!("destroy {}", d.name));
+        if let Some(dom) = self.state().domains.get_mut(&d.id) {
+            dom.state = DomainState::Shutoff;
+        }
+        Ok(())
+    }
+
+    async fn forget(&self, _id: &str) {}
+}
+
+impl Storage for FakeHost {
+    async fn create_dirs(&self, paths: &VmPaths) -> Result<(), StorageError> {
+        self.call(format!("mkdir {}", paths.state_dir.display()));
+        let mut s = self.state();
+        s.dirs.insert(paths.state_dir.clone());
+        s.dirs.insert(paths.runtime_dir.clone());
+        Ok(())
+    }
+
+    async fn prepare_disk(&self, disk: &DiskPrep, _roots: &[PathBuf]) -> Result<(), StorageError> {
+        let path = match disk {
+            DiskPrep::CreateQcow2 { path, .. }
+            | DiskPrep::CreateRawIfMissing { path, .. }
+            | DiskPrep::RequireExisting { path, .. } => path.clone(),
+        };
+        if self.call(format!("disk {}", path.display())) {
+            return Err(StorageError::Disk {
+                path,
+                message: injected("disk"),
+            });
+        }
+        self.state().disks.push(disk.clone());
+        Ok(())
+    }
+
+    async fn remove_dir(&self, dir: &Path) -> Result<(), StorageError> {
+        self.call(format!("rmdir {}", dir.display()));
+        self.state().dirs.remove(dir);
+        Ok(())
+    }
+
+    async fn exists(&self, dir: &Path) -> bool {
+        self.state().dirs.contains(dir)
+    }
+
+    async fn list_ids(&self) -> Vec<String> {
+        let s = self.state();
+        let mut ids: Vec<String> = s
+            .dirs
+            .iter()
+            .filter_map(|d| d.file_name()?.to_str().map(str::to_owned))
+            .collect();
+        ids.sort();
+        ids.dedup();
+        ids
+    }
+}
+
+impl StatusStore for FakeHost {
+    async fn load(&self, key: &VmKey) -> Option<VirtualMachineInstance> {
+        self.state().statuses.get(key).cloned()
+    }
+
+    async fn save(&self, vmi: &VirtualMachineInstance) -> Result<(), SourceError> {
+        let key = vmi.key().expect("saved VMIs have keys");
+        self.state().statuses.insert(key, vmi.clone());
+        Ok(())
+    }
+}
+
+impl Recorder for FakeHost {
+    fn record(&self, key: &VmKey, reason: EventReason, message: &str, _warning: bool) {
+        self.state()
+            .events
+            .push((key.clone(), reason, message.to_owned()));
+    }
+}

@@ -79,6 +79,9 @@ impl Libvirt {
     /// every VM's domain become that VM's id on `events`.
     pub fn new(events: UnboundedSender<String>) -> Self {
         EVENT_LOOP.call_once(|| {
+            // Errors come back as values; libvirt's default handler would
+            // also print each one to stderr.
+            virt::error::clear_error_callback();
             // SAFETY: called once, before any connection is opened.
             unsafe { sys::virEventRegisterDefaultImpl() };
             std::thread::Builder::new()

@@ -445,7 +445,7 @@ mod tests {
     fn settling_unit_waits() {
         let mut obs = running_host(DomainState::Running);
         obs.unit = unit(UnitActivity::Activating, "u1");
-        let p = plan(Some(&desired(Some(Scheduled))), &obs);
+        let p = plan(Some(&desired(Some(Phase::Scheduled))), &obs);
         assert!(p.steps.is_empty());
         assert!(p.requeue);
     }

@@ -270,5 +270,8 @@ mod tests {
         assert_eq!(q[2].to_millis(), Ok(500));
         assert_eq!(serde_json::to_string(&q[0]).unwrap(), r#""1Gi""#);
         assert!("12x".parse::<Quantity>().is_err());
+        let y: Vec<Quantity> = serde_norway::from_str("[1Gi, 1024, 0.5, 1e3]").unwrap();
+        let bytes: Vec<_> = y.iter().map(|q| q.to_bytes().unwrap()).collect();
+        assert_eq!(bytes, [1 << 30, 1024, 1, 1000]);
     }
 }

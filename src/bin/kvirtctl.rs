@@ -1,1 +1,235 @@
-fn main(){}
+//! kvirtctl: look at and into the VMs kvirtd runs on this host.
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use kvirt::config::{Config, DEFAULT_PATH};
+use kvirt::convert::{self, ConvertContext, DomainType};
+use kvirt::key::VmKey;
+use kvirt::layout::HostLayout;
+use kvirt::source::read_all_status;
+use kvirt::vmi::VirtualMachineInstance;
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+
+/// Operator CLI for kvirt: list VMs, show their status, attach to their
+/// serial console, and convert VMI manifests to libvirt domain XML offline.
+#[derive(Parser)]
+#[command(version, about, long_about)]
+struct Args {
+    /// kvirtd's configuration file, for its directories.
+    #[arg(long, short, global = true, default_value = DEFAULT_PATH)]
+    config: PathBuf,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// List VMs on this host, like `kubectl get vmi`.
+    Ls,
+    /// Print one VM's VMI object with its status, as JSON.
+    Status {
+        /// NAMESPACE/NAME
+        vm: String,
+    },
+    /// Attach to a VM's serial console (detach with Ctrl-]).
+    Console {
+        /// NAMESPACE/NAME
+        vm: String,
+    },
+    /// Convert a VMI manifest (YAML or JSON) to libvirt domain XML, offline.
+    Domxml {
+        file: PathBuf,
+        /// Domain type to produce.
+        #[arg(long, value_enum, default_value = "kvm")]
+        domain_type: DomainTypeArg,
+    },
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum DomainTypeArg {
+    Kvm,
+    Qemu,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    let explicit = args.config != Path::new(DEFAULT_PATH);
+    let config = Config::load(&args.config, explicit)?;
+    let layout = config.layout();
+    match args.command {
+        Command::Ls => ls(&layout),
+        Command::Status { vm } => status(&layout, &vm),
+        Command::Console { vm } => console(&layout, &vm),
+        Command::Domxml { file, domain_type } => domxml(&config, &file, domain_type),
+    }
+}
+
+/// Kubernetes' short age form: 42s, 5m, 3h, 2d.
+fn age(created: Option<&str>) -> String {
+    let Some(t) = created.and_then(|c| c.parse::<jiff::Timestamp>().ok()) else {
+        return "<unknown>".into();
+    };
+    let secs = (jiff::Timestamp::now().as_second() - t.as_second()).max(0);
+    match secs {
+        s if s < 120 => format!("{s}s"),
+        s if s < 2 * 3600 => format!("{}m", s / 60),
+        s if s < 2 * 86400 => format!("{}h", s / 3600),
+        s => format!("{}d", s / 86400),
+    }
+}
+
+fn ls(layout: &HostLayout) -> Result<()> {
+    let rows: Vec<[String; 6]> = read_all_status(layout)
+        .iter()
+        .map(|v| {
+            let ip = v
+                .status
+                .interfaces
+                .first()
+                .and_then(|i| i.get("ipAddress"))
+                .and_then(|i| i.as_str())
+                .unwrap_or("");
+            let created = v.metadata.creation_timestamp.as_ref().map(|t| t.0.to_string());
+            [
+                v.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
+                v.metadata.name.clone().unwrap_or_default(),
+                v.status.phase.map(|p| format!("{p:?}")).unwrap_or_default(),
+                ip.to_owned(),
+                v.status.node_name.clone().unwrap_or_default(),
+                age(created.as_deref()),
+            ]
+        })
+        .collect();
+    let header = ["NAMESPACE", "NAME", "PHASE", "IP", "NODE", "AGE"].map(String::from);
+    let mut widths = header.clone().map(|h| h.len());
+    for r in &rows {
+        for (w, c) in widths.iter_mut().zip(r) {
+            *w = (*w).max(c.len());
+        }
+    }
+    let mut out = std::io::stdout().lock();
+    for r in std::iter::once(&header).chain(&rows) {
+        let line: Vec<String> = r
+            .iter()
+            .zip(widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        writeln!(out, "{}", line.join("   ").trim_end())?;
+    }
+    Ok(())
+}
+
+fn status(layout: &HostLayout, vm: &str) -> Result<()> {
+    let key = VmKey::parse(vm)?;
+    let path = layout.vm(&key).status_file();
+    let text = std::fs::read_to_string(&path)
+        .with_context(|| format!("no status for {key} ({})", path.display()))?;
+    println!("{text}");
+    Ok(())
+}
+
+fn console(layout: &HostLayout, vm: &str) -> Result<()> {
+    let key = VmKey::parse(vm)?;
+    let path = layout.vm(&key).serial_socket();
+    let stream = UnixStream::connect(&path)
+        .with_context(|| format!("connecting to {key}'s serial console at {}", path.display()))?;
+    let tty = nix::unistd::isatty(std::io::stdin()).unwrap_or(false);
+    if tty {
+        eprintln!("Connected to {key}; detach with Ctrl-]");
+    }
+    let raw = tty.then(RawTty::enter).transpose()?;
+    let mut writer = stream.try_clone()?;
+    // Input ends at EOF (the console stays attached for output) or Ctrl-].
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 1024];
+        let mut stdin = std::io::stdin().lock();
+        while let Ok(n) = stdin.read(&mut buf) {
+            if n == 0 {
+                break;
+            }
+            if let Some(i) = buf[..n].iter().position(|&b| b == 0x1d) {
+                let _ = writer.write_all(&buf[..i]);
+                let _ = writer.shutdown(std::net::Shutdown::Both);
+                break;
+            }
+            if writer.write_all(&buf[..n]).is_err() {
+                break;
+            }
+        }
+    });
+    let mut reader = stream;
+    let mut out = std::io::stdout();
+    let mut buf = [0u8; 4096];
+    loop {
+        match reader.read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                out.write_all(&buf[..n])?;
+                out.flush()?;
+            }
+        }
+    }
+    drop(raw);
+    Ok(())
+}
+
+/// Puts the terminal in raw mode for the console, restoring it on drop.
+struct RawTty(nix::sys::termios::Termios);
+
+impl RawTty {
+    fn enter() -> Result<Self> {
+        use nix::sys::termios::{cfmakeraw, tcgetattr, tcsetattr, SetArg};
+        let stdin = std::io::stdin();
+        let saved = tcgetattr(&stdin)?;
+        let mut raw = saved.clone();
+        cfmakeraw(&mut raw);
+        tcsetattr(&stdin, SetArg::TCSANOW, &raw)?;
+        Ok(Self(saved))
+    }
+}
+
+impl Drop for RawTty {
+    fn drop(&mut self) {
+        let _ = nix::sys::termios::tcsetattr(
+            std::io::stdin(),
+            nix::sys::termios::SetArg::TCSANOW,
+            &self.0,
+        );
+    }
+}
+
+fn domxml(config: &Config, file: &Path, domain_type: DomainTypeArg) -> Result<()> {
+    let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let mut vmi = if file.extension().is_some_and(|e| e == "json") {
+        VirtualMachineInstance::from_json(&text)?
+    } else {
+        VirtualMachineInstance::from_yaml(&text)?
+    };
+    vmi.metadata.uid.get_or_insert_with(|| "00000000-0000-0000-0000-000000000000".into());
+    let key = vmi.key()?;
+    let layout = config.layout();
+    let paths = layout.vm(&key);
+    let ctx = ConvertContext {
+        key: &key,
+        paths: &paths,
+        domain_type: match domain_type {
+            DomainTypeArg::Kvm => DomainType::Kvm,
+            DomainTypeArg::Qemu => DomainType::Qemu,
+        },
+        host_disk_roots: &config.storage.host_disk_roots,
+    };
+    match convert::convert_all_errors(&vmi, &ctx) {
+        Ok(c) => {
+            print!("{}", c.domain_xml);
+            Ok(())
+        }
+        Err(errors) => {
+            for e in &errors {
+                eprintln!("error: {e}");
+            }
+            bail!("{} cannot be converted ({} problems)", file.display(), errors.len())
+        }
+    }
+}

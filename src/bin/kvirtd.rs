@@ -1,1 +1,243 @@
-fn main(){}
+//! kvirtd: runs the VMIs assigned to this host, one transient systemd unit
+//! and one network namespace per VM, no pods.
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use kvirt::config::{Config, Emulation, DEFAULT_PATH};
+use kvirt::controller::{Controller, Deps, LogRecorder, Settings, Trigger};
+use kvirt::convert::DomainType;
+use kvirt::libvirt::Libvirt;
+use kvirt::netns::KernelNetns;
+use kvirt::source::{scan_dir, FileStatusStore, Snapshot};
+use kvirt::storage::{HostStorage, Owner};
+use kvirt::systemd::SystemdBus;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
+use tracing::{error, info, warn};
+
+/// Runs KubeVirt VirtualMachineInstances on this host without pods.
+///
+/// Each VM becomes a transient unit `kvirt-vm@<namespace>_<name>.service`
+/// running its own libvirt daemon, unprivileged, in the network namespace
+/// `kvirt-<namespace>_<name>`. VMIs come from a directory of manifests
+/// (`/etc/kvirt/vmis.d` by default); each VM's status is written to
+/// `/run/kvirt/vms/<namespace>_<name>/status.json`. Restarting kvirtd never
+/// stops a VM: on start it adopts what runs and cleans up what has no VMI.
+#[derive(Parser)]
+#[command(version, about, long_about)]
+struct Args {
+    /// Configuration file (TOML).
+    #[arg(long, short, default_value = DEFAULT_PATH)]
+    config: PathBuf,
+    /// Check the configuration and exit.
+    #[arg(long)]
+    check_config: bool,
+}
+
+fn main() -> Result<()> {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KVIRT_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let explicit = args.config != Path::new(DEFAULT_PATH);
+    let config = Config::load(&args.config, explicit)?;
+    if args.check_config {
+        println!("{} is valid", args.config.display());
+        return Ok(());
+    }
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?
+        .block_on(run(config))
+}
+
+fn find_binary(name: &str) -> Option<PathBuf> {
+    ["/usr/sbin", "/usr/bin", "/usr/local/sbin", "/usr/local/bin", "/sbin"]
+        .iter()
+        .map(|d| Path::new(d).join(name))
+        .find(|p| p.is_file())
+}
+
+nix::ioctl_none!(kvm_get_api_version, 0xAE, 0x00);
+
+fn kvm_usable() -> bool {
+    use std::os::fd::AsRawFd;
+    let Ok(f) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") else {
+        return false;
+    };
+    // SAFETY: KVM_GET_API_VERSION takes no argument.
+    matches!(unsafe { kvm_get_api_version(f.as_raw_fd()) }, Ok(12))
+}
+
+fn settings(config: &Config) -> Result<Settings> {
+    let daemon = config.daemon_kind(|b| find_binary(b).is_some());
+    let daemon_path = find_binary(daemon.binary_name())
+        .with_context(|| format!("the VM daemon {} is not installed", daemon.binary_name()))?;
+    let domain_type = match config.vm.emulation {
+        Emulation::Always => DomainType::Qemu,
+        Emulation::Never => DomainType::Kvm,
+        Emulation::Auto if kvm_usable() => DomainType::Kvm,
+        Emulation::Auto => DomainType::Qemu,
+    };
+    Ok(Settings {
+        node_name: config.node_name.clone(),
+        layout: config.layout(),
+        host_disk_roots: config.storage.host_disk_roots.clone(),
+        daemon,
+        daemon_path,
+        domain_type,
+        user: config.vm.user.clone(),
+        slice: config.vm.slice.clone(),
+        overhead_bytes: config.vm.overhead_mib << 20,
+        tasks_max: config.vm.tasks_max,
+        shutdown_resend: Duration::from_secs(5),
+    })
+}
+
+fn scan(dir: &Path) -> Snapshot {
+    let snap = scan_dir(dir);
+    for e in &snap.errors {
+        warn!("manifest skipped: {e}");
+    }
+    snap
+}
+
+/// inotify on the manifest directory: every change sends a fresh scan.
+fn watch_dir(dir: PathBuf, tx: UnboundedSender<Trigger>) -> Result<()> {
+    use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
+    let inotify = Inotify::init(InitFlags::IN_CLOEXEC)?;
+    inotify.add_watch(
+        &dir,
+        AddWatchFlags::IN_CREATE
+            | AddWatchFlags::IN_DELETE
+            | AddWatchFlags::IN_CLOSE_WRITE
+            | AddWatchFlags::IN_MOVED_TO
+            | AddWatchFlags::IN_MOVED_FROM
+            | AddWatchFlags::IN_MODIFY,
+    )?;
+    std::thread::Builder::new()
+        .name("manifest-watch".into())
+        .spawn(move || loop {
+            match inotify.read_events() {
+                Ok(_) => {
+                    if tx.send(Trigger::Vmis(scan(&dir).vmis)).is_err() {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    error!("watching {}: {e}", dir.display());
+                    break;
+                }
+            }
+        })?;
+    Ok(())
+}
+
+fn notify_status(ctl_counts: std::collections::BTreeMap<String, usize>) {
+    let total: usize = ctl_counts.values().sum();
+    let parts: Vec<String> = ctl_counts.iter().map(|(p, n)| format!("{n} {p}")).collect();
+    let status = if parts.is_empty() {
+        "0 VMs".to_string()
+    } else {
+        format!("{total} VMs: {}", parts.join(", "))
+    };
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&status)]);
+}
+
+async fn run(config: Config) -> Result<()> {
+    let settings = settings(&config)?;
+    let owner = Owner::lookup(&config.vm.user).with_context(|| {
+        format!(
+            "the VM user {:?} must exist (installed by kvirt's sysusers.d file)",
+            config.vm.user
+        )
+    })?;
+    info!(
+        node = %settings.node_name,
+        daemon = ?settings.daemon,
+        domain_type = settings.domain_type.as_str(),
+        manifests = %config.source.directory.display(),
+        "starting"
+    );
+    std::fs::create_dir_all(&config.source.directory)
+        .with_context(|| format!("creating {}", config.source.directory.display()))?;
+
+    let (tx, rx) = unbounded_channel::<Trigger>();
+    // Domain events and unit changes name a VM id; both just wake it.
+    let (lv_tx, lv_rx) = unbounded_channel::<String>();
+    let (unit_tx, unit_rx) = unbounded_channel::<String>();
+    for mut from in [lv_rx, unit_rx] {
+        let to = tx.clone();
+        tokio::spawn(async move {
+            while let Some(id) = from.recv().await {
+                if to.send(Trigger::Vm(id)).is_err() {
+                    break;
+                }
+            }
+        });
+    }
+
+    let systemd = SystemdBus::connect().await.context("connecting to systemd over D-Bus")?;
+    systemd.watch(unit_tx).await.context("watching units")?;
+    let deps = Deps {
+        units: systemd,
+        netns: KernelNetns::default(),
+        hypervisor: Libvirt::new(lv_tx),
+        storage: HostStorage {
+            host: settings.layout.clone(),
+            owner: Some(owner),
+        },
+        status: FileStatusStore {
+            host: settings.layout.clone(),
+        },
+        recorder: LogRecorder,
+    };
+    let ctl = Controller::new(deps, settings);
+
+    // Adoption before serving: every VM the host has is matched or cleaned.
+    let dir = config.source.directory.clone();
+    ctl.set_vmis(scan(&dir).vmis).await;
+    for (id, e) in ctl.reconcile_all().await {
+        warn!(vm = %id, "first pass: {e}");
+    }
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
+    notify_status(ctl.phase_counts());
+    info!("ready");
+
+    watch_dir(dir.clone(), tx.clone())?;
+    let resync = Duration::from_secs(config.source.resync_seconds);
+    let (ticker_tx, ticker_ctl) = (tx.clone(), ctl.clone());
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(resync);
+        tick.tick().await;
+        loop {
+            tick.tick().await;
+            let _ = ticker_tx.send(Trigger::Vmis(scan(&dir).vmis));
+            let _ = ticker_tx.send(Trigger::Resync);
+            notify_status(ticker_ctl.phase_counts());
+        }
+    });
+    let status_ctl = ctl.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(2));
+        loop {
+            tick.tick().await;
+            notify_status(status_ctl.phase_counts());
+        }
+    });
+
+    let loop_task = tokio::spawn(ctl.run(tx.clone(), rx));
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = term.recv() => info!("SIGTERM: exiting; VMs keep running"),
+        _ = tokio::signal::ctrl_c() => info!("interrupted: exiting; VMs keep running"),
+        r = loop_task => r.context("controller loop")?,
+    }
+    let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+    Ok(())
+}

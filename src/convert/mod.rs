@@ -8,7 +8,9 @@
 //! Anything in the VMI that kvirt does not implement is an error naming the
 //! field, never silently ignored: every spec type keeps unknown fields in an
 //! `extra` map, and each configurator rejects what it finds there. The only
-//! exceptions are the scheduling-only fields in [`IGNORED_SPEC_FIELDS`].
+//! exceptions are the scheduling-only fields in [`IGNORED_SPEC_FIELDS`],
+//! `ephemeral-storage` resources, and `hostDisk.shared` (a migration hint).
+//! `metadata` labels and annotations are not interpreted.
 
 mod clock;
 mod cpu;
