@@ -1,0 +1,286 @@
+//! The loop on the recording fakes: the API conversation with the host,
+//! without root.
+
+use kvirt::controller::{Controller, Deps, EventReason, Settings, Trigger};
+use kvirt::convert::DomainType;
+use kvirt::fake::FakeHost;
+use kvirt::key::VmKey;
+use kvirt::layout::{DaemonKind, HostLayout};
+use kvirt::plan::DomainState;
+use kvirt::vmi::{Phase, VirtualMachineInstance};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+type Ctl = Controller<FakeHost, FakeHost, FakeHost, FakeHost, FakeHost, FakeHost>;
+
+fn settings() -> Settings {
+    Settings {
+        node_name: "node-1".into(),
+        layout: HostLayout::default(),
+        host_disk_roots: vec!["/var/lib/kvirt/images".into()],
+        daemon: DaemonKind::Virtqemud,
+        daemon_path: "/usr/sbin/virtqemud".into(),
+        domain_type: DomainType::Qemu,
+        user: "kvirt".into(),
+        slice: "machine-kvirt.slice".into(),
+        overhead_bytes: 256 << 20,
+        tasks_max: 1024,
+        shutdown_resend: Duration::from_secs(5),
+    }
+}
+
+fn controller(host: &FakeHost) -> Arc<Ctl> {
+    Controller::new(
+        Deps {
+            units: host.clone(),
+            netns: host.clone(),
+            hypervisor: host.clone(),
+            storage: host.clone(),
+            status: host.clone(),
+            recorder: host.clone(),
+        },
+        settings(),
+    )
+}
+
+fn vmi(name: &str, uid: &str, extra_spec: &str) -> VirtualMachineInstance {
+    VirtualMachineInstance::from_yaml(&format!(
+        "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata:\n  name: {name}\n  namespace: default\n  uid: {uid}\nspec:\n  terminationGracePeriodSeconds: 2\n  domain:\n    memory: {{guest: 64Mi}}\n    devices: {{}}\n{extra_spec}"
+    ))
+    .unwrap()
+}
+
+fn set(vmis: &[VirtualMachineInstance]) -> BTreeMap<VmKey, VirtualMachineInstance> {
+    vmis.iter().map(|v| (v.key().unwrap(), v.clone())).collect()
+}
+
+fn phase(host: &FakeHost, name: &str) -> Option<Phase> {
+    host.state()
+        .statuses
+        .get(&VmKey::new("default", name).unwrap())
+        .and_then(|v| v.status.phase)
+}
+
+fn reasons(host: &FakeHost) -> Vec<EventReason> {
+    host.state().events.iter().map(|e| e.1).collect()
+}
+
+#[tokio::test]
+async fn a_new_vmi_becomes_a_running_vm_in_order() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    let changed = ctl.set_vmis(set(&[vmi("vm1", "u1", "")])).await;
+    assert_eq!(changed, vec!["default_vm1".to_string()]);
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert_eq!(
+        host.take_calls(),
+        vec![
+            "mkdir /var/lib/kvirt/vms/default_vm1",
+            "netns add kvirt-default_vm1",
+            "start kvirt-vm@default_vm1.service",
+            "define default_vm1",
+            "start-domain default_vm1",
+        ]
+    );
+    let st = host.state().statuses[&VmKey::new("default", "vm1").unwrap()].clone();
+    assert_eq!(st.status.phase, Some(Phase::Running));
+    assert_eq!(st.status.node_name.as_deref(), Some("node-1"));
+    let phases: Vec<Phase> = st.status.phase_transition_timestamps.iter().map(|p| p.phase).collect();
+    assert_eq!(phases, vec![Phase::Scheduled, Phase::Running]);
+    assert_eq!(reasons(&host), vec![EventReason::Created, EventReason::Started]);
+    assert_eq!(host.state().domains["default_vm1"].uid.as_deref(), Some("u1"));
+
+    // Level-triggered: a second pass with nothing changed does nothing.
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert!(host.take_calls().is_empty());
+}
+
+#[tokio::test]
+async fn a_restarted_daemon_adopts_without_touching_the_vm() {
+    let host = FakeHost::default();
+    let first = controller(&host);
+    first.set_vmis(set(&[vmi("vm1", "u1", "")])).await;
+    first.reconcile("default_vm1").await.unwrap();
+    let before = host.state().statuses.clone();
+    let events = host.state().events.len();
+    host.take_calls();
+    drop(first);
+
+    let second = controller(&host);
+    second.set_vmis(set(&[vmi("vm1", "u1", "")])).await;
+    let errors = second.reconcile_all().await;
+    assert!(errors.is_empty(), "{errors:?}");
+    assert!(host.take_calls().is_empty(), "adoption must not act");
+    assert_eq!(host.state().statuses, before, "no status flapping");
+    assert_eq!(host.state().events.len(), events, "no duplicate events");
+}
+
+#[tokio::test]
+async fn guest_poweroff_is_succeeded_and_the_unit_is_collected() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    ctl.set_vmis(set(&[vmi("vm1", "u1", "")])).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    host.take_calls();
+    host.guest_poweroff("default_vm1");
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Succeeded));
+    assert_eq!(
+        host.take_calls(),
+        vec![
+            "stop kvirt-vm@default_vm1.service",
+            "netns del kvirt-default_vm1",
+            "rmdir /var/lib/kvirt/vms/default_vm1",
+        ]
+    );
+    assert!(host.state().units.is_empty());
+    // Final is final: nothing restarts it.
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert!(host.take_calls().is_empty());
+    assert_eq!(reasons(&host).last(), Some(&EventReason::Stopped));
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_removed_vmi_is_shut_down_gracefully_then_destroyed() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    ctl.set_vmis(set(&[vmi("vm1", "u1", "")])).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    host.take_calls();
+    host.state().guests_ignore_acpi = true;
+
+    let changed = ctl.set_vmis(BTreeMap::new()).await;
+    assert_eq!(changed, vec!["default_vm1".to_string()]);
+    let started = tokio::time::Instant::now();
+    ctl.reconcile("default_vm1").await.unwrap();
+    let took = started.elapsed();
+    let calls = host.take_calls();
+    assert_eq!(calls.first().map(String::as_str), Some("shutdown default_vm1"));
+    assert!(calls.contains(&"destroy default_vm1".to_string()), "{calls:?}");
+    assert_eq!(
+        calls[calls.len() - 4..],
+        [
+            "stop kvirt-vm@default_vm1.service",
+            "netns del kvirt-default_vm1",
+            "rmdir /var/lib/kvirt/vms/default_vm1",
+            "rmdir /run/kvirt/vms/default_vm1",
+        ]
+    );
+    // The grace period (2 s, from the unit) was honoured, not more.
+    assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(3), "{took:?}");
+    assert!(host.state().netns.is_empty() && host.state().dirs.is_empty());
+}
+
+#[tokio::test]
+async fn a_cooperative_guest_is_not_destroyed() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    ctl.set_vmis(set(&[vmi("vm1", "u1", "")])).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    host.take_calls();
+    ctl.set_vmis(BTreeMap::new()).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    let calls = host.take_calls();
+    assert_eq!(calls[0], "shutdown default_vm1");
+    assert!(!calls.iter().any(|c| c.starts_with("destroy")), "{calls:?}");
+}
+
+#[tokio::test]
+async fn an_invalid_vmi_fails_alone_and_touches_nothing() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    let bad = vmi(
+        "bad",
+        "u2",
+        "  volumes:\n  - name: d\n    hostDisk: {path: /etc/shadow, type: Disk}\n",
+    );
+    let bad = {
+        let mut b = bad;
+        b.spec.domain.devices.disks = serde_json::from_str(r#"[{"name":"d","disk":{"bus":"virtio"}}]"#).unwrap();
+        b
+    };
+    ctl.set_vmis(set(&[bad, vmi("good", "u3", "")])).await;
+    assert!(ctl.reconcile_all().await.is_empty());
+
+    let st = host.state().statuses[&VmKey::new("default", "bad").unwrap()].clone();
+    assert_eq!(st.status.phase, Some(Phase::Failed));
+    let sync = st.status.conditions.iter().find(|c| c.type_ == "Synchronized").unwrap();
+    assert_eq!(sync.status, "False");
+    assert!(sync.message.as_deref().unwrap().contains("spec.volumes[0].hostDisk.path"), "{sync:?}");
+    assert!(host.state().events.iter().any(|e| e.0.name() == "bad" && e.1 == EventReason::SyncFailed));
+    assert!(!host.take_calls().iter().any(|c| c.contains("bad")));
+    assert_eq!(phase(&host, "good"), Some(Phase::Running));
+}
+
+#[tokio::test]
+async fn a_failed_start_rolls_back_and_reports_why() {
+    let host = FakeHost::default();
+    host.fail("define");
+    let ctl = controller(&host);
+    ctl.set_vmis(set(&[vmi("vm1", "u1", "")])).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    let st = host.state().statuses[&VmKey::new("default", "vm1").unwrap()].clone();
+    assert_eq!(st.status.phase, Some(Phase::Failed));
+    assert!(st.status.reason.as_deref().unwrap().contains("cannot start"), "{:?}", st.status.reason);
+    let s = host.state();
+    assert!(s.units.is_empty(), "unit left: {:?}", s.units);
+    assert!(s.netns.is_empty());
+    assert!(!s.dirs.contains(std::path::Path::new("/var/lib/kvirt/vms/default_vm1")));
+    // The status stays readable.
+    assert!(s.dirs.contains(std::path::Path::new("/run/kvirt/vms/default_vm1")));
+}
+
+#[tokio::test]
+async fn leftovers_without_a_vmi_are_cleaned_up_on_start() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    ctl.set_vmis(set(&[vmi("orphan", "u9", "")])).await;
+    ctl.reconcile("default_orphan").await.unwrap();
+    host.take_calls();
+
+    let restarted = controller(&host);
+    restarted.set_vmis(BTreeMap::new()).await;
+    assert!(restarted.reconcile_all().await.is_empty());
+    let s = host.state();
+    assert!(s.units.is_empty() && s.netns.is_empty() && s.dirs.is_empty());
+}
+
+#[tokio::test]
+async fn a_replaced_manifest_replaces_the_vm() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    ctl.set_vmis(set(&[vmi("vm1", "old", "")])).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    ctl.set_vmis(set(&[vmi("vm1", "new", "")])).await;
+    let r = ctl.reconcile("default_vm1").await.unwrap();
+    assert!(r.requeue_after.is_some());
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert_eq!(host.state().domains["default_vm1"].uid.as_deref(), Some("new"));
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
+}
+
+#[tokio::test]
+async fn the_loop_runs_vms_from_triggers() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let task = tokio::spawn(ctl.clone().run(tx.clone(), rx));
+    tx.send(Trigger::Vmis(set(&[vmi("a", "ua", ""), vmi("b", "ub", "")]))).unwrap();
+    wait_for(|| phase(&host, "a") == Some(Phase::Running) && phase(&host, "b") == Some(Phase::Running)).await;
+
+    host.guest_poweroff("default_a");
+    tx.send(Trigger::Vm("default_a".into())).unwrap();
+    wait_for(|| phase(&host, "a") == Some(Phase::Succeeded)).await;
+    assert_eq!(host.state().domains["default_b"].state, DomainState::Running);
+    drop(tx);
+    task.abort();
+}
+
+async fn wait_for(cond: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !cond() {
+        assert!(tokio::time::Instant::now() < deadline, "condition not met in time");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
