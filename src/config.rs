@@ -261,3 +261,16 @@ mod tests {
         assert_eq!(c.daemon_kind(|_| false), DaemonKind::Libvirtd);
     }
 }
+
+#[cfg(test)]
+mod shipped {
+    use super::*;
+
+    #[test]
+    fn the_shipped_config_is_the_defaults() {
+        let text = include_str!("../systemd/kvirtd.toml");
+        let parsed = Config::parse(text, Path::new("systemd/kvirtd.toml")).unwrap();
+        let defaults = Config::parse("", Path::new("x")).unwrap();
+        assert_eq!(parsed, defaults);
+    }
+}

@@ -1,0 +1,345 @@
+//! Tier 3: kvirtd on a booted systemd test host (see tests/testhost/), with
+//! real systemd, libvirt, QEMU (TCG) and kernel namespaces. Run by
+//! `tests/run-all`, which boots the host and sets `KVIRT_TESTHOST_PID`;
+//! without it these tests say so and pass vacuously (`cargo test` alone).
+//!
+//! The tests share one host and one kvirtd, so they run one at a time.
+
+use std::process::{Command, Output};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+static SERIAL: Mutex<()> = Mutex::new(());
+
+struct Host {
+    pid: String,
+}
+
+fn host() -> Option<Host> {
+    match std::env::var("KVIRT_TESTHOST_PID") {
+        Ok(pid) if !pid.is_empty() => Some(Host { pid }),
+        _ => {
+            eprintln!("skipped: no test host (run tests/run-all)");
+            None
+        }
+    }
+}
+
+impl Host {
+    /// Runs a shell snippet inside the host as a real service (the
+    /// container's own capabilities, not ours).
+    fn sh(&self, script: &str) -> Output {
+        Command::new("nsenter")
+            .args(["-t", &self.pid, "-a"])
+            .args(["systemd-run", "--wait", "--pipe", "--quiet", "--collect"])
+            .args(["--", "/bin/bash", "-euo", "pipefail", "-c", script])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("nsenter runs")
+    }
+
+    /// Runs it and returns stdout, failing the test with everything on error.
+    fn ok(&self, script: &str) -> String {
+        let out = self.sh(script);
+        assert!(
+            out.status.success(),
+            "in test host: {script}\nexit: {:?}\nstdout: {}\nstderr: {}",
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+
+    fn succeeds(&self, script: &str) -> bool {
+        self.sh(script).status.success()
+    }
+
+    /// Polls `script` until it succeeds; on timeout fails with `what` and
+    /// what kvirtd and the VMs were doing.
+    fn wait(&self, what: &str, timeout: Duration, script: &str) {
+        let deadline = Instant::now() + timeout;
+        while !self.succeeds(script) {
+            if Instant::now() > deadline {
+                let log = self.sh(
+                    "journalctl -u kvirtd --no-pager -n 60
+                     systemctl list-units 'kvirt-vm@*' --all --no-pager
+                     journalctl -u 'kvirt-vm@*' --no-pager -n 40
+                     tail -n 20 /run/kvirt/vms/*/console.log || true",
+                );
+                panic!(
+                    "timed out after {timeout:?} waiting for: {what}\n{}",
+                    String::from_utf8_lossy(&log.stdout)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    }
+
+    /// A Python expression over the VM's status file `d`.
+    fn field(&self, vm: &str, expr: &str) -> String {
+        self.ok(&format!(
+            "python3 -c 'import json; d=json.load(open(\"/run/kvirt/vms/default_{vm}/status.json\")); print({expr})'"
+        ))
+    }
+
+    fn wait_phase(&self, vm: &str, phase: &str, timeout: Duration) {
+        self.wait(
+            &format!("{vm} phase {phase}"),
+            timeout,
+            &format!("grep -q '\"phase\": \"{phase}\"' /run/kvirt/vms/default_{vm}/status.json"),
+        );
+    }
+
+    /// A VMI booting a copy of one of the test guest disks, dropped into the
+    /// manifest directory atomically (as an editor or config tool would).
+    fn create_vm(&self, vm: &str, disk: &str) {
+        let manifest = format!(
+            "apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata:
+  name: {vm}
+  namespace: default
+spec:
+  terminationGracePeriodSeconds: 20
+  domain:
+    cpu: {{cores: 1}}
+    memory: {{guest: 128Mi}}
+    devices:
+      disks:
+      - name: boot
+        disk: {{bus: virtio}}
+  volumes:
+  - name: boot
+    hostDisk: {{path: /var/lib/kvirt/images/{vm}.raw, type: Disk}}
+"
+        );
+        self.put_manifest(vm, disk, &manifest);
+    }
+
+    fn put_manifest(&self, vm: &str, disk: &str, manifest: &str) {
+        if !disk.is_empty() {
+            self.ok(&format!("cp /srv/guest/{disk}.raw /var/lib/kvirt/images/{vm}.raw"));
+        }
+        self.ok(&format!(
+            "cat > /etc/kvirt/vmis.d/.{vm}.tmp <<'MANIFEST'\n{manifest}MANIFEST\nmv /etc/kvirt/vmis.d/.{vm}.tmp /etc/kvirt/vmis.d/{vm}.yaml"
+        ));
+    }
+
+    fn qemu_pid(&self, vm: &str) -> String {
+        self.ok(&format!("pgrep -f 'qemu-system.*guest=default_{vm},' | head -n1"))
+    }
+
+    fn remove_vm_and_wait_gone(&self, vm: &str) {
+        self.ok(&format!("rm -f /etc/kvirt/vmis.d/{vm}.yaml"));
+        self.wait_gone(vm);
+        self.ok(&format!("rm -f /var/lib/kvirt/images/{vm}.raw"));
+    }
+
+    fn wait_gone(&self, vm: &str) {
+        self.wait(
+            &format!("everything of {vm} removed"),
+            Duration::from_secs(40),
+            &format!(
+                "[ \"$(systemctl show -p LoadState --value kvirt-vm@default_{vm}.service)\" = not-found ]
+                 ! ip netns list | grep -qw 'kvirt-default_{vm}'
+                 [ ! -e /run/netns/kvirt-default_{vm} ]
+                 [ ! -e /var/lib/kvirt/vms/default_{vm} ] && [ ! -e /run/kvirt/vms/default_{vm} ]
+                 ! pgrep -f 'guest=default_{vm},'"
+            ),
+        );
+    }
+
+    fn console_shows(&self, vm: &str, marker: &str) {
+        self.wait(
+            &format!("{marker} on {vm}'s serial socket"),
+            Duration::from_secs(60),
+            &format!("timeout 5 kvirtctl console default/{vm} </dev/null | grep -q -m1 {marker}"),
+        );
+    }
+
+    fn restart_kvirtd(&self) {
+        self.ok("systemctl restart kvirtd");
+        self.wait("kvirtd active", Duration::from_secs(30), "systemctl is-active -q kvirtd");
+    }
+}
+
+const BOOT: Duration = Duration::from_secs(90);
+
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[test]
+fn a_manifest_becomes_a_running_vm_that_survives_kvirtd_restarts() {
+    let Some(h) = host() else { return };
+    let _g = serial();
+    h.create_vm("alpha", "run");
+    h.wait_phase("alpha", "Running", BOOT);
+
+    // The unit is active and is the VM's: its daemon and QEMU in its cgroup.
+    h.ok("systemctl is-active kvirt-vm@default_alpha");
+    let status = h.ok("systemctl status --no-pager --lines=0 kvirt-vm@default_alpha || true");
+    assert!(status.contains("qemu-system"), "{status}");
+    assert!(status.contains("machine-kvirt.slice"), "{status}");
+    let pid = h.qemu_pid("alpha");
+    let cgroup = h.ok(&format!("cat /proc/{pid}/cgroup"));
+    assert!(cgroup.contains("kvirt-vm@default_alpha.service"), "{cgroup}");
+    // QEMU runs in the VM's own network namespace, as the unprivileged user.
+    h.ok(&format!(
+        "[ \"$(stat -L -c %i /run/netns/kvirt-default_alpha)\" = \"$(stat -L -c %i /proc/{pid}/ns/net)\" ]"
+    ));
+    assert_eq!(h.ok(&format!("ps -o user= -p {pid}")), "kvirt");
+    h.console_shows("alpha", "KVIRT-GUEST");
+    let node = h.ok("hostname");
+    assert_eq!(h.field("alpha", "d['status']['nodeName']"), node);
+    let ls = h.ok("kvirtctl ls");
+    assert!(
+        ls.lines()
+            .any(|l| l.contains("alpha") && l.contains("Running") && l.contains(&node)),
+        "{ls}"
+    );
+    let transitions = h.field("alpha", "d['status']['phaseTransitionTimestamps']");
+
+    // Restarted, then killed: the VM never notices.
+    h.restart_kvirtd();
+    assert_eq!(h.qemu_pid("alpha"), pid);
+    let main_pid = h.ok("systemctl show -p MainPID --value kvirtd");
+    h.ok("systemctl kill -s KILL kvirtd");
+    h.wait(
+        "kvirtd restarted by systemd after SIGKILL",
+        Duration::from_secs(30),
+        &format!(
+            "systemctl is-active -q kvirtd && [ \"$(systemctl show -p MainPID --value kvirtd)\" != {main_pid} ]"
+        ),
+    );
+    assert_eq!(h.qemu_pid("alpha"), pid, "the VM was restarted");
+    assert_eq!(h.field("alpha", "d['status']['phase']"), "Running");
+    assert_eq!(
+        h.field("alpha", "d['status']['phaseTransitionTimestamps']"),
+        transitions,
+        "status flapped"
+    );
+    h.console_shows("alpha", "KVIRT-GUEST-ALIVE");
+
+    h.remove_vm_and_wait_gone("alpha");
+}
+
+#[test]
+fn a_guest_powering_off_is_succeeded_and_its_unit_collected() {
+    let Some(h) = host() else { return };
+    let _g = serial();
+    h.create_vm("bravo", "poweroff");
+    h.wait_phase("bravo", "Succeeded", BOOT);
+    h.wait(
+        "unit collected",
+        Duration::from_secs(20),
+        "[ \"$(systemctl show -p LoadState --value kvirt-vm@default_bravo.service)\" = not-found ]",
+    );
+    h.ok("[ ! -e /run/netns/kvirt-default_bravo ]");
+    let log = h.ok("cat /run/kvirt/vms/default_bravo/console.log");
+    assert!(log.contains("KVIRT-GUEST-POWEROFF"), "{log}");
+    // Final stays final: no restart on a kvirtd restart.
+    h.restart_kvirtd();
+    assert_eq!(h.field("bravo", "d['status']['phase']"), "Succeeded");
+    h.ok("! systemctl is-active -q kvirt-vm@default_bravo");
+    h.remove_vm_and_wait_gone("bravo");
+}
+
+#[test]
+fn a_removed_manifest_shuts_the_vm_down_within_its_grace_period() {
+    let Some(h) = host() else { return };
+    let _g = serial();
+    h.create_vm("charlie", "run");
+    h.wait_phase("charlie", "Running", BOOT);
+    h.console_shows("charlie", "KVIRT-GUEST-READY");
+    let started = Instant::now();
+    h.ok("rm /etc/kvirt/vmis.d/charlie.yaml");
+    h.wait_gone("charlie");
+    // Grace is 20 s; allow for the unit's stop and polling.
+    assert!(
+        started.elapsed() < Duration::from_secs(35),
+        "{:?}",
+        started.elapsed()
+    );
+    h.ok("rm -f /var/lib/kvirt/images/charlie.raw");
+}
+
+#[test]
+fn bad_vmis_fail_clearly_while_others_run() {
+    let Some(h) = host() else { return };
+    let _g = serial();
+    h.create_vm("delta", "run");
+    h.put_manifest(
+        "bad-field",
+        "",
+        "apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: bad-field}
+spec:
+  domain:
+    memory: {guest: 64Mi}
+    devices: {}
+    launchSecurity: {}
+",
+    );
+    h.put_manifest(
+        "bad-disk",
+        "",
+        "apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: bad-disk}
+spec:
+  domain:
+    memory: {guest: 64Mi}
+    devices:
+      disks: [{name: d, disk: {bus: virtio}}]
+  volumes:
+  - name: d
+    hostDisk: {path: /etc/shadow, type: Disk}
+",
+    );
+    h.wait_phase("bad-field", "Failed", Duration::from_secs(30));
+    h.wait_phase("bad-disk", "Failed", Duration::from_secs(30));
+    let sync = |vm: &str| {
+        h.field(
+            vm,
+            "[c for c in d['status']['conditions'] if c['type']=='Synchronized'][0]",
+        )
+    };
+    let s = sync("bad-field");
+    assert!(
+        s.contains("'status': 'False'") && s.contains("spec.domain.launchSecurity"),
+        "{s}"
+    );
+    let s = sync("bad-disk");
+    assert!(
+        s.contains("'status': 'False'") && s.contains("spec.volumes[0].hostDisk.path"),
+        "{s}"
+    );
+    // Nothing of them reached the host.
+    h.ok("[ \"$(systemctl show -p LoadState --value kvirt-vm@default_bad-field.service)\" = not-found ]");
+    h.ok("[ ! -e /run/netns/kvirt-default_bad-disk ]");
+    h.wait_phase("delta", "Running", BOOT);
+    h.ok("rm /etc/kvirt/vmis.d/bad-field.yaml /etc/kvirt/vmis.d/bad-disk.yaml");
+    h.wait_gone("bad-field");
+    h.wait_gone("bad-disk");
+    h.remove_vm_and_wait_gone("delta");
+}
+
+#[test]
+fn libvirtd_works_as_the_vms_daemon_too() {
+    let Some(h) = host() else { return };
+    let _g = serial();
+    h.ok("sed -i 's/^daemon = .*/daemon = \"libvirtd\"/' /etc/kvirt/kvirtd.toml && grep -q 'daemon = \"libvirtd\"' /etc/kvirt/kvirtd.toml");
+    h.restart_kvirtd();
+    h.create_vm("echo", "run");
+    h.wait_phase("echo", "Running", BOOT);
+    let exec = h.ok("systemctl show -p ExecStart --value kvirt-vm@default_echo");
+    assert!(exec.contains("/libvirtd"), "{exec}");
+    h.ok("[ -S /run/kvirt/vms/default_echo/xdg/libvirt/libvirt-sock ]");
+    h.console_shows("echo", "KVIRT-GUEST");
+    h.remove_vm_and_wait_gone("echo");
+    h.ok("sed -i 's/^daemon = .*/daemon = \"virtqemud\"/' /etc/kvirt/kvirtd.toml");
+    h.restart_kvirtd();
+}
