@@ -23,7 +23,7 @@ pub enum ConfigError {
     Invalid { path: PathBuf, message: String },
 }
 
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     /// This host's node name (`status.nodeName`); the hostname when empty.
@@ -89,18 +89,6 @@ pub struct VmConfig {
 pub struct StorageConfig {
     /// hostDisk paths must lie under one of these.
     pub host_disk_roots: Vec<PathBuf>,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Self {
-            node_name: String::new(),
-            source: SourceConfig::default(),
-            paths: PathsConfig::default(),
-            vm: VmConfig::default(),
-            storage: StorageConfig::default(),
-        }
-    }
 }
 
 impl Default for SourceConfig {

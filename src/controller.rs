@@ -173,7 +173,11 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
             .filter(|(id, v)| vmis.get(*id).map(|o| o.uid()) != Some(v.uid()))
             .map(|(id, _)| id.clone())
             .collect();
-        changed.extend(vmis.keys().filter(|id| !incoming.contains_key(*id)).cloned());
+        changed.extend(
+            vmis.keys()
+                .filter(|id| !incoming.contains_key(*id))
+                .cloned(),
+        );
         *vmis = incoming;
         changed.sort();
         changed
@@ -187,7 +191,10 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
             Err(e) => warn!("listing units: {e}"),
         }
         match self.deps.netns.list().await {
-            Ok(n) => ids.extend(n.iter().filter_map(|n| key::id_from_netns(n).map(str::to_owned))),
+            Ok(n) => ids.extend(
+                n.iter()
+                    .filter_map(|n| key::id_from_netns(n).map(str::to_owned)),
+            ),
             Err(e) => warn!("listing namespaces: {e}"),
         }
         ids.extend(self.deps.storage.list_ids().await);
@@ -217,19 +224,29 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
         .map_err(|e| e.to_string())
     }
 
-    async fn observe(&self, id: &str, dom: Option<&DomainRef>) -> Result<Observed, ControllerError> {
+    async fn observe(
+        &self,
+        id: &str,
+        dom: Option<&DomainRef>,
+    ) -> Result<Observed, ControllerError> {
         let unit = self
             .deps
             .units
             .get(&key::unit_name_of(id))
             .await
-            .map_err(|source| ControllerError::Systemd { id: id.into(), source })?;
+            .map_err(|source| ControllerError::Systemd {
+                id: id.into(),
+                source,
+            })?;
         let netns = self
             .deps
             .netns
             .exists(&key::netns_name_of(id))
             .await
-            .map_err(|source| ControllerError::Netns { id: id.into(), source })?;
+            .map_err(|source| ControllerError::Netns {
+                id: id.into(),
+                source,
+            })?;
         let paths = self.paths(id);
         let mut obs = Observed {
             netns,
@@ -238,10 +255,17 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
             domain: None,
             unit,
         };
-        if let Some(u) = obs.unit.as_ref().filter(|u| u.activity == UnitActivity::Active) {
+        if let Some(u) = obs
+            .unit
+            .as_ref()
+            .filter(|u| u.activity == UnitActivity::Active)
+        {
             let dom = match dom {
                 Some(d) => Some(self.domain_ref(id, u.daemon, &d.name)),
-                None => u.domain_name.as_ref().map(|n| self.domain_ref(id, u.daemon, n)),
+                None => u
+                    .domain_name
+                    .as_ref()
+                    .map(|n| self.domain_ref(id, u.daemon, n)),
             };
             if let Some(d) = dom {
                 obs.domain = self
@@ -283,7 +307,9 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
             (Some(v), Some(k)) => Some(self.convert(v, k)),
             _ => None,
         };
-        let dom = key.as_ref().map(|k| self.domain_ref(id, None, &k.domain_name()));
+        let dom = key
+            .as_ref()
+            .map(|k| self.domain_ref(id, None, &k.domain_name()));
         let obs = self.observe(id, dom.as_ref()).await?;
         let desired = vmi.as_ref().map(|v| Desired {
             uid: v.uid().unwrap_or_default().to_owned(),
@@ -297,11 +323,14 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
             info!(steps = ?plan.steps, "acting");
         }
 
-        let creating = plan.steps.contains(&Step::StartUnit) || plan.steps.contains(&Step::DefineDomain);
+        let creating =
+            plan.steps.contains(&Step::StartUnit) || plan.steps.contains(&Step::DefineDomain);
         if let (Some(v), Some(k), true) = (&vmi, &key, creating) {
             if v.status.phase.is_none() {
                 self.report(k, &Outcome::Phase(Phase::Scheduled)).await?;
-                self.deps.recorder.record(k, EventReason::Created, "VM is being created", false);
+                self.deps
+                    .recorder
+                    .record(k, EventReason::Created, "VM is being created", false);
             }
         }
 
@@ -366,7 +395,13 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
                 }
             }
         };
-        let p = plan::plan(None, &Observed { runtime_dir: false, ..obs });
+        let p = plan::plan(
+            None,
+            &Observed {
+                runtime_dir: false,
+                ..obs
+            },
+        );
         let ctx = StepCtx {
             id,
             obs: &Observed::default(),
@@ -378,7 +413,9 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
         for step in p.steps {
             // A VM that never started needs no grace.
             let step = match step {
-                Step::ShutdownDomain { .. } => Step::ShutdownDomain { grace: Duration::ZERO },
+                Step::ShutdownDomain { .. } => Step::ShutdownDomain {
+                    grace: Duration::ZERO,
+                },
                 s => s,
             };
             if let Err(e) = self.run_step(&step, &ctx).await {
@@ -407,13 +444,18 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
             .status
             .save(&vmi)
             .await
-            .map_err(|source| ControllerError::Status { id: id.clone(), source })?;
+            .map_err(|source| ControllerError::Status {
+                id: id.clone(),
+                source,
+            })?;
         if old_phase != vmi.status.phase {
             info!(phase = ?vmi.status.phase, "phase changed");
             let r = &self.deps.recorder;
             match (outcome, vmi.status.phase) {
                 (Outcome::Invalid(m), _) => r.record(key, EventReason::SyncFailed, m, true),
-                (_, Some(Phase::Running)) => r.record(key, EventReason::Started, "VM started", false),
+                (_, Some(Phase::Running)) => {
+                    r.record(key, EventReason::Started, "VM started", false)
+                }
                 (Outcome::Failed(m), _) => r.record(key, EventReason::Stopped, m, true),
                 (_, Some(Phase::Succeeded)) => {
                     r.record(key, EventReason::Stopped, "the guest powered off", false)
@@ -433,11 +475,23 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
     async fn run_step(&self, step: &Step, c: &StepCtx<'_>) -> Result<(), ControllerError> {
         let id = c.id;
         let paths = self.paths(id);
-        let storage_err = |source| ControllerError::Storage { id: id.into(), source };
-        let netns_err = |source| ControllerError::Netns { id: id.into(), source };
-        let sd_err = |source| ControllerError::Systemd { id: id.into(), source };
+        let storage_err = |source| ControllerError::Storage {
+            id: id.into(),
+            source,
+        };
+        let netns_err = |source| ControllerError::Netns {
+            id: id.into(),
+            source,
+        };
+        let sd_err = |source| ControllerError::Systemd {
+            id: id.into(),
+            source,
+        };
         let lv_err = |source| ControllerError::Libvirt { source };
-        let conv = || c.converted.expect("create steps only run for a converted VMI");
+        let conv = || {
+            c.converted
+                .expect("create steps only run for a converted VMI")
+        };
         let dom = || {
             c.dom.cloned().unwrap_or_else(|| {
                 let unit = c.obs.unit.as_ref();
@@ -449,7 +503,12 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
             })
         };
         match step {
-            Step::CreateDirs => self.deps.storage.create_dirs(&paths).await.map_err(storage_err),
+            Step::CreateDirs => self
+                .deps
+                .storage
+                .create_dirs(&paths)
+                .await
+                .map_err(storage_err),
             Step::PrepareDisks => {
                 for d in &conv().disks {
                     self.deps
@@ -510,9 +569,12 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
             Step::StartDomain => self.deps.hypervisor.start(&dom()).await.map_err(lv_err),
             Step::ShutdownDomain { grace } => {
                 if let Some(k) = c.key {
-                    self.deps
-                        .recorder
-                        .record(k, EventReason::ShuttingDown, "shutting the guest down", false);
+                    self.deps.recorder.record(
+                        k,
+                        EventReason::ShuttingDown,
+                        "shutting the guest down",
+                        false,
+                    );
                 }
                 self.shutdown(&dom(), *grace).await
             }
@@ -563,7 +625,10 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
             let now = tokio::time::Instant::now();
             if now >= deadline {
                 info!("grace period over, destroying");
-                return hv.destroy(d).await.map_err(|source| ControllerError::Libvirt { source });
+                return hv
+                    .destroy(d)
+                    .await
+                    .map_err(|source| ControllerError::Libvirt { source });
             }
             if now >= next_press {
                 if let Err(e) = hv.shutdown(d).await {
@@ -599,7 +664,11 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
 
     /// The loop: runs until `triggers` closes. At most one reconcile per id
     /// at a time; a trigger during one marks it to run again.
-    pub async fn run(self: Arc<Self>, triggers: UnboundedSender<Trigger>, mut rx: UnboundedReceiver<Trigger>) {
+    pub async fn run(
+        self: Arc<Self>,
+        triggers: UnboundedSender<Trigger>,
+        mut rx: UnboundedReceiver<Trigger>,
+    ) {
         let (done_tx, mut done_rx) = unbounded_channel::<(String, Result<Reconciled, String>)>();
         let mut running: HashSet<String> = HashSet::new();
         let mut dirty: HashSet<String> = HashSet::new();
@@ -679,5 +748,7 @@ pub fn status_of(vmi: &VirtualMachineInstance) -> &VmiStatus {
 /// Kubernetes' timestamp form: RFC 3339, UTC, whole seconds.
 pub fn now_rfc3339() -> String {
     let now = jiff::Timestamp::now();
-    jiff::Timestamp::from_second(now.as_second()).unwrap_or(now).to_string()
+    jiff::Timestamp::from_second(now.as_second())
+        .unwrap_or(now)
+        .to_string()
 }

@@ -179,7 +179,9 @@ mod tests {
 
     #[test]
     fn rejects_what_could_escape_a_path_or_unit() {
-        for bad in ["", "..", "a/b", "a_b", "A", "-a", "a-", "a..b", "a b", "a\\x2d"] {
+        for bad in [
+            "", "..", "a/b", "a_b", "A", "-a", "a-", "a..b", "a b", "a\\x2d",
+        ] {
             assert!(VmKey::new("ns", bad).is_err(), "{bad:?} accepted");
         }
         assert!(VmKey::new(&"a".repeat(64), "vm").is_err());

@@ -96,6 +96,11 @@ impl VmPaths {
         self.state_dir.join("config")
     }
 
+    /// Session libvirt reads its QEMU driver config from here.
+    pub fn qemu_conf(&self) -> PathBuf {
+        self.xdg_config_dir().join("libvirt/qemu.conf")
+    }
+
     pub fn xdg_cache_dir(&self) -> PathBuf {
         self.state_dir.join("cache")
     }

@@ -35,8 +35,15 @@ pub struct DomainRef {
 
 pub trait Hypervisor: Send + Sync + 'static {
     /// The domain's state, or `None` when the daemon has no such domain.
-    fn observe(&self, d: &DomainRef) -> impl Future<Output = Result<Option<DomainObs>, LibvirtError>> + Send;
-    fn define(&self, d: &DomainRef, xml: &str) -> impl Future<Output = Result<(), LibvirtError>> + Send;
+    fn observe(
+        &self,
+        d: &DomainRef,
+    ) -> impl Future<Output = Result<Option<DomainObs>, LibvirtError>> + Send;
+    fn define(
+        &self,
+        d: &DomainRef,
+        xml: &str,
+    ) -> impl Future<Output = Result<(), LibvirtError>> + Send;
     fn start(&self, d: &DomainRef) -> impl Future<Output = Result<(), LibvirtError>> + Send;
     /// Asks the guest to power off (ACPI power button).
     fn shutdown(&self, d: &DomainRef) -> impl Future<Output = Result<(), LibvirtError>> + Send;
@@ -100,7 +107,10 @@ impl Libvirt {
         }
     }
 
-    fn err<'a>(id: &'a str, op: &'static str) -> impl FnOnce(virt::error::Error) -> LibvirtError + 'a {
+    fn err<'a>(
+        id: &'a str,
+        op: &'static str,
+    ) -> impl FnOnce(virt::error::Error) -> LibvirtError + 'a {
         move |e| LibvirtError::Call {
             id: id.into(),
             op,
@@ -130,14 +140,25 @@ impl Libvirt {
         // SAFETY: the callback matches libvirt's lifecycle signature; ctx is
         // owned by libvirt from here and freed through `free_ctx`.
         let callback_id = unsafe {
-            let cb: unsafe extern "C" fn(sys::virConnectPtr, sys::virDomainPtr, i32, i32, *mut libc::c_void) -> i32 =
-                on_lifecycle;
+            let cb: unsafe extern "C" fn(
+                sys::virConnectPtr,
+                sys::virDomainPtr,
+                i32,
+                i32,
+                *mut libc::c_void,
+            ) -> i32 = on_lifecycle;
             sys::virConnectDomainEventRegisterAny(
                 conn.as_ptr(),
                 std::ptr::null_mut(),
                 sys::VIR_DOMAIN_EVENT_ID_LIFECYCLE as i32,
                 Some(std::mem::transmute::<
-                    unsafe extern "C" fn(sys::virConnectPtr, sys::virDomainPtr, i32, i32, *mut libc::c_void) -> i32,
+                    unsafe extern "C" fn(
+                        sys::virConnectPtr,
+                        sys::virDomainPtr,
+                        i32,
+                        i32,
+                        *mut libc::c_void,
+                    ) -> i32,
                     unsafe extern "C" fn(sys::virConnectPtr, sys::virDomainPtr, *mut libc::c_void),
                 >(cb)),
                 ctx.cast(),
@@ -235,8 +256,12 @@ impl Hypervisor for Libvirt {
         self.blocking(d, |this, d| {
             let (_conn, dom) = this.lookup(d)?;
             let Some(dom) = dom else { return Ok(None) };
-            let (state, reason) = dom.get_state().map_err(Libvirt::err(&d.id, "domain state"))?;
-            let xml = dom.get_xml_desc(0).map_err(Libvirt::err(&d.id, "domain XML"))?;
+            let (state, reason) = dom
+                .get_state()
+                .map_err(Libvirt::err(&d.id, "domain state"))?;
+            let xml = dom
+                .get_xml_desc(0)
+                .map_err(Libvirt::err(&d.id, "domain XML"))?;
             Ok(Some(DomainObs {
                 state: domain_state(state, reason),
                 uid: metadata_uid(&xml),
@@ -296,7 +321,11 @@ impl Hypervisor for Libvirt {
         let this = self.clone();
         let id = id.to_owned();
         let _ = tokio::task::spawn_blocking(move || {
-            let old = this.conns.lock().unwrap_or_else(|p| p.into_inner()).remove(&id);
+            let old = this
+                .conns
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&id);
             if let Some(c) = old {
                 close(c);
             }
@@ -312,18 +341,30 @@ mod tests {
     #[test]
     fn shutoff_reasons_map_to_outcomes() {
         assert_eq!(
-            domain_state(sys::VIR_DOMAIN_SHUTOFF, sys::VIR_DOMAIN_SHUTOFF_SHUTDOWN as i32),
+            domain_state(
+                sys::VIR_DOMAIN_SHUTOFF,
+                sys::VIR_DOMAIN_SHUTOFF_SHUTDOWN as i32
+            ),
             DomainState::Shutdown
         );
         assert_eq!(
-            domain_state(sys::VIR_DOMAIN_SHUTOFF, sys::VIR_DOMAIN_SHUTOFF_CRASHED as i32),
+            domain_state(
+                sys::VIR_DOMAIN_SHUTOFF,
+                sys::VIR_DOMAIN_SHUTOFF_CRASHED as i32
+            ),
             DomainState::Crashed
         );
         assert_eq!(
-            domain_state(sys::VIR_DOMAIN_SHUTOFF, sys::VIR_DOMAIN_SHUTOFF_UNKNOWN as i32),
+            domain_state(
+                sys::VIR_DOMAIN_SHUTOFF,
+                sys::VIR_DOMAIN_SHUTOFF_UNKNOWN as i32
+            ),
             DomainState::Shutoff
         );
-        assert_eq!(domain_state(sys::VIR_DOMAIN_RUNNING, 1), DomainState::Running);
+        assert_eq!(
+            domain_state(sys::VIR_DOMAIN_RUNNING, 1),
+            DomainState::Running
+        );
     }
 
     #[test]

@@ -107,7 +107,9 @@ pub enum Step {
     DefineDomain,
     StartDomain,
     /// ACPI power-off, re-sent, then destroy after `grace`.
-    ShutdownDomain { grace: Duration },
+    ShutdownDomain {
+        grace: Duration,
+    },
     StopUnit,
     DeleteNetns,
     RemoveStateDir,
@@ -187,7 +189,10 @@ pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
     }
 
     if let Some(reason) = &d.invalid {
-        return Plan::new(teardown(obs, d.grace, true), Outcome::Invalid(reason.clone()));
+        return Plan::new(
+            teardown(obs, d.grace, true),
+            Outcome::Invalid(reason.clone()),
+        );
     }
 
     if d.phase.is_some_and(is_final) {
@@ -305,7 +310,8 @@ mod tests {
             DeleteNetns,
             RemoveStateDir,
         ];
-        let cases: Vec<(&str, Option<Desired>, Observed, Vec<Step>, Outcome)> = vec![
+        type Case = (&'static str, Option<Desired>, Observed, Vec<Step>, Outcome);
+        let cases: Vec<Case> = vec![
             (
                 "new VMI, empty host: create everything",
                 Some(desired(None)),

@@ -34,7 +34,10 @@ pub struct Snapshot {
 pub trait StatusStore: Send + Sync + 'static {
     fn load(&self, key: &VmKey) -> impl Future<Output = Option<VirtualMachineInstance>> + Send;
     /// Saves the VMI with its new status; only called when the status changed.
-    fn save(&self, vmi: &VirtualMachineInstance) -> impl Future<Output = Result<(), SourceError>> + Send;
+    fn save(
+        &self,
+        vmi: &VirtualMachineInstance,
+    ) -> impl Future<Output = Result<(), SourceError>> + Send;
 }
 
 /// Reads every `*.yaml`, `*.yml` and `*.json` file in `dir`, sorted by name;
@@ -58,7 +61,9 @@ pub fn scan_dir(dir: &Path) -> Snapshot {
         p.extension()
             .and_then(|e| e.to_str())
             .is_some_and(|e| matches!(e, "yaml" | "yml" | "json"))
-            && !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.'))
+            && !p
+                .file_name()
+                .is_some_and(|n| n.to_string_lossy().starts_with('.'))
     });
     files.sort();
     for path in files {
@@ -122,9 +127,7 @@ fn read_manifest(path: &Path) -> Result<Vec<VirtualMachineInstance>, SourceError
         .map(|doc| {
             let kind = doc.get("kind").and_then(|k| k.as_str()).unwrap_or("");
             if kind != "VirtualMachineInstance" {
-                return Err(bad(format!(
-                    "kind {kind:?} is not VirtualMachineInstance"
-                )));
+                return Err(bad(format!("kind {kind:?} is not VirtualMachineInstance")));
             }
             // Like a static pod: the manifest's content is its identity, so
             // editing it replaces the VM and an unchanged file keeps it.
@@ -132,9 +135,12 @@ fn read_manifest(path: &Path) -> Result<Vec<VirtualMachineInstance>, SourceError
             let mut vmi: VirtualMachineInstance =
                 serde_json::from_value(doc).map_err(|e| bad(e.to_string()))?;
             vmi.metadata.uid.get_or_insert(uid);
+            vmi.metadata
+                .namespace
+                .get_or_insert_with(|| "default".into());
             if vmi.metadata.creation_timestamp.is_none() {
-                vmi.metadata.creation_timestamp = modified
-                    .map(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time);
+                vmi.metadata.creation_timestamp =
+                    modified.map(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time);
             }
             vmi.status = VmiStatus::default();
             Ok(vmi)
@@ -150,7 +156,14 @@ fn manifest_uid(doc: &serde_json::Value) -> String {
     }
     let h = Sha256::digest(doc.to_string().as_bytes());
     let x: String = h.iter().take(16).map(|b| format!("{b:02x}")).collect();
-    format!("{}-{}-{}-{}-{}", &x[..8], &x[8..12], &x[12..16], &x[16..20], &x[20..32])
+    format!(
+        "{}-{}-{}-{}-{}",
+        &x[..8],
+        &x[8..12],
+        &x[12..16],
+        &x[16..20],
+        &x[20..32]
+    )
 }
 
 /// Status as `status.json` (the VMI object with its status) in each VM's
@@ -178,7 +191,9 @@ impl StatusStore for FileStatusStore {
             move |source| SourceError::Io { path, op, source }
         };
         let dir = path.parent().expect("status file has a parent");
-        tokio::fs::create_dir_all(dir).await.map_err(io("create directory"))?;
+        tokio::fs::create_dir_all(dir)
+            .await
+            .map_err(io("create directory"))?;
         let tmp = path.with_extension("json.tmp");
         let json = serde_json::to_vec_pretty(vmi).expect("a VMI serializes");
         tokio::fs::write(&tmp, json).await.map_err(io("write"))?;
@@ -215,18 +230,29 @@ mod tests {
         std::fs::write(tmp.path().join("a.yaml"), VMI).unwrap();
         std::fs::write(tmp.path().join("b.yaml"), "kind: [").unwrap();
         std::fs::write(tmp.path().join("c.yml"), VMI).unwrap(); // duplicate name
-        std::fs::write(tmp.path().join("d.yaml"), "kind: Pod\nmetadata: {name: p}\n").unwrap();
+        std::fs::write(
+            tmp.path().join("d.yaml"),
+            "kind: Pod\nmetadata: {name: p}\n",
+        )
+        .unwrap();
         std::fs::write(tmp.path().join("notes.txt"), "ignored").unwrap();
         let s = scan_dir(tmp.path());
         let key = VmKey::new("default", "a").unwrap();
         assert_eq!(s.vmis.len(), 1);
         let uid = s.vmis[&key].uid().unwrap().to_owned();
         assert_eq!(s.errors.len(), 3, "{:?}", s.errors);
-        assert!(s.errors.iter().any(|e| e.to_string().contains("already defined")));
+        assert!(s
+            .errors
+            .iter()
+            .any(|e| e.to_string().contains("already defined")));
         assert!(s.errors.iter().any(|e| e.to_string().contains("\"Pod\"")));
         // Same content, same uid; edited content, new uid.
         assert_eq!(scan_dir(tmp.path()).vmis[&key].uid().unwrap(), uid);
-        std::fs::write(tmp.path().join("a.yaml"), VMI.replace("devices: {}", "devices: {disks: []}")).unwrap();
+        std::fs::write(
+            tmp.path().join("a.yaml"),
+            VMI.replace("devices: {}", "devices: {disks: []}"),
+        )
+        .unwrap();
         assert_ne!(scan_dir(tmp.path()).vmis[&key].uid().unwrap(), uid);
     }
 
@@ -244,7 +270,10 @@ mod tests {
         vmi.status.phase = Some(crate::vmi::Phase::Running);
         store.save(&vmi).await.unwrap();
         let key = VmKey::new("default", "a").unwrap();
-        assert_eq!(store.load(&key).await.unwrap().status.phase, vmi.status.phase);
+        assert_eq!(
+            store.load(&key).await.unwrap().status.phase,
+            vmi.status.phase
+        );
         assert_eq!(read_all_status(&store.host).len(), 1);
     }
 }

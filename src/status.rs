@@ -28,11 +28,12 @@ pub fn next_status(
     let mut next = prev.clone();
     if next.phase != Some(phase) {
         next.phase = Some(phase);
-        next.phase_transition_timestamps.push(PhaseTransitionTimestamp {
-            phase,
-            phase_transition_timestamp: Some(now.to_owned()),
-            extra: Default::default(),
-        });
+        next.phase_transition_timestamps
+            .push(PhaseTransitionTimestamp {
+                phase,
+                phase_transition_timestamp: Some(now.to_owned()),
+                extra: Default::default(),
+            });
     }
     next.node_name = Some(node_name.to_owned());
 
@@ -41,7 +42,11 @@ pub fn next_status(
         &mut next.conditions,
         READY,
         ready,
-        if ready { None } else { failure.map(|f| f.0).or(Some("NotRunning")) },
+        if ready {
+            None
+        } else {
+            failure.map(|f| f.0).or(Some("NotRunning"))
+        },
         if ready { None } else { failure.map(|f| f.1) },
         now,
     );
@@ -150,15 +155,28 @@ mod tests {
 
     #[test]
     fn failure_keeps_reason() {
-        let running = next_status(&VmiStatus::default(), &Outcome::Phase(Phase::Running), "n", "t")
-            .unwrap()
-            .unwrap();
-        let failed = next_status(&running, &Outcome::Failed("the guest crashed".into()), "n", "t2")
-            .unwrap()
-            .unwrap();
+        let running = next_status(
+            &VmiStatus::default(),
+            &Outcome::Phase(Phase::Running),
+            "n",
+            "t",
+        )
+        .unwrap()
+        .unwrap();
+        let failed = next_status(
+            &running,
+            &Outcome::Failed("the guest crashed".into()),
+            "n",
+            "t2",
+        )
+        .unwrap()
+        .unwrap();
         assert_eq!(failed.phase, Some(Phase::Failed));
         assert_eq!(failed.reason.as_deref(), Some("the guest crashed"));
-        assert_eq!(cond(&failed, READY).unwrap().message.as_deref(), Some("the guest crashed"));
+        assert_eq!(
+            cond(&failed, READY).unwrap().message.as_deref(),
+            Some("the guest crashed")
+        );
         assert!(cond(&failed, SYNCHRONIZED).is_none());
     }
 }

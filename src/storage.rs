@@ -44,14 +44,23 @@ impl Owner {
 }
 
 pub trait Storage: Send + Sync + 'static {
-    fn create_dirs(&self, paths: &VmPaths) -> impl Future<Output = Result<(), StorageError>> + Send;
+    fn create_dirs(&self, paths: &VmPaths)
+        -> impl Future<Output = Result<(), StorageError>> + Send;
     /// Creates or checks one disk; `roots` re-checks hostDisks after symlinks.
-    fn prepare_disk(&self, disk: &DiskPrep, roots: &[PathBuf]) -> impl Future<Output = Result<(), StorageError>> + Send;
+    fn prepare_disk(
+        &self,
+        disk: &DiskPrep,
+        roots: &[PathBuf],
+    ) -> impl Future<Output = Result<(), StorageError>> + Send;
     fn remove_dir(&self, dir: &Path) -> impl Future<Output = Result<(), StorageError>> + Send;
     fn exists(&self, dir: &Path) -> impl Future<Output = bool> + Send;
     /// Ids of VMs that have a state or runtime directory.
     fn list_ids(&self) -> impl Future<Output = Vec<String>> + Send;
 }
+
+/// The VM's QEMU driver settings. QEMU writes its own log and the serial
+/// log straight to files: a virtlogd per VM would cost ~5 MiB PSS each.
+const QEMU_CONF: &str = "# Written by kvirtd for this VM only.\nstdio_handler = \"file\"\n";
 
 #[derive(Clone, Debug)]
 pub struct HostStorage {
@@ -107,10 +116,18 @@ impl HostStorage {
         while d.pop() && d != p.xdg_cache_dir() {
             self.own(&d)?;
         }
-        Ok(())
+        let conf = p.qemu_conf();
+        let dir = conf.parent().expect("qemu.conf has a parent");
+        self.mkdir(dir, 0o700, true)?;
+        std::fs::write(&conf, QEMU_CONF).map_err(io(&conf, "write"))?;
+        self.own(&conf)
     }
 
-    fn prepare_disk_blocking(&self, disk: &DiskPrep, roots: &[PathBuf]) -> Result<(), StorageError> {
+    fn prepare_disk_blocking(
+        &self,
+        disk: &DiskPrep,
+        roots: &[PathBuf],
+    ) -> Result<(), StorageError> {
         match disk {
             DiskPrep::CreateQcow2 {
                 path, size_bytes, ..
@@ -153,7 +170,8 @@ impl HostStorage {
                 if !path.is_file() {
                     return Err(StorageError::Disk {
                         path: path.clone(),
-                        message: "hostDisk does not exist (type Disk needs an existing file)".into(),
+                        message: "hostDisk does not exist (type Disk needs an existing file)"
+                            .into(),
                     });
                 }
                 check_under_roots(path, roots, false)?;
@@ -165,7 +183,11 @@ impl HostStorage {
 
 /// The converter checked the path as written; this checks where it really
 /// leads, so a symlink cannot take a hostDisk out of the allowed roots.
-fn check_under_roots(path: &Path, roots: &[PathBuf], parent_only: bool) -> Result<(), StorageError> {
+fn check_under_roots(
+    path: &Path,
+    roots: &[PathBuf],
+    parent_only: bool,
+) -> Result<(), StorageError> {
     let target = if parent_only {
         match path.parent().map(std::fs::canonicalize) {
             Some(Ok(p)) => p,
@@ -260,6 +282,8 @@ mod tests {
         s.create_dirs(&p).await.unwrap();
         assert!(p.capabilities_mount().is_dir());
         assert!(p.xdg_runtime_dir().is_dir());
+        let conf = std::fs::read_to_string(p.qemu_conf()).unwrap();
+        assert!(conf.contains("stdio_handler = \"file\""), "{conf}");
         assert_eq!(s.list_ids().await, vec!["ns_vm".to_string()]);
         s.remove_dir(&p.state_dir).await.unwrap();
         s.remove_dir(&p.state_dir).await.unwrap();

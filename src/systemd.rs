@@ -41,7 +41,8 @@ pub trait Units: Send + Sync + 'static {
     fn start(&self, spec: &UnitSpec) -> impl Future<Output = Result<(), SystemdError>> + Send;
     /// Stops the unit (if loaded) and waits; a failed unit is reset so it is collected.
     fn stop(&self, unit: &str) -> impl Future<Output = Result<(), SystemdError>> + Send;
-    fn get(&self, unit: &str) -> impl Future<Output = Result<Option<UnitObs>, SystemdError>> + Send;
+    fn get(&self, unit: &str)
+        -> impl Future<Output = Result<Option<UnitObs>, SystemdError>> + Send;
     /// Ids (`<ns>_<name>` form) of every loaded `kvirt-vm@` unit.
     fn list_ids(&self) -> impl Future<Output = Result<Vec<String>, SystemdError>> + Send;
 }
@@ -66,7 +67,12 @@ impl SystemdBus {
 
     /// Runs one job call and waits for its `JobRemoved`. The signal stream
     /// is opened before the call so a fast job cannot be missed.
-    async fn run_job<F, Fut>(&self, unit: &str, verb: &'static str, call: F) -> Result<(), SystemdError>
+    async fn run_job<F, Fut>(
+        &self,
+        unit: &str,
+        verb: &'static str,
+        call: F,
+    ) -> Result<(), SystemdError>
     where
         F: FnOnce(ManagerProxy<'static>) -> Fut,
         Fut: Future<Output = zbus::Result<OwnedObjectPath>>,
@@ -149,7 +155,8 @@ impl Units for SystemdBus {
             .collect::<Result<Vec<_>, _>>()?;
         let name = spec.name.clone();
         self.run_job(&spec.name, "start", |m| async move {
-            m.start_transient_unit(name, "fail".into(), props, vec![]).await
+            m.start_transient_unit(name, "fail".into(), props, vec![])
+                .await
         })
         .await
     }
@@ -321,8 +328,10 @@ mod tests {
     #[test]
     fn object_paths_unescape_to_unit_names() {
         assert_eq!(
-            unit_from_object_path("/org/freedesktop/systemd1/unit/kvirt_2dvm_40default_5fmy_2dvm_2eservice")
-                .as_deref(),
+            unit_from_object_path(
+                "/org/freedesktop/systemd1/unit/kvirt_2dvm_40default_5fmy_2dvm_2eservice"
+            )
+            .as_deref(),
             Some("kvirt-vm@default_my-vm.service")
         );
         assert_eq!(unit_from_object_path("/org/other"), None);
@@ -330,16 +339,22 @@ mod tests {
 
     #[test]
     fn properties_have_systemds_signatures() {
-        let sig = |p: Prop| {
-            to_dbus("u", &p)
-                .unwrap()
-                .1
-                .value_signature()
-                .to_string()
-        };
-        assert_eq!(sig(Prop::Exec("ExecStart", vec!["/bin/x".into(), "-a".into()])), "a(sasb)");
-        assert_eq!(sig(Prop::Binds("BindPaths", vec![("a".into(), "b".into())])), "a(ssbt)");
-        assert_eq!(sig(Prop::TmpFs("TemporaryFileSystem", vec![("a".into(), "ro".into())])), "a(ss)");
+        let sig = |p: Prop| to_dbus("u", &p).unwrap().1.value_signature().to_string();
+        assert_eq!(
+            sig(Prop::Exec("ExecStart", vec!["/bin/x".into(), "-a".into()])),
+            "a(sasb)"
+        );
+        assert_eq!(
+            sig(Prop::Binds("BindPaths", vec![("a".into(), "b".into())])),
+            "a(ssbt)"
+        );
+        assert_eq!(
+            sig(Prop::TmpFs(
+                "TemporaryFileSystem",
+                vec![("a".into(), "ro".into())]
+            )),
+            "a(ss)"
+        );
         assert_eq!(sig(Prop::U32("UMask", 7)), "u");
         assert_eq!(sig(Prop::Strs("Environment", vec!["A=b".into()])), "as");
     }

@@ -214,7 +214,10 @@ mod tests {
         assert_eq!(find(&u, "User"), &Prop::Str("User", "kvirt".into()));
         assert_eq!(
             find(&u, "NetworkNamespacePath"),
-            &Prop::Str("NetworkNamespacePath", "/run/netns/kvirt-default_vm1".into())
+            &Prop::Str(
+                "NetworkNamespacePath",
+                "/run/netns/kvirt-default_vm1".into()
+            )
         );
         assert_eq!(find(&u, "MemoryMax"), &Prop::U64("MemoryMax", 1 << 30));
         let Prop::Strs(_, env) = find(&u, "Environment") else {

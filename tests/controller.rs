@@ -86,10 +86,21 @@ async fn a_new_vmi_becomes_a_running_vm_in_order() {
     let st = host.state().statuses[&VmKey::new("default", "vm1").unwrap()].clone();
     assert_eq!(st.status.phase, Some(Phase::Running));
     assert_eq!(st.status.node_name.as_deref(), Some("node-1"));
-    let phases: Vec<Phase> = st.status.phase_transition_timestamps.iter().map(|p| p.phase).collect();
+    let phases: Vec<Phase> = st
+        .status
+        .phase_transition_timestamps
+        .iter()
+        .map(|p| p.phase)
+        .collect();
     assert_eq!(phases, vec![Phase::Scheduled, Phase::Running]);
-    assert_eq!(reasons(&host), vec![EventReason::Created, EventReason::Started]);
-    assert_eq!(host.state().domains["default_vm1"].uid.as_deref(), Some("u1"));
+    assert_eq!(
+        reasons(&host),
+        vec![EventReason::Created, EventReason::Started]
+    );
+    assert_eq!(
+        host.state().domains["default_vm1"].uid.as_deref(),
+        Some("u1")
+    );
 
     // Level-triggered: a second pass with nothing changed does nothing.
     ctl.reconcile("default_vm1").await.unwrap();
@@ -156,8 +167,14 @@ async fn a_removed_vmi_is_shut_down_gracefully_then_destroyed() {
     ctl.reconcile("default_vm1").await.unwrap();
     let took = started.elapsed();
     let calls = host.take_calls();
-    assert_eq!(calls.first().map(String::as_str), Some("shutdown default_vm1"));
-    assert!(calls.contains(&"destroy default_vm1".to_string()), "{calls:?}");
+    assert_eq!(
+        calls.first().map(String::as_str),
+        Some("shutdown default_vm1")
+    );
+    assert!(
+        calls.contains(&"destroy default_vm1".to_string()),
+        "{calls:?}"
+    );
     assert_eq!(
         calls[calls.len() - 4..],
         [
@@ -168,7 +185,10 @@ async fn a_removed_vmi_is_shut_down_gracefully_then_destroyed() {
         ]
     );
     // The grace period (2 s, from the unit) was honoured, not more.
-    assert!(took >= Duration::from_secs(2) && took < Duration::from_secs(3), "{took:?}");
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(3),
+        "{took:?}"
+    );
     assert!(host.state().netns.is_empty() && host.state().dirs.is_empty());
 }
 
@@ -197,7 +217,8 @@ async fn an_invalid_vmi_fails_alone_and_touches_nothing() {
     );
     let bad = {
         let mut b = bad;
-        b.spec.domain.devices.disks = serde_json::from_str(r#"[{"name":"d","disk":{"bus":"virtio"}}]"#).unwrap();
+        b.spec.domain.devices.disks =
+            serde_json::from_str(r#"[{"name":"d","disk":{"bus":"virtio"}}]"#).unwrap();
         b
     };
     ctl.set_vmis(set(&[bad, vmi("good", "u3", "")])).await;
@@ -205,10 +226,25 @@ async fn an_invalid_vmi_fails_alone_and_touches_nothing() {
 
     let st = host.state().statuses[&VmKey::new("default", "bad").unwrap()].clone();
     assert_eq!(st.status.phase, Some(Phase::Failed));
-    let sync = st.status.conditions.iter().find(|c| c.type_ == "Synchronized").unwrap();
+    let sync = st
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Synchronized")
+        .unwrap();
     assert_eq!(sync.status, "False");
-    assert!(sync.message.as_deref().unwrap().contains("spec.volumes[0].hostDisk.path"), "{sync:?}");
-    assert!(host.state().events.iter().any(|e| e.0.name() == "bad" && e.1 == EventReason::SyncFailed));
+    assert!(
+        sync.message
+            .as_deref()
+            .unwrap()
+            .contains("spec.volumes[0].hostDisk.path"),
+        "{sync:?}"
+    );
+    assert!(host
+        .state()
+        .events
+        .iter()
+        .any(|e| e.0.name() == "bad" && e.1 == EventReason::SyncFailed));
     assert!(!host.take_calls().iter().any(|c| c.contains("bad")));
     assert_eq!(phase(&host, "good"), Some(Phase::Running));
 }
@@ -222,13 +258,25 @@ async fn a_failed_start_rolls_back_and_reports_why() {
     ctl.reconcile("default_vm1").await.unwrap();
     let st = host.state().statuses[&VmKey::new("default", "vm1").unwrap()].clone();
     assert_eq!(st.status.phase, Some(Phase::Failed));
-    assert!(st.status.reason.as_deref().unwrap().contains("cannot start"), "{:?}", st.status.reason);
+    assert!(
+        st.status
+            .reason
+            .as_deref()
+            .unwrap()
+            .contains("cannot start"),
+        "{:?}",
+        st.status.reason
+    );
     let s = host.state();
     assert!(s.units.is_empty(), "unit left: {:?}", s.units);
     assert!(s.netns.is_empty());
-    assert!(!s.dirs.contains(std::path::Path::new("/var/lib/kvirt/vms/default_vm1")));
+    assert!(!s
+        .dirs
+        .contains(std::path::Path::new("/var/lib/kvirt/vms/default_vm1")));
     // The status stays readable.
-    assert!(s.dirs.contains(std::path::Path::new("/run/kvirt/vms/default_vm1")));
+    assert!(s
+        .dirs
+        .contains(std::path::Path::new("/run/kvirt/vms/default_vm1")));
 }
 
 #[tokio::test]
@@ -256,7 +304,10 @@ async fn a_replaced_manifest_replaces_the_vm() {
     let r = ctl.reconcile("default_vm1").await.unwrap();
     assert!(r.requeue_after.is_some());
     ctl.reconcile("default_vm1").await.unwrap();
-    assert_eq!(host.state().domains["default_vm1"].uid.as_deref(), Some("new"));
+    assert_eq!(
+        host.state().domains["default_vm1"].uid.as_deref(),
+        Some("new")
+    );
     assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
 }
 
@@ -266,13 +317,23 @@ async fn the_loop_runs_vms_from_triggers() {
     let ctl = controller(&host);
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
     let task = tokio::spawn(ctl.clone().run(tx.clone(), rx));
-    tx.send(Trigger::Vmis(set(&[vmi("a", "ua", ""), vmi("b", "ub", "")]))).unwrap();
-    wait_for(|| phase(&host, "a") == Some(Phase::Running) && phase(&host, "b") == Some(Phase::Running)).await;
+    tx.send(Trigger::Vmis(set(&[
+        vmi("a", "ua", ""),
+        vmi("b", "ub", ""),
+    ])))
+    .unwrap();
+    wait_for(|| {
+        phase(&host, "a") == Some(Phase::Running) && phase(&host, "b") == Some(Phase::Running)
+    })
+    .await;
 
     host.guest_poweroff("default_a");
     tx.send(Trigger::Vm("default_a".into())).unwrap();
     wait_for(|| phase(&host, "a") == Some(Phase::Succeeded)).await;
-    assert_eq!(host.state().domains["default_b"].state, DomainState::Running);
+    assert_eq!(
+        host.state().domains["default_b"].state,
+        DomainState::Running
+    );
     drop(tx);
     task.abort();
 }
@@ -280,7 +341,10 @@ async fn the_loop_runs_vms_from_triggers() {
 async fn wait_for(cond: impl Fn() -> bool) {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while !cond() {
-        assert!(tokio::time::Instant::now() < deadline, "condition not met in time");
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "condition not met in time"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }

@@ -91,9 +91,16 @@ fn ls(layout: &HostLayout) -> Result<()> {
                 .and_then(|i| i.get("ipAddress"))
                 .and_then(|i| i.as_str())
                 .unwrap_or("");
-            let created = v.metadata.creation_timestamp.as_ref().map(|t| t.0.to_string());
+            let created = v
+                .metadata
+                .creation_timestamp
+                .as_ref()
+                .map(|t| t.0.to_string());
             [
-                v.metadata.namespace.clone().unwrap_or_else(|| "default".into()),
+                v.metadata
+                    .namespace
+                    .clone()
+                    .unwrap_or_else(|| "default".into()),
                 v.metadata.name.clone().unwrap_or_default(),
                 v.status.phase.map(|p| format!("{p:?}")).unwrap_or_default(),
                 ip.to_owned(),
@@ -201,13 +208,16 @@ impl Drop for RawTty {
 }
 
 fn domxml(config: &Config, file: &Path, domain_type: DomainTypeArg) -> Result<()> {
-    let text = std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
+    let text =
+        std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
     let mut vmi = if file.extension().is_some_and(|e| e == "json") {
         VirtualMachineInstance::from_json(&text)?
     } else {
         VirtualMachineInstance::from_yaml(&text)?
     };
-    vmi.metadata.uid.get_or_insert_with(|| "00000000-0000-0000-0000-000000000000".into());
+    vmi.metadata
+        .uid
+        .get_or_insert_with(|| "00000000-0000-0000-0000-000000000000".into());
     let key = vmi.key()?;
     let layout = config.layout();
     let paths = layout.vm(&key);
@@ -229,7 +239,11 @@ fn domxml(config: &Config, file: &Path, domain_type: DomainTypeArg) -> Result<()
             for e in &errors {
                 eprintln!("error: {e}");
             }
-            bail!("{} cannot be converted ({} problems)", file.display(), errors.len())
+            bail!(
+                "{} cannot be converted ({} problems)",
+                file.display(),
+                errors.len()
+            )
         }
     }
 }

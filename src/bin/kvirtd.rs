@@ -57,17 +57,27 @@ fn main() -> Result<()> {
 }
 
 fn find_binary(name: &str) -> Option<PathBuf> {
-    ["/usr/sbin", "/usr/bin", "/usr/local/sbin", "/usr/local/bin", "/sbin"]
-        .iter()
-        .map(|d| Path::new(d).join(name))
-        .find(|p| p.is_file())
+    [
+        "/usr/sbin",
+        "/usr/bin",
+        "/usr/local/sbin",
+        "/usr/local/bin",
+        "/sbin",
+    ]
+    .iter()
+    .map(|d| Path::new(d).join(name))
+    .find(|p| p.is_file())
 }
 
 nix::ioctl_none!(kvm_get_api_version, 0xAE, 0x00);
 
 fn kvm_usable() -> bool {
     use std::os::fd::AsRawFd;
-    let Ok(f) = std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm") else {
+    let Ok(f) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+    else {
         return false;
     };
     // SAFETY: KVM_GET_API_VERSION takes no argument.
@@ -182,7 +192,9 @@ async fn run(config: Config) -> Result<()> {
         });
     }
 
-    let systemd = SystemdBus::connect().await.context("connecting to systemd over D-Bus")?;
+    let systemd = SystemdBus::connect()
+        .await
+        .context("connecting to systemd over D-Bus")?;
     systemd.watch(unit_tx).await.context("watching units")?;
     let deps = Deps {
         units: systemd,

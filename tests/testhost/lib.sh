@@ -2,7 +2,8 @@
 # kvirt test-host and guest-image harness. Source this file; see README.md.
 #
 # Public functions (the contract): th_host_deps th_mirror th_rootfs th_virtqemud
-# th_guest th_boot th_exec th_sh th_copy_in th_pid1 th_stop th_wait th_log
+# th_guest th_boot th_exec th_sh th_copy_in th_pid1 th_share th_console_log th_stop
+# th_wait th_log
 #
 # All logging goes to stderr; functions that "echo a path" print only that on stdout.
 
@@ -102,7 +103,10 @@ th__cached() {
   mkdir -p "$TH_CACHE/.tmp" "$TH_CACHE/.lock" "$TH_CACHE/.log"
   local lockfd
   exec {lockfd}>"$TH_CACHE/.lock/$name-$key"
-  flock "$lockfd"
+  if ! flock -n "$lockfd"; then
+    th_log "waiting for another build of $name-$key"
+    flock "$lockfd"
+  fi
   if [[ ! -d $final ]]; then
     rm -rf "$TH_CACHE/.tmp/$name-$key".*
     local tmp log t rc=0
@@ -128,6 +132,7 @@ th__cached() {
     fi
     chmod 755 "$tmp"   # mktemp made it 0700; it may be a root directory or read by VM users
     mv -T "$tmp" "$final"
+    grep -a '^\[th ' "$log" >&2 || true
     th_log "built $name in $(th__since "$t"), size $(du -sh "$final" | cut -f1)"
   fi
   exec {lockfd}>&-
@@ -462,6 +467,11 @@ th_boot() {
   echo "$pid1"
 }
 
+# th_share NAME: the host directory bound at /share in test host NAME.
+th_share() { echo "$TH_STATE/$1/share"; }
+# th_console_log NAME: the host file with test host NAME's console output.
+th_console_log() { echo "$TH_STATE/$1/console.log"; }
+
 # th_exec NAME CMD...: run CMD inside test host NAME as a transient service (with the
 # container's credentials and capabilities), stdin/stdout/stderr piped, exit code
 # propagated. Extra systemd-run options: TH_EXEC_OPTS="-p User=kvirt ...".
@@ -528,10 +538,12 @@ th__build_virtqemud() {
   echo "deb-src $mirror $TH_SUITE main" >"$w/root/etc/apt/sources.list.d/kvirt-src.list"
   mkdir -p "$w/src"
   th__nspawn_run "$w/root" --bind="$w/src:/src" -E VER="$ver" -- bash -euxc '
+    log() { echo "[th $(date +%T)] virtqemud: $*"; }
+    log "installing build dependencies"
     apt-get update
-    apt-get install -y --no-install-recommends build-essential dpkg-dev fakeroot patchelf
+    apt-get install -y --no-install-recommends build-essential dpkg-dev fakeroot patchelf quilt
     apt-get build-dep -y --no-install-recommends "libvirt=$VER"
-    apt-get install -y --no-install-recommends quilt
+    log "fetching the source of libvirt $VER"
     cd /src
     # Some mirrors/proxies refuse .dsc files: apt still fetches (and checks against the
     # signed Sources index) the tarballs, which are unpacked by hand then.
@@ -546,8 +558,11 @@ th__build_virtqemud() {
       mv "$d" "libvirt-${VER%%-*}"
     fi
     cd libvirt-*/
+    log "configuring"
     debian/rules override_dh_auto_configure
+    log "building src/virtqemud"
     ninja -C obj-x86_64-linux-gnu src/virtqemud
+    log "built"
     cp obj-x86_64-linux-gnu/src/virtqemud /src/virtqemud
     patchelf --remove-rpath /src/virtqemud
     strip --strip-unneeded /src/virtqemud'

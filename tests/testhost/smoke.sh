@@ -70,7 +70,6 @@ cat >"$TH_STATE/$name/share/vm1.xml" <<XML
       <source mode='bind' path='$rt/serial.sock'/>
       <target port='0'/>
     </serial>
-    <graphics type='none'/>
   </devices>
 </domain>
 XML
@@ -86,17 +85,17 @@ t=$(th__now)
 virsh_ start smoke_vm1 >&2
 th_log "start in $(th__since "$t")"
 
-# QEMU runs as kvirt, inside the unit and inside the namespace.
+# QEMU runs as kvirt, inside the unit's cgroup and inside the namespace (libvirt
+# daemonizes it, so its parent is PID 1, not the unit's main process).
 th_sh "$name" "
-  qpid=\$(systemctl show -P MainPID $unit)
-  ps -o user=,pid=,args= --ppid \$qpid | grep -q '^kvirt .*qemu-system-x86_64' || { echo 'no qemu under the unit'; exit 1; }
-  q=\$(ps -o pid= --ppid \$qpid | head -n1 | tr -d ' ')
+  q=\$(pgrep -u kvirt -f qemu-system-x86_64) || { echo 'no qemu running as kvirt'; exit 1; }
+  grep -q 'kvirt-vm@smoke_vm1.service' /proc/\$q/cgroup || { echo 'qemu not in the unit'; cat /proc/\$q/cgroup; exit 1; }
   [ \"\$(ip netns identify \$q)\" = vm1 ] || { echo 'qemu not in netns vm1'; exit 1; }
-  systemctl show -P ControlGroup $unit
+  echo \"qemu pid \$q: user kvirt, unit $unit, netns vm1\"
 " >&2
 
 t=$(th__now)
-marker=$(th_sh "$name" "timeout 90 socat -u UNIX-CONNECT:$rt/serial.sock - | grep -a -m1 -o 'KVIRT-GUEST-[A-Z]*'")
+marker=$(th_sh "$name" "timeout 90 socat -u UNIX-CONNECT:$rt/serial.sock - 2>/dev/null | grep -a -m1 -o 'KVIRT-GUEST-[A-Z]*'")
 th_log "serial console: $marker after $(th__since "$t") more"
 [[ $marker == KVIRT-GUEST-READY || $marker == KVIRT-GUEST-ALIVE ]]
 

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# install-kvirt.sh NAME BIN_DIR [DAEMON]: install kvirt's binaries, systemd
+# files and a test configuration into the booted test host NAME, then start
+# kvirtd and wait until it is ready. DAEMON is virtqemud (default) or libvirtd.
+# (Until kvirt has its own package, this is the package's job done by hand.)
+set -euo pipefail
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+top=$(cd "$here/../.." && pwd)
+# shellcheck source=lib.sh
+source "$here/lib.sh"
+name=$1 bin=$2 daemon=${3:-virtqemud}
+
+th_copy_in "$name" "$bin/kvirtd" /usr/bin/kvirtd
+th_copy_in "$name" "$bin/kvirtctl" /usr/bin/kvirtctl
+th_copy_in "$name" "$top/systemd/kvirtd.service" /usr/lib/systemd/system/kvirtd.service
+th_copy_in "$name" "$top/systemd/machine-kvirt.slice" /usr/lib/systemd/system/machine-kvirt.slice
+th_copy_in "$name" "$top/systemd/kvirt.sysusers" /usr/lib/sysusers.d/kvirt.conf
+th_copy_in "$name" "$top/systemd/kvirt.tmpfiles" /usr/lib/tmpfiles.d/kvirt.conf
+th_sh "$name" "
+mkdir -p /etc/kvirt/vmis.d
+cat > /etc/kvirt/kvirtd.toml <<'EOF'
+# Test host: no KVM here, QEMU emulates.
+[vm]
+daemon = \"$daemon\"
+emulation = \"always\"
+EOF
+systemd-sysusers
+systemd-tmpfiles --create
+systemctl daemon-reload
+systemctl enable --now kvirtd
+"
+th_wait 60 th_sh "$name" "systemctl is-active -q kvirtd" || {
+  th_sh "$name" "journalctl -u kvirtd --no-pager -n 50" >&2 || true
+  th_die "kvirtd did not become active"
+}
+th_log "kvirtd active in test host $name ($daemon)"
