@@ -10,8 +10,11 @@ top=$(cd "$here/../.." && pwd)
 source "$here/lib.sh"
 name=$1 bin=$2 daemon=${3:-virtqemud}
 
-th_copy_in "$name" "$bin/kvirtd" /usr/bin/kvirtd
-th_copy_in "$name" "$bin/kvirtctl" /usr/bin/kvirtctl
+# Replaced by rename, as a package manager does: a running kvirtd keeps its file.
+for b in kvirtd kvirtctl; do
+  th_copy_in "$name" "$bin/$b" "/usr/bin/.$b.new"
+  th_sh "$name" "mv -f /usr/bin/.$b.new /usr/bin/$b"
+done
 th_copy_in "$name" "$top/systemd/kvirtd.service" /usr/lib/systemd/system/kvirtd.service
 th_copy_in "$name" "$top/systemd/machine-kvirt.slice" /usr/lib/systemd/system/machine-kvirt.slice
 th_copy_in "$name" "$top/systemd/kvirt.sysusers" /usr/lib/sysusers.d/kvirt.conf

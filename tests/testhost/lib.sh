@@ -34,6 +34,16 @@ th__since() { awk -v a="$1" -v b="$(th__now)" 'BEGIN { printf "%.1fs", b - a }';
 th__hash() { sha256sum | cut -c1-16; }
 th__alive() { [[ -r /proc/$1/stat ]] && [[ $(awk '{ print $3 }' "/proc/$1/stat" 2>/dev/null) != Z ]]; }
 th__dead() { ! th__alive "$1"; }
+# th__in_use DIR: does a running process name DIR (or a path under it) on its command
+# line (nspawn -D/--bind of a cached rootfs or guest)? Never delete such a directory:
+# a booted container's overlay still reads its lower tree.
+th__in_use() {
+  local f
+  for f in /proc/[0-9]*/cmdline; do
+    tr '\0' '\n' <"$f" 2>/dev/null | grep -qF -- "$1" && return 0
+  done
+  return 1
+}
 
 # th_wait DEADLINE_S CMD... : poll CMD (every 0.1 s, backing off to 0.5 s) until it
 # succeeds; fail with a message after DEADLINE_S seconds.

@@ -16,6 +16,7 @@ if [[ ${TH_PRUNE:-1} == 1 ]]; then
   for d in "$TH_CACHE"/rootfs-* "$TH_CACHE"/guest-* "$TH_CACHE"/virtqemud-*; do
     [[ -d $d ]] || continue
     [[ " ${keep[*]} " == *" $d "* ]] && continue
+    if th__in_use "$d"; then th_log "keeping old artefact $d: in use"; continue; fi
     th_log "pruning old artefact $d"
     rm -rf "$d" "$TH_CACHE/.log/$(basename "$d").log" "$TH_CACHE/.lock/$(basename "$d")"
   done
