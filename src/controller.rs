@@ -14,7 +14,7 @@ use crate::status;
 use crate::storage::{Storage, StorageError};
 use crate::systemd::{SystemdError, Units};
 use crate::unit::{self, UnitInput};
-use crate::vmi::{Phase, VirtualMachineInstance, VmiStatus};
+use crate::vmi::{Phase, VirtualMachineInstance};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
@@ -126,14 +126,6 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
             settings,
             vmis: Mutex::default(),
         })
-    }
-
-    pub fn settings(&self) -> &Settings {
-        &self.settings
-    }
-
-    pub fn deps(&self) -> &Deps<U, N, H, S, St, R> {
-        &self.deps
     }
 
     fn vmis(&self) -> std::sync::MutexGuard<'_, HashMap<String, VirtualMachineInstance>> {
@@ -738,11 +730,6 @@ struct StepCtx<'a> {
     uid: Option<&'a str>,
     converted: Option<&'a Converted>,
     dom: Option<&'a DomainRef>,
-}
-
-/// The status of a VMI as last reported, for callers outside the loop.
-pub fn status_of(vmi: &VirtualMachineInstance) -> &VmiStatus {
-    &vmi.status
 }
 
 /// Kubernetes' timestamp form: RFC 3339, UTC, whole seconds.

@@ -301,24 +301,10 @@ fn to_dbus(unit: &str, p: &Prop) -> Result<(String, OwnedValue), SystemdError> {
     };
     let owned = OwnedValue::try_from(value).map_err(|e| SystemdError::Property {
         unit: unit.into(),
-        property: name_of(p),
+        property: p.name(),
         message: e.to_string(),
     })?;
     Ok((name.to_owned(), owned))
-}
-
-fn name_of(p: &Prop) -> &'static str {
-    match p {
-        Prop::Str(n, _)
-        | Prop::Bool(n, _)
-        | Prop::U32(n, _)
-        | Prop::U64(n, _)
-        | Prop::Strs(n, _)
-        | Prop::Exec(n, _)
-        | Prop::Binds(n, _)
-        | Prop::TmpFs(n, _)
-        | Prop::Devices(n, _) => n,
-    }
 }
 
 #[cfg(test)]

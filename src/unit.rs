@@ -34,6 +34,22 @@ pub enum Prop {
     Devices(&'static str, Vec<(String, String)>),
 }
 
+impl Prop {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Prop::Str(n, _)
+            | Prop::Bool(n, _)
+            | Prop::U32(n, _)
+            | Prop::U64(n, _)
+            | Prop::Strs(n, _)
+            | Prop::Exec(n, _)
+            | Prop::Binds(n, _)
+            | Prop::TmpFs(n, _)
+            | Prop::Devices(n, _) => n,
+        }
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct UnitSpec {
     pub name: String,
@@ -183,17 +199,7 @@ mod tests {
     fn find<'a>(u: &'a UnitSpec, name: &str) -> &'a Prop {
         u.properties
             .iter()
-            .find(|p| match p {
-                Prop::Str(n, _)
-                | Prop::Bool(n, _)
-                | Prop::U32(n, _)
-                | Prop::U64(n, _)
-                | Prop::Strs(n, _)
-                | Prop::Exec(n, _)
-                | Prop::Binds(n, _)
-                | Prop::TmpFs(n, _)
-                | Prop::Devices(n, _) => *n == name,
-            })
+            .find(|p| p.name() == name)
             .unwrap_or_else(|| panic!("{name} missing"))
     }
 

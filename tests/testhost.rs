@@ -205,6 +205,13 @@ fn a_manifest_becomes_a_running_vm_that_survives_kvirtd_restarts() {
         "[ \"$(stat -L -c %i /run/netns/kvirt-default_alpha)\" = \"$(stat -L -c %i /proc/{pid}/ns/net)\" ]"
     ));
     assert_eq!(h.ok(&format!("ps -o user= -p {pid}")), "kvirt");
+    // The unit carries the VM's limits: guest memory plus the overhead.
+    assert_eq!(
+        h.ok("systemctl show -p MemoryMax --value kvirt-vm@default_alpha"),
+        ((128u64 + 256) << 20).to_string()
+    );
+    // QEMU's capability probe landed in the cache every VM shares.
+    h.ok("ls /var/cache/kvirt/qemu-capabilities/*.xml");
     h.console_shows("alpha", "KVIRT-GUEST");
     let node = h.ok("hostname");
     assert_eq!(h.status("alpha")["status"]["nodeName"], node.as_str());
@@ -343,6 +350,13 @@ spec:
     h.ok("[ \"$(systemctl show -p LoadState --value kvirt-vm@default_bad-field.service)\" = not-found ]");
     h.ok("[ ! -e /run/netns/kvirt-default_bad-disk ]");
     h.wait_phase("delta", "Running", BOOT);
+    // A VM's unit sees its own directories only, not the others' (the bad
+    // VMIs have runtime directories for their status).
+    let pid = h.qemu_pid("delta");
+    let seen = h.ok(&format!("nsenter -t {pid} -m ls /run/kvirt/vms /var/lib/kvirt/vms"));
+    assert!(seen.contains("default_delta"), "{seen}");
+    assert!(!seen.contains("bad-field"), "{seen}");
+    assert!(h.succeeds("ls /run/kvirt/vms | grep -q bad-field"));
     h.ok("rm /etc/kvirt/vmis.d/bad-field.yaml /etc/kvirt/vmis.d/bad-disk.yaml");
     h.wait_gone("bad-field");
     h.wait_gone("bad-disk");

@@ -1,0 +1,302 @@
+# shellcheck shell=bash
+# kvirt test control plane: a real etcd + kube-apiserver running as systemd units
+# inside a booted test host. Source it after lib.sh; see README.md ("Kubernetes
+# control plane").
+#
+# Public functions: th_k8s_bins th_kube_apiserver th_kubectl th_etcd th_k8s_up
+# th_k8s_kubeconfig th_k8s_stop_apiserver th_k8s_start_apiserver th_k8s_kubectl
+#
+# Logs go to stderr; functions that "echo a path" print only that on stdout.
+
+# Kubernetes version built from the k8s.io/kubernetes Go module (the Rust side uses
+# k8s-openapi's v1_33 feature). The staging modules (k8s.io/api, ...) are pinned to
+# v0.<minor>.<patch> of the same release.
+TH_K8S_VERSION=${TH_K8S_VERSION:-1.33.13}
+TH_GO=${TH_GO:-/usr/local/go/bin/go}
+# Go's caches (GOPATH, GOMODCACHE, GOCACHE): shared by all k8s builds, never pruned.
+TH_GO_CACHE=$TH_CACHE/go
+
+# ---------------------------------------------------------------- binaries
+
+# th__build_k8s OUT VERSION GO: build kube-apiserver and kubectl from the
+# k8s.io/kubernetes module at VERSION with the machine's Go, into OUT.
+th__build_k8s() {
+  local out=$1 ver=$2 go=$3
+  local w=$TH_WORK minor patch
+  minor=$(cut -d. -f2 <<<"$ver"); patch=$(cut -d. -f3 <<<"$ver")
+  export GOPATH=$TH_GO_CACHE/path GOMODCACHE=$TH_GO_CACHE/mod GOCACHE=$TH_GO_CACHE/build
+  export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod GOPROXY=${GOPROXY:-https://proxy.golang.org}
+  mkdir -p "$GOPATH" "$GOMODCACHE" "$GOCACHE"
+  set -x
+  "$go" version
+  mkdir -p "$w/src/cmd/kube-apiserver" "$w/src/cmd/kubectl"
+  cd "$w/src"
+  echo "[th $(date +%T)] k8s: fetching k8s.io/kubernetes v$ver"
+  # The kubernetes go.mod requires its staging repositories as v0.0.0 and replaces
+  # them with ./staging/src/...: list those and pin each to v0.<minor>.<patch>.
+  local gomod
+  gomod=$(cd /tmp && GOFLAGS= "$go" mod download -json "k8s.io/kubernetes@v$ver" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')
+  [[ -r $gomod ]]
+  local staging
+  staging=$(sed -n 's#^[[:space:]]*\(k8s.io/[^ ]*\) => \./staging/src/.*#\1#p' "$gomod")
+  [[ -n $staging ]]
+  local goline
+  goline=$(sed -n 's/^go \(.*\)/\1/p' "$gomod")
+  {
+    echo "module kvirt.test/k8s"
+    echo
+    echo "go $goline"
+    echo
+    echo "require k8s.io/kubernetes v$ver"
+    echo
+    echo "replace ("
+    local m
+    for m in $staging; do echo "	$m => $m v0.$minor.$patch"; done
+    echo ")"
+  } >go.mod
+  cat go.mod
+  # Mirrors cmd/kube-apiserver/apiserver.go of the kubernetes tree.
+  cat >cmd/kube-apiserver/main.go <<'GO'
+package main
+
+import (
+	"os"
+
+	"k8s.io/component-base/cli"
+	_ "k8s.io/component-base/logs/json/register"
+	_ "k8s.io/component-base/metrics/prometheus/clientgo"
+	_ "k8s.io/component-base/metrics/prometheus/version"
+	"k8s.io/kubernetes/cmd/kube-apiserver/app"
+)
+
+func main() {
+	command := app.NewAPIServerCommand()
+	code := cli.Run(command)
+	os.Exit(code)
+}
+GO
+  # Mirrors cmd/kubectl/kubectl.go of the kubernetes tree.
+  cat >cmd/kubectl/main.go <<'GO'
+package main
+
+import (
+	"k8s.io/component-base/cli"
+	"k8s.io/kubectl/pkg/cmd"
+	"k8s.io/kubectl/pkg/cmd/util"
+
+	// Import to initialize client auth plugins.
+	_ "k8s.io/client-go/plugin/pkg/client/auth"
+)
+
+func main() {
+	command := cmd.NewDefaultKubectlCommand()
+	if err := cli.RunNoErrOutput(command); err != nil {
+		util.CheckErr(err)
+	}
+}
+GO
+  echo "[th $(date +%T)] k8s: resolving modules (go mod tidy)"
+  "$go" mod tidy
+  cp go.mod go.sum "$out/"
+  # Version stamps, as hack/lib/version.sh sets them.
+  local ld="-s -w" p
+  for p in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+    ld+=" -X $p.gitVersion=v$ver -X $p.gitMajor=1 -X $p.gitMinor=$minor"
+    ld+=" -X $p.gitTreeState=clean -X $p.buildDate=1970-01-01T00:00:00Z"
+  done
+  local bin t
+  for bin in kube-apiserver kubectl; do
+    echo "[th $(date +%T)] k8s: building $bin"
+    t=$SECONDS
+    "$go" build -trimpath -ldflags="$ld" -o "$out/$bin" "./cmd/$bin"
+    echo "[th $(date +%T)] k8s: built $bin in $((SECONDS - t))s, $(du -h "$out/$bin" | cut -f1)"
+  done
+  "$out/kube-apiserver" --version | tee "$out/version"
+  grep -qx "Kubernetes v$ver" "$out/version"
+  "$out/kubectl" version --client
+  echo "$ver" >"$out/k8s-version"
+  set +x
+}
+
+th__k8s_key() {
+  { declare -f th__build_k8s; echo "$TH_K8S_VERSION"; "$TH_GO" version; } | th__hash
+}
+
+# th_k8s_bins: echo the cached directory with kube-apiserver and kubectl (static,
+# CGO_ENABLED=0) built from k8s.io/kubernetes v$TH_K8S_VERSION with $TH_GO.
+th_k8s_bins() {
+  [[ -x $TH_GO ]] || th_die "no Go toolchain at $TH_GO (set TH_GO)" || return
+  # th__cached runs the builder in a fresh bash that sources only lib.sh: hand it
+  # our builder as an exported function (in this command substitution's subshell).
+  (
+    export -f th__build_k8s
+    export TH_GO_CACHE
+    th__cached k8s "$TH_K8S_VERSION-$(th__k8s_key)" th__build_k8s "$TH_K8S_VERSION" "$TH_GO"
+  )
+}
+
+# th_kube_apiserver / th_kubectl: echo the path of the cached binary.
+th_kube_apiserver() { local d; d=$(th_k8s_bins) || return; echo "$d/kube-apiserver"; }
+th_kubectl() { local d; d=$(th_k8s_bins) || return; echo "$d/kubectl"; }
+
+# ---------------------------------------------------------------- etcd
+
+# th__build_etcd OUT ROOTFS: etcd and etcdctl from the suite's etcd-server and
+# etcd-client packages. The booted test host has no network (--private-network), so
+# "apt-get install" inside it is impossible: download the .debs with the rootfs's
+# own apt (host network, throwaway overlay) and extract them here.
+th__build_etcd() {
+  local out=$1 rootfs=$2 w=$TH_WORK
+  set -x
+  mkdir -p "$w/debs" "$w/x"
+  th__nspawn_run "$rootfs" --volatile=overlay --bind="$w/debs:/debs" -- bash -euxc '
+    apt-get update -qq
+    apt-cache policy etcd-server etcd-client
+    cd /tmp && apt-get download etcd-server etcd-client && cp ./*.deb /debs/'
+  local d
+  for d in "$w"/debs/*.deb; do dpkg-deb -x "$d" "$w/x"; done
+  cp "$w/x/usr/bin/etcd" "$w/x/usr/bin/etcdctl" "$out/"
+  dpkg-deb -f "$(ls "$w"/debs/etcd-server_*.deb)" Version >"$out/etcd-version"
+  set +x
+  # Dynamically linked against the suite's libc: check it runs in the rootfs.
+  th__nspawn_run "$rootfs" --volatile=overlay --bind-ro="$out:/e" -- /e/etcd --version | tee "$out/version"
+}
+
+# th_etcd: echo the cached directory with etcd and etcdctl (Debian $TH_SUITE packages,
+# taken at the time the rootfs was built; etcd-version holds the package version).
+th_etcd() {
+  local rootfs key
+  rootfs=$(th_rootfs) || return
+  key=$({ declare -f th__build_etcd; echo "$TH_SUITE"; basename "$rootfs"; } | th__hash)
+  ( export -f th__build_etcd; th__cached etcd "$key" th__build_etcd "$rootfs" )
+}
+
+# th_k8s_binds: echo "src:dst ..." read-only binds for TH_BIND_RO that put
+# kube-apiserver, kubectl, etcd and etcdctl at /usr/local/bin in a test host booted
+# with them (th_k8s_up copies missing ones into the overlay instead: slower, and
+# ~140 MB of the host's RAM, since the overlay's upper layer is a tmpfs).
+th_k8s_binds() {
+  local k e
+  k=$(th_k8s_bins) || return
+  e=$(th_etcd) || return
+  echo "$k/kube-apiserver:/usr/local/bin/kube-apiserver $k/kubectl:/usr/local/bin/kubectl" \
+    "$e/etcd:/usr/local/bin/etcd $e/etcdctl:/usr/local/bin/etcdctl"
+}
+
+# ---------------------------------------------------------------- control plane
+
+# Inside a test host:
+#   /etc/kvirt/pki/            ca.{crt,key} apiserver.{crt,key} sa.{key,pub} admin.{crt,key}
+#                              users/<user>.{crt,key}
+#   /etc/kvirt/admin.kubeconfig   (also /root/.kube/config, and share/admin.kubeconfig)
+#   /etc/kvirt/kubeconfigs/<user>.kubeconfig   (th_k8s_kubeconfig)
+#   etcd.service, kube-apiserver.service (/etc/systemd/system, Restart=on-failure)
+#   /var/lib/etcd (data, in the overlay: gone with the host)
+TH_K8S_SERVER=https://127.0.0.1:6443
+TH_K8S_SERVICE_CIDR=${TH_K8S_SERVICE_CIDR:-10.96.0.0/12}
+TH_K8S_READY_TIMEOUT=${TH_K8S_READY_TIMEOUT:-90}
+
+# Run inside the host (bash -euc, args: SERVER SERVICE_IP). Certificates: ECDSA P-256
+# for TLS (X.509 v3, SANs, EKUs: rustls/webpki is strict), RSA 2048 for service
+# account tokens. Idempotent: keeps an existing PKI.
+th__k8s_pki_script() {
+  cat <<'SH'
+server=$1 svc_ip=$2
+pki=/etc/kvirt/pki
+install -d -m 0755 /etc/kvirt /etc/kvirt/kubeconfigs
+install -d -m 0700 "$pki" "$pki/users"
+cd "$pki"
+if [[ ! -s ca.crt ]]; then
+  ec() { openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$1" 2>/dev/null; }
+  ec ca.key
+  openssl req -x509 -new -key ca.key -days 3650 -subj "/CN=kvirt-test-ca" -sha256 \
+    -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
+    -out ca.crt
+  # sign NAME SUBJECT EXTFILE-CONTENT
+  sign() {
+    ec "$1.key"
+    openssl req -new -key "$1.key" -subj "$2" -out "$1.csr"
+    printf '%b' "$3" >"$1.ext"
+    openssl x509 -req -in "$1.csr" -CA ca.crt -CAkey ca.key -CAcreateserial -days 365 \
+      -sha256 -extfile "$1.ext" -out "$1.crt" 2>/dev/null
+    rm -f "$1.csr" "$1.ext"
+  }
+  sign apiserver "/CN=kube-apiserver" \
+    "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1,IP:::1,IP:$svc_ip,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n"
+  sign admin "/O=system:masters/CN=kubernetes-admin" \
+    "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n"
+  openssl genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out sa.key 2>/dev/null
+  openssl pkey -in sa.key -pubout -out sa.pub
+  chmod 0600 ./*.key
+fi
+# kubeconfig USER CERT KEY: print a self-contained kubeconfig (data inlined).
+b64() { base64 -w0 <"$1"; }
+cat >/etc/kvirt/admin.kubeconfig <<KC
+apiVersion: v1
+kind: Config
+clusters:
+- name: kvirt-test
+  cluster:
+    server: $server
+    certificate-authority-data: $(b64 ca.crt)
+users:
+- name: kubernetes-admin
+  user:
+    client-certificate-data: $(b64 admin.crt)
+    client-key-data: $(b64 admin.key)
+contexts:
+- name: kubernetes-admin@kvirt-test
+  context:
+    cluster: kvirt-test
+    user: kubernetes-admin
+current-context: kubernetes-admin@kvirt-test
+KC
+chmod 0600 /etc/kvirt/admin.kubeconfig
+install -d -m 0700 /root/.kube
+ln -sfn /etc/kvirt/admin.kubeconfig /root/.kube/config
+cp /etc/kvirt/admin.kubeconfig /share/admin.kubeconfig
+SH
+}
+
+th__k8s_units() {
+  local svc_ip=$1
+  cat <<EOT
+### etcd.service
+[Unit]
+Description=etcd (kvirt test control plane)
+
+[Service]
+Type=notify
+ExecStart=/usr/local/bin/etcd --name=kvirt-test --data-dir=/var/lib/etcd \\
+  --listen-client-urls=http://127.0.0.1:2379 --advertise-client-urls=http://127.0.0.1:2379 \\
+  --listen-peer-urls=http://127.0.0.1:2380 --initial-advertise-peer-urls=http://127.0.0.1:2380 \\
+  --initial-cluster=kvirt-test=http://127.0.0.1:2380 --log-level=warn
+Restart=on-failure
+RestartSec=1
+LimitNOFILE=65536
+### kube-apiserver.service
+[Unit]
+Description=Kubernetes API server (kvirt test control plane)
+Wants=etcd.service
+After=etcd.service
+
+[Service]
+ExecStart=/usr/local/bin/kube-apiserver \\
+  --etcd-servers=http://127.0.0.1:2379 \\
+  --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port=6443 \\
+  --tls-cert-file=/etc/kvirt/pki/apiserver.crt --tls-private-key-file=/etc/kvirt/pki/apiserver.key \\
+  --client-ca-file=/etc/kvirt/pki/ca.crt \\
+  --authorization-mode=Node,RBAC \\
+  --service-account-issuer=https://kubernetes.default.svc.cluster.local \\
+  --service-account-key-file=/etc/kvirt/pki/sa.pub \\
+  --service-account-signing-key-file=/etc/kvirt/pki/sa.key \\
+  --service-cluster-ip-range=$TH_K8S_SERVICE_CIDR \\
+  --endpoint-reconciler-type=none \\
+  --allow-privileged=true --profiling=false \\
+  --disable-admission-plugins=ServiceAccount,DefaultStorageClass,DefaultIngressClass,StorageObjectInUseProtection,PersistentVolumeClaimResize,RuntimeClass,CertificateApproval,CertificateSigning,CertificateSubjectRestriction,DefaultTolerationSeconds,TaintNodesByCondition,Priority,ResourceQuota,MutatingAdmissionWebhook,ValidatingAdmissionWebhook,ValidatingAdmissionPolicy,MutatingAdmissionPolicy,ClusterTrustBundleAttest,PodSecurity,LimitRanger \\
+  --enable-admission-plugins=NamespaceLifecycle,NodeRestriction
+Restart=on-failure
+RestartSec=1
+LimitNOFILE=65536
+EOT
+}
