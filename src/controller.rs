@@ -113,6 +113,8 @@ pub struct Controller<U, N, H, S, St, R> {
     settings: Settings,
     /// The VMIs this host should run, by id, with the status kvirtd owns.
     vmis: Mutex<HashMap<String, VirtualMachineInstance>>,
+    /// Ids whose status changed but could not be written yet.
+    unsaved: Mutex<HashSet<String>>,
 }
 
 type Phases = BTreeMap<String, usize>;
@@ -125,6 +127,7 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
             deps,
             settings,
             vmis: Mutex::default(),
+            unsaved: Mutex::default(),
         })
     }
 
@@ -318,7 +321,10 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
         let creating =
             plan.steps.contains(&Step::StartUnit) || plan.steps.contains(&Step::DefineDomain);
         if let (Some(v), Some(k), true) = (&vmi, &key, creating) {
-            if v.status.phase.is_none() {
+            if matches!(
+                v.status.phase,
+                None | Some(Phase::Pending | Phase::Scheduling)
+            ) {
                 self.report(k, &Outcome::Phase(Phase::Scheduled)).await?;
                 self.deps
                     .recorder
@@ -416,22 +422,54 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
         }
     }
 
+    /// Applies the outcome to the VMI's status. The new status is the
+    /// truth at once (the next plan relies on it); writing it out is retried
+    /// until it succeeds, so an outage of the status store loses nothing.
     async fn report(&self, key: &VmKey, outcome: &Outcome) -> Result<(), ControllerError> {
         let id = key.id();
-        let Some(mut vmi) = self.vmis().get(&id).cloned() else {
-            return Ok(());
-        };
         let now = now_rfc3339();
-        let next = match status::next_status(&vmi.status, outcome, &self.settings.node_name, &now) {
-            Ok(Some(s)) => s,
-            Ok(None) => return Ok(()),
-            Err(e) => {
-                warn!("not reporting: {e}");
+        let changed = {
+            let mut vmis = self.vmis();
+            let Some(vmi) = vmis.get_mut(&id) else {
                 return Ok(());
+            };
+            match status::next_status(&vmi.status, outcome, &self.settings.node_name, &now) {
+                Ok(Some(next)) => {
+                    let old = vmi.status.phase;
+                    vmi.status = next;
+                    Some((old, vmi.status.phase))
+                }
+                Ok(None) => None,
+                Err(e) => {
+                    warn!("not reporting: {e}");
+                    None
+                }
             }
         };
-        let old_phase = vmi.status.phase;
-        vmi.status = next;
+        if let Some((old, new)) = changed {
+            self.unsaved().insert(id.clone());
+            if old != new {
+                info!(phase = ?new, "phase changed");
+                let r = &self.deps.recorder;
+                match (outcome, new) {
+                    (Outcome::Invalid(m), _) => r.record(key, EventReason::SyncFailed, m, true),
+                    (_, Some(Phase::Running)) => {
+                        r.record(key, EventReason::Started, "VM started", false)
+                    }
+                    (Outcome::Failed(m), _) => r.record(key, EventReason::Stopped, m, true),
+                    (_, Some(Phase::Succeeded)) => {
+                        r.record(key, EventReason::Stopped, "the guest powered off", false)
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if !self.unsaved().contains(&id) {
+            return Ok(());
+        }
+        let Some(vmi) = self.vmis().get(&id).cloned() else {
+            return Ok(());
+        };
         self.deps
             .status
             .save(&vmi)
@@ -440,28 +478,12 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
                 id: id.clone(),
                 source,
             })?;
-        if old_phase != vmi.status.phase {
-            info!(phase = ?vmi.status.phase, "phase changed");
-            let r = &self.deps.recorder;
-            match (outcome, vmi.status.phase) {
-                (Outcome::Invalid(m), _) => r.record(key, EventReason::SyncFailed, m, true),
-                (_, Some(Phase::Running)) => {
-                    r.record(key, EventReason::Started, "VM started", false)
-                }
-                (Outcome::Failed(m), _) => r.record(key, EventReason::Stopped, m, true),
-                (_, Some(Phase::Succeeded)) => {
-                    r.record(key, EventReason::Stopped, "the guest powered off", false)
-                }
-                _ => {}
-            }
-        }
-        // Only a VMI still listed gets its status back; a removed one is gone.
-        if let Some(v) = self.vmis().get_mut(&id) {
-            if v.uid() == vmi.uid() {
-                v.status = vmi.status;
-            }
-        }
+        self.unsaved().remove(&id);
         Ok(())
+    }
+
+    fn unsaved(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.unsaved.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     async fn run_step(&self, step: &Step, c: &StepCtx<'_>) -> Result<(), ControllerError> {

@@ -67,6 +67,10 @@ impl FakeHost {
     pub fn fail(&self, prefix: &str) {
         self.state().fail.insert(prefix.into());
     }
+
+    pub fn heal(&self, prefix: &str) {
+        self.state().fail.remove(prefix);
+    }
 }
 
 fn env_of(spec: &UnitSpec, k: &str) -> Option<String> {
@@ -285,6 +289,12 @@ impl StatusStore for FakeHost {
 
     async fn save(&self, vmi: &VirtualMachineInstance) -> Result<(), SourceError> {
         let key = vmi.key().expect("saved VMIs have keys");
+        if self.call(format!("save {key}")) {
+            return Err(SourceError::Manifest {
+                path: "fake".into(),
+                message: injected("save"),
+            });
+        }
         self.state().statuses.insert(key, vmi.clone());
         Ok(())
     }

@@ -353,7 +353,9 @@ spec:
     // A VM's unit sees its own directories only, not the others' (the bad
     // VMIs have runtime directories for their status).
     let pid = h.qemu_pid("delta");
-    let seen = h.ok(&format!("nsenter -t {pid} -m ls /run/kvirt/vms /var/lib/kvirt/vms"));
+    let seen = h.ok(&format!(
+        "nsenter -t {pid} -m ls /run/kvirt/vms /var/lib/kvirt/vms"
+    ));
     assert!(seen.contains("default_delta"), "{seen}");
     assert!(!seen.contains("bad-field"), "{seen}");
     assert!(h.succeeds("ls /run/kvirt/vms | grep -q bad-field"));

@@ -267,10 +267,12 @@ Description=etcd (kvirt test control plane)
 
 [Service]
 Type=notify
+# One member, no peers: a short election timeout brings a (re)start from ~1.5 s to ~0.7 s.
 ExecStart=/usr/local/bin/etcd --name=kvirt-test --data-dir=/var/lib/etcd \\
   --listen-client-urls=http://127.0.0.1:2379 --advertise-client-urls=http://127.0.0.1:2379 \\
   --listen-peer-urls=http://127.0.0.1:2380 --initial-advertise-peer-urls=http://127.0.0.1:2380 \\
-  --initial-cluster=kvirt-test=http://127.0.0.1:2380 --log-level=warn
+  --initial-cluster=kvirt-test=http://127.0.0.1:2380 --log-level=warn \\
+  --heartbeat-interval=20 --election-timeout=200
 Restart=on-failure
 RestartSec=1
 LimitNOFILE=65536
@@ -293,10 +295,148 @@ ExecStart=/usr/local/bin/kube-apiserver \\
   --service-cluster-ip-range=$TH_K8S_SERVICE_CIDR \\
   --endpoint-reconciler-type=none \\
   --allow-privileged=true --profiling=false \\
-  --disable-admission-plugins=ServiceAccount,DefaultStorageClass,DefaultIngressClass,StorageObjectInUseProtection,PersistentVolumeClaimResize,RuntimeClass,CertificateApproval,CertificateSigning,CertificateSubjectRestriction,DefaultTolerationSeconds,TaintNodesByCondition,Priority,ResourceQuota,MutatingAdmissionWebhook,ValidatingAdmissionWebhook,ValidatingAdmissionPolicy,MutatingAdmissionPolicy,ClusterTrustBundleAttest,PodSecurity,LimitRanger \\
-  --enable-admission-plugins=NamespaceLifecycle,NodeRestriction
+  --enable-admission-plugins=NodeRestriction
 Restart=on-failure
 RestartSec=1
 LimitNOFILE=65536
 EOT
+}
+
+# The first address of the service range (the "kubernetes" Service's cluster IP).
+th__k8s_service_ip() {
+  local net=${TH_K8S_SERVICE_CIDR%/*} a b c d
+  IFS=. read -r a b c d <<<"$net"
+  echo "$a.$b.$c.$((d + 1))"
+}
+
+# th__k8s_readyz NAME: one probe of /readyz with the admin kubeconfig, from the outer
+# machine's cached kubectl in the test host's network namespace (cheap to repeat).
+th__k8s_readyz() {
+  local pid kubectl
+  pid=$(th_pid1 "$1") || return
+  kubectl=$(th_kubectl) || return
+  nsenter -t "$pid" -n "$kubectl" --kubeconfig="$(th_share "$1")/admin.kubeconfig" \
+    --request-timeout=2s get --raw=/readyz >/dev/null 2>&1
+}
+
+# th_k8s_wait_ready NAME [DEADLINE_S]: poll /readyz until it answers ok; on timeout,
+# print the units' state and journal.
+th_k8s_wait_ready() {
+  local name=$1 deadline=${2:-$TH_K8S_READY_TIMEOUT}
+  th__k8s_probe() { th__k8s_readyz "$name"; }
+  if ! th_wait "$deadline" th__k8s_probe; then
+    th_exec "$name" systemctl status --no-pager -n 40 etcd.service kube-apiserver.service >&2 || true
+    th_die "test host $name: kube-apiserver not ready after ${deadline}s"; return
+  fi
+}
+
+# th_k8s_up NAME: in the booted test host NAME, create the PKI and the admin
+# kubeconfig, install kube-apiserver, kubectl, etcd, etcdctl at /usr/local/bin (binds
+# from th_k8s_binds, or copies), start etcd.service and kube-apiserver.service and
+# wait until /readyz is ok. Idempotent: a second call only (re)starts what is stopped.
+th_k8s_up() {
+  local name=$1 pid t t0 bins etcd share
+  pid=$(th_pid1 "$name") || return
+  share=$(th_share "$name")
+  t0=$(th__now)
+  bins=$(th_k8s_bins) || return
+  etcd=$(th_etcd) || return
+  local f src
+  for f in kube-apiserver kubectl etcd etcdctl; do
+    [[ -x /proc/$pid/root/usr/local/bin/$f ]] && continue
+    case $f in etcd*) src=$etcd/$f ;; *) src=$bins/$f ;; esac
+    th_log "test host $name: copying $f in (boot with TH_BIND_RO=\"\$(th_k8s_binds)\" to bind it)"
+    th_copy_in "$name" "$src" "/usr/local/bin/$f" || return
+  done
+  t=$(th__now)
+  th_exec "$name" /bin/bash -euc "$(th__k8s_pki_script)" pki "$TH_K8S_SERVER" "$(th__k8s_service_ip)" ||
+    { th_die "test host $name: creating the PKI failed"; return; }
+  th_log "test host $name: PKI and admin kubeconfig in $(th__since "$t")"
+  local units; units=$(mktemp -d)
+  th__k8s_units | awk -v d="$units" '/^### / { f = d "/" $2; next } { print > f }'
+  th_copy_in "$name" "$units" /etc/systemd/system || { rm -rf "$units"; return 1; }
+  rm -rf "$units"
+  t=$(th__now)
+  # etcd is Type=notify: "systemctl start" returns when it serves.
+  th_exec "$name" /bin/bash -euc 'systemctl daemon-reload; systemctl start etcd.service' ||
+    { th_exec "$name" journalctl -u etcd.service --no-pager -n 30 >&2; th_die "test host $name: etcd failed to start"; return; }
+  th_log "test host $name: etcd up in $(th__since "$t")"
+  t=$(th__now)
+  th_exec "$name" systemctl start kube-apiserver.service || return
+  th_k8s_wait_ready "$name" || return
+  th_log "test host $name: kube-apiserver ready in $(th__since "$t") (control plane up in $(th__since "$t0"));" \
+    "admin kubeconfig: /etc/kvirt/admin.kubeconfig, outside: $share/admin.kubeconfig"
+}
+
+# th_k8s_stop_apiserver NAME: stop kube-apiserver.service (etcd keeps running).
+th_k8s_stop_apiserver() {
+  local t; t=$(th__now)
+  th_exec "$1" systemctl stop kube-apiserver.service || return
+  th_log "test host $1: kube-apiserver stopped in $(th__since "$t")"
+}
+
+# th_k8s_start_apiserver NAME: start kube-apiserver.service and wait for /readyz.
+th_k8s_start_apiserver() {
+  local t; t=$(th__now)
+  th_exec "$1" systemctl start kube-apiserver.service || return
+  th_k8s_wait_ready "$1" || return
+  th_log "test host $1: kube-apiserver ready in $(th__since "$t")"
+}
+
+# th_k8s_kubeconfig NAME USER [GROUP...]: mint a client certificate (CN=USER,
+# O=GROUP...) signed by the test CA and write a self-contained kubeconfig for it;
+# echo its path inside the host (/etc/kvirt/kubeconfigs/<USER with ':' -> '_'>.kubeconfig;
+# a copy goes to share/kubeconfigs/). It grants nothing: bind RBAC to USER or a GROUP.
+th_k8s_kubeconfig() {
+  local name=$1 user=$2; shift 2
+  [[ -n $user ]] || th_die "th_k8s_kubeconfig: no user name" || return
+  th_exec "$name" /bin/bash -euc '
+    server=$1 user=$2; shift 2
+    esc() { printf "%s" "$1" | sed "s#[/\\\\]#\\\\&#g"; }
+    subj=
+    for g in "$@"; do subj+="/O=$(esc "$g")"; done
+    subj+="/CN=$(esc "$user")"
+    f=$(printf "%s" "$user" | tr -c "A-Za-z0-9._-" _)
+    pki=/etc/kvirt/pki
+    [[ -s $pki/ca.key ]] || { echo "no CA: run th_k8s_up first" >&2; exit 1; }
+    k=$pki/users/$f
+    openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out "$k.key" 2>/dev/null
+    chmod 0600 "$k.key"
+    openssl req -new -key "$k.key" -subj "$subj" -out "$k.csr"
+    printf "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n" >"$k.ext"
+    openssl x509 -req -in "$k.csr" -CA $pki/ca.crt -CAkey $pki/ca.key -CAcreateserial \
+      -days 365 -sha256 -extfile "$k.ext" -out "$k.crt" 2>/dev/null
+    rm -f "$k.csr" "$k.ext"
+    out=/etc/kvirt/kubeconfigs/$f.kubeconfig
+    install -d -m 0755 /etc/kvirt/kubeconfigs /share/kubeconfigs
+    cat >"$out" <<KC
+apiVersion: v1
+kind: Config
+clusters:
+- name: kvirt-test
+  cluster:
+    server: $server
+    certificate-authority-data: $(base64 -w0 <$pki/ca.crt)
+users:
+- name: $f
+  user:
+    client-certificate-data: $(base64 -w0 <"$k.crt")
+    client-key-data: $(base64 -w0 <"$k.key")
+contexts:
+- name: $f@kvirt-test
+  context:
+    cluster: kvirt-test
+    user: $f
+current-context: $f@kvirt-test
+KC
+    chmod 0600 "$out"
+    cp "$out" /share/kubeconfigs/
+    echo "$out"' kubeconfig "$TH_K8S_SERVER" "$user" "$@"
+}
+
+# th_k8s_kubectl NAME ARGS...: run kubectl inside test host NAME as the admin (as a
+# transient service, like th_exec: stdin/stdout/exit code propagate).
+th_k8s_kubectl() {
+  local name=$1; shift
+  th_exec "$name" /usr/local/bin/kubectl --kubeconfig=/etc/kvirt/admin.kubeconfig "$@"
 }
