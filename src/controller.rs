@@ -48,20 +48,34 @@ pub enum EventReason {
     SyncFailed,
 }
 
-/// Where Events about a VMI go (the log in standalone mode).
+/// Where Events about a VMI go (the log in standalone mode, Event objects
+/// in a cluster). Recording never blocks the loop and never fails it.
 pub trait Recorder: Send + Sync + 'static {
-    fn record(&self, key: &VmKey, reason: EventReason, message: &str, warning: bool);
+    fn record(
+        &self,
+        vmi: &VirtualMachineInstance,
+        reason: EventReason,
+        message: &str,
+        warning: bool,
+    );
 }
 
 /// Standalone mode: Events are log lines carrying the VM key.
 pub struct LogRecorder;
 
 impl Recorder for LogRecorder {
-    fn record(&self, key: &VmKey, reason: EventReason, message: &str, warning: bool) {
+    fn record(
+        &self,
+        vmi: &VirtualMachineInstance,
+        reason: EventReason,
+        message: &str,
+        warning: bool,
+    ) {
+        let vm = vmi.key().map_or_else(|_| "?".into(), |k| k.to_string());
         if warning {
-            warn!(vm = %key, reason = ?reason, "{message}");
+            warn!(%vm, reason = ?reason, "{message}");
         } else {
-            info!(vm = %key, reason = ?reason, "{message}");
+            info!(%vm, reason = ?reason, "{message}");
         }
     }
 }
@@ -306,7 +320,11 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
             .as_ref()
             .map(|k| self.domain_ref(id, None, &k.domain_name()));
         let obs = self.observe(id, dom.as_ref()).await?;
-        let desired = vmi.as_ref().map(|v| Desired {
+        // A VMI being deleted is wanted no more: tear down, then let it go.
+        let deleting = vmi
+            .as_ref()
+            .is_some_and(|v| v.metadata.deletion_timestamp.is_some());
+        let desired = vmi.as_ref().filter(|_| !deleting).map(|v| Desired {
             uid: v.uid().unwrap_or_default().to_owned(),
             grace: v.termination_grace_period(),
             phase: v.status.phase,
@@ -321,6 +339,15 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
         let creating =
             plan.steps.contains(&Step::StartUnit) || plan.steps.contains(&Step::DefineDomain);
         if let (Some(v), Some(k), true) = (&vmi, &key, creating) {
+            // Nothing is made on the host before the VMI is held for cleanup.
+            self.deps
+                .status
+                .hold(v)
+                .await
+                .map_err(|source| ControllerError::Status {
+                    id: id.into(),
+                    source,
+                })?;
             if matches!(
                 v.status.phase,
                 None | Some(Phase::Pending | Phase::Scheduling)
@@ -328,15 +355,15 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
                 self.report(k, &Outcome::Phase(Phase::Scheduled)).await?;
                 self.deps
                     .recorder
-                    .record(k, EventReason::Created, "VM is being created", false);
+                    .record(v, EventReason::Created, "VM is being created", false);
             }
         }
 
         let ctx = StepCtx {
             id,
             obs: &obs,
+            vmi: vmi.as_ref(),
             key: key.as_ref(),
-            uid: vmi.as_ref().and_then(|v| v.uid()),
             converted: converted.as_ref().and_then(|c| c.as_ref().ok()),
             dom: dom.as_ref(),
         };
@@ -365,14 +392,26 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
             }
         }
 
-        if let Some(k) = &key {
-            self.report(k, &outcome).await?;
-        }
         if !teardown_errors.is_empty() {
             return Err(ControllerError::Teardown {
                 id: id.into(),
                 errors: teardown_errors,
             });
+        }
+        match (&vmi, &key) {
+            (Some(v), _) if deleting => {
+                // Everything of it is gone from the host: let the object go.
+                self.deps
+                    .status
+                    .release(v)
+                    .await
+                    .map_err(|source| ControllerError::Status {
+                        id: id.into(),
+                        source,
+                    })?;
+            }
+            (_, Some(k)) => self.report(k, &outcome).await?,
+            _ => {}
         }
         Ok(Reconciled {
             requeue_after: plan.requeue.then_some(Duration::from_millis(500)),
@@ -403,8 +442,8 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
         let ctx = StepCtx {
             id,
             obs: &Observed::default(),
+            vmi: None,
             key: None,
-            uid: None,
             converted: None,
             dom,
         };
@@ -446,19 +485,20 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
                 }
             }
         };
-        if let Some((old, new)) = changed {
+        let current = self.vmis().get(&id).cloned();
+        if let (Some((old, new)), Some(vmi)) = (changed, &current) {
             self.unsaved().insert(id.clone());
             if old != new {
                 info!(phase = ?new, "phase changed");
                 let r = &self.deps.recorder;
                 match (outcome, new) {
-                    (Outcome::Invalid(m), _) => r.record(key, EventReason::SyncFailed, m, true),
+                    (Outcome::Invalid(m), _) => r.record(vmi, EventReason::SyncFailed, m, true),
                     (_, Some(Phase::Running)) => {
-                        r.record(key, EventReason::Started, "VM started", false)
+                        r.record(vmi, EventReason::Started, "VM started", false)
                     }
-                    (Outcome::Failed(m), _) => r.record(key, EventReason::Stopped, m, true),
+                    (Outcome::Failed(m), _) => r.record(vmi, EventReason::Stopped, m, true),
                     (_, Some(Phase::Succeeded)) => {
-                        r.record(key, EventReason::Stopped, "the guest powered off", false)
+                        r.record(vmi, EventReason::Stopped, "the guest powered off", false)
                     }
                     _ => {}
                 }
@@ -467,7 +507,7 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
         if !self.unsaved().contains(&id) {
             return Ok(());
         }
-        let Some(vmi) = self.vmis().get(&id).cloned() else {
+        let Some(vmi) = current else {
             return Ok(());
         };
         self.deps
@@ -544,7 +584,7 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
                 let key = c.key.expect("a converted VMI has a key");
                 let spec = unit::unit_spec(&UnitInput {
                     key,
-                    uid: c.uid.unwrap_or_default(),
+                    uid: c.vmi.and_then(|v| v.uid()).unwrap_or_default(),
                     paths: &paths,
                     host: &self.settings.layout,
                     daemon: self.settings.daemon,
@@ -582,9 +622,9 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
                 .map_err(lv_err),
             Step::StartDomain => self.deps.hypervisor.start(&dom()).await.map_err(lv_err),
             Step::ShutdownDomain { grace } => {
-                if let Some(k) = c.key {
+                if let Some(v) = c.vmi {
                     self.deps.recorder.record(
-                        k,
+                        v,
                         EventReason::ShuttingDown,
                         "shutting the guest down",
                         false,
@@ -748,8 +788,8 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
 struct StepCtx<'a> {
     id: &'a str,
     obs: &'a Observed,
+    vmi: Option<&'a VirtualMachineInstance>,
     key: Option<&'a VmKey>,
-    uid: Option<&'a str>,
     converted: Option<&'a Converted>,
     dom: Option<&'a DomainRef>,
 }

@@ -29,6 +29,9 @@ pub struct HostState {
     pub domains: BTreeMap<String, DomainObs>,
     pub statuses: BTreeMap<VmKey, VirtualMachineInstance>,
     pub events: Vec<(VmKey, EventReason, String)>,
+    /// VMIs held (finalizer added) and released, by key.
+    pub held: BTreeSet<VmKey>,
+    pub released: Vec<VmKey>,
     /// Every call, in order: `start kvirt-vm@ns_vm.service`, `define ns_vm`...
     pub calls: Vec<String>,
     /// Calls (by their recorded text prefix) that fail.
@@ -157,7 +160,12 @@ impl Netns for FakeHost {
     }
 
     async fn delete(&self, name: &str) -> Result<(), NetnsError> {
-        self.call(format!("netns del {name}"));
+        if self.call(format!("netns del {name}")) {
+            return Err(NetnsError::Loopback {
+                name: name.into(),
+                message: injected("netns del"),
+            });
+        }
         self.state().netns.remove(name);
         Ok(())
     }
@@ -298,12 +306,33 @@ impl StatusStore for FakeHost {
         self.state().statuses.insert(key, vmi.clone());
         Ok(())
     }
+
+    async fn hold(&self, vmi: &VirtualMachineInstance) -> Result<(), SourceError> {
+        let key = vmi.key().expect("held VMIs have keys");
+        self.call(format!("hold {key}"));
+        self.state().held.insert(key);
+        Ok(())
+    }
+
+    async fn release(&self, vmi: &VirtualMachineInstance) -> Result<(), SourceError> {
+        let key = vmi.key().expect("released VMIs have keys");
+        self.call(format!("release {key}"));
+        let mut s = self.state();
+        s.held.remove(&key);
+        s.released.push(key);
+        Ok(())
+    }
 }
 
 impl Recorder for FakeHost {
-    fn record(&self, key: &VmKey, reason: EventReason, message: &str, _warning: bool) {
-        self.state()
-            .events
-            .push((key.clone(), reason, message.to_owned()));
+    fn record(
+        &self,
+        vmi: &VirtualMachineInstance,
+        reason: EventReason,
+        message: &str,
+        _warning: bool,
+    ) {
+        let key = vmi.key().expect("recorded VMIs have keys");
+        self.state().events.push((key, reason, message.to_owned()));
     }
 }

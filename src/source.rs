@@ -30,7 +30,8 @@ pub struct Snapshot {
     pub errors: Vec<SourceError>,
 }
 
-/// Writes and reads back the status kvirtd owns.
+/// The write side of a VMI source: the status kvirtd owns, and the hold
+/// that keeps a VMI from vanishing before its VM is cleaned up.
 pub trait StatusStore: Send + Sync + 'static {
     fn load(&self, key: &VmKey) -> impl Future<Output = Option<VirtualMachineInstance>> + Send;
     /// Saves the VMI with its new status; only called when the status changed.
@@ -38,6 +39,20 @@ pub trait StatusStore: Send + Sync + 'static {
         &self,
         vmi: &VirtualMachineInstance,
     ) -> impl Future<Output = Result<(), SourceError>> + Send;
+    /// Called before anything of the VM is made on the host (a finalizer).
+    fn hold(
+        &self,
+        _vmi: &VirtualMachineInstance,
+    ) -> impl Future<Output = Result<(), SourceError>> + Send {
+        async { Ok(()) }
+    }
+    /// Called once a deleted VMI's VM is entirely gone from the host.
+    fn release(
+        &self,
+        _vmi: &VirtualMachineInstance,
+    ) -> impl Future<Output = Result<(), SourceError>> + Send {
+        async { Ok(()) }
+    }
 }
 
 /// Reads every `*.yaml`, `*.yml` and `*.json` file in `dir`, sorted by name;

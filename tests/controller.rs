@@ -81,6 +81,7 @@ async fn a_new_vmi_becomes_a_running_vm_in_order() {
     assert_eq!(
         calls,
         vec![
+            "hold default/vm1",
             "mkdir /var/lib/kvirt/vms/default_vm1",
             "netns add kvirt-default_vm1",
             "start kvirt-vm@default_vm1.service",
@@ -390,4 +391,40 @@ async fn status_written_during_an_outage_catches_up_correctly() {
         1,
         "{events:?}"
     );
+}
+
+#[tokio::test]
+async fn a_deleted_vmi_is_released_only_once_its_host_side_is_gone() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    let v = vmi("vm1", "u1", "");
+    ctl.set_vmis(set(std::slice::from_ref(&v))).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert!(host.state().held.contains(&v.key().unwrap()));
+    host.take_calls();
+
+    // Deletion requested: the object stays (held) until the host is clean.
+    let mut deleting = v.clone();
+    deleting.metadata.deletion_timestamp = Some(
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::now()),
+    );
+    host.fail("netns del");
+    ctl.set_vmis(set(std::slice::from_ref(&deleting))).await;
+    // A failing teardown step must not release the VMI.
+    let _ = ctl.reconcile("default_vm1").await;
+    host.heal("netns del");
+    ctl.reconcile("default_vm1").await.unwrap();
+    let calls = host.take_calls();
+    assert_eq!(
+        calls.last().map(String::as_str),
+        Some("release default/vm1"),
+        "{calls:?}"
+    );
+    assert_eq!(
+        calls.iter().filter(|c| c.starts_with("release")).count(),
+        1,
+        "{calls:?}"
+    );
+    let s = host.state();
+    assert!(s.units.is_empty() && s.netns.is_empty() && s.dirs.is_empty());
 }

@@ -83,21 +83,12 @@ th_wait 10 th_exec "$name" kubectl --kubeconfig="$ukc" get -n smoke widget w1 >&
 [[ $(th_exec "$name" kubectl --kubeconfig="$ukc" auth whoami -o 'jsonpath={.status.userInfo.username}') == system:kvirt:node-1 ]]
 th_log "least-privilege user allowed after RBAC binding"
 
-# Memory of the control plane.
-rss() {
-  local p; p=$(th_exec "$name" systemctl show -P MainPID "$1")
-  awk '/^VmRSS:/ { printf "%.0f MiB", $2 / 1024 }' "/proc/$(th__k8s_hostpid "$p")/status"
+# Memory of the control plane (RSS and PSS of the units' main processes).
+mem() {
+  th_sh "$name" "p=\$(systemctl show -P MainPID $1)
+    awk '/^Rss:/ { r = \$2 } /^Pss:/ { p = \$2 } END { printf \"RSS %.0f MiB, PSS %.0f MiB\", r / 1024, p / 1024 }' /proc/\$p/smaps_rollup"
 }
-th__k8s_hostpid() {   # a PID inside the container -> the same process's PID outside
-  local st
-  for st in /proc/[0-9]*/status; do
-    awk -v p="$1" '/^NSpid:/ { exit !(NF == 3 && $3 == p) }' "$st" 2>/dev/null || continue
-    [[ $(readlink "${st%/status}/ns/pid") == $(readlink "/proc/$pid1/ns/pid") ]] || continue
-    st=${st#/proc/}; echo "${st%/status}"; return 0
-  done
-  return 1
-}
-th_log "RSS: etcd $(rss etcd.service), kube-apiserver $(rss kube-apiserver.service)"
+th_log "memory: etcd $(mem etcd.service); kube-apiserver $(mem kube-apiserver.service)"
 
 # The API server goes away for a while and comes back; etcd keeps the data.
 th_k8s_stop_apiserver "$name"

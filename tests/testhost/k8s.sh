@@ -259,7 +259,6 @@ SH
 }
 
 th__k8s_units() {
-  local svc_ip=$1
   cat <<EOT
 ### etcd.service
 [Unit]
