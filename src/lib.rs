@@ -7,6 +7,7 @@
 //! level-triggered loop that ties them together, one key per VM.
 
 pub mod config;
+pub mod cluster;
 pub mod controller;
 pub mod convert;
 pub mod fake;

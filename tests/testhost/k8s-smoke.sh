@@ -24,7 +24,8 @@ cleanup() {
 }
 trap cleanup EXIT
 
-export TH_BIND_RO="${TH_BIND_RO:-} $(th_k8s_binds)"
+binds=$(th_k8s_binds)
+export TH_BIND_RO="${TH_BIND_RO:-} $binds"
 t=$(th__now); pid1=$(th_boot "$name"); th_log "boot: $(th__since "$t")"
 t=$(th__now); th_k8s_up "$name"; th_log "th_k8s_up: $(th__since "$t")"
 

@@ -30,12 +30,12 @@ th__build_k8s() {
   set -x
   "$go" version
   mkdir -p "$w/src/cmd/kube-apiserver" "$w/src/cmd/kubectl"
-  cd "$w/src"
+  cd "$w/src" || return
   echo "[th $(date +%T)] k8s: fetching k8s.io/kubernetes v$ver"
   # The kubernetes go.mod requires its staging repositories as v0.0.0 and replaces
   # them with ./staging/src/...: list those and pin each to v0.<minor>.<patch>.
   local gomod
-  gomod=$(cd /tmp && GOFLAGS= "$go" mod download -json "k8s.io/kubernetes@v$ver" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')
+  gomod=$(cd /tmp && GOFLAGS="" "$go" mod download -json "k8s.io/kubernetes@v$ver" | sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p')
   [[ -r $gomod ]]
   local staging
   staging=$(sed -n 's#^[[:space:]]*\(k8s.io/[^ ]*\) => \./staging/src/.*#\1#p' "$gomod")
