@@ -32,11 +32,47 @@ pub struct Config {
     pub paths: PathsConfig,
     pub vm: VmConfig,
     pub storage: StorageConfig,
+    pub kubernetes: KubernetesConfig,
+}
+
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum SourceKind {
+    /// Manifests in `source.directory`; status in each VM's runtime dir.
+    #[default]
+    Directory,
+    /// The VMIs of a Kubernetes API server labelled for this node.
+    Kubernetes,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct KubernetesConfig {
+    /// kubeconfig kvirtd connects with (a host daemon, not a pod).
+    pub kubeconfig: PathBuf,
+    /// Claim unassigned VMIs whose nodeSelector these labels satisfy.
+    pub claim: bool,
+    /// This host's labels, for `claim`.
+    pub node_labels: std::collections::BTreeMap<String, String>,
+    /// The heartbeat Lease's duration; renewed every quarter of it.
+    pub lease_seconds: u64,
+}
+
+impl Default for KubernetesConfig {
+    fn default() -> Self {
+        Self {
+            kubeconfig: "/etc/kvirt/kubeconfig".into(),
+            claim: false,
+            node_labels: Default::default(),
+            lease_seconds: 40,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct SourceConfig {
+    pub kind: SourceKind,
     /// Directory of VMI manifests (YAML or JSON), kubelet-static-pod style.
     pub directory: PathBuf,
     /// Seconds between full resyncs of every VM (the safety net under events).
@@ -94,6 +130,7 @@ pub struct StorageConfig {
 impl Default for SourceConfig {
     fn default() -> Self {
         Self {
+            kind: SourceKind::Directory,
             directory: "/etc/kvirt/vmis.d".into(),
             resync_seconds: 30,
         }
@@ -192,6 +229,17 @@ impl Config {
             return Err(invalid(format!(
                 "vm.slice: {:?} must end in .slice",
                 self.vm.slice
+            )));
+        }
+        if self.kubernetes.lease_seconds < 4 {
+            return Err(invalid(
+                "kubernetes.lease_seconds must be at least 4".into(),
+            ));
+        }
+        if self.source.kind == SourceKind::Kubernetes && !self.kubernetes.kubeconfig.is_absolute() {
+            return Err(invalid(format!(
+                "kubernetes.kubeconfig: {} is not absolute",
+                self.kubernetes.kubeconfig.display()
             )));
         }
         if self.source.resync_seconds == 0 {

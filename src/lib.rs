@@ -6,8 +6,8 @@
 //! `fake` has recording fakes of all of them for tests. `controller` is the
 //! level-triggered loop that ties them together, one key per VM.
 
-pub mod config;
 pub mod cluster;
+pub mod config;
 pub mod controller;
 pub mod convert;
 pub mod fake;

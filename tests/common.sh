@@ -36,3 +36,47 @@ kvirt_testhost() {
   bash "$top/tests/testhost/install-kvirt.sh" "$name" "$top/target/debug" >&2
   echo "$pid"
 }
+
+# A cluster of two test hosts: A runs etcd and kube-apiserver plus kvirtd as
+# node-a; B shares A's network namespace (so reaches the API server on
+# loopback) and runs kvirtd as node-b. Both claim unassigned VMIs of zone z1,
+# each with its own least-privilege identity. Echoes "PID_A PID_B".
+kvirt_k8s_cluster() {
+  local a=$1 b=$2 guest vq k8s pa pb
+  # shellcheck source=testhost/k8s.sh
+  source "$top/tests/testhost/k8s.sh"
+  guest=$(th_guest)
+  vq=$(th_virtqemud)
+  k8s=$(th_k8s_binds)
+  pa=$(TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud $k8s" th_boot "$a")
+  th_k8s_up "$a" >&2
+  th_copy_in "$a" "$top/packaging/kubernetes/crd.yaml" /etc/kvirt/manifests/crd.yaml
+  th_copy_in "$a" "$top/packaging/kubernetes/rbac.yaml" /etc/kvirt/manifests/rbac.yaml
+  th_k8s_kubectl "$a" apply -f /etc/kvirt/manifests/crd.yaml -f /etc/kvirt/manifests/rbac.yaml >&2
+  th_k8s_kubectl "$a" wait --for=condition=Established --timeout=60s crd/virtualmachineinstances.kubevirt.io >&2
+  pb=$(TH_NETNS_OF=$a TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud $k8s" th_boot "$b")
+  local host node kc
+  for host in "$a" "$b"; do
+    node=node-${host##*-}
+    kc=$(th_k8s_kubeconfig "$a" "system:kvirt:$node" kvirt:nodes)
+    th_copy_in "$host" "$(th_share "$a")/kubeconfigs/$(basename "$kc")" /etc/kvirt/kubeconfig
+    # Both hosts need the admin kubeconfig for the tests' kubectl.
+    th_copy_in "$host" "$(th_share "$a")/admin.kubeconfig" /root/.kube/config
+    bash "$top/tests/testhost/install-kvirt.sh" "$host" "$top/target/debug" >&2
+    th_sh "$host" "cat > /etc/kvirt/kvirtd.toml <<EOF
+node_name = \"$node\"
+[source]
+kind = \"kubernetes\"
+[vm]
+daemon = \"virtqemud\"
+emulation = \"always\"
+[kubernetes]
+kubeconfig = \"/etc/kvirt/kubeconfig\"
+claim = true
+node_labels = { zone = \"z1\", \"kvirt.io/host\" = \"$node\" }
+lease_seconds = 8
+EOF
+systemctl restart kvirtd" >&2
+  done
+  echo "$pa $pb"
+}

@@ -3,17 +3,21 @@
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use kvirt::config::{Config, Emulation, DEFAULT_PATH};
-use kvirt::controller::{Controller, Deps, LogRecorder, Settings, Trigger};
+use kvirt::cluster;
+use kvirt::config::{Config, Emulation, SourceKind, DEFAULT_PATH};
+use kvirt::controller::{Controller, Deps, LogRecorder, Recorder, Settings, Trigger};
 use kvirt::convert::DomainType;
+use kvirt::key::VmKey;
 use kvirt::libvirt::Libvirt;
 use kvirt::netns::KernelNetns;
-use kvirt::source::{scan_dir, FileStatusStore, Snapshot};
+use kvirt::source::{scan_dir, FileStatusStore, Snapshot, StatusStore};
 use kvirt::storage::{HostStorage, Owner};
 use kvirt::systemd::SystemdBus;
+use kvirt::vmi::VirtualMachineInstance;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tracing::{error, info, warn};
 
 /// Runs KubeVirt VirtualMachineInstances on this host without pods.
@@ -33,10 +37,29 @@ struct Args {
     /// Check the configuration and exit.
     #[arg(long)]
     check_config: bool,
+    /// Print the VirtualMachineInstance CRD (kubevirt.io/v1 compatible, for
+    /// clusters without KubeVirt) and exit.
+    #[arg(long)]
+    print_crd: bool,
+    /// Print the least-privilege RBAC kvirtd needs in a cluster and exit.
+    #[arg(long)]
+    print_rbac: bool,
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if args.print_crd || args.print_rbac {
+        if args.print_crd {
+            print!("{}", cluster::CRD_YAML);
+        }
+        if args.print_crd && args.print_rbac {
+            println!("---");
+        }
+        if args.print_rbac {
+            print!("{}", cluster::RBAC_YAML);
+        }
+        return Ok(());
+    }
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("KVIRT_LOG")
@@ -171,11 +194,9 @@ async fn run(config: Config) -> Result<()> {
         node = %settings.node_name,
         daemon = ?settings.daemon,
         domain_type = settings.domain_type.as_str(),
-        manifests = %config.source.directory.display(),
+        source = ?config.source.kind,
         "starting"
     );
-    std::fs::create_dir_all(&config.source.directory)
-        .with_context(|| format!("creating {}", config.source.directory.display()))?;
 
     let (tx, rx) = unbounded_channel::<Trigger>();
     // Domain events and unit changes name a VM id; both just wake it.
@@ -191,45 +212,128 @@ async fn run(config: Config) -> Result<()> {
             }
         });
     }
-
     let systemd = SystemdBus::connect()
         .await
         .context("connecting to systemd over D-Bus")?;
     systemd.watch(unit_tx).await.context("watching units")?;
-    let deps = Deps {
+    let host = Host {
         units: systemd,
-        netns: KernelNetns::default(),
         hypervisor: Libvirt::new(lv_tx),
         storage: HostStorage {
             host: settings.layout.clone(),
             owner: Some(owner),
         },
-        status: FileStatusStore {
-            host: settings.layout.clone(),
-        },
-        recorder: LogRecorder,
+    };
+    let resync = Duration::from_secs(config.source.resync_seconds);
+
+    match config.source.kind {
+        SourceKind::Directory => {
+            let dir = config.source.directory.clone();
+            std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            let status = FileStatusStore {
+                host: settings.layout.clone(),
+            };
+            let initial = scan(&dir).vmis;
+            let watch = dir.clone();
+            let ready = move |tx: UnboundedSender<Trigger>| watch_dir(watch, tx);
+            let list = move || scan(&dir).vmis;
+            serve(
+                host,
+                status,
+                LogRecorder,
+                settings,
+                initial,
+                ready,
+                list,
+                resync,
+                tx,
+                rx,
+            )
+            .await
+        }
+        SourceKind::Kubernetes => {
+            let k = &config.kubernetes;
+            let client = cluster::client(&k.kubeconfig).await?;
+            let node = settings.node_name.clone();
+            info!("waiting for the first list of this node's VMIs");
+            let store = cluster::source::watch_node(client.clone(), &node, tx.clone()).await;
+            let initial = cluster::source::snapshot(&store);
+            tokio::spawn(cluster::lease::heartbeat(
+                client.clone(),
+                node.clone(),
+                Duration::from_secs(k.lease_seconds),
+            ));
+            let claim = k
+                .claim
+                .then(|| (client.clone(), node.clone(), k.node_labels.clone()));
+            let ready = move |_tx: UnboundedSender<Trigger>| {
+                if let Some((client, node, labels)) = claim {
+                    cluster::source::claim_unassigned(client, node, labels);
+                }
+                Ok(())
+            };
+            let list = move || cluster::source::snapshot(&store);
+            let status = cluster::status::KubeStatus {
+                client: client.clone(),
+            };
+            let events = cluster::events::KubeEvents::new(client, &node);
+            serve(
+                host, status, events, settings, initial, ready, list, resync, tx, rx,
+            )
+            .await
+        }
+    }
+}
+
+/// The host-side adapters, the same whatever the VMIs come from.
+struct Host {
+    units: SystemdBus,
+    hypervisor: Libvirt,
+    storage: HostStorage,
+}
+
+/// Adopts, reports ready, then runs the loop until SIGTERM. `ready` starts
+/// the source's change feed; `list` gives the full set for each resync.
+#[allow(clippy::too_many_arguments)]
+async fn serve<St: StatusStore, R: Recorder>(
+    host: Host,
+    status: St,
+    recorder: R,
+    settings: Settings,
+    initial: BTreeMap<VmKey, VirtualMachineInstance>,
+    ready: impl FnOnce(UnboundedSender<Trigger>) -> Result<()>,
+    list: impl Fn() -> BTreeMap<VmKey, VirtualMachineInstance> + Send + 'static,
+    resync: Duration,
+    tx: UnboundedSender<Trigger>,
+    rx: UnboundedReceiver<Trigger>,
+) -> Result<()> {
+    let deps = Deps {
+        units: host.units,
+        netns: KernelNetns::default(),
+        hypervisor: host.hypervisor,
+        storage: host.storage,
+        status,
+        recorder,
     };
     let ctl = Controller::new(deps, settings);
 
     // Adoption before serving: every VM the host has is matched or cleaned.
-    let dir = config.source.directory.clone();
-    ctl.set_vmis(scan(&dir).vmis).await;
+    ctl.set_vmis(initial).await;
     for (id, e) in ctl.reconcile_all().await {
         warn!(vm = %id, "first pass: {e}");
     }
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
     notify_status(ctl.phase_counts());
     info!("ready");
+    ready(tx.clone())?;
 
-    watch_dir(dir.clone(), tx.clone())?;
-    let resync = Duration::from_secs(config.source.resync_seconds);
     let (ticker_tx, ticker_ctl) = (tx.clone(), ctl.clone());
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(resync);
         tick.tick().await;
         loop {
             tick.tick().await;
-            let _ = ticker_tx.send(Trigger::Vmis(scan(&dir).vmis));
+            let _ = ticker_tx.send(Trigger::Vmis(list()));
             let _ = ticker_tx.send(Trigger::Resync);
             notify_status(ticker_ctl.phase_counts());
         }
@@ -243,7 +347,7 @@ async fn run(config: Config) -> Result<()> {
         }
     });
 
-    let loop_task = tokio::spawn(ctl.run(tx.clone(), rx));
+    let loop_task = tokio::spawn(ctl.run(tx, rx));
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         _ = term.recv() => info!("SIGTERM: exiting; VMs keep running"),

@@ -23,7 +23,13 @@ impl KubeEvents {
 }
 
 impl Recorder for KubeEvents {
-    fn record(&self, vmi: &VirtualMachineInstance, reason: EventReason, message: &str, warning: bool) {
+    fn record(
+        &self,
+        vmi: &VirtualMachineInstance,
+        reason: EventReason,
+        message: &str,
+        warning: bool,
+    ) {
         let event = Event {
             type_: if warning {
                 EventType::Warning

@@ -75,7 +75,10 @@ pub async fn client(path: &Path) -> Result<kube::Client, ClusterError> {
     kube::Client::try_from(cfg).map_err(|e| err(e.to_string()))
 }
 
-fn api_err(vmi: &VirtualMachineInstance, op: &'static str) -> impl FnOnce(kube::Error) -> ClusterError {
+fn api_err(
+    vmi: &VirtualMachineInstance,
+    op: &'static str,
+) -> impl FnOnce(kube::Error) -> ClusterError {
     let name = vmi.key().map_or_else(|_| "?".into(), |k| k.to_string());
     move |e| ClusterError::Api {
         vmi: name,

@@ -39,15 +39,24 @@ pub async fn watch_node(
     let store = reader.clone();
     tokio::spawn(async move {
         let mut stream = std::pin::pin!(stream);
+        let mut listed = false;
         while let Some(event) = stream.next().await {
-            match event {
-                Ok(_) if store.wait_until_ready().await.is_ok() => {
-                    if tx.send(Trigger::Vmis(snapshot(&store))).is_err() {
-                        break;
-                    }
+            // The store swaps in a (re-)list at InitDone; before the first
+            // one it is empty, and an empty set would mean "tear all down".
+            let send = match event {
+                Ok(watcher::Event::InitDone) => {
+                    listed = true;
+                    true
                 }
-                Ok(_) => {}
-                Err(e) => warn!("watching VMIs: {e}"),
+                Ok(watcher::Event::Apply(_) | watcher::Event::Delete(_)) => listed,
+                Ok(_) => false,
+                Err(e) => {
+                    warn!("watching VMIs: {e}");
+                    false
+                }
+            };
+            if send && tx.send(Trigger::Vmis(snapshot(&store))).is_err() {
+                break;
             }
         }
     });
@@ -58,7 +67,11 @@ pub async fn watch_node(
 /// Whether this host may claim the VMI: unassigned, not started, and its
 /// nodeSelector satisfied by the host's labels.
 pub fn claimable(vmi: &VirtualMachineInstance, host_labels: &BTreeMap<String, String>) -> bool {
-    let unassigned = !vmi.metadata.labels.as_ref().is_some_and(|l| l.contains_key(NODE_LABEL))
+    let unassigned = !vmi
+        .metadata
+        .labels
+        .as_ref()
+        .is_some_and(|l| l.contains_key(NODE_LABEL))
         && vmi.status.node_name.as_deref().unwrap_or("").is_empty();
     let fresh = matches!(vmi.status.phase, None | Some(Phase::Pending));
     let alive = vmi.metadata.deletion_timestamp.is_none();
@@ -83,12 +96,20 @@ pub fn claim_patch(vmi: &VirtualMachineInstance, node: &str) -> serde_json::Valu
     })
 }
 
-pub async fn claim(client: &kube::Client, vmi: &VirtualMachineInstance, node: &str) -> Result<bool, ClusterError> {
+pub async fn claim(
+    client: &kube::Client,
+    vmi: &VirtualMachineInstance,
+    node: &str,
+) -> Result<bool, ClusterError> {
     let ns = vmi.metadata.namespace.as_deref().unwrap_or("default");
     let name = vmi.metadata.name.as_deref().unwrap_or_default();
     let api: Api<VirtualMachineInstance> = Api::namespaced(client.clone(), ns);
     match api
-        .patch(name, &PatchParams::default(), &Patch::Merge(claim_patch(vmi, node)))
+        .patch(
+            name,
+            &PatchParams::default(),
+            &Patch::Merge(claim_patch(vmi, node)),
+        )
         .await
     {
         Ok(_) => Ok(true),
@@ -139,8 +160,9 @@ mod tests {
 
     #[test]
     fn claims_only_unassigned_matching_vmis() {
-        let labels: BTreeMap<String, String> =
-            [("zone".to_string(), "a".to_string())].into_iter().collect();
+        let labels: BTreeMap<String, String> = [("zone".to_string(), "a".to_string())]
+            .into_iter()
+            .collect();
         assert!(claimable(&vmi(""), &labels));
         assert!(claimable(&vmi("  nodeSelector: {zone: a}\n"), &labels));
         assert!(!claimable(&vmi("  nodeSelector: {zone: b}\n"), &labels));

@@ -77,8 +77,7 @@ impl KubeStatus {
             Some(l) if l.uid() != vmi.uid() => return Ok(()),
             Some(l) => l,
         };
-        let Some(finalizers) = edit(live.metadata.finalizers.as_deref().unwrap_or_default())
-        else {
+        let Some(finalizers) = edit(live.metadata.finalizers.as_deref().unwrap_or_default()) else {
             return Ok(());
         };
         let patch = json!({
@@ -110,7 +109,11 @@ impl StatusStore for KubeStatus {
     async fn save(&self, vmi: &VirtualMachineInstance) -> Result<(), SourceError> {
         let name = vmi.metadata.name.clone().unwrap_or_default();
         self.api(vmi)
-            .patch(&name, &PatchParams::default(), &Patch::Merge(status_patch(vmi)))
+            .patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(status_patch(vmi)),
+            )
             .await
             .map_err(api_err(vmi, "patch status"))
             .map_err(source_err)?;

@@ -444,7 +444,13 @@ th_boot() {
   fi
   rm -rf "$st"
   mkdir -p "$st/share"
-  local args=(-b -D "$rootfs" --register=no --keep-unit --capability=all --private-network
+  # TH_NETNS_OF=OTHER shares test host OTHER's network namespace (and so its
+  # loopback services) instead of a private one.
+  local net=--private-network
+  if [[ -n ${TH_NETNS_OF:-} ]]; then
+    net=--network-namespace-path=/proc/$(th_pid1 "$TH_NETNS_OF")/ns/net
+  fi
+  local args=(-b -D "$rootfs" --register=no --keep-unit --capability=all "$net"
     --volatile=overlay --machine="$name" --console=read-only --bind="$st/share:/share")
   for b in ${TH_BIND_RO:-}; do args+=("--bind-ro=$b"); done
   for b in ${TH_BIND:-}; do args+=("--bind=$b"); done

@@ -1,0 +1,339 @@
+//! Tier 3 with a cluster: a real kube-apiserver and etcd in test host A,
+//! kvirtd on A (node-a) and on B (node-b, sharing A's network), each with
+//! least-privilege credentials. Tests drive the cluster with kubectl as a
+//! user would. Run by `tests/run-all`, which sets `KVIRT_K8S_A_PID` and
+//! `KVIRT_K8S_B_PID`; without them these tests pass vacuously.
+
+mod support;
+
+use std::time::{Duration, Instant};
+use support::{serial, Host, BOOT};
+
+fn hosts() -> Option<(Host, Host)> {
+    Some((
+        support::host("KVIRT_K8S_A_PID")?,
+        support::host("KVIRT_K8S_B_PID")?,
+    ))
+}
+
+const WAIT: Duration = Duration::from_secs(60);
+
+/// A VMI booting a copy of a test guest disk; `placement` is either a node
+/// label line or a nodeSelector block.
+fn vmi_yaml(name: &str, labels: &str, spec_extra: &str) -> String {
+    format!(
+        "apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata:
+  name: {name}
+  namespace: default
+  labels: {{{labels}}}
+spec:
+  terminationGracePeriodSeconds: 15
+{spec_extra}  domain:
+    memory: {{guest: 128Mi}}
+    devices:
+      disks:
+      - name: boot
+        disk: {{bus: virtio}}
+  volumes:
+  - name: boot
+    hostDisk: {{path: /var/lib/kvirt/images/{name}.raw, type: Disk}}
+"
+    )
+}
+
+fn apply(h: &Host, yaml: &str) {
+    h.ok(&format!("kubectl apply -f - <<'VMI'\n{yaml}VMI"));
+}
+
+fn kubectl(h: &Host, args: &str) -> String {
+    h.ok(&format!("kubectl {args}"))
+}
+
+fn disk(hosts: &[&Host], name: &str, kind: &str) {
+    for h in hosts {
+        h.ok(&format!(
+            "cp /srv/guest/{kind}.raw /var/lib/kvirt/images/{name}.raw"
+        ));
+    }
+}
+
+fn wait_vmi(h: &Host, name: &str, jsonpath: &str, value: &str, timeout: Duration) {
+    h.wait(
+        &format!("vmi/{name} {jsonpath}={value}"),
+        timeout,
+        &format!("[ \"$(kubectl get vmi {name} -o jsonpath='{{{jsonpath}}}')\" = '{value}' ]"),
+    );
+}
+
+fn unit_loaded(h: &Host, name: &str) -> bool {
+    h.ok(&format!(
+        "systemctl show -p LoadState --value kvirt-vm@default_{name}.service"
+    )) == "loaded"
+}
+
+fn host_clean(h: &Host, name: &str) -> bool {
+    h.succeeds(&format!(
+        "[ \"$(systemctl show -p LoadState --value kvirt-vm@default_{name}.service)\" = not-found ]
+         [ ! -e /run/netns/kvirt-default_{name} ]
+         [ ! -e /var/lib/kvirt/vms/default_{name} ] && [ ! -e /run/kvirt/vms/default_{name} ]"
+    ))
+}
+
+fn events(h: &Host, name: &str) -> Vec<String> {
+    kubectl(
+        h,
+        &format!(
+            "get events --field-selector involvedObject.name={name} -o jsonpath='{{range .items[*]}}{{.reason}}{{\"\\n\"}}{{end}}'"
+        ),
+    )
+    .lines()
+    .map(str::to_owned)
+    .collect()
+}
+
+fn delete(h: &Host, name: &str) {
+    kubectl(h, &format!("delete vmi {name} --timeout=60s"));
+}
+
+#[test]
+fn a_vmi_for_this_node_runs_reports_and_is_deleted_cleanly() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = serial();
+    disk(&[&a], "k-alpha", "run");
+    // Another node's VMI, created at the same time, is never touched.
+    apply(
+        &a,
+        &vmi_yaml("k-other", "kubevirt.io/nodeName: node-elsewhere", ""),
+    );
+    apply(&a, &vmi_yaml("k-alpha", "kubevirt.io/nodeName: node-a", ""));
+    kubectl(
+        &a,
+        "wait vmi/k-alpha --for=jsonpath='{.status.phase}'=Running --timeout=90s",
+    );
+    let row = kubectl(&a, "get vmi k-alpha --no-headers");
+    assert!(
+        row.contains("Running") && row.contains("node-a") && row.contains("True"),
+        "{row}"
+    );
+    assert!(unit_loaded(&a, "k-alpha") && !unit_loaded(&b, "k-alpha"));
+    let finalizers = kubectl(&a, "get vmi k-alpha -o jsonpath='{.metadata.finalizers}'");
+    assert!(finalizers.contains("kvirt.io/host-cleanup"), "{finalizers}");
+    a.wait(
+        "Started event",
+        WAIT,
+        "kubectl get events --field-selector involvedObject.name=k-alpha | grep -q Started",
+    );
+    let ev = events(&a, "k-alpha");
+    assert!(ev.contains(&"Created".to_string()), "{ev:?}");
+
+    let other = kubectl(&a, "get vmi k-other -o json");
+    assert!(!other.contains("\"phase\""), "{other}");
+    assert!(!other.contains("kvirt.io/host-cleanup"), "{other}");
+    assert!(!unit_loaded(&a, "k-other") && !unit_loaded(&b, "k-other"));
+
+    // `kubectl delete` returns once the VM and everything of it are gone.
+    delete(&a, "k-alpha");
+    assert!(host_clean(&a, "k-alpha"), "host A still has k-alpha");
+    a.ok("! kubectl get vmi k-alpha");
+    kubectl(&a, "delete vmi k-other --timeout=30s");
+}
+
+#[test]
+fn two_hosts_racing_for_one_vmi_run_it_exactly_once() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = serial();
+    disk(&[&a, &b], "k-race", "run");
+    apply(&a, &vmi_yaml("k-race", "", "  nodeSelector: {zone: z1}\n"));
+    kubectl(
+        &a,
+        "wait vmi/k-race --for=jsonpath='{.status.phase}'=Running --timeout=90s",
+    );
+    let node = kubectl(&a, "get vmi k-race -o jsonpath='{.status.nodeName}'");
+    let label = kubectl(
+        &a,
+        "get vmi k-race -o jsonpath='{.metadata.labels.kubevirt\\.io/nodeName}'",
+    );
+    assert_eq!(node, label);
+    let (winner, loser) = match node.as_str() {
+        "node-a" => (&a, &b),
+        "node-b" => (&b, &a),
+        other => panic!("claimed by {other:?}"),
+    };
+    assert!(unit_loaded(winner, "k-race"));
+    assert!(!unit_loaded(loser, "k-race"), "both hosts run k-race");
+    delete(&a, "k-race");
+    assert!(host_clean(winner, "k-race"));
+}
+
+#[test]
+fn a_bad_vmi_fails_with_an_event_while_a_good_one_runs() {
+    let Some((a, _b)) = hosts() else { return };
+    let _g = serial();
+    disk(&[&a], "k-good", "run");
+    apply(
+        &a,
+        &format!(
+            "{}---\n{}",
+            vmi_yaml("k-good", "kubevirt.io/nodeName: node-a", ""),
+            vmi_yaml(
+                "k-bad",
+                "kubevirt.io/nodeName: node-a",
+                "  startStrategy: Paused\n"
+            )
+        ),
+    );
+    wait_vmi(&a, "k-bad", ".status.phase", "Failed", WAIT);
+    let sync = kubectl(
+        &a,
+        "get vmi k-bad -o jsonpath='{.status.conditions[?(@.type==\"Synchronized\")].status} {.status.conditions[?(@.type==\"Synchronized\")].message}'",
+    );
+    assert!(
+        sync.starts_with("False") && sync.contains("spec.startStrategy"),
+        "{sync}"
+    );
+    a.wait(
+        "SyncFailed event",
+        WAIT,
+        "kubectl get events --field-selector involvedObject.name=k-bad,reason=SyncFailed -o name | grep -q .",
+    );
+    assert!(!unit_loaded(&a, "k-bad"));
+    kubectl(
+        &a,
+        "wait vmi/k-good --for=jsonpath='{.status.phase}'=Running --timeout=90s",
+    );
+    delete(&a, "k-bad");
+    delete(&a, "k-good");
+    assert!(host_clean(&a, "k-good") && host_clean(&a, "k-bad"));
+}
+
+#[test]
+fn an_api_outage_leaves_vms_running_and_status_catches_up() {
+    let Some((a, _b)) = hosts() else { return };
+    let _g = serial();
+    disk(&[&a], "k-steady", "run");
+    disk(&[&a], "k-off", "poweroff");
+    apply(
+        &a,
+        &vmi_yaml("k-steady", "kubevirt.io/nodeName: node-a", ""),
+    );
+    kubectl(
+        &a,
+        "wait vmi/k-steady --for=jsonpath='{.status.phase}'=Running --timeout=90s",
+    );
+    let pid = a.qemu_pid("k-steady");
+    apply(&a, &vmi_yaml("k-off", "kubevirt.io/nodeName: node-a", ""));
+    kubectl(
+        &a,
+        "wait vmi/k-off --for=jsonpath='{.status.phase}'=Running --timeout=90s",
+    );
+
+    a.ok("systemctl stop kube-apiserver");
+    // The guest powers itself off during the outage; kvirtd cleans its host
+    // side up but cannot write the status yet.
+    a.wait(
+        "k-off's unit collected during the outage",
+        BOOT,
+        "[ \"$(systemctl show -p LoadState --value kvirt-vm@default_k-off.service)\" = not-found ]",
+    );
+    assert_eq!(
+        a.qemu_pid("k-steady"),
+        pid,
+        "a VM restarted during the outage"
+    );
+    a.ok("systemctl start kube-apiserver");
+    a.wait("API back", WAIT, "kubectl get --raw /readyz");
+    wait_vmi(&a, "k-off", ".status.phase", "Succeeded", WAIT);
+    assert_eq!(a.qemu_pid("k-steady"), pid);
+    assert_eq!(
+        kubectl(&a, "get vmi k-steady -o jsonpath='{.status.phase}'"),
+        "Running"
+    );
+    delete(&a, "k-off");
+    delete(&a, "k-steady");
+}
+
+#[test]
+fn restarting_kvirtd_restarts_no_vm_and_repeats_no_event() {
+    let Some((a, _b)) = hosts() else { return };
+    let _g = serial();
+    disk(&[&a], "k-keep", "run");
+    apply(&a, &vmi_yaml("k-keep", "kubevirt.io/nodeName: node-a", ""));
+    kubectl(
+        &a,
+        "wait vmi/k-keep --for=jsonpath='{.status.phase}'=Running --timeout=90s",
+    );
+    a.wait(
+        "Started event",
+        WAIT,
+        "kubectl get events --field-selector involvedObject.name=k-keep | grep -q Started",
+    );
+    let pid = a.qemu_pid("k-keep");
+    let before_rv = kubectl(
+        &a,
+        "get vmi k-keep -o jsonpath='{.status.phaseTransitionTimestamps}'",
+    );
+    let before_events = events(&a, "k-keep");
+    a.ok("systemctl restart kvirtd");
+    a.wait(
+        "kvirtd ready",
+        WAIT,
+        "systemctl is-active -q kvirtd && journalctl -u kvirtd -n 20 | grep -q ready",
+    );
+    a.ok("systemctl kill -s KILL kvirtd");
+    a.wait(
+        "kvirtd back",
+        WAIT,
+        "systemctl is-active -q kvirtd && journalctl -u kvirtd -n 20 | grep -q ready",
+    );
+    assert_eq!(a.qemu_pid("k-keep"), pid);
+    assert_eq!(
+        kubectl(
+            &a,
+            "get vmi k-keep -o jsonpath='{.status.phaseTransitionTimestamps}'"
+        ),
+        before_rv,
+        "status flapped"
+    );
+    assert_eq!(events(&a, "k-keep"), before_events, "duplicate events");
+    delete(&a, "k-keep");
+}
+
+#[test]
+fn the_lease_is_renewed_and_rbac_is_least_privilege() {
+    let Some((a, _b)) = hosts() else { return };
+    let _g = serial();
+    let lease = "kubectl -n kube-node-lease get lease kvirt-node-a -o jsonpath='{.spec.renewTime}'";
+    a.wait("lease exists", WAIT, lease);
+    let first = a.ok(lease);
+    let started = Instant::now();
+    a.wait(
+        "lease renewed",
+        Duration::from_secs(30),
+        &format!("[ \"$({lease})\" != '{first}' ]"),
+    );
+    assert!(started.elapsed() < Duration::from_secs(30));
+    assert_eq!(
+        kubectl(
+            &a,
+            "-n kube-node-lease get lease kvirt-node-a -o jsonpath='{.spec.holderIdentity}'"
+        ),
+        "node-a"
+    );
+    // kvirtd's identity can do its job and no more.
+    let can = |verb: &str| {
+        a.sh(&format!(
+            "kubectl auth can-i {verb} --as system:kvirt:node-a --as-group kvirt:nodes"
+        ))
+        .status
+        .success()
+    };
+    assert!(can("patch virtualmachineinstances.kubevirt.io"));
+    assert!(can("watch virtualmachineinstances.kubevirt.io"));
+    assert!(!can("delete virtualmachineinstances.kubevirt.io"));
+    assert!(!can("create virtualmachineinstances.kubevirt.io"));
+    assert!(!can("get secrets"));
+    // The shipped manifests are what kvirtd prints.
+    a.ok("diff <(kvirtd --print-crd) /etc/kvirt/manifests/crd.yaml");
+}

@@ -1,0 +1,191 @@
+//! Driving a booted test host from the tests: shell snippets run inside it
+//! as real services, polled conditions with deadlines, the VMs' files.
+#![allow(dead_code)]
+
+use std::process::{Command, Output};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+/// Tests sharing a host and its kvirtd run one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    SERIAL.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+pub const BOOT: Duration = Duration::from_secs(90);
+
+/// The test host whose PID 1 is in the environment variable `var`, or
+/// `None` (the test then passes vacuously, saying so).
+pub fn host(var: &str) -> Option<Host> {
+    match std::env::var(var) {
+        Ok(pid) if !pid.is_empty() => Some(Host { pid }),
+        _ => {
+            eprintln!("skipped: no test host in ${var} (run tests/run-all)");
+            None
+        }
+    }
+}
+
+pub struct Host {
+    pub pid: String,
+}
+
+impl Host {
+    /// Runs a shell snippet inside the host as a real service (the
+    /// container's own capabilities, not ours).
+    pub fn sh(&self, script: &str) -> Output {
+        Command::new("nsenter")
+            .args(["-t", &self.pid, "-a"])
+            .args([
+                "systemd-run",
+                "--wait",
+                "--pipe",
+                "--quiet",
+                "--collect",
+                "-E",
+                "HOME=/root",
+            ])
+            .args(["--", "/bin/bash", "-euo", "pipefail", "-c", script])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .expect("nsenter runs")
+    }
+
+    /// Runs it and returns stdout, failing the test with everything on error.
+    pub fn ok(&self, script: &str) -> String {
+        let out = self.sh(script);
+        assert!(
+            out.status.success(),
+            "in test host: {script}\nexit: {:?}\nstdout: {}\nstderr: {}",
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+
+    pub fn succeeds(&self, script: &str) -> bool {
+        self.sh(script).status.success()
+    }
+
+    /// Polls `script` until it succeeds; on timeout fails with `what` and
+    /// what kvirtd and the VMs were doing.
+    pub fn wait(&self, what: &str, timeout: Duration, script: &str) {
+        let deadline = Instant::now() + timeout;
+        while !self.succeeds(script) {
+            if Instant::now() > deadline {
+                let log = self.sh("journalctl -u kvirtd --no-pager -n 60
+                     systemctl list-units 'kvirt-vm@*' --all --no-pager
+                     journalctl -u 'kvirt-vm@*' --no-pager -n 40
+                     tail -n 20 /run/kvirt/vms/*/console.log || true");
+                panic!(
+                    "timed out after {timeout:?} waiting for: {what}\n{}",
+                    String::from_utf8_lossy(&log.stdout)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(300));
+        }
+    }
+
+    /// The VM's status file, read through the host's root.
+    pub fn status(&self, vm: &str) -> serde_json::Value {
+        let path = format!(
+            "/proc/{}/root/run/kvirt/vms/default_{vm}/status.json",
+            self.pid
+        );
+        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
+    }
+
+    pub fn wait_phase(&self, vm: &str, phase: &str, timeout: Duration) {
+        self.wait(
+            &format!("{vm} phase {phase}"),
+            timeout,
+            &format!("grep -q '\"phase\": \"{phase}\"' /run/kvirt/vms/default_{vm}/status.json"),
+        );
+    }
+
+    /// A VMI booting a copy of one of the test guest disks, dropped into the
+    /// manifest directory atomically (as an editor or config tool would).
+    pub fn create_vm(&self, vm: &str, disk: &str) {
+        let manifest = format!(
+            "apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata:
+  name: {vm}
+  namespace: default
+spec:
+  terminationGracePeriodSeconds: 20
+  domain:
+    cpu: {{cores: 1}}
+    memory: {{guest: 128Mi}}
+    devices:
+      disks:
+      - name: boot
+        disk: {{bus: virtio}}
+  volumes:
+  - name: boot
+    hostDisk: {{path: /var/lib/kvirt/images/{vm}.raw, type: Disk}}
+"
+        );
+        self.put_manifest(vm, disk, &manifest);
+    }
+
+    pub fn put_manifest(&self, vm: &str, disk: &str, manifest: &str) {
+        if !disk.is_empty() {
+            self.ok(&format!(
+                "cp /srv/guest/{disk}.raw /var/lib/kvirt/images/{vm}.raw"
+            ));
+        }
+        self.ok(&format!(
+            "cat > /etc/kvirt/vmis.d/.{vm}.tmp <<'MANIFEST'\n{manifest}MANIFEST\nmv /etc/kvirt/vmis.d/.{vm}.tmp /etc/kvirt/vmis.d/{vm}.yaml"
+        ));
+    }
+
+    pub fn qemu_pid(&self, vm: &str) -> String {
+        self.ok(&format!(
+            "pgrep -u kvirt -f 'qemu-system.*guest=default_{vm},' | head -n1"
+        ))
+    }
+
+    pub fn remove_vm_and_wait_gone(&self, vm: &str) {
+        self.ok(&format!("rm -f /etc/kvirt/vmis.d/{vm}.yaml"));
+        self.wait_gone(vm);
+        self.ok(&format!("rm -f /var/lib/kvirt/images/{vm}.raw"));
+    }
+
+    pub fn wait_gone(&self, vm: &str) {
+        self.wait(
+            &format!("everything of {vm} removed"),
+            Duration::from_secs(40),
+            &format!(
+                "[ \"$(systemctl show -p LoadState --value kvirt-vm@default_{vm}.service)\" = not-found ]
+                 ! ip netns list | grep -qw 'kvirt-default_{vm}'
+                 [ ! -e /run/netns/kvirt-default_{vm} ]
+                 [ ! -e /var/lib/kvirt/vms/default_{vm} ] && [ ! -e /run/kvirt/vms/default_{vm} ]
+                 ! pgrep -u kvirt -f 'guest=default_{vm},'"
+            ),
+        );
+    }
+
+    pub fn console_shows(&self, vm: &str, marker: &str) {
+        self.wait(
+            &format!("{marker} on {vm}'s serial socket"),
+            Duration::from_secs(60),
+            // The console prints until detached: cut it off after 5 s.
+            &format!(
+                "{{ timeout 5 kvirtctl console default/{vm} </dev/null || true; }} | grep -q -m1 {marker}"
+            ),
+        );
+    }
+
+    pub fn restart_kvirtd(&self) {
+        self.ok("systemctl restart kvirtd");
+        self.wait(
+            "kvirtd active",
+            Duration::from_secs(30),
+            "systemctl is-active -q kvirtd",
+        );
+    }
+}
