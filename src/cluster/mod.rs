@@ -86,3 +86,6 @@ fn api_err(
         source: Box::new(e),
     }
 }
+
+#[cfg(test)]
+mod conversation_tests;

@@ -1,0 +1,192 @@
+//! The API conversation, scripted: each test plays the API server's side
+//! of the exchange over a mock transport and checks every request kvirtd
+//! makes (method, path, patch type, body). No cluster, no root.
+
+use super::source::claim;
+use super::status::KubeStatus;
+use super::{FINALIZER, KUBEVIRT_FINALIZER};
+use crate::source::StatusStore;
+use crate::vmi::{Phase, VirtualMachineInstance};
+use http::{Request, Response};
+use kube::client::Body;
+use serde_json::{json, Value};
+
+type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+fn client() -> (kube::Client, Handle) {
+    let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    (kube::Client::new(svc, "default"), handle)
+}
+
+const PATH: &str = "/apis/kubevirt.io/v1/namespaces/default/virtualmachineinstances/vm1";
+
+fn object(finalizers: &[&str]) -> Value {
+    json!({
+        "apiVersion": "kubevirt.io/v1",
+        "kind": "VirtualMachineInstance",
+        "metadata": {
+            "name": "vm1", "namespace": "default", "uid": "u1",
+            "resourceVersion": "42", "finalizers": finalizers,
+        },
+        "spec": {"domain": {"devices": {}}},
+    })
+}
+
+fn vmi() -> VirtualMachineInstance {
+    serde_json::from_value(object(&[])).unwrap()
+}
+
+/// Expects one request; returns (method, path, content-type, JSON body).
+async fn next(
+    handle: &mut Handle,
+) -> (
+    String,
+    String,
+    String,
+    Value,
+    tower_test::mock::SendResponse<Response<Body>>,
+) {
+    let (req, send) = handle.next_request().await.expect("a request");
+    let method = req.method().to_string();
+    let path = req.uri().path().to_owned();
+    let ctype = req
+        .headers()
+        .get("content-type")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    let bytes = req.into_body().collect_bytes().await.unwrap();
+    let body = if bytes.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&bytes).unwrap()
+    };
+    (method, path, ctype, body, send)
+}
+
+fn reply(send: tower_test::mock::SendResponse<Response<Body>>, code: u16, body: Value) {
+    send.send_response(
+        Response::builder()
+            .status(code)
+            .body(Body::from(serde_json::to_vec(&body).unwrap()))
+            .unwrap(),
+    );
+}
+
+#[tokio::test]
+async fn status_is_one_merge_patch_of_owned_fields() {
+    let (client, mut api) = client();
+    let mut v = vmi();
+    v.status.phase = Some(Phase::Running);
+    v.status.node_name = Some("node-1".into());
+    let server = tokio::spawn(async move {
+        let (method, path, ctype, body, send) = next(&mut api).await;
+        assert_eq!((method.as_str(), path.as_str()), ("PATCH", PATH));
+        assert_eq!(ctype, "application/merge-patch+json");
+        assert_eq!(
+            body,
+            json!({"status": {"phase": "Running", "nodeName": "node-1"}})
+        );
+        reply(send, 200, object(&[]));
+    });
+    KubeStatus { client }.save(&v).await.unwrap();
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn hold_adds_the_finalizer_guarded_by_resource_version() {
+    let (client, mut api) = client();
+    let server = tokio::spawn(async move {
+        let (method, path, _, _, send) = next(&mut api).await;
+        assert_eq!((method.as_str(), path.as_str()), ("GET", PATH));
+        reply(send, 200, object(&["someone/else"]));
+        let (method, _, ctype, body, send) = next(&mut api).await;
+        assert_eq!(method, "PATCH");
+        assert_eq!(ctype, "application/merge-patch+json");
+        assert_eq!(
+            body,
+            json!({"metadata": {"resourceVersion": "42", "finalizers": ["someone/else", FINALIZER]}})
+        );
+        reply(send, 200, object(&["someone/else", FINALIZER]));
+    });
+    KubeStatus { client }.hold(&vmi()).await.unwrap();
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn release_drops_ours_and_kubevirts_finalizer_only() {
+    let (client, mut api) = client();
+    let server = tokio::spawn(async move {
+        let (_, _, _, _, send) = next(&mut api).await;
+        reply(
+            send,
+            200,
+            object(&[FINALIZER, "other/one", KUBEVIRT_FINALIZER]),
+        );
+        let (method, _, _, body, send) = next(&mut api).await;
+        assert_eq!(method, "PATCH");
+        assert_eq!(
+            body,
+            json!({"metadata": {"resourceVersion": "42", "finalizers": ["other/one"]}})
+        );
+        reply(send, 200, object(&["other/one"]));
+    });
+    KubeStatus { client }.release(&vmi()).await.unwrap();
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn release_of_a_vanished_or_replaced_vmi_patches_nothing() {
+    let (client, mut api) = client();
+    let server = tokio::spawn(async move {
+        let (_, _, _, _, send) = next(&mut api).await;
+        reply(
+            send,
+            404,
+            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404, "message": "gone"}),
+        );
+        let (_, _, _, _, send) = next(&mut api).await;
+        let mut replaced = object(&[FINALIZER]);
+        replaced["metadata"]["uid"] = json!("another-uid");
+        reply(send, 200, replaced);
+    });
+    let store = KubeStatus { client };
+    store.release(&vmi()).await.unwrap();
+    store.release(&vmi()).await.unwrap();
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_lost_claim_race_is_a_clean_no() {
+    let (client, mut api) = client();
+    let server = tokio::spawn(async move {
+        let (method, path, _, body, send) = next(&mut api).await;
+        assert_eq!((method.as_str(), path.as_str()), ("PATCH", PATH));
+        assert_eq!(body["metadata"]["resourceVersion"], "42");
+        assert_eq!(body["metadata"]["labels"]["kubevirt.io/nodeName"], "node-1");
+        reply(
+            send,
+            409,
+            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Conflict", "code": 409, "message": "the object has been modified"}),
+        );
+    });
+    assert!(!claim(&client, &vmi(), "node-1").await.unwrap());
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn an_unreachable_api_is_an_error_to_retry() {
+    let (client, mut api) = client();
+    let server = tokio::spawn(async move {
+        let (_, _, _, _, send) = next(&mut api).await;
+        reply(
+            send,
+            503,
+            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 503, "message": "unavailable"}),
+        );
+    });
+    let mut v = vmi();
+    v.status.phase = Some(Phase::Running);
+    let err = KubeStatus { client }.save(&v).await.unwrap_err();
+    assert!(err.to_string().contains("patch status"), "{err}");
+    server.await.unwrap();
+}
