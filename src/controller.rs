@@ -473,8 +473,10 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
                 return Ok(());
             };
             match status::next_status(&vmi.status, outcome, &self.settings.node_name, &now) {
-                Ok(Some(next)) => {
+                Ok(Some(mut next)) => {
                     let old = vmi.status.phase;
+                    let qos = status::qos_class(vmi.spec.domain.resources.as_ref());
+                    next.extra.insert("qosClass".into(), qos.into());
                     vmi.status = next;
                     Some((old, vmi.status.phase))
                 }

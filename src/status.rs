@@ -4,7 +4,7 @@
 
 use crate::phase;
 use crate::plan::Outcome;
-use crate::vmi::{Condition, Phase, PhaseTransitionTimestamp, VmiStatus};
+use crate::vmi::{Condition, Phase, PhaseTransitionTimestamp, ResourceRequirements, VmiStatus};
 
 pub const READY: &str = "Ready";
 pub const SYNCHRONIZED: &str = "Synchronized";
@@ -67,6 +67,25 @@ pub fn next_status(
     }
 
     Ok((next != *prev).then_some(next))
+}
+
+/// Kubernetes' QoS class for the VM's resources, as KubeVirt reports the
+/// pod's: Guaranteed when CPU and memory limits are set and requests (where
+/// given) equal them, BestEffort with no resources at all, else Burstable.
+pub fn qos_class(resources: Option<&ResourceRequirements>) -> &'static str {
+    let Some(r) = resources.filter(|r| !r.requests.is_empty() || !r.limits.is_empty()) else {
+        return "BestEffort";
+    };
+    let guaranteed = ["cpu", "memory"].iter().all(|k| {
+        r.limits
+            .get(*k)
+            .is_some_and(|l| r.requests.get(*k).is_none_or(|q| q.as_str() == l.as_str()))
+    });
+    if guaranteed {
+        "Guaranteed"
+    } else {
+        "Burstable"
+    }
 }
 
 /// Sets one condition, moving its transition time only when its status flips.
@@ -142,6 +161,23 @@ mod tests {
         assert_eq!(c.status, "False");
         assert!(c.message.as_deref().unwrap().contains("disks[0].lun"));
         assert_eq!(cond(&s, READY).unwrap().status, "False");
+    }
+
+    #[test]
+    fn qos_classes() {
+        let r = |y: &str| serde_norway::from_str::<ResourceRequirements>(y).unwrap();
+        assert_eq!(qos_class(None), "BestEffort");
+        assert_eq!(qos_class(Some(&r("requests: {memory: 64Mi}"))), "Burstable");
+        assert_eq!(
+            qos_class(Some(&r("limits: {memory: 64Mi, cpu: '1'}"))),
+            "Guaranteed"
+        );
+        assert_eq!(
+            qos_class(Some(&r(
+                "limits: {memory: 64Mi, cpu: '1'}\nrequests: {cpu: 500m}"
+            ))),
+            "Burstable"
+        );
     }
 
     #[test]

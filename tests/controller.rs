@@ -92,6 +92,7 @@ async fn a_new_vmi_becomes_a_running_vm_in_order() {
     let st = host.state().statuses[&VmKey::new("default", "vm1").unwrap()].clone();
     assert_eq!(st.status.phase, Some(Phase::Running));
     assert_eq!(st.status.node_name.as_deref(), Some("node-1"));
+    assert_eq!(st.status.extra["qosClass"], "BestEffort");
     let phases: Vec<Phase> = st
         .status
         .phase_transition_timestamps
