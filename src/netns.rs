@@ -63,6 +63,11 @@ fn io<'a>(name: &'a str, op: &'static str) -> impl FnOnce(std::io::Error) -> Net
 }
 
 impl KernelNetns {
+    /// Namespaces under another directory than `/run/netns` (tests).
+    pub fn at(dir: &Path) -> Self {
+        Self { dir: dir.into() }
+    }
+
     /// The namespace lives on as a bind mount of a short-lived thread's
     /// namespace: `unshare` is per thread, and never on an async worker.
     fn create_blocking(path: &Path, name: &str) -> Result<(), NetnsError> {
@@ -194,9 +199,7 @@ mod tests {
             return;
         }
         let dir = tempfile::tempdir().unwrap();
-        let ns = KernelNetns {
-            dir: dir.path().into(),
-        };
+        let ns = KernelNetns::at(dir.path());
         let name = format!("kvirt-test_{}", std::process::id());
         ns.create(&name).await.unwrap();
         assert!(ns.exists(&name).await.unwrap());
