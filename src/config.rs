@@ -33,6 +33,31 @@ pub struct Config {
     pub vm: VmConfig,
     pub storage: StorageConfig,
     pub kubernetes: KubernetesConfig,
+    pub network: NetworkConfig,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct NetworkConfig {
+    /// The node's VM subnet on the bridge `kvirt0` (gateway: its first
+    /// address). The default avoids Docker's 172.17/16, Podman's 10.88/16
+    /// and the common pod CIDRs 10.42/16, 10.244/16.
+    pub subnet: String,
+    pub mtu: u32,
+    /// DNS servers handed to guests; empty: the host's own resolvers.
+    pub dns: Vec<std::net::Ipv4Addr>,
+    pub dhcp_lease_seconds: u32,
+}
+
+impl Default for NetworkConfig {
+    fn default() -> Self {
+        Self {
+            subnet: "10.213.0.0/24".into(),
+            mtu: 1500,
+            dns: vec![],
+            dhcp_lease_seconds: 86_400,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
@@ -230,6 +255,17 @@ impl Config {
                 "vm.slice: {:?} must end in .slice",
                 self.vm.slice
             )));
+        }
+        if let Err(e) = self.network.subnet.parse::<crate::ipam::Subnet>() {
+            return Err(invalid(format!("network.subnet: {e}")));
+        }
+        if !(576..=9000).contains(&self.network.mtu) {
+            return Err(invalid("network.mtu must be 576..9000".into()));
+        }
+        if self.network.dhcp_lease_seconds < 10 {
+            return Err(invalid(
+                "network.dhcp_lease_seconds must be at least 10".into(),
+            ));
         }
         if self.kubernetes.lease_seconds < 4 {
             return Err(invalid(

@@ -8,6 +8,7 @@ use crate::key::{self, VmKey};
 use crate::layout::{DaemonKind, HostLayout, VmPaths};
 use crate::libvirt::{DomainRef, Hypervisor, LibvirtError};
 use crate::netns::{Netns, NetnsError};
+use crate::network::{Network, NetworkError};
 use crate::plan::{self, Desired, DomainState, Observed, Outcome, Step, UnitActivity};
 use crate::source::{SourceError, StatusStore};
 use crate::status;
@@ -32,6 +33,8 @@ pub enum ControllerError {
     Libvirt { source: LibvirtError },
     #[error("VM {id}: {source}")]
     Storage { id: String, source: StorageError },
+    #[error("{source}")]
+    Network { source: NetworkError },
     #[error("VM {id}: status: {source}")]
     Status { id: String, source: SourceError },
     #[error("VM {id}: teardown incomplete: {}", errors.join("; "))]
@@ -97,9 +100,10 @@ pub struct Settings {
     pub shutdown_resend: Duration,
 }
 
-pub struct Deps<U, N, H, S, St, R> {
+pub struct Deps<U, N, H, S, St, R, W> {
     pub units: U,
     pub netns: N,
+    pub network: W,
     pub hypervisor: H,
     pub storage: S,
     pub status: St,
@@ -122,8 +126,8 @@ pub struct Reconciled {
     pub requeue_after: Option<Duration>,
 }
 
-pub struct Controller<U, N, H, S, St, R> {
-    deps: Deps<U, N, H, S, St, R>,
+pub struct Controller<U, N, H, S, St, R, W> {
+    deps: Deps<U, N, H, S, St, R, W>,
     settings: Settings,
     /// The VMIs this host should run, by id, with the status kvirtd owns.
     vmis: Mutex<HashMap<String, VirtualMachineInstance>>,
@@ -133,10 +137,10 @@ pub struct Controller<U, N, H, S, St, R> {
 
 type Phases = BTreeMap<String, usize>;
 
-impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder>
-    Controller<U, N, H, S, St, R>
+impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder, W: Network>
+    Controller<U, N, H, S, St, R, W>
 {
-    pub fn new(deps: Deps<U, N, H, S, St, R>, settings: Settings) -> Arc<Self> {
+    pub fn new(deps: Deps<U, N, H, S, St, R, W>, settings: Settings) -> Arc<Self> {
         Arc::new(Self {
             deps,
             settings,
@@ -207,6 +211,7 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
             Err(e) => warn!("listing namespaces: {e}"),
         }
         ids.extend(self.deps.storage.list_ids().await);
+        ids.extend(self.deps.network.ids());
         let mut ids: Vec<String> = ids.into_iter().collect();
         ids.sort();
         ids
@@ -259,6 +264,7 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
         let paths = self.paths(id);
         let mut obs = Observed {
             netns,
+            network: self.deps.network.address(id).is_some(),
             state_dir: self.deps.storage.exists(&paths.state_dir).await,
             runtime_dir: self.deps.storage.exists(&paths.runtime_dir).await,
             domain: None,
@@ -374,6 +380,7 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
                 Step::CreateDirs
                     | Step::PrepareDisks
                     | Step::CreateNetns
+                    | Step::SetupNetwork
                     | Step::StartUnit
                     | Step::DefineDomain
                     | Step::StartDomain
@@ -397,6 +404,17 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
                 id: id.into(),
                 errors: teardown_errors,
             });
+        }
+        // A running VM's DHCP lives in kvirtd: after a restart it is
+        // attached again here (idempotent), the VM untouched.
+        if let (Outcome::Phase(Phase::Running), Some(v), Some(Ok(conv))) =
+            (&outcome, &vmi, &converted)
+        {
+            if let Some(net) = &conv.network {
+                if let Err(e) = self.deps.network.attach(id, &hostname(v), net).await {
+                    warn!("re-attaching the network: {e}");
+                }
+            }
         }
         match (&vmi, &key) {
             (Some(v), _) if deleting => {
@@ -426,6 +444,7 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
                 Observed {
                     unit: None,
                     netns: true,
+                    network: true,
                     state_dir: true,
                     runtime_dir: false,
                     domain: None,
@@ -467,6 +486,7 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
     async fn report(&self, key: &VmKey, outcome: &Outcome) -> Result<(), ControllerError> {
         let id = key.id();
         let now = now_rfc3339();
+        let interfaces = self.interfaces(&id, outcome);
         let changed = {
             let mut vmis = self.vmis();
             let Some(vmi) = vmis.get_mut(&id) else {
@@ -477,8 +497,13 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
                     let old = vmi.status.phase;
                     let qos = status::qos_class(vmi.spec.domain.resources.as_ref());
                     next.extra.insert("qosClass".into(), qos.into());
+                    next.interfaces = interfaces.clone();
                     vmi.status = next;
                     Some((old, vmi.status.phase))
+                }
+                Ok(None) if vmi.status.interfaces != interfaces => {
+                    vmi.status.interfaces = interfaces.clone();
+                    Some((vmi.status.phase, vmi.status.phase))
                 }
                 Ok(None) => None,
                 Err(e) => {
@@ -522,6 +547,31 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
             })?;
         self.unsaved().remove(&id);
         Ok(())
+    }
+
+    /// `status.interfaces` while the VM runs: the namespace's `eth0`
+    /// address, as KubeVirt reports the pod IP.
+    fn interfaces(&self, id: &str, outcome: &Outcome) -> Vec<serde_json::Value> {
+        if *outcome != Outcome::Phase(Phase::Running) {
+            return vec![];
+        }
+        let Some(vmi) = self.vmis().get(id).cloned() else {
+            return vec![];
+        };
+        let Ok(key) = vmi.key() else { return vec![] };
+        let Ok(conv) = self.convert(&vmi, &key) else {
+            return vec![];
+        };
+        let (Some(net), Some(ip)) = (conv.network, self.deps.network.address(id)) else {
+            return vec![];
+        };
+        vec![serde_json::json!({
+            "name": net.name,
+            "mac": net.mac_string(),
+            "ipAddress": ip.to_string(),
+            "ipAddresses": [ip.to_string()],
+            "infoSource": "domain",
+        })]
     }
 
     fn unsaved(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
@@ -581,6 +631,23 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
                 .create(&key::netns_name_of(id))
                 .await
                 .map_err(netns_err),
+            Step::SetupNetwork => {
+                let (Some(net), Some(v)) = (&conv().network, c.vmi) else {
+                    return Ok(());
+                };
+                self.deps
+                    .network
+                    .setup(id, v.uid().unwrap_or_default(), &hostname(v), net)
+                    .await
+                    .map(|_| ())
+                    .map_err(|source| ControllerError::Network { source })
+            }
+            Step::TeardownNetwork => self
+                .deps
+                .network
+                .teardown(id)
+                .await
+                .map_err(|source| ControllerError::Network { source }),
             Step::StartUnit => {
                 let conv = conv();
                 let key = c.key.expect("a converted VMI has a key");
@@ -794,6 +861,11 @@ struct StepCtx<'a> {
     key: Option<&'a VmKey>,
     converted: Option<&'a Converted>,
     dom: Option<&'a DomainRef>,
+}
+
+/// The guest's DHCP hostname: the VMI's name, as KubeVirt hands out.
+fn hostname(vmi: &VirtualMachineInstance) -> String {
+    vmi.metadata.name.clone().unwrap_or_default()
 }
 
 /// Kubernetes' timestamp form: RFC 3339, UTC, whole seconds.

@@ -31,6 +31,9 @@ pub struct HostState {
     pub events: Vec<(VmKey, EventReason, String)>,
     /// VMIs held (finalizer added) and released, by key.
     pub held: BTreeSet<VmKey>,
+    /// Addresses leased, by VM id; and VM ids whose DHCP server runs.
+    pub addresses: BTreeMap<String, std::net::Ipv4Addr>,
+    pub dhcp: BTreeSet<String>,
     pub released: Vec<VmKey>,
     /// Every call, in order: `start kvirt-vm@ns_vm.service`, `define ns_vm`...
     pub calls: Vec<String>,
@@ -334,5 +337,55 @@ impl Recorder for FakeHost {
     ) {
         let key = vmi.key().expect("recorded VMIs have keys");
         self.state().events.push((key, reason, message.to_owned()));
+    }
+}
+
+impl crate::network::Network for FakeHost {
+    async fn setup(
+        &self,
+        id: &str,
+        _uid: &str,
+        _hostname: &str,
+        _net: &crate::convert::network::NetSpec,
+    ) -> Result<std::net::Ipv4Addr, crate::network::NetworkError> {
+        if self.call(format!("net setup {id}")) {
+            return Err(crate::network::NetworkError::Vm {
+                id: id.into(),
+                message: injected("net setup"),
+            });
+        }
+        let mut s = self.state();
+        let next = std::net::Ipv4Addr::new(10, 213, 0, 2 + s.addresses.len() as u8);
+        let ip = *s.addresses.entry(id.into()).or_insert(next);
+        s.dhcp.insert(id.into());
+        Ok(ip)
+    }
+
+    async fn attach(
+        &self,
+        id: &str,
+        _hostname: &str,
+        _net: &crate::convert::network::NetSpec,
+    ) -> Result<(), crate::network::NetworkError> {
+        if self.state().dhcp.insert(id.into()) {
+            self.call(format!("net attach {id}"));
+        }
+        Ok(())
+    }
+
+    async fn teardown(&self, id: &str) -> Result<(), crate::network::NetworkError> {
+        self.call(format!("net teardown {id}"));
+        let mut s = self.state();
+        s.addresses.remove(id);
+        s.dhcp.remove(id);
+        Ok(())
+    }
+
+    fn address(&self, id: &str) -> Option<std::net::Ipv4Addr> {
+        self.state().addresses.get(id).copied()
+    }
+
+    fn ids(&self) -> Vec<String> {
+        self.state().addresses.keys().cloned().collect()
     }
 }

@@ -105,9 +105,10 @@ impl VmPaths {
         self.state_dir.join("cache")
     }
 
-    /// Where the shared capability cache is bound into this VM's cache.
+    /// Where the shared capability cache is bound into this VM's cache
+    /// (session libvirt keeps it under `$XDG_CACHE_HOME/libvirt/qemu/cache`).
     pub fn capabilities_mount(&self) -> PathBuf {
-        self.xdg_cache_dir().join("libvirt/qemu/capabilities")
+        self.xdg_cache_dir().join("libvirt/qemu/cache/capabilities")
     }
 
     pub fn libvirt_socket(&self, daemon: DaemonKind) -> PathBuf {

@@ -7,6 +7,7 @@
 //! inside a VM's namespace happens on a short-lived thread that entered it;
 //! never on an async worker.
 
+use crate::convert::network::NetSpec;
 use nix::sched::{setns, CloneFlags};
 use sha2::{Digest, Sha256};
 use std::net::{IpAddr, Ipv4Addr};
@@ -20,11 +21,12 @@ pub const TAP: &str = "tap0";
 /// KubeVirt's masquerade defaults.
 pub const VM_BRIDGE_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0];
 pub const VM_GATEWAY: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 1);
-pub const GUEST_IP: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 2);
 pub const VM_PREFIX: u8 = 24;
 
 #[derive(Debug, thiserror::Error)]
 pub enum NetworkError {
+    #[error("VM {id}: {message}")]
+    Vm { id: String, message: String },
     #[error("{what}: {message}")]
     Netlink { what: String, message: String },
     #[error("{what}: {source}")]
@@ -46,6 +48,9 @@ pub struct VmNetwork {
     pub pod_prefix: u8,
     pub pod_gateway: Ipv4Addr,
     pub mtu: u32,
+    /// `k6t-eth0`'s address: the guest's router (KubeVirt: 10.0.2.1/24).
+    pub vm_gateway: Ipv4Addr,
+    pub vm_prefix: u8,
     /// Owner of `tap0`: the VM's unprivileged user.
     pub tap_uid: u32,
     pub tap_gid: u32,
@@ -296,7 +301,7 @@ pub fn setup_vm(n: &VmNetwork) -> Result<(), NetworkError> {
                 r => r.map_err(nl("default route"))?,
             }
             let br = ensure_bridge(&h, VM_BRIDGE, Some(VM_BRIDGE_MAC), Some(n.mtu)).await?;
-            add_addr(&h, br, VM_GATEWAY, VM_PREFIX, VM_BRIDGE).await?;
+            add_addr(&h, br, n.vm_gateway, n.vm_prefix, VM_BRIDGE).await?;
             if index_of(&h, TAP).await?.is_none() {
                 create_tap(TAP, n.tap_uid, n.tap_gid)?;
             }
@@ -339,6 +344,204 @@ pub fn teardown_vm(host_veth: &str) -> Result<(), NetworkError> {
 /// Whether the host end of a VM's veth exists (observation for adoption).
 pub fn veth_exists(host_veth: &str) -> bool {
     Path::new("/sys/class/net").join(host_veth).exists()
+}
+
+/// A VM's network as the loop sees it: made, re-attached after a restart,
+/// removed. The real adapter is [`HostNetwork`]; `fake` has a recording one.
+pub trait Network: Send + Sync + 'static {
+    /// Leases the VM's address and makes its network (idempotent); returns
+    /// the address (the VMI's `ipAddress`, as KubeVirt reports the pod IP).
+    fn setup(
+        &self,
+        id: &str,
+        uid: &str,
+        hostname: &str,
+        net: &NetSpec,
+    ) -> impl std::future::Future<Output = Result<Ipv4Addr, NetworkError>> + Send;
+    /// Re-attaches what lives in kvirtd itself (the DHCP server) to a
+    /// running VM, e.g. after a restart; a no-op when attached.
+    fn attach(
+        &self,
+        id: &str,
+        hostname: &str,
+        net: &NetSpec,
+    ) -> impl std::future::Future<Output = Result<(), NetworkError>> + Send;
+    /// Removes everything of the VM's network and releases its address;
+    /// continues past errors and reports them all.
+    fn teardown(
+        &self,
+        id: &str,
+    ) -> impl std::future::Future<Output = Result<(), NetworkError>> + Send;
+    fn address(&self, id: &str) -> Option<Ipv4Addr>;
+    /// Ids holding an address (for cleaning up after VMIs that are gone).
+    fn ids(&self) -> Vec<String>;
+}
+
+/// Host-wide network settings, from the config.
+#[derive(Clone, Debug)]
+pub struct NetworkSettings {
+    pub subnet: crate::ipam::Subnet,
+    pub mtu: u32,
+    pub dns: Vec<Ipv4Addr>,
+    pub dhcp_lease_secs: u32,
+    pub netns_dir: PathBuf,
+    pub tap_uid: u32,
+    pub tap_gid: u32,
+}
+
+pub struct HostNetwork {
+    settings: NetworkSettings,
+    ipam: std::sync::Arc<crate::ipam::Ipam>,
+    dhcp: crate::dhcp::DhcpServers,
+}
+
+fn vm_err(id: &str) -> impl FnOnce(String) -> NetworkError + '_ {
+    move |message| NetworkError::Vm {
+        id: id.into(),
+        message,
+    }
+}
+
+async fn blocking<T: Send + 'static>(
+    id: &str,
+    f: impl FnOnce() -> Result<T, String> + Send + 'static,
+) -> Result<T, NetworkError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|_| NetworkError::Thread)?
+        .map_err(vm_err(id))
+}
+
+impl HostNetwork {
+    /// Opens the lease store and makes the host side (bridge, forwarding,
+    /// egress NAT); leases the store had to drop are returned for logging.
+    pub fn start(
+        settings: NetworkSettings,
+        lease_file: PathBuf,
+    ) -> Result<(Self, Vec<String>), NetworkError> {
+        let err = |message: String| NetworkError::Vm {
+            id: "host".into(),
+            message,
+        };
+        if let Some(dir) = lease_file.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| err(e.to_string()))?;
+        }
+        let (ipam, dropped) =
+            crate::ipam::Ipam::open(crate::ipam::LeaseFile::new(lease_file), settings.subnet)
+                .map_err(|e| err(e.to_string()))?;
+        setup_host(settings.subnet.gateway(), settings.subnet.prefix())?;
+        crate::nft::apply(
+            &crate::nft::host_ruleset(&settings.subnet, HOST_BRIDGE),
+            None,
+        )
+        .map_err(|e| err(e.to_string()))?;
+        Ok((
+            Self {
+                settings,
+                ipam: std::sync::Arc::new(ipam),
+                dhcp: crate::dhcp::DhcpServers::new(),
+            },
+            dropped.iter().map(|d| d.to_string()).collect(),
+        ))
+    }
+
+    fn netns_path(&self, id: &str) -> PathBuf {
+        self.settings.netns_dir.join(crate::key::netns_name_of(id))
+    }
+
+    fn lease_config(&self, hostname: &str, net: &NetSpec) -> crate::dhcp::LeaseConfig {
+        let mut l = crate::dhcp::LeaseConfig::masquerade(
+            net.mac,
+            self.settings.dns.clone(),
+            self.settings.mtu as u16,
+        );
+        l.ip = net.guest_ip();
+        l.router = net.vm_gateway();
+        l.server_id = net.vm_gateway();
+        l.netmask = Ipv4Addr::from(u32::MAX << (32 - net.vm_cidr.1));
+        l.lease_secs = self.settings.dhcp_lease_secs;
+        l.hostname = Some(hostname.chars().take(63).collect());
+        l
+    }
+}
+
+impl Network for HostNetwork {
+    async fn setup(
+        &self,
+        id: &str,
+        uid: &str,
+        hostname: &str,
+        net: &NetSpec,
+    ) -> Result<Ipv4Addr, NetworkError> {
+        let ipam = self.ipam.clone();
+        let (i, u) = (id.to_owned(), uid.to_owned());
+        let ip = blocking(id, move || ipam.lease(&i, &u).map_err(|e| e.to_string())).await?;
+        let vm = VmNetwork {
+            netns_path: self.netns_path(id),
+            host_veth: host_veth_name(id),
+            pod_ip: ip,
+            pod_prefix: self.settings.subnet.prefix(),
+            pod_gateway: self.settings.subnet.gateway(),
+            mtu: self.settings.mtu,
+            vm_gateway: net.vm_gateway(),
+            vm_prefix: net.vm_cidr.1,
+            tap_uid: self.settings.tap_uid,
+            tap_gid: self.settings.tap_gid,
+        };
+        blocking(id, move || setup_vm(&vm).map_err(|e| e.to_string())).await?;
+        let rules = crate::nft::vm_ruleset(net.guest_ip(), net.vm_cidr, &net.ports);
+        let netns = crate::key::netns_name_of(id);
+        if self.settings.netns_dir == Path::new(crate::netns::NETNS_DIR) {
+            blocking(id, move || {
+                crate::nft::apply(&rules, Some(&netns)).map_err(|e| e.to_string())
+            })
+            .await?;
+        }
+        self.attach(id, hostname, net).await?;
+        Ok(ip)
+    }
+
+    async fn attach(&self, id: &str, hostname: &str, net: &NetSpec) -> Result<(), NetworkError> {
+        if self.dhcp.ids().iter().any(|i| i == id) {
+            return Ok(());
+        }
+        let lease = self.lease_config(hostname, net);
+        self.dhcp
+            .start(id, &self.netns_path(id), VM_BRIDGE, lease)
+            .await
+            .map_err(|e| vm_err(id)(e.to_string()))
+    }
+
+    async fn teardown(&self, id: &str) -> Result<(), NetworkError> {
+        let mut errors = Vec::new();
+        self.dhcp.stop(id).await;
+        let veth = host_veth_name(id);
+        if let Err(e) = blocking(id, move || teardown_vm(&veth).map_err(|e| e.to_string())).await {
+            errors.push(e.to_string());
+        }
+        let ipam = self.ipam.clone();
+        let i = id.to_owned();
+        if let Err(e) = blocking(id, move || {
+            ipam.release(&i).map(|_| ()).map_err(|e| e.to_string())
+        })
+        .await
+        {
+            errors.push(e.to_string());
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(vm_err(id)(errors.join("; ")))
+        }
+    }
+
+    fn address(&self, id: &str) -> Option<Ipv4Addr> {
+        self.ipam.get(id).map(|l| l.ip)
+    }
+
+    fn ids(&self) -> Vec<String> {
+        self.ipam.snapshot().ids().map(str::to_owned).collect()
+    }
 }
 
 // rtnetlink cannot create taps (EOPNOTSUPP): the tun driver's ioctls can.
@@ -439,6 +642,8 @@ mod tests {
             pod_prefix: 24,
             pod_gateway: Ipv4Addr::new(10, 213, 0, 1),
             mtu: 1500,
+            vm_gateway: VM_GATEWAY,
+            vm_prefix: VM_PREFIX,
             tap_uid: 65534,
             tap_gid: 65534,
         };

@@ -60,6 +60,8 @@ pub struct Observed {
     pub netns: bool,
     pub state_dir: bool,
     pub runtime_dir: bool,
+    /// An address is leased to this VM id.
+    pub network: bool,
     pub domain: Option<DomainObs>,
 }
 
@@ -69,6 +71,7 @@ impl Observed {
             && !self.netns
             && !self.state_dir
             && !self.runtime_dir
+            && !self.network
             && self.domain.is_none()
     }
 
@@ -103,6 +106,9 @@ pub enum Step {
     CreateDirs,
     PrepareDisks,
     CreateNetns,
+    /// The VM's address, veth, in-namespace bridge, tap, NAT and DHCP
+    /// (idempotent; nothing for a VM without an interface).
+    SetupNetwork,
     StartUnit,
     DefineDomain,
     StartDomain,
@@ -111,6 +117,8 @@ pub enum Step {
         grace: Duration,
     },
     StopUnit,
+    /// DHCP, veth and the leased address.
+    TeardownNetwork,
     DeleteNetns,
     RemoveStateDir,
     RemoveRuntimeDir,
@@ -157,6 +165,9 @@ fn teardown(obs: &Observed, grace: Duration, keep_runtime: bool) -> Vec<Step> {
     }
     if obs.unit.is_some() {
         steps.push(Step::StopUnit);
+    }
+    if obs.network || obs.netns {
+        steps.push(Step::TeardownNetwork);
     }
     if obs.netns {
         steps.push(Step::DeleteNetns);
@@ -212,7 +223,12 @@ pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
         if !obs.netns {
             steps.push(Step::CreateNetns);
         }
-        steps.extend([Step::StartUnit, Step::DefineDomain, Step::StartDomain]);
+        steps.extend([
+            Step::SetupNetwork,
+            Step::StartUnit,
+            Step::DefineDomain,
+            Step::StartDomain,
+        ]);
         return Plan::new(steps, Outcome::Phase(Phase::Running));
     };
 
@@ -231,7 +247,7 @@ pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
         ),
         UnitActivity::Active => match obs.domain.as_ref().map(|dom| dom.state) {
             None => Plan::new(
-                vec![Step::DefineDomain, Step::StartDomain],
+                vec![Step::SetupNetwork, Step::DefineDomain, Step::StartDomain],
                 Outcome::Phase(Phase::Running),
             ),
             Some(DomainState::Running | DomainState::Paused) => {
@@ -296,6 +312,7 @@ mod tests {
             netns: true,
             state_dir: true,
             runtime_dir: true,
+            network: true,
             domain: dom(state),
         }
     }
@@ -307,6 +324,7 @@ mod tests {
         let full_teardown_keep = vec![
             ShutdownDomain { grace: G },
             StopUnit,
+            TeardownNetwork,
             DeleteNetns,
             RemoveStateDir,
         ];
@@ -320,6 +338,7 @@ mod tests {
                     CreateDirs,
                     PrepareDisks,
                     CreateNetns,
+                    SetupNetwork,
                     StartUnit,
                     DefineDomain,
                     StartDomain,
@@ -340,7 +359,7 @@ mod tests {
                     domain: None,
                     ..running_host(D::Running)
                 },
-                vec![DefineDomain, StartDomain],
+                vec![SetupNetwork, DefineDomain, StartDomain],
                 Outcome::Phase(Running),
             ),
             (
@@ -354,14 +373,14 @@ mod tests {
                 "guest powered off: Succeeded, unit collected, status kept",
                 Some(desired(Some(Running))),
                 running_host(D::Shutdown),
-                vec![StopUnit, DeleteNetns, RemoveStateDir],
+                vec![StopUnit, TeardownNetwork, DeleteNetns, RemoveStateDir],
                 Outcome::Phase(Succeeded),
             ),
             (
                 "guest crashed",
                 Some(desired(Some(Running))),
                 running_host(D::Crashed),
-                vec![StopUnit, DeleteNetns, RemoveStateDir],
+                vec![StopUnit, TeardownNetwork, DeleteNetns, RemoveStateDir],
                 Outcome::Failed("the guest crashed".into()),
             ),
             (
@@ -372,7 +391,7 @@ mod tests {
                     domain: None,
                     ..running_host(D::Running)
                 },
-                vec![DeleteNetns, RemoveStateDir],
+                vec![TeardownNetwork, DeleteNetns, RemoveStateDir],
                 Outcome::Failed("the VM's unit disappeared".into()),
             ),
             (
@@ -384,6 +403,7 @@ mod tests {
                         grace: Duration::from_secs(5),
                     },
                     StopUnit,
+                    TeardownNetwork,
                     DeleteNetns,
                     RemoveStateDir,
                     RemoveRuntimeDir,
@@ -426,7 +446,7 @@ mod tests {
                     domain: None,
                     ..running_host(D::Running)
                 },
-                vec![StopUnit, DeleteNetns, RemoveStateDir],
+                vec![StopUnit, TeardownNetwork, DeleteNetns, RemoveStateDir],
                 Outcome::Failed("the VM's libvirt daemon stopped (result: exit-code)".into()),
             ),
         ];
@@ -443,7 +463,10 @@ mod tests {
         obs.unit = unit(UnitActivity::Active, "old");
         obs.domain = None;
         let p = plan(Some(&desired(None)), &obs);
-        assert_eq!(p.steps, vec![StopUnit, DeleteNetns, RemoveStateDir]);
+        assert_eq!(
+            p.steps,
+            vec![StopUnit, TeardownNetwork, DeleteNetns, RemoveStateDir]
+        );
         assert!(p.requeue);
     }
 

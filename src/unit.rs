@@ -250,7 +250,7 @@ mod tests {
         assert!(binds.iter().all(|(src, _)| !src.contains("vm2")));
         assert!(binds.contains(&(
             "/var/cache/kvirt/qemu-capabilities".into(),
-            "/var/lib/kvirt/vms/default_vm1/cache/libvirt/qemu/capabilities".into()
+            "/var/lib/kvirt/vms/default_vm1/cache/libvirt/qemu/cache/capabilities".into()
         )));
         assert_eq!(
             find(&u, "CapabilityBoundingSet"),

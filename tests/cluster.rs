@@ -117,6 +117,8 @@ fn a_vmi_for_this_node_runs_reports_and_is_deleted_cleanly() {
         row.contains("Running") && row.contains("node-a") && row.contains("True"),
         "{row}"
     );
+    // The IP column: the VM's address, as KubeVirt shows the pod IP.
+    assert!(row.contains("10.213.0."), "{row}");
     assert!(unit_loaded(&a, "k-alpha") && !unit_loaded(&b, "k-alpha"));
     let finalizers = kubectl(&a, "get vmi k-alpha -o jsonpath='{.metadata.finalizers}'");
     assert!(finalizers.contains("kvirt.io/host-cleanup"), "{finalizers}");

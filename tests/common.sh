@@ -55,9 +55,12 @@ kvirt_k8s_cluster() {
   th_k8s_kubectl "$a" apply -f /etc/kvirt/manifests/crd.yaml -f /etc/kvirt/manifests/rbac.yaml >&2
   th_k8s_kubectl "$a" wait --for=condition=Established --timeout=60s crd/virtualmachineinstances.kubevirt.io >&2
   pb=$(TH_NETNS_OF=$a TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud $k8s" th_boot "$b")
-  local host node kc
+  local host node kc subnet
   for host in "$a" "$b"; do
     node=node-${host##*-}
+    # Both hosts share one network namespace: give each its own VM subnet.
+    subnet=10.213.0.0/24
+    [[ $node == node-b ]] && subnet=10.214.0.0/24
     kc=$(th_k8s_kubeconfig "$a" "system:kvirt:$node" kvirt:nodes)
     th_copy_in "$host" "$(th_share "$a")/kubeconfigs/$(basename "$kc")" /etc/kvirt/kubeconfig
     # Both hosts need the admin kubeconfig for the tests' kubectl.
@@ -75,6 +78,8 @@ kubeconfig = \"/etc/kvirt/kubeconfig\"
 claim = true
 node_labels = { zone = \"z1\", \"kvirt.io/host\" = \"$node\" }
 lease_seconds = 8
+[network]
+subnet = \"$subnet\"
 EOF
 systemctl restart kvirtd" >&2
   done

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-type Ctl = Controller<FakeHost, FakeHost, FakeHost, FakeHost, FakeHost, FakeHost>;
+type Ctl = Controller<FakeHost, FakeHost, FakeHost, FakeHost, FakeHost, FakeHost, FakeHost>;
 
 fn settings() -> Settings {
     Settings {
@@ -35,6 +35,7 @@ fn controller(host: &FakeHost) -> Arc<Ctl> {
         Deps {
             units: host.clone(),
             netns: host.clone(),
+            network: host.clone(),
             hypervisor: host.clone(),
             storage: host.clone(),
             status: host.clone(),
@@ -84,6 +85,7 @@ async fn a_new_vmi_becomes_a_running_vm_in_order() {
             "hold default/vm1",
             "mkdir /var/lib/kvirt/vms/default_vm1",
             "netns add kvirt-default_vm1",
+            "net setup default_vm1",
             "start kvirt-vm@default_vm1.service",
             "define default_vm1",
             "start-domain default_vm1",
@@ -108,6 +110,12 @@ async fn a_new_vmi_becomes_a_running_vm_in_order() {
         host.state().domains["default_vm1"].uid.as_deref(),
         Some("u1")
     );
+
+    // The pod interface, with the leased address, as KubeVirt reports it.
+    let iface = &st.status.interfaces[0];
+    assert_eq!(iface["name"], "default");
+    assert_eq!(iface["ipAddress"], "10.213.0.2");
+    assert_eq!(iface["infoSource"], "domain");
 
     // Level-triggered: a second pass with nothing changed does nothing, and
     // writes nothing.
@@ -154,6 +162,7 @@ async fn guest_poweroff_is_succeeded_and_the_unit_is_collected() {
         calls,
         vec![
             "stop kvirt-vm@default_vm1.service",
+            "net teardown default_vm1",
             "netns del kvirt-default_vm1",
             "rmdir /var/lib/kvirt/vms/default_vm1",
         ]
@@ -189,9 +198,10 @@ async fn a_removed_vmi_is_shut_down_gracefully_then_destroyed() {
         "{calls:?}"
     );
     assert_eq!(
-        calls[calls.len() - 4..],
+        calls[calls.len() - 5..],
         [
             "stop kvirt-vm@default_vm1.service",
+            "net teardown default_vm1",
             "netns del kvirt-default_vm1",
             "rmdir /var/lib/kvirt/vms/default_vm1",
             "rmdir /run/kvirt/vms/default_vm1",
@@ -203,6 +213,7 @@ async fn a_removed_vmi_is_shut_down_gracefully_then_destroyed() {
         "{took:?}"
     );
     assert!(host.state().netns.is_empty() && host.state().dirs.is_empty());
+    assert!(host.state().addresses.is_empty(), "address not released");
 }
 
 #[tokio::test]
@@ -428,4 +439,37 @@ async fn a_deleted_vmi_is_released_only_once_its_host_side_is_gone() {
     );
     let s = host.state();
     assert!(s.units.is_empty() && s.netns.is_empty() && s.dirs.is_empty());
+}
+
+#[tokio::test]
+async fn a_restarted_daemon_reattaches_dhcp_without_touching_the_vm() {
+    let host = FakeHost::default();
+    let first = controller(&host);
+    first.set_vmis(set(&[vmi("vm1", "u1", "")])).await;
+    first.reconcile("default_vm1").await.unwrap();
+    drop(first);
+    // kvirtd's own DHCP server died with it; the lease persisted.
+    host.state().dhcp.clear();
+    host.take_calls();
+
+    let second = controller(&host);
+    second.set_vmis(set(&[vmi("vm1", "u1", "")])).await;
+    assert!(second.reconcile_all().await.is_empty());
+    assert_eq!(host.take_calls(), vec!["net attach default_vm1"]);
+    assert_eq!(
+        host.state().addresses["default_vm1"].to_string(),
+        "10.213.0.2"
+    );
+}
+
+#[tokio::test]
+async fn no_interface_means_no_network() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    let mut v = vmi("vm1", "u1", "");
+    v.spec.domain.devices.autoattach_pod_interface = Some(false);
+    ctl.set_vmis(set(&[v])).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert!(host.state().addresses.is_empty());
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
 }

@@ -213,3 +213,150 @@ fn libvirtd_works_as_the_vms_daemon_too() {
     h.ok("sed -i 's/^daemon = .*/daemon = \"virtqemud\"/' /etc/kvirt/kvirtd.toml");
     h.restart_kvirtd();
 }
+
+/// A VMI with the pod interface (masquerade) and, when given, its ports.
+fn net_vm(h: &Host, vm: &str, ports: &[u16]) {
+    let ports = if ports.is_empty() {
+        String::new()
+    } else {
+        let list: Vec<String> = ports.iter().map(|p| format!("{{port: {p}}}")).collect();
+        format!(", ports: [{}]", list.join(", "))
+    };
+    let manifest = format!(
+        "apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {{name: {vm}, namespace: default}}
+spec:
+  terminationGracePeriodSeconds: 10
+  domain:
+    memory: {{guest: 128Mi}}
+    devices:
+      disks: [{{name: boot, disk: {{bus: virtio}}}}]
+      interfaces: [{{name: default, masquerade: {{}}{ports}}}]
+  networks: [{{name: default, pod: {{}}}}]
+  volumes:
+  - name: boot
+    hostDisk: {{path: /var/lib/kvirt/images/{vm}.raw, type: Disk}}
+"
+    );
+    h.put_manifest(vm, "run", &manifest);
+}
+
+fn pod_ip(h: &Host, vm: &str) -> String {
+    h.status(vm)["status"]["interfaces"][0]["ipAddress"]
+        .as_str()
+        .unwrap_or_else(|| panic!("{vm} has no address: {}", h.status(vm)))
+        .to_owned()
+}
+
+fn guest_ip_lines(h: &Host, vm: &str) -> usize {
+    h.ok(&format!(
+        "grep -c KVIRT-GUEST-IP /run/kvirt/vms/default_{vm}/console.log || true"
+    ))
+    .parse()
+    .unwrap_or(0)
+}
+
+fn http(h: &Host, from_netns: Option<&str>, ip: &str, port: u16) -> bool {
+    let prefix = from_netns.map_or(String::new(), |n| format!("ip netns exec {n} "));
+    h.succeeds(&format!(
+        "{prefix}busybox wget -q -O- -T 5 http://{ip}:{port}/ | grep -q 'KVIRT-HELLO {port}'"
+    ))
+}
+
+#[test]
+fn vms_get_a_pod_like_network_with_dhcp_and_port_forwarding() {
+    let Some(h) = host() else { return };
+    let _g = serial();
+    net_vm(&h, "web", &[8080]);
+    net_vm(&h, "any", &[]);
+    for vm in ["web", "any"] {
+        h.wait_phase(vm, "Running", BOOT);
+        h.wait(
+            &format!("{vm}'s guest leased its address"),
+            BOOT,
+            &format!("grep -q KVIRT-GUEST-IP /run/kvirt/vms/default_{vm}/console.log"),
+        );
+    }
+    // The guest got KubeVirt's masquerade address, its router and DNS.
+    let lease = h.ok("grep -m1 KVIRT-GUEST-IP /run/kvirt/vms/default_web/console.log");
+    assert!(
+        lease.contains("KVIRT-GUEST-IP 10.0.2.2 router=10.0.2.1 dns=192.0.2.53 mtu=1500"),
+        "{lease}"
+    );
+    let (web, any) = (pod_ip(&h, "web"), pod_ip(&h, "any"));
+    assert_ne!(web, any);
+    assert!(
+        web.starts_with("10.213.0.") && any.starts_with("10.213.0."),
+        "{web} {any}"
+    );
+    let st = h.status("web");
+    assert_eq!(st["status"]["interfaces"][0]["name"], "default");
+    h.ok(&format!(
+        "ip netns exec kvirt-default_web ip -br addr show eth0 | grep -q {web}/24"
+    ));
+
+    // Listed port forwarded, unlisted refused; no ports listed: all forwarded.
+    h.wait(
+        "web answers on 8080",
+        BOOT,
+        &format!("busybox wget -q -O- -T 5 http://{web}:8080/"),
+    );
+    assert!(http(&h, None, &web, 8080));
+    assert!(!http(&h, None, &web, 9090), "unlisted port reachable");
+    h.wait(
+        "any answers",
+        BOOT,
+        &format!("busybox wget -q -O- -T 5 http://{any}:8080/"),
+    );
+    assert!(http(&h, None, &any, 8080) && http(&h, None, &any, 9090));
+    // Another VM's address is reachable from a VM's network.
+    assert!(http(&h, Some("kvirt-default_web"), &any, 9090));
+
+    // kvirtd restarted: the guest keeps its address and renews it (the
+    // test config leases for 20 s, so a renewal comes every ~10 s).
+    let before = guest_ip_lines(&h, "web");
+    h.restart_kvirtd();
+    h.wait(
+        "the guest renewed its lease from the restarted kvirtd",
+        Duration::from_secs(40),
+        &format!(
+            "[ $(grep -c 'KVIRT-GUEST-IP 10.0.2.2' /run/kvirt/vms/default_web/console.log) -gt {before} ]"
+        ),
+    );
+    assert_eq!(pod_ip(&h, "web"), web);
+    assert!(http(&h, None, &web, 8080));
+
+    for vm in ["web", "any"] {
+        h.remove_vm_and_wait_gone(vm);
+    }
+    h.ok("! ip -br link | grep -q '^kv[0-9a-f]\\{12\\}'");
+}
+
+#[test]
+fn twenty_vms_come_and_go_leaving_no_network_state() {
+    let Some(h) = host() else { return };
+    let _g = serial();
+    let mut seen = std::collections::BTreeMap::new();
+    for round in 0..4 {
+        let names: Vec<String> = (0..5).map(|i| format!("loop-{round}-{i}")).collect();
+        for n in &names {
+            net_vm(&h, n, &[]);
+        }
+        let mut live = std::collections::BTreeSet::new();
+        for n in &names {
+            h.wait_phase(n, "Running", BOOT);
+            let ip = pod_ip(&h, n);
+            assert!(live.insert(ip.clone()), "{ip} handed to two live VMs");
+            seen.insert(n.clone(), ip);
+        }
+        for n in &names {
+            h.remove_vm_and_wait_gone(n);
+        }
+    }
+    assert_eq!(seen.len(), 20);
+    h.ok("! ip -br link | grep -q '^kv[0-9a-f]\\{12\\}'");
+    h.ok("! ip netns list | grep -q kvirt-");
+    h.ok("! grep -q '\"ip\"' /var/lib/kvirt/network/leases.json");
+    h.ok("[ -z \"$(ls -A /run/kvirt/vms)\" ] && [ -z \"$(ls -A /var/lib/kvirt/vms)\" ]");
+}

@@ -10,6 +10,7 @@ use kvirt::convert::DomainType;
 use kvirt::key::VmKey;
 use kvirt::libvirt::Libvirt;
 use kvirt::netns::KernelNetns;
+use kvirt::network::{HostNetwork, NetworkSettings};
 use kvirt::source::{scan_dir, FileStatusStore, Snapshot, StatusStore};
 use kvirt::storage::{HostStorage, Owner};
 use kvirt::systemd::SystemdBus;
@@ -216,8 +217,10 @@ async fn run(config: Config) -> Result<()> {
         .await
         .context("connecting to systemd over D-Bus")?;
     systemd.watch(unit_tx).await.context("watching units")?;
+    let network = host_network(&config, &settings, owner)?;
     let host = Host {
         units: systemd,
+        network,
         hypervisor: Libvirt::new(lv_tx),
         storage: HostStorage {
             host: settings.layout.clone(),
@@ -285,9 +288,42 @@ async fn run(config: Config) -> Result<()> {
     }
 }
 
+/// The host's VM network: bridge, egress NAT and the persisted leases.
+fn host_network(config: &Config, settings: &Settings, owner: Owner) -> Result<HostNetwork> {
+    let n = &config.network;
+    let dns = if n.dns.is_empty() {
+        // systemd-resolved's stub (127.0.0.53) is unreachable from a guest;
+        // its upstream list is.
+        let text = ["/run/systemd/resolve/resolv.conf", "/etc/resolv.conf"]
+            .iter()
+            .find_map(|p| std::fs::read_to_string(p).ok())
+            .unwrap_or_default();
+        kvirt::dhcp::host_dns(&text)
+    } else {
+        n.dns.clone()
+    };
+    let net_settings = NetworkSettings {
+        subnet: n.subnet.parse().context("network.subnet")?,
+        mtu: n.mtu,
+        dns,
+        dhcp_lease_secs: n.dhcp_lease_seconds,
+        netns_dir: kvirt::netns::NETNS_DIR.into(),
+        tap_uid: owner.uid,
+        tap_gid: owner.gid,
+    };
+    let leases = settings.layout.state_dir.join("network/leases.json");
+    let (network, dropped) =
+        HostNetwork::start(net_settings, leases).context("setting up the host network")?;
+    for d in dropped {
+        warn!("address lease dropped: {d}");
+    }
+    Ok(network)
+}
+
 /// The host-side adapters, the same whatever the VMIs come from.
 struct Host {
     units: SystemdBus,
+    network: HostNetwork,
     hypervisor: Libvirt,
     storage: HostStorage,
 }
@@ -310,6 +346,7 @@ async fn serve<St: StatusStore, R: Recorder>(
     let deps = Deps {
         units: host.units,
         netns: KernelNetns::default(),
+        network: host.network,
         hypervisor: host.hypervisor,
         storage: host.storage,
         status,

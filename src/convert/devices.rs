@@ -1,5 +1,5 @@
-//! The other devices: serial console, VNC, balloon, RNG; and the refusal
-//! of networking, which is not converted yet.
+//! The other devices: serial console, VNC, balloon, RNG. (Networking is
+//! `network.rs`.)
 
 use super::domain::{
     Console, ConsoleTarget, Devices, Graphics, Log, Memballoon, Rng, RngBackend, Serial,
@@ -9,25 +9,11 @@ use super::Errors;
 use crate::layout::VmPaths;
 use crate::vmi::VmiSpec;
 
-const NO_NETWORKING: &str =
-    "networking is not supported yet (VMs get loopback only); remove this field";
-
 /// Everything in `<devices>` except disks and controllers.
 pub(super) fn convert(spec: &VmiSpec, paths: &VmPaths, errs: &mut Errors) -> Devices {
     const PATH: &str = "spec.domain.devices";
     let dev = &spec.domain.devices;
     errs.reject_extra(PATH, &dev.extra);
-    if !spec.networks.is_empty() {
-        errs.add("spec.networks", NO_NETWORKING);
-    }
-    if !dev.interfaces.is_empty() {
-        errs.add(format!("{PATH}.interfaces"), NO_NETWORKING);
-    }
-    // Absent means "attach the pod network" in KubeVirt, which kvirt cannot
-    // do yet either; only an explicit request is refused, so plain VMIs run.
-    if dev.autoattach_pod_interface == Some(true) {
-        errs.add(format!("{PATH}.autoattachPodInterface"), NO_NETWORKING);
-    }
 
     let mut out = Devices::default();
     if dev.autoattach_serial_console != Some(false) {
@@ -137,15 +123,10 @@ mod tests {
     }
 
     #[test]
-    fn networking_and_unknown_devices_are_refused() {
+    fn unknown_devices_are_refused() {
         assert_eq!(
-            conv("{interfaces: [{name: default, masquerade: {}}], autoattachPodInterface: true, inputs: [], rng: {x: 1}}").unwrap_err(),
-            [
-                "spec.domain.devices.inputs",
-                "spec.domain.devices.interfaces",
-                "spec.domain.devices.autoattachPodInterface",
-                "spec.domain.devices.rng.x"
-            ]
+            conv("{inputs: [], rng: {x: 1}}").unwrap_err(),
+            ["spec.domain.devices.inputs", "spec.domain.devices.rng.x"]
         );
     }
 }

@@ -187,6 +187,8 @@ pub struct Devices {
     pub graphics: Option<Graphics>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub video: Option<Video>,
+    #[serde(rename = "interface", skip_serializing_if = "Vec::is_empty")]
+    pub interfaces: Vec<Interface>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub memballoon: Option<Memballoon>,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -329,6 +331,43 @@ pub struct VideoModel {
     pub vram: u32,
     #[serde(rename = "@heads")]
     pub heads: u32,
+}
+
+/// `<interface type='ethernet'>` on a tap kvirt made (`managed='no'`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Interface {
+    #[serde(rename = "@type")]
+    pub type_: &'static str,
+    pub mac: MacAddress,
+    pub target: InterfaceTarget,
+    pub model: InterfaceModel,
+    pub alias: InterfaceAlias,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MacAddress {
+    #[serde(rename = "@address")]
+    pub address: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct InterfaceTarget {
+    #[serde(rename = "@dev")]
+    pub dev: &'static str,
+    #[serde(rename = "@managed")]
+    pub managed: &'static str,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct InterfaceModel {
+    #[serde(rename = "@type")]
+    pub type_: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct InterfaceAlias {
+    #[serde(rename = "@name")]
+    pub name: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -20,6 +20,7 @@ pub mod domain;
 mod features;
 mod firmware;
 mod memory;
+pub mod network;
 
 use crate::key::VmKey;
 use crate::layout::VmPaths;
@@ -76,6 +77,8 @@ pub struct Converted {
     pub domain_xml: String,
     /// Files the runtime must create or check before defining the domain.
     pub disks: Vec<DiskPrep>,
+    /// The pod interface, when the VM has one.
+    pub network: Option<network::NetSpec>,
     pub resources: Resources,
 }
 
@@ -153,6 +156,11 @@ pub fn convert_all_errors(
     let mut devices = devices::convert(spec, ctx.paths, &mut errs);
     devices.disks = disk_devs;
     devices.controllers = controllers;
+    let default_mac = crate::network::guest_mac(&ctx.key.id());
+    let net = network::convert(spec, default_mac, &mut errs).map(|(iface, net)| {
+        devices.interfaces.push(iface);
+        net
+    });
 
     if !errs.0.is_empty() {
         return Err(errs.0);
@@ -196,6 +204,7 @@ pub fn convert_all_errors(
     Ok(Converted {
         domain_xml,
         disks: preps,
+        network: net,
         resources: Resources {
             memory_bytes,
             vcpus,
@@ -376,7 +385,7 @@ mod tests {
                 "spec.domain.foo",
                 "spec.domain.memory.guest",
                 "spec.domain.cpu.cores",
-                "spec.networks"
+                "spec.domain.devices.interfaces"
             ]
         );
     }

@@ -20,12 +20,20 @@ th_copy_in "$name" "$top/systemd/machine-kvirt.slice" /usr/lib/systemd/system/ma
 th_copy_in "$name" "$top/systemd/kvirt.sysusers" /usr/lib/sysusers.d/kvirt.conf
 th_copy_in "$name" "$top/systemd/kvirt.tmpfiles" /usr/lib/tmpfiles.d/kvirt.conf
 th_sh "$name" "
+# nspawn makes /dev/net/tun root-only; a real host's udev makes it 0666,
+# which the VMs' unprivileged QEMU needs to open its tap.
+chmod 0666 /dev/net/tun
 mkdir -p /etc/kvirt/vmis.d
 cat > /etc/kvirt/kvirtd.toml <<'EOF'
 # Test host: no KVM here, QEMU emulates.
 [vm]
 daemon = \"$daemon\"
 emulation = \"always\"
+[network]
+# Handed to guests by DHCP (a documentation address: nothing is sent there).
+dns = [\"192.0.2.53\"]
+# Short, so the tests see guests renew.
+dhcp_lease_seconds = 20
 EOF
 systemd-sysusers
 systemd-tmpfiles --create

@@ -224,6 +224,10 @@ if [ -e /sys/class/net/eth0 ]; then
   ip link set lo up
   ip link set eth0 up
   udhcpc -f -i eth0 -s /etc/udhcpc.script -t 5 -T 1 -A 2 -S >/dev/null 2>&1 &
+  # Two TCP listeners for the port-forwarding tests: each answers its port.
+  for p in 8080 9090; do
+    mkdir -p /www/$p && echo "KVIRT-HELLO $p" >/www/$p/index.html && httpd -p $p -h /www/$p
+  done
 fi
 echo "KVIRT-GUEST-READY mode=$mode acpi=$acpi"
 case $mode in
@@ -274,7 +278,7 @@ case $1 in
     [ -n "$router" ] && ip route replace default via "${router%% *}" dev "$interface"
     : >/etc/resolv.conf
     for d in $dns; do echo "nameserver $d" >>/etc/resolv.conf; done
-    echo "KVIRT-GUEST-IP $ip" >/dev/console
+    echo "KVIRT-GUEST-IP $ip router=${router%% *} dns=$(echo $dns | tr ' ' ,) mtu=$mtu" >/dev/console
     ;;
 esac
 DHCP
