@@ -346,14 +346,7 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
             plan.steps.contains(&Step::StartUnit) || plan.steps.contains(&Step::DefineDomain);
         if let (Some(v), Some(k), true) = (&vmi, &key, creating) {
             // Nothing is made on the host before the VMI is held for cleanup.
-            self.deps
-                .status
-                .hold(v)
-                .await
-                .map_err(|source| ControllerError::Status {
-                    id: id.into(),
-                    source,
-                })?;
+            self.deps.status.hold(v).await.map_err(status_err(id))?;
             if matches!(
                 v.status.phase,
                 None | Some(Phase::Pending | Phase::Scheduling)
@@ -419,14 +412,7 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
         match (&vmi, &key) {
             (Some(v), _) if deleting => {
                 // Everything of it is gone from the host: let the object go.
-                self.deps
-                    .status
-                    .release(v)
-                    .await
-                    .map_err(|source| ControllerError::Status {
-                        id: id.into(),
-                        source,
-                    })?;
+                self.deps.status.release(v).await.map_err(status_err(id))?;
             }
             (_, Some(k)) => self.report(k, &outcome).await?,
             _ => {}
@@ -537,14 +523,7 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
         let Some(vmi) = current else {
             return Ok(());
         };
-        self.deps
-            .status
-            .save(&vmi)
-            .await
-            .map_err(|source| ControllerError::Status {
-                id: id.clone(),
-                source,
-            })?;
+        self.deps.status.save(&vmi).await.map_err(status_err(&id))?;
         self.unsaved().remove(&id);
         Ok(())
     }
@@ -861,6 +840,13 @@ struct StepCtx<'a> {
     key: Option<&'a VmKey>,
     converted: Option<&'a Converted>,
     dom: Option<&'a DomainRef>,
+}
+
+fn status_err(id: &str) -> impl FnOnce(SourceError) -> ControllerError + '_ {
+    move |source| ControllerError::Status {
+        id: id.into(),
+        source,
+    }
 }
 
 /// The guest's DHCP hostname: the VMI's name, as KubeVirt hands out.
