@@ -25,10 +25,14 @@ use tracing::{error, info, warn};
 ///
 /// Each VM becomes a transient unit `kvirt-vm@<namespace>_<name>.service`
 /// running its own libvirt daemon, unprivileged, in the network namespace
-/// `kvirt-<namespace>_<name>`. VMIs come from a directory of manifests
-/// (`/etc/kvirt/vmis.d` by default); each VM's status is written to
-/// `/run/kvirt/vms/<namespace>_<name>/status.json`. Restarting kvirtd never
-/// stops a VM: on start it adopts what runs and cleans up what has no VMI.
+/// `kvirt-<namespace>_<name>`, which gets a pod-like network (a veth from
+/// the bridge `kvirt0`, KubeVirt's masquerade binding, DHCP served by
+/// kvirtd). VMIs come from a directory of manifests (`/etc/kvirt/vmis.d`,
+/// status in `/run/kvirt/vms/<namespace>_<name>/status.json`) or, with
+/// `[source] kind = "kubernetes"`, from an API server (the VMIs labelled
+/// `kubevirt.io/nodeName=<node>`, status patched on the object). Restarting
+/// kvirtd never stops a VM: on start it adopts what runs and cleans up what
+/// has no VMI. Configuration: /etc/kvirt/kvirtd.toml.
 #[derive(Parser)]
 #[command(version, about, long_about)]
 struct Args {
