@@ -180,7 +180,12 @@ async fn ensure_bridge(
         })
 }
 
+/// Writes only when the value differs: forwarding may already be on (and
+/// /proc/sys read-only, as in a container sharing another's network).
 fn write_sysctl(path: &str, value: &str) -> Result<(), NetworkError> {
+    if std::fs::read_to_string(path).is_ok_and(|v| v.trim() == value) {
+        return Ok(());
+    }
     std::fs::write(path, value).map_err(|source| NetworkError::Sys {
         what: format!("write {path}"),
         source,

@@ -29,11 +29,12 @@ kvirt_build() {
 # Boots test host NAME with kvirt installed; echoes its PID 1.
 kvirt_testhost() {
   local name=$1 rootfs guest vq pid
-  rootfs=$(th_rootfs)
-  guest=$(th_guest)
-  vq=$(th_virtqemud)
-  pid=$(TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud" th_boot "$name")
-  bash "$top/tests/testhost/install-kvirt.sh" "$name" "$top/target/debug" >&2
+  rootfs=$(th_rootfs) || return
+  guest=$(th_guest) || return
+  vq=$(th_virtqemud) || return
+  # Called as $(...), where set -e does not reach: every step says so.
+  pid=$(TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud" th_boot "$name") || return
+  bash "$top/tests/testhost/install-kvirt.sh" "$name" "$top/target/debug" >&2 || return
   echo "$pid"
 }
 
@@ -45,27 +46,27 @@ kvirt_k8s_cluster() {
   local a=$1 b=$2 guest vq k8s pa pb
   # shellcheck source=testhost/k8s.sh
   source "$top/tests/testhost/k8s.sh"
-  guest=$(th_guest)
-  vq=$(th_virtqemud)
-  k8s=$(th_k8s_binds)
-  pa=$(TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud $k8s" th_boot "$a")
-  th_k8s_up "$a" >&2
-  th_copy_in "$a" "$top/packaging/kubernetes/crd.yaml" /etc/kvirt/manifests/crd.yaml
-  th_copy_in "$a" "$top/packaging/kubernetes/rbac.yaml" /etc/kvirt/manifests/rbac.yaml
-  th_k8s_kubectl "$a" apply -f /etc/kvirt/manifests/crd.yaml -f /etc/kvirt/manifests/rbac.yaml >&2
-  th_k8s_kubectl "$a" wait --for=condition=Established --timeout=60s crd/virtualmachineinstances.kubevirt.io >&2
-  pb=$(TH_NETNS_OF=$a TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud $k8s" th_boot "$b")
+  guest=$(th_guest) || return
+  vq=$(th_virtqemud) || return
+  k8s=$(th_k8s_binds) || return
+  pa=$(TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud $k8s" th_boot "$a") || return
+  th_k8s_up "$a" >&2 || return
+  th_copy_in "$a" "$top/packaging/kubernetes/crd.yaml" /etc/kvirt/manifests/crd.yaml || return
+  th_copy_in "$a" "$top/packaging/kubernetes/rbac.yaml" /etc/kvirt/manifests/rbac.yaml || return
+  th_k8s_kubectl "$a" apply -f /etc/kvirt/manifests/crd.yaml -f /etc/kvirt/manifests/rbac.yaml >&2 || return
+  th_k8s_kubectl "$a" wait --for=condition=Established --timeout=60s crd/virtualmachineinstances.kubevirt.io >&2 || return
+  pb=$(TH_NETNS_OF=$a TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud $k8s" th_boot "$b") || return
   local host node kc subnet
   for host in "$a" "$b"; do
     node=node-${host##*-}
     # Both hosts share one network namespace: give each its own VM subnet.
     subnet=10.213.0.0/24
     [[ $node == node-b ]] && subnet=10.214.0.0/24
-    kc=$(th_k8s_kubeconfig "$a" "system:kvirt:$node" kvirt:nodes)
-    th_copy_in "$host" "$(th_share "$a")/kubeconfigs/$(basename "$kc")" /etc/kvirt/kubeconfig
+    kc=$(th_k8s_kubeconfig "$a" "system:kvirt:$node" kvirt:nodes) || return
+    th_copy_in "$host" "$(th_share "$a")/kubeconfigs/$(basename "$kc")" /etc/kvirt/kubeconfig || return
     # Both hosts need the admin kubeconfig for the tests' kubectl.
-    th_copy_in "$host" "$(th_share "$a")/admin.kubeconfig" /root/.kube/config
-    bash "$top/tests/testhost/install-kvirt.sh" "$host" "$top/target/debug" >&2
+    th_copy_in "$host" "$(th_share "$a")/admin.kubeconfig" /root/.kube/config || return
+    bash "$top/tests/testhost/install-kvirt.sh" "$host" "$top/target/debug" >&2 || return
     th_sh "$host" "cat > /etc/kvirt/kvirtd.toml <<EOF
 node_name = \"$node\"
 [source]
@@ -81,7 +82,11 @@ lease_seconds = 8
 [network]
 subnet = \"$subnet\"
 EOF
-systemctl restart kvirtd" >&2
+systemctl restart kvirtd" >&2 || {
+      th_sh "$host" "journalctl -u kvirtd --no-pager -n 30" >&2 || true
+      th_die "kvirtd did not start in $host"
+      return 1
+    }
   done
   echo "$pa $pb"
 }
