@@ -56,6 +56,9 @@ kvirt_k8s_cluster() {
   th_k8s_kubectl "$a" apply -f /etc/kvirt/manifests/crd.yaml -f /etc/kvirt/manifests/rbac.yaml >&2 || return
   th_k8s_kubectl "$a" wait --for=condition=Established --timeout=60s crd/virtualmachineinstances.kubevirt.io >&2 || return
   pb=$(TH_NETNS_OF=$a TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud $k8s" th_boot "$b") || return
+  # nspawn mounts /proc/sys/net read-only in a container without a network
+  # of its own; kvirtd sets forwarding inside each VM's namespace through it.
+  th_sh "$b" 'mount --bind /proc/sys/net /proc/sys/net && mount -o remount,bind,rw /proc/sys/net' || return
   local host node kc subnet
   for host in "$a" "$b"; do
     node=node-${host##*-}
