@@ -18,29 +18,9 @@ fn hosts() -> Option<(Host, Host)> {
 
 const WAIT: Duration = Duration::from_secs(60);
 
-/// A VMI booting a copy of a test guest disk; `placement` is either a node
-/// label line or a nodeSelector block.
+/// A test VMI with `labels` and extra spec lines (e.g. a nodeSelector).
 fn vmi_yaml(name: &str, labels: &str, spec_extra: &str) -> String {
-    format!(
-        "apiVersion: kubevirt.io/v1
-kind: VirtualMachineInstance
-metadata:
-  name: {name}
-  namespace: default
-  labels: {{{labels}}}
-spec:
-  terminationGracePeriodSeconds: 15
-{spec_extra}  domain:
-    memory: {{guest: 128Mi}}
-    devices:
-      disks:
-      - name: boot
-        disk: {{bus: virtio}}
-  volumes:
-  - name: boot
-    hostDisk: {{path: /var/lib/kvirt/images/{name}.raw, type: Disk}}
-"
-    )
+    support::vmi_manifest(name, labels, spec_extra, "")
 }
 
 fn apply(h: &Host, yaml: &str) {

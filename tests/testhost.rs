@@ -222,22 +222,11 @@ fn net_vm(h: &Host, vm: &str, ports: &[u16]) {
         let list: Vec<String> = ports.iter().map(|p| format!("{{port: {p}}}")).collect();
         format!(", ports: [{}]", list.join(", "))
     };
-    let manifest = format!(
-        "apiVersion: kubevirt.io/v1
-kind: VirtualMachineInstance
-metadata: {{name: {vm}, namespace: default}}
-spec:
-  terminationGracePeriodSeconds: 10
-  domain:
-    memory: {{guest: 128Mi}}
-    devices:
-      disks: [{{name: boot, disk: {{bus: virtio}}}}]
-      interfaces: [{{name: default, masquerade: {{}}{ports}}}]
-  networks: [{{name: default, pod: {{}}}}]
-  volumes:
-  - name: boot
-    hostDisk: {{path: /var/lib/kvirt/images/{vm}.raw, type: Disk}}
-"
+    let manifest = support::vmi_manifest(
+        vm,
+        "",
+        "  networks: [{name: default, pod: {}}]\n",
+        &format!("      interfaces: [{{name: default, masquerade: {{}}{ports}}}]\n"),
     );
     h.put_manifest(vm, "run", &manifest);
 }
@@ -359,4 +348,41 @@ fn twenty_vms_come_and_go_leaving_no_network_state() {
     h.ok("! ip netns list | grep -q kvirt-");
     h.ok("! grep -q '\"ip\"' /var/lib/kvirt/network/leases.json");
     h.ok("[ -z \"$(ls -A /run/kvirt/vms)\" ] && [ -z \"$(ls -A /var/lib/kvirt/vms)\" ]");
+}
+
+/// The manifests the host tests write are VMIs kvirt converts (no host needed).
+#[test]
+fn the_test_manifests_convert() {
+    use kvirt::convert::{convert, ConvertContext, DomainType};
+    let layout = kvirt::layout::HostLayout::default();
+    let manifests = [
+        support::vmi_manifest("plain", "", "", ""),
+        support::vmi_manifest(
+            "placed",
+            "kubevirt.io/nodeName: n1",
+            "  nodeSelector: {zone: z1}\n",
+            "",
+        ),
+        support::vmi_manifest(
+            "net",
+            "",
+            "  networks: [{name: default, pod: {}}]\n",
+            "      interfaces: [{name: default, masquerade: {}, ports: [{port: 8080}]}]\n",
+        ),
+    ];
+    for m in manifests {
+        let mut vmi = kvirt::vmi::VirtualMachineInstance::from_yaml(&m)
+            .unwrap_or_else(|e| panic!("{e}\n{m}"));
+        vmi.metadata.uid = Some("u".into());
+        let key = vmi.key().unwrap();
+        let paths = layout.vm(&key);
+        let ctx = ConvertContext {
+            key: &key,
+            paths: &paths,
+            domain_type: DomainType::Qemu,
+            host_disk_roots: &["/var/lib/kvirt/images".into()],
+        };
+        let c = convert(&vmi, &ctx).unwrap_or_else(|e| panic!("{e}\n{m}"));
+        assert!(c.network.is_some());
+    }
 }

@@ -15,6 +15,32 @@ pub fn serial() -> std::sync::MutexGuard<'static, ()> {
 
 pub const BOOT: Duration = Duration::from_secs(90);
 
+/// Every test VMI: boots the copy of a guest disk named after it.
+/// `labels` is a flow-map body, `spec_extra` lines at spec level (two
+/// spaces in), `devices_extra` lines under `devices` (six spaces in).
+pub fn vmi_manifest(name: &str, labels: &str, spec_extra: &str, devices_extra: &str) -> String {
+    format!(
+        "apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata:
+  name: {name}
+  namespace: default
+  labels: {{{labels}}}
+spec:
+  terminationGracePeriodSeconds: 15
+{spec_extra}  domain:
+    memory: {{guest: 128Mi}}
+    devices:
+      disks:
+      - name: boot
+        disk: {{bus: virtio}}
+{devices_extra}  volumes:
+  - name: boot
+    hostDisk: {{path: /var/lib/kvirt/images/{name}.raw, type: Disk}}
+"
+    )
+}
+
 /// The test host whose PID 1 is in the environment variable `var`, or
 /// `None` (the test then passes vacuously, saying so).
 pub fn host(var: &str) -> Option<Host> {
@@ -109,27 +135,7 @@ impl Host {
     /// A VMI booting a copy of one of the test guest disks, dropped into the
     /// manifest directory atomically (as an editor or config tool would).
     pub fn create_vm(&self, vm: &str, disk: &str) {
-        let manifest = format!(
-            "apiVersion: kubevirt.io/v1
-kind: VirtualMachineInstance
-metadata:
-  name: {vm}
-  namespace: default
-spec:
-  terminationGracePeriodSeconds: 20
-  domain:
-    cpu: {{cores: 1}}
-    memory: {{guest: 128Mi}}
-    devices:
-      disks:
-      - name: boot
-        disk: {{bus: virtio}}
-  volumes:
-  - name: boot
-    hostDisk: {{path: /var/lib/kvirt/images/{vm}.raw, type: Disk}}
-"
-        );
-        self.put_manifest(vm, disk, &manifest);
+        self.put_manifest(vm, disk, &vmi_manifest(vm, "", "", ""));
     }
 
     pub fn put_manifest(&self, vm: &str, disk: &str, manifest: &str) {
