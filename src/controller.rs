@@ -7,6 +7,7 @@ use crate::convert::{self, ConvertContext, Converted, DiskPrep, DomainType};
 use crate::key::{self, VmKey};
 use crate::layout::{DaemonKind, HostLayout, VmPaths};
 use crate::libvirt::{DomainRef, Hypervisor, LibvirtError};
+use crate::machined::{MachineSpec, Machines};
 use crate::netns::{Netns, NetnsError};
 use crate::network::{Network, NetworkError};
 use crate::plan::{self, Desired, DomainState, Observed, Outcome, Step, UnitActivity};
@@ -37,6 +38,10 @@ pub enum ControllerError {
     Network { source: NetworkError },
     #[error("VM {id}: status: {source}")]
     Status { id: String, source: SourceError },
+    #[error("{source}")]
+    Machined {
+        source: crate::machined::MachinedError,
+    },
     #[error("VM {id}: teardown incomplete: {}", errors.join("; "))]
     Teardown { id: String, errors: Vec<String> },
 }
@@ -100,7 +105,7 @@ pub struct Settings {
     pub shutdown_resend: Duration,
 }
 
-pub struct Deps<U, N, H, S, St, R, W> {
+pub struct Deps<U, N, H, S, St, R, W, M> {
     pub units: U,
     pub netns: N,
     pub network: W,
@@ -108,6 +113,7 @@ pub struct Deps<U, N, H, S, St, R, W> {
     pub storage: S,
     pub status: St,
     pub recorder: R,
+    pub machines: M,
 }
 
 /// What wakes the loop.
@@ -126,8 +132,8 @@ pub struct Reconciled {
     pub requeue_after: Option<Duration>,
 }
 
-pub struct Controller<U, N, H, S, St, R, W> {
-    deps: Deps<U, N, H, S, St, R, W>,
+pub struct Controller<U, N, H, S, St, R, W, M> {
+    deps: Deps<U, N, H, S, St, R, W, M>,
     settings: Settings,
     /// The VMIs this host should run, by id, with the status kvirtd owns.
     vmis: Mutex<HashMap<String, VirtualMachineInstance>>,
@@ -137,10 +143,18 @@ pub struct Controller<U, N, H, S, St, R, W> {
 
 type Phases = BTreeMap<String, usize>;
 
-impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder, W: Network>
-    Controller<U, N, H, S, St, R, W>
+impl<
+        U: Units,
+        N: Netns,
+        H: Hypervisor,
+        S: Storage,
+        St: StatusStore,
+        R: Recorder,
+        W: Network,
+        M: Machines,
+    > Controller<U, N, H, S, St, R, W, M>
 {
-    pub fn new(deps: Deps<U, N, H, S, St, R, W>, settings: Settings) -> Arc<Self> {
+    pub fn new(deps: Deps<U, N, H, S, St, R, W, M>, settings: Settings) -> Arc<Self> {
         Arc::new(Self {
             deps,
             settings,
@@ -262,7 +276,18 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
                 source,
             })?;
         let paths = self.paths(id);
+        // machined only mirrors what runs: trouble asking it never stops a VM.
+        let machine = self
+            .deps
+            .machines
+            .registered(&key::machine_name_of(id))
+            .await
+            .unwrap_or_else(|e| {
+                warn!("{e}");
+                None
+            });
         let mut obs = Observed {
+            machine,
             netns,
             network: self.deps.network.address(id).is_some(),
             state_dir: self.deps.storage.exists(&paths.state_dir).await,
@@ -379,6 +404,10 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
                     | Step::StartDomain
             );
             if let Err(e) = self.run_step(step, &ctx).await {
+                if matches!(step, Step::RegisterMachine | Step::UnregisterMachine) {
+                    warn!("{e}");
+                    continue;
+                }
                 if is_create {
                     // Roll back what this attempt made; the VMI fails with why.
                     warn!("cannot start: {e}");
@@ -434,6 +463,7 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
                     state_dir: true,
                     runtime_dir: false,
                     domain: None,
+                    machine: None,
                 }
             }
         };
@@ -669,6 +699,25 @@ impl<U: Units, N: Netns, H: Hypervisor, S: Storage, St: StatusStore, R: Recorder
                 .await
                 .map_err(lv_err),
             Step::StartDomain => self.deps.hypervisor.start(&dom()).await.map_err(lv_err),
+            Step::RegisterMachine => {
+                let uid = c
+                    .vmi
+                    .and_then(|v| v.uid())
+                    .or_else(|| c.obs.unit.as_ref().and_then(|u| u.uid.as_deref()))
+                    .unwrap_or_default();
+                let spec = MachineSpec::new(id, uid, paths.qemu_pid_file(&dom().name));
+                self.deps
+                    .machines
+                    .register(&spec)
+                    .await
+                    .map_err(|source| ControllerError::Machined { source })
+            }
+            Step::UnregisterMachine => self
+                .deps
+                .machines
+                .unregister(&key::machine_name_of(id))
+                .await
+                .map_err(|source| ControllerError::Machined { source }),
             Step::ShutdownDomain { grace } => {
                 if let Some(v) = c.vmi {
                     self.deps.recorder.record(

@@ -6,6 +6,7 @@ use crate::convert::DiskPrep;
 use crate::key::{self, VmKey};
 use crate::layout::VmPaths;
 use crate::libvirt::{DomainRef, Hypervisor, LibvirtError};
+use crate::machined::{MachineSpec, MachinedError, Machines};
 use crate::netns::{Netns, NetnsError};
 use crate::plan::{DomainObs, DomainState, UnitActivity, UnitObs};
 use crate::source::{SourceError, StatusStore};
@@ -41,6 +42,10 @@ pub struct HostState {
     pub fail: BTreeSet<String>,
     /// Whether guests power off when the ACPI button is pressed.
     pub guests_ignore_acpi: bool,
+    /// Machines machined knows, by name.
+    pub machines: BTreeMap<String, MachineSpec>,
+    /// A host without systemd-machined.
+    pub no_machined: bool,
 }
 
 #[derive(Clone, Default)]
@@ -129,6 +134,8 @@ impl Units for FakeHost {
         }
         let mut s = self.state();
         s.units.remove(unit);
+        // machined forgets a machine whose unit is gone.
+        s.machines.retain(|_, m| m.unit != unit);
         // Stopping the unit kills its daemon and QEMU with it.
         if let Some(id) = key::id_from_unit(unit) {
             s.domains.remove(id);
@@ -147,6 +154,31 @@ impl Units for FakeHost {
             .keys()
             .filter_map(|u| key::id_from_unit(u).map(str::to_owned))
             .collect())
+    }
+}
+
+impl Machines for FakeHost {
+    async fn registered(&self, name: &str) -> Result<Option<bool>, MachinedError> {
+        let s = self.state();
+        Ok((!s.no_machined).then(|| s.machines.contains_key(name)))
+    }
+
+    async fn register(&self, spec: &MachineSpec) -> Result<(), MachinedError> {
+        if self.call(format!("register-machine {}", spec.name)) {
+            return Err(MachinedError::Leader {
+                name: spec.name.clone(),
+                path: spec.pid_file.clone(),
+                message: injected("register-machine"),
+            });
+        }
+        self.state().machines.insert(spec.name.clone(), spec.clone());
+        Ok(())
+    }
+
+    async fn unregister(&self, name: &str) -> Result<(), MachinedError> {
+        self.call(format!("unregister-machine {name}"));
+        self.state().machines.remove(name);
+        Ok(())
     }
 }
 

@@ -12,6 +12,8 @@ use std::fmt;
 const MAX_ID_LEN: usize = 255 - "kvirt-vm@".len() - ".service".len();
 /// Length of the hash suffix that keeps shortened ids unique.
 const HASH_LEN: usize = 16;
+/// machined's limit, the kernel's for a host name.
+const MAX_MACHINE_LEN: usize = 64;
 
 pub const UNIT_PREFIX: &str = "kvirt-vm@";
 pub const UNIT_SUFFIX: &str = ".service";
@@ -79,15 +81,7 @@ impl VmKey {
         if full.len() <= MAX_ID_LEN {
             return full;
         }
-        let digest = Sha256::digest(full.as_bytes());
-        let hash: String = digest
-            .iter()
-            .take(HASH_LEN / 2)
-            .map(|b| format!("{b:02x}"))
-            .collect();
-        // Names are ASCII, so byte slicing is on a char boundary.
-        let keep = MAX_ID_LEN - HASH_LEN - 1;
-        format!("{}-{hash}", &full[..keep])
+        shorten(&full, MAX_ID_LEN)
     }
 
     pub fn unit_name(&self) -> String {
@@ -102,6 +96,31 @@ impl VmKey {
 /// Unit name of a VM known only by its id (found on the host).
 pub fn unit_name_of(id: &str) -> String {
     format!("{UNIT_PREFIX}{id}{UNIT_SUFFIX}")
+}
+
+/// machined's name for the VM: `<ns>.<name>`. machined takes only host
+/// names (no `_`), and a namespace has no dots, so the first dot divides.
+pub fn machine_name_of(id: &str) -> String {
+    let name = id.replacen('_', ".", 1);
+    if name.len() <= MAX_MACHINE_LEN {
+        return name;
+    }
+    shorten(&name, MAX_MACHINE_LEN)
+}
+
+/// `s` cut to `max` bytes with a hash of all of it, so distinct long names
+/// stay distinct and the same name always gives the same result.
+fn shorten(s: &str, max: usize) -> String {
+    let digest = Sha256::digest(s.as_bytes());
+    let hash: String = digest
+        .iter()
+        .take(HASH_LEN / 2)
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    // Names are ASCII, so byte slicing is on a char boundary; a cut right
+    // after a separator would leave an empty label.
+    let keep = s[..max - HASH_LEN - 1].trim_end_matches(['.', '-']);
+    format!("{keep}-{hash}")
 }
 
 pub fn netns_name_of(id: &str) -> String {
@@ -196,5 +215,26 @@ mod tests {
         assert_eq!(k1.id(), VmKey::new("ns", &long).unwrap().id());
         assert_ne!(k1.id(), k2.id());
         assert_eq!(k1.domain_name().len(), 256);
+    }
+
+    #[test]
+    fn machine_names_are_host_names() {
+        assert_eq!(machine_name_of("default_my-vm"), "default.my-vm");
+        assert_eq!(machine_name_of("default_vm.example"), "default.vm.example");
+        let long = VmKey::new("ns", &"a".repeat(100)).unwrap();
+        let m = machine_name_of(&long.id());
+        assert_eq!(m.len(), 64, "{m}");
+        assert!(m.starts_with("ns.aaa"), "{m}");
+        assert_ne!(
+            m,
+            machine_name_of(&VmKey::new("ns", &"a".repeat(101)).unwrap().id())
+        );
+        // A cut right after the dot leaves no empty label behind.
+        let id = format!("{}_{}", "n".repeat(46), "v".repeat(30));
+        let m = machine_name_of(&id);
+        assert!(!m.contains(".-"), "{m}");
+        assert!(m
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.'));
     }
 }

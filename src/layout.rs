@@ -124,6 +124,13 @@ impl VmPaths {
         )
     }
 
+    /// Where session libvirt records QEMU's PID for a domain.
+    pub fn qemu_pid_file(&self, domain_name: &str) -> PathBuf {
+        self.xdg_runtime_dir()
+            .join("libvirt/qemu/run")
+            .join(format!("{domain_name}.pid"))
+    }
+
     pub fn serial_socket(&self) -> PathBuf {
         self.runtime_dir.join("serial.sock")
     }

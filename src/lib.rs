@@ -16,6 +16,7 @@ pub mod ipam;
 pub mod key;
 pub mod layout;
 pub mod libvirt;
+pub mod machined;
 pub mod netns;
 pub mod network;
 pub mod nft;

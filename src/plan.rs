@@ -63,6 +63,8 @@ pub struct Observed {
     /// An address is leased to this VM id.
     pub network: bool,
     pub domain: Option<DomainObs>,
+    /// Registered with systemd-machined; None where machined is absent.
+    pub machine: Option<bool>,
 }
 
 impl Observed {
@@ -73,6 +75,7 @@ impl Observed {
             && !self.runtime_dir
             && !self.network
             && self.domain.is_none()
+            && self.machine != Some(true)
     }
 
     fn uid(&self) -> Option<&str> {
@@ -112,6 +115,9 @@ pub enum Step {
     StartUnit,
     DefineDomain,
     StartDomain,
+    /// Tell machined about the running VM (best effort: never fails it).
+    RegisterMachine,
+    UnregisterMachine,
     /// ACPI power-off, re-sent, then destroy after `grace`.
     ShutdownDomain {
         grace: Duration,
@@ -160,6 +166,9 @@ const DEFAULT_GRACE: Duration = Duration::from_secs(30);
 /// Everything needed to remove whatever the host has of this VM, in order.
 fn teardown(obs: &Observed, grace: Duration, keep_runtime: bool) -> Vec<Step> {
     let mut steps = Vec::new();
+    if obs.machine == Some(true) {
+        steps.push(Step::UnregisterMachine);
+    }
     if obs.domain_up() {
         steps.push(Step::ShutdownDomain { grace });
     }
@@ -179,6 +188,11 @@ fn teardown(obs: &Observed, grace: Duration, keep_runtime: bool) -> Vec<Step> {
         steps.push(Step::RemoveRuntimeDir);
     }
     steps
+}
+
+/// A VM that runs (or is about to) and machined does not know yet.
+fn register(obs: &Observed) -> impl Iterator<Item = Step> {
+    (obs.machine == Some(false)).then_some(Step::RegisterMachine).into_iter()
 }
 
 pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
@@ -229,6 +243,7 @@ pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
             Step::DefineDomain,
             Step::StartDomain,
         ]);
+        steps.extend(register(obs));
         return Plan::new(steps, Outcome::Phase(Phase::Running));
     };
 
@@ -247,15 +262,21 @@ pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
         ),
         UnitActivity::Active => match obs.domain.as_ref().map(|dom| dom.state) {
             None => Plan::new(
-                vec![Step::SetupNetwork, Step::DefineDomain, Step::StartDomain],
+                [Step::SetupNetwork, Step::DefineDomain, Step::StartDomain]
+                    .into_iter()
+                    .chain(register(obs))
+                    .collect(),
                 Outcome::Phase(Phase::Running),
             ),
             Some(DomainState::Running | DomainState::Paused) => {
-                Plan::new(vec![], Outcome::Phase(Phase::Running))
+                Plan::new(register(obs).collect(), Outcome::Phase(Phase::Running))
             }
-            Some(DomainState::Shutoff | DomainState::Other) if !was_running => {
-                Plan::new(vec![Step::StartDomain], Outcome::Phase(Phase::Running))
-            }
+            Some(DomainState::Shutoff | DomainState::Other) if !was_running => Plan::new(
+                std::iter::once(Step::StartDomain)
+                    .chain(register(obs))
+                    .collect(),
+                Outcome::Phase(Phase::Running),
+            ),
             Some(DomainState::Shutdown) => Plan::new(
                 teardown(obs, d.grace, true),
                 Outcome::Phase(Phase::Succeeded),
@@ -314,6 +335,7 @@ mod tests {
             runtime_dir: true,
             network: true,
             domain: dom(state),
+            machine: None,
         }
     }
 
@@ -477,5 +499,35 @@ mod tests {
         let p = plan(Some(&desired(Some(Phase::Scheduled))), &obs);
         assert!(p.steps.is_empty());
         assert!(p.requeue);
+    }
+
+    #[test]
+    fn running_vms_are_registered_with_machined_where_it_exists() {
+        let d = desired(Some(Phase::Running));
+        let unregistered = Observed {
+            machine: Some(false),
+            ..running_host(DomainState::Running)
+        };
+        assert_eq!(plan(Some(&d), &unregistered).steps, vec![RegisterMachine]);
+        let registered = Observed {
+            machine: Some(true),
+            ..unregistered.clone()
+        };
+        assert!(plan(Some(&d), &registered).steps.is_empty());
+        // A fresh VM is registered once it runs.
+        let fresh = Observed {
+            machine: Some(false),
+            ..Observed::default()
+        };
+        assert_eq!(
+            plan(Some(&desired(None)), &fresh).steps.last(),
+            Some(&RegisterMachine)
+        );
+        // Deleting forgets the machine before anything stops.
+        assert_eq!(plan(None, &registered).steps[0], UnregisterMachine);
+        // A host without machined is never asked.
+        assert!(!plan(None, &running_host(DomainState::Running))
+            .steps
+            .contains(&UnregisterMachine));
     }
 }

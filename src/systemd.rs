@@ -61,6 +61,11 @@ impl SystemdBus {
         Ok(Self { conn })
     }
 
+    /// The bus connection, for the other systemd services (machined).
+    pub fn connection(&self) -> zbus::Connection {
+        self.conn.clone()
+    }
+
     async fn manager(&self) -> Result<ManagerProxy<'static>, SystemdError> {
         Ok(ManagerProxy::new(&self.conn).await?)
     }

@@ -12,7 +12,7 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-type Ctl = Controller<FakeHost, FakeHost, FakeHost, FakeHost, FakeHost, FakeHost, FakeHost>;
+type Ctl = Controller<FakeHost, FakeHost, FakeHost, FakeHost, FakeHost, FakeHost, FakeHost, FakeHost>;
 
 fn settings() -> Settings {
     Settings {
@@ -40,6 +40,7 @@ fn controller(host: &FakeHost) -> Arc<Ctl> {
             storage: host.clone(),
             status: host.clone(),
             recorder: host.clone(),
+            machines: host.clone(),
         },
         settings(),
     )
@@ -89,6 +90,7 @@ async fn a_new_vmi_becomes_a_running_vm_in_order() {
             "start kvirt-vm@default_vm1.service",
             "define default_vm1",
             "start-domain default_vm1",
+            "register-machine default.vm1",
         ]
     );
     let st = host.state().statuses[&VmKey::new("default", "vm1").unwrap()].clone();
@@ -161,6 +163,7 @@ async fn guest_poweroff_is_succeeded_and_the_unit_is_collected() {
     assert_eq!(
         calls,
         vec![
+            "unregister-machine default.vm1",
             "stop kvirt-vm@default_vm1.service",
             "net teardown default_vm1",
             "netns del kvirt-default_vm1",
@@ -190,8 +193,8 @@ async fn a_removed_vmi_is_shut_down_gracefully_then_destroyed() {
     let took = started.elapsed();
     let calls = host.take_calls();
     assert_eq!(
-        calls.first().map(String::as_str),
-        Some("shutdown default_vm1")
+        calls[..2],
+        ["unregister-machine default.vm1", "shutdown default_vm1"]
     );
     assert!(
         calls.contains(&"destroy default_vm1".to_string()),
@@ -226,7 +229,7 @@ async fn a_cooperative_guest_is_not_destroyed() {
     ctl.set_vmis(BTreeMap::new()).await;
     ctl.reconcile("default_vm1").await.unwrap();
     let calls = host.take_calls();
-    assert_eq!(calls[0], "shutdown default_vm1");
+    assert_eq!(calls[1], "shutdown default_vm1");
     assert!(!calls.iter().any(|c| c.starts_with("destroy")), "{calls:?}");
 }
 
@@ -472,4 +475,32 @@ async fn no_interface_means_no_network() {
     ctl.reconcile("default_vm1").await.unwrap();
     assert!(host.state().addresses.is_empty());
     assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
+}
+
+#[tokio::test]
+async fn machined_trouble_never_stops_a_vm() {
+    let host = FakeHost::default();
+    host.fail("register-machine");
+    let ctl = controller(&host);
+    ctl.set_vmis(set(&[vmi("vm1", "u1", "")])).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
+    assert!(host.state().machines.is_empty());
+    // Level-triggered: the next pass registers it once machined answers.
+    host.heal("register-machine");
+    ctl.reconcile("default_vm1").await.unwrap();
+    let m = host.state().machines.get("default.vm1").cloned().unwrap();
+    assert_eq!(m.unit, "kvirt-vm@default_vm1.service");
+    assert!(m
+        .pid_file
+        .ends_with("xdg/libvirt/qemu/run/default_vm1.pid"));
+
+    // A host without machined is never asked.
+    let bare = FakeHost::default();
+    bare.state().no_machined = true;
+    let ctl = controller(&bare);
+    ctl.set_vmis(set(&[vmi("vm1", "u1", "")])).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert_eq!(phase(&bare, "vm1"), Some(Phase::Running));
+    assert!(!bare.take_calls().iter().any(|c| c.contains("machine")));
 }

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 /// Operator CLI for kvirt: list VMs, show their status, attach to their
 /// serial console, and convert VMI manifests to libvirt domain XML offline.
 #[derive(Parser)]
-#[command(version, about, long_about)]
+#[command(version)]
 struct Args {
     /// kvirtd's configuration file, for its directories.
     #[arg(long, short, global = true, default_value = DEFAULT_PATH)]
@@ -45,6 +45,9 @@ enum Command {
         #[arg(long, value_enum, default_value = "kvm")]
         domain_type: DomainTypeArg,
     },
+    /// Print this manual page (roff) for packaging.
+    #[command(hide = true)]
+    Man,
 }
 
 #[derive(Clone, Copy, clap::ValueEnum)]
@@ -56,13 +59,19 @@ enum DomainTypeArg {
 fn main() -> Result<()> {
     let args = Args::parse();
     let explicit = args.config != Path::new(DEFAULT_PATH);
-    let config = Config::load(&args.config, explicit)?;
-    let layout = config.layout();
+    let config = || Config::load(&args.config, explicit);
     match args.command {
-        Command::Ls => ls(&layout),
-        Command::Status { vm } => status(&layout, &vm),
-        Command::Console { vm } => console(&layout, &vm),
-        Command::Domxml { file, domain_type } => domxml(&config, &file, domain_type),
+        Command::Ls => ls(&config()?.layout()),
+        Command::Status { vm } => status(&config()?.layout(), &vm),
+        Command::Console { vm } => console(&config()?.layout(), &vm),
+        Command::Domxml { file, domain_type } => domxml(&config()?, &file, domain_type),
+        Command::Man => {
+            use clap::CommandFactory;
+            clap_mangen::Man::new(Args::command().name("kvirtctl"))
+                .section("1")
+                .render(&mut std::io::stdout())?;
+            Ok(())
+        }
     }
 }
 

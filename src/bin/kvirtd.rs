@@ -9,6 +9,7 @@ use kvirt::controller::{Controller, Deps, LogRecorder, Recorder, Settings, Trigg
 use kvirt::convert::DomainType;
 use kvirt::key::VmKey;
 use kvirt::libvirt::Libvirt;
+use kvirt::machined::Machined;
 use kvirt::netns::KernelNetns;
 use kvirt::network::{HostNetwork, NetworkSettings};
 use kvirt::source::{scan_dir, FileStatusStore, Snapshot, StatusStore};
@@ -34,7 +35,7 @@ use tracing::{error, info, warn};
 /// kvirtd never stops a VM: on start it adopts what runs and cleans up what
 /// has no VMI. Configuration: /etc/kvirt/kvirtd.toml.
 #[derive(Parser)]
-#[command(version, about, long_about)]
+#[command(version)]
 struct Args {
     /// Configuration file (TOML).
     #[arg(long, short, default_value = DEFAULT_PATH)]
@@ -49,10 +50,20 @@ struct Args {
     /// Print the least-privilege RBAC kvirtd needs in a cluster and exit.
     #[arg(long)]
     print_rbac: bool,
+    /// Print this manual page (roff) for packaging.
+    #[arg(long, hide = true)]
+    print_man: bool,
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if args.print_man {
+        use clap::CommandFactory;
+        clap_mangen::Man::new(Args::command().name("kvirtd"))
+            .section("8")
+            .render(&mut std::io::stdout())?;
+        return Ok(());
+    }
     if args.print_crd || args.print_rbac {
         if args.print_crd {
             print!("{}", cluster::CRD_YAML);
@@ -221,11 +232,13 @@ async fn run(config: Config) -> Result<()> {
         .await
         .context("connecting to systemd over D-Bus")?;
     systemd.watch(unit_tx).await.context("watching units")?;
+    let machines = Machined::new(systemd.connection());
     let network = host_network(&config, &settings, owner)?;
     let host = Host {
         units: systemd,
         network,
         hypervisor: Libvirt::new(lv_tx),
+        machines,
         storage: HostStorage {
             host: settings.layout.clone(),
             owner: Some(owner),
@@ -330,6 +343,7 @@ struct Host {
     network: HostNetwork,
     hypervisor: Libvirt,
     storage: HostStorage,
+    machines: Machined,
 }
 
 /// Adopts, reports ready, then runs the loop until SIGTERM. `ready` starts
@@ -355,6 +369,7 @@ async fn serve<St: StatusStore, R: Recorder>(
         storage: host.storage,
         status,
         recorder,
+        machines: host.machines,
     };
     let ctl = Controller::new(deps, settings);
 
