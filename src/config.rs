@@ -34,6 +34,28 @@ pub struct Config {
     pub storage: StorageConfig,
     pub kubernetes: KubernetesConfig,
     pub network: NetworkConfig,
+    pub metrics: MetricsConfig,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// Address of the Prometheus endpoint (`/metrics`); empty: none.
+    pub listen: String,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:9477".into(),
+        }
+    }
+}
+
+impl MetricsConfig {
+    pub fn address(&self) -> Option<std::net::SocketAddr> {
+        self.listen.parse().ok()
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]
@@ -198,19 +220,49 @@ impl Config {
     /// Reads the file; a missing file at the default path means defaults,
     /// a missing file given explicitly is an error.
     pub fn load(path: &Path, explicit: bool) -> Result<Self, ConfigError> {
-        let text = match std::fs::read_to_string(path) {
-            Ok(t) => t,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => {
-                return Self::default().validated(path)
-            }
+        let mut merged = toml::Table::new();
+        match std::fs::read_to_string(path) {
+            Ok(text) => merge(&mut merged, table(&text, path)?),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => {}
             Err(source) => {
                 return Err(ConfigError::Read {
                     path: path.into(),
                     source,
                 })
             }
+        }
+        // Drop-ins (`kvirtd.toml.d/*.toml`, in name order) override the
+        // main file key by key, so local settings never edit the packaged
+        // conffile.
+        let dropins = drop_in_dir(path);
+        let mut files: Vec<PathBuf> = match std::fs::read_dir(&dropins) {
+            Ok(entries) => entries
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+                .collect(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(source) => {
+                return Err(ConfigError::Read {
+                    path: dropins,
+                    source,
+                })
+            }
         };
-        Self::parse(&text, path)
+        files.sort();
+        for f in &files {
+            let text = std::fs::read_to_string(f).map_err(|source| ConfigError::Read {
+                path: f.clone(),
+                source,
+            })?;
+            let t = table(&text, f)?;
+            merge(&mut merged, t);
+        }
+        let cfg = Config::deserialize(merged).map_err(|e| ConfigError::Parse {
+            path: path.into(),
+            source: Box::new(e),
+        })?;
+        cfg.validated(path)
     }
 
     pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
@@ -231,6 +283,12 @@ impl Config {
                 .ok()
                 .and_then(|h| h.into_string().ok())
                 .unwrap_or_else(|| "localhost".into());
+        }
+        if !self.metrics.listen.is_empty() && self.metrics.address().is_none() {
+            return Err(invalid(format!(
+                "metrics.listen: {:?} is not an address:port",
+                self.metrics.listen
+            )));
         }
         for root in &self.storage.host_disk_roots {
             if !root.is_absolute() {
@@ -303,6 +361,37 @@ impl Config {
     }
 }
 
+/// `/etc/kvirt/kvirtd.toml` → `/etc/kvirt/kvirtd.toml.d`.
+pub fn drop_in_dir(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".d");
+    path.with_file_name(name)
+}
+
+/// One file as a table, checked on its own so an unknown key or a wrong
+/// type is reported with the file it is in.
+fn table(text: &str, path: &Path) -> Result<toml::Table, ConfigError> {
+    let err = |e| ConfigError::Parse {
+        path: path.into(),
+        source: Box::new(e),
+    };
+    let t: toml::Table = toml::from_str(text).map_err(err)?;
+    Config::deserialize(t.clone()).map_err(err)?;
+    Ok(t)
+}
+
+/// Tables merge key by key; anything else is replaced.
+fn merge(base: &mut toml::Table, over: toml::Table) {
+    for (k, v) in over {
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -324,6 +413,35 @@ mod tests {
         assert!(e.to_string().contains("host_disk_roots"), "{e}");
         let e = Config::parse("[vm]\nemulation=\"maybe\"", Path::new("x")).unwrap_err();
         assert!(e.to_string().contains("emulation"), "{e}");
+        let e = Config::parse("[metrics]\nlisten=\"localhost\"", Path::new("x")).unwrap_err();
+        assert!(e.to_string().contains("metrics.listen"), "{e}");
+        let off = Config::parse("[metrics]\nlisten=\"\"", Path::new("x")).unwrap();
+        assert_eq!(off.metrics.address(), None);
+    }
+
+    #[test]
+    fn drop_ins_override_key_by_key_in_name_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let main = dir.path().join("kvirtd.toml");
+        std::fs::write(&main, "node_name = \"n1\"\n[vm]\nuser = \"u\"\ntasks_max = 7\n").unwrap();
+        let d = drop_in_dir(&main);
+        std::fs::create_dir(&d).unwrap();
+        std::fs::write(d.join("20-b.toml"), "[vm]\ntasks_max = 9\n").unwrap();
+        std::fs::write(d.join("10-a.toml"), "[vm]\ntasks_max = 8\nemulation = \"always\"\n").unwrap();
+        std::fs::write(d.join("README"), "not toml, ignored").unwrap();
+        let c = Config::load(&main, true).unwrap();
+        assert_eq!(c.node_name, "n1");
+        assert_eq!(c.vm.user, "u");
+        assert_eq!(c.vm.tasks_max, 9);
+        assert_eq!(c.vm.emulation, Emulation::Always);
+        // A mistake in a drop-in names the drop-in.
+        std::fs::write(d.join("30-bad.toml"), "[vm]\ntask_max = 1\n").unwrap();
+        let e = Config::load(&main, true).unwrap_err().to_string();
+        assert!(e.contains("30-bad.toml") && e.contains("task_max"), "{e}");
+        // No main file at the default path: drop-ins still apply.
+        std::fs::remove_file(d.join("30-bad.toml")).unwrap();
+        std::fs::remove_file(&main).unwrap();
+        assert_eq!(Config::load(&main, false).unwrap().vm.tasks_max, 9);
     }
 
     #[test]

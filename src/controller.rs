@@ -8,6 +8,7 @@ use crate::key::{self, VmKey};
 use crate::layout::{DaemonKind, HostLayout, VmPaths};
 use crate::libvirt::{DomainRef, Hypervisor, LibvirtError};
 use crate::machined::{MachineSpec, Machines};
+use crate::metrics::{Adoption, Metrics};
 use crate::netns::{Netns, NetnsError};
 use crate::network::{Network, NetworkError};
 use crate::plan::{self, Desired, DomainState, Observed, Outcome, Step, UnitActivity};
@@ -19,6 +20,7 @@ use crate::unit::{self, UnitInput};
 use crate::vmi::{Phase, VirtualMachineInstance};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
@@ -44,6 +46,22 @@ pub enum ControllerError {
     },
     #[error("VM {id}: teardown incomplete: {}", errors.join("; "))]
     Teardown { id: String, errors: Vec<String> },
+}
+
+impl ControllerError {
+    /// The metric label: which system the failure came from.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            ControllerError::Systemd { .. } => "systemd",
+            ControllerError::Netns { .. } => "netns",
+            ControllerError::Libvirt { .. } => "libvirt",
+            ControllerError::Storage { .. } => "storage",
+            ControllerError::Network { .. } => "network",
+            ControllerError::Status { .. } => "status",
+            ControllerError::Machined { .. } => "machined",
+            ControllerError::Teardown { .. } => "teardown",
+        }
+    }
 }
 
 /// KubeVirt's event reasons, as kvirtd records them.
@@ -125,11 +143,17 @@ pub enum Trigger {
     Vmis(BTreeMap<VmKey, VirtualMachineInstance>),
     /// Look at every VM (the slow safety net).
     Resync,
+    /// The watchdog asks whether the loop still turns: it answers by
+    /// recording the number (see `Controller::heartbeat`).
+    Heartbeat(u64),
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct Reconciled {
     pub requeue_after: Option<Duration>,
+    /// What this pass found of a VM that was already on the host (what
+    /// adoption means on the first pass after a start).
+    pub found: Option<Adoption>,
 }
 
 pub struct Controller<U, N, H, S, St, R, W, M> {
@@ -139,6 +163,9 @@ pub struct Controller<U, N, H, S, St, R, W, M> {
     vmis: Mutex<HashMap<String, VirtualMachineInstance>>,
     /// Ids whose status changed but could not be written yet.
     unsaved: Mutex<HashSet<String>>,
+    metrics: Metrics,
+    /// The last heartbeat the loop answered.
+    heartbeat: AtomicU64,
 }
 
 type Phases = BTreeMap<String, usize>;
@@ -160,7 +187,17 @@ impl<
             settings,
             vmis: Mutex::default(),
             unsaved: Mutex::default(),
+            metrics: Metrics::default(),
+            heartbeat: AtomicU64::new(0),
         })
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    pub fn heartbeat(&self) -> u64 {
+        self.heartbeat.load(Ordering::Relaxed)
     }
 
     fn vmis(&self) -> std::sync::MutexGuard<'_, HashMap<String, VirtualMachineInstance>> {
@@ -333,7 +370,11 @@ impl<
     pub async fn reconcile(&self, id: &str) -> Result<Reconciled, ControllerError> {
         let vmi = self.vmis().get(id).cloned();
         let key = vmi.as_ref().and_then(|v| v.key().ok());
-        let span = info_span!("vm", vm = %key.as_ref().map_or(id.to_owned(), |k| k.to_string()));
+        let span = info_span!(
+            "vm",
+            vm = %key.as_ref().map_or(id.to_owned(), |k| k.to_string()),
+            unit = %key::unit_name_of(id),
+        );
         self.reconcile_inner(id, vmi, key).instrument(span).await
     }
 
@@ -361,6 +402,7 @@ impl<
             phase: v.status.phase,
             invalid: converted.as_ref().and_then(|c| c.as_ref().err().cloned()),
         });
+        let started = tokio::time::Instant::now();
         let plan = plan::plan(desired.as_ref(), &obs);
         let mut outcome = plan.outcome.clone();
         if !plan.steps.is_empty() {
@@ -411,6 +453,7 @@ impl<
                 if is_create {
                     // Roll back what this attempt made; the VMI fails with why.
                     warn!("cannot start: {e}");
+                    self.metrics.error(e.reason());
                     self.rollback(id, dom.as_ref()).await;
                     outcome = Outcome::Failed(format!("cannot start: {e}"));
                     break;
@@ -438,6 +481,17 @@ impl<
                 }
             }
         }
+        if creating && outcome == Outcome::Phase(Phase::Running) {
+            self.metrics.started(started.elapsed());
+        }
+        let on_host = obs.unit.is_some() || obs.domain.is_some();
+        let found = match (&outcome, &desired) {
+            _ if !on_host => None,
+            (Outcome::Phase(Phase::Running), Some(_)) if !creating => Some(Adoption::Adopted),
+            (Outcome::Failed(_), Some(_)) => Some(Adoption::Failed),
+            (_, None) | (Outcome::Unchanged, _) => Some(Adoption::Cleaned),
+            _ => None,
+        };
         match (&vmi, &key) {
             (Some(v), _) if deleting => {
                 // Everything of it is gone from the host: let the object go.
@@ -448,6 +502,7 @@ impl<
         }
         Ok(Reconciled {
             requeue_after: plan.requeue.then_some(Duration::from_millis(500)),
+            found,
         })
     }
 
@@ -806,8 +861,17 @@ impl<
             .collect();
         let mut errors = Vec::new();
         for t in tasks {
-            if let Ok((id, Err(e))) = t.await {
-                errors.push((id, e));
+            match t.await {
+                Ok((_, Ok(r))) => {
+                    if let Some(a) = r.found {
+                        self.metrics.adoption(a);
+                    }
+                }
+                Ok((id, Err(e))) => {
+                    self.metrics.error(e.reason());
+                    errors.push((id, e));
+                }
+                Err(_) => {}
             }
         }
         errors
@@ -832,7 +896,10 @@ impl<
             let this = self.clone();
             let done = done_tx.clone();
             tokio::spawn(async move {
-                let r = this.reconcile(&id).await.map_err(|e| e.to_string());
+                let r = this.reconcile(&id).await.map_err(|e| {
+                    this.metrics.error(e.reason());
+                    e.to_string()
+                });
                 let _ = done.send((id, r));
             });
         };
@@ -851,6 +918,7 @@ impl<
                             spawn(id, &mut running, &mut dirty);
                         }
                     }
+                    Some(Trigger::Heartbeat(n)) => self.heartbeat.store(n, Ordering::Relaxed),
                 },
                 Some((id, result)) = done_rx.recv() => {
                     running.remove(&id);

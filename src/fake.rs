@@ -171,7 +171,9 @@ impl Machines for FakeHost {
                 message: injected("register-machine"),
             });
         }
-        self.state().machines.insert(spec.name.clone(), spec.clone());
+        self.state()
+            .machines
+            .insert(spec.name.clone(), spec.clone());
         Ok(())
     }
 

@@ -12,7 +12,10 @@ use zbus_systemd::machine1::ManagerProxy;
 #[derive(Debug, thiserror::Error)]
 pub enum MachinedError {
     #[error("machine {name}: D-Bus: {source}")]
-    Bus { name: String, source: zbus::Error },
+    Bus {
+        name: String,
+        source: Box<zbus::Error>,
+    },
     #[error("machine {name}: QEMU's pid file {path}: {message}")]
     Leader {
         name: String,
@@ -63,7 +66,10 @@ pub trait Machines: Send + Sync + 'static {
         &self,
         name: &str,
     ) -> impl Future<Output = Result<Option<bool>, MachinedError>> + Send;
-    fn register(&self, spec: &MachineSpec) -> impl Future<Output = Result<(), MachinedError>> + Send;
+    fn register(
+        &self,
+        spec: &MachineSpec,
+    ) -> impl Future<Output = Result<(), MachinedError>> + Send;
     /// Forgets the machine, leaving its unit alone; gone already is fine.
     fn unregister(&self, name: &str) -> impl Future<Output = Result<(), MachinedError>> + Send;
 }
@@ -83,7 +89,7 @@ impl Machined {
             .await
             .map_err(|source| MachinedError::Bus {
                 name: name.into(),
-                source,
+                source: Box::new(source),
             })
     }
 }
@@ -143,7 +149,7 @@ impl Machines for Machined {
             Err(e) if machined_absent(&e) => Ok(None),
             Err(source) => Err(MachinedError::Bus {
                 name: name.into(),
-                source,
+                source: Box::new(source),
             }),
         }
     }
@@ -164,7 +170,7 @@ impl Machines for Machined {
             .map(drop)
             .map_err(|source| MachinedError::Bus {
                 name: spec.name.clone(),
-                source,
+                source: Box::new(source),
             })
     }
 
@@ -179,7 +185,7 @@ impl Machines for Machined {
             Err(e) if no_such_machine(&e) || machined_absent(&e) => Ok(()),
             Err(source) => Err(MachinedError::Bus {
                 name: name.into(),
-                source,
+                source: Box::new(source),
             }),
         }
     }
@@ -209,9 +215,11 @@ mod tests {
         assert!(MachineSpec::new("a_b", "not-a-uuid", "/x".into())
             .uuid
             .is_empty());
-        assert!(MachineSpec::new("a_b", "0f8e4c3a1b2d4e5f8a9b0c1d2e3f4a5bxxxx", "/x".into())
-            .uuid
-            .is_empty());
+        assert!(
+            MachineSpec::new("a_b", "0f8e4c3a1b2d4e5f8a9b0c1d2e3f4a5bxxxx", "/x".into())
+                .uuid
+                .is_empty()
+        );
     }
 
     #[test]

@@ -192,7 +192,9 @@ fn teardown(obs: &Observed, grace: Duration, keep_runtime: bool) -> Vec<Step> {
 
 /// A VM that runs (or is about to) and machined does not know yet.
 fn register(obs: &Observed) -> impl Iterator<Item = Step> {
-    (obs.machine == Some(false)).then_some(Step::RegisterMachine).into_iter()
+    (obs.machine == Some(false))
+        .then_some(Step::RegisterMachine)
+        .into_iter()
 }
 
 pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {

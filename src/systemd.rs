@@ -303,6 +303,7 @@ fn to_dbus(unit: &str, p: &Prop) -> Result<(String, OwnedValue), SystemdError> {
             (n, Value::from(v))
         }
         Prop::TmpFs(n, v) | Prop::Devices(n, v) => (n, Value::from(v.clone())),
+        Prop::AllowList(n, v) => (n, Value::from((true, v.clone()))),
     };
     let owned = OwnedValue::try_from(value).map_err(|e| SystemdError::Property {
         unit: unit.into(),
@@ -347,6 +348,13 @@ mod tests {
             "a(ss)"
         );
         assert_eq!(sig(Prop::U32("UMask", 7)), "u");
+        assert_eq!(
+            sig(Prop::AllowList(
+                "RestrictAddressFamilies",
+                vec!["AF_UNIX".into()]
+            )),
+            "(bas)"
+        );
         assert_eq!(sig(Prop::Strs("Environment", vec!["A=b".into()])), "as");
     }
 }

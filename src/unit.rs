@@ -32,6 +32,8 @@ pub enum Prop {
     TmpFs(&'static str, Vec<(String, String)>),
     /// `DeviceAllow`: (device, rwm).
     Devices(&'static str, Vec<(String, String)>),
+    /// `RestrictAddressFamilies`: only these are allowed.
+    AllowList(&'static str, Vec<String>),
 }
 
 impl Prop {
@@ -45,7 +47,8 @@ impl Prop {
             | Prop::Exec(n, _)
             | Prop::Binds(n, _)
             | Prop::TmpFs(n, _)
-            | Prop::Devices(n, _) => n,
+            | Prop::Devices(n, _)
+            | Prop::AllowList(n, _) => n,
         }
     }
 }
@@ -139,6 +142,20 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
         Prop::Bool("RestrictSUIDSGID", true),
         Prop::Bool("RestrictRealtime", true),
         Prop::Bool("LockPersonality", true),
+        // No namespaces of its own (session libvirt makes none), no foreign
+        // ABIs, only the sockets libvirt and QEMU use; other users'
+        // processes invisible. MemoryDenyWriteExecute is left out: QEMU's
+        // TCG translates guest code into executable memory.
+        Prop::U64("RestrictNamespaces", 0),
+        Prop::Strs("SystemCallArchitectures", vec!["native".into()]),
+        Prop::AllowList(
+            "RestrictAddressFamilies",
+            ["AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"]
+                .map(String::from)
+                .to_vec(),
+        ),
+        Prop::Str("ProtectProc", "invisible".into()),
+        Prop::Bool("RemoveIPC", true),
         Prop::Str("DevicePolicy", "closed".into()),
         Prop::Devices(
             "DeviceAllow",

@@ -18,12 +18,38 @@ kvirt_rust() {
   fi
 }
 
+# cargo-deb and cargo-generate-rpm, built once per version into the cache.
+kvirt_packaging_tools() {
+  local tool name version dir
+  for tool in cargo-deb@3.8.0 cargo-generate-rpm@0.21.1; do
+    name=${tool%@*} version=${tool#*@} dir=$TH_CACHE/tools/$name-$version
+    if [[ ! -x $dir/bin/$name ]]; then
+      th_log "building $name $version (once)"
+      rm -rf "$dir.tmp"
+      cargo install --locked --quiet --root "$dir.tmp" --version "$version" "$name" >&2 || return
+      mv "$dir.tmp" "$dir"
+    fi
+    PATH=$dir/bin:$PATH
+  done
+  export PATH
+}
+
+# Builds kvirt (debug, for the tests) and its packages: exports KVIRT_DEB,
+# KVIRT_RPM and KVIRT_DEB_NEXT (the same build as a newer revision, for
+# upgrade tests).
 kvirt_build() {
   th_host_deps
   kvirt_rust
+  kvirt_packaging_tools
   local t; t=$(th__now)
   (cd "$top" && cargo build --locked --bins >&2)
-  th_log "kvirt built in $(th__since "$t")"
+  local out
+  out=$(bash "$top/packaging/build" 1)
+  KVIRT_DEB=$(grep '\.deb$' <<<"$out")
+  KVIRT_RPM=$(grep '\.rpm$' <<<"$out")
+  KVIRT_DEB_NEXT=$(bash "$top/packaging/build" 2 | grep '\.deb$')
+  export KVIRT_DEB KVIRT_RPM KVIRT_DEB_NEXT
+  th_log "kvirt built and packaged in $(th__since "$t"): $(basename "$KVIRT_DEB") $(basename "$KVIRT_RPM")"
 }
 
 # Boots test host NAME with kvirt installed; echoes its PID 1.
@@ -34,7 +60,7 @@ kvirt_testhost() {
   vq=$(th_virtqemud) || return
   # Called as $(...), where set -e does not reach: every step says so.
   pid=$(TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud" th_boot "$name") || return
-  bash "$top/tests/testhost/install-kvirt.sh" "$name" "$top/target/debug" >&2 || return
+  bash "$top/tests/testhost/install-kvirt.sh" "$name" "$KVIRT_DEB" >&2 || return
   echo "$pid"
 }
 
@@ -69,8 +95,8 @@ kvirt_k8s_cluster() {
     th_copy_in "$host" "$(th_share "$a")/kubeconfigs/$(basename "$kc")" /etc/kvirt/kubeconfig || return
     # Both hosts need the admin kubeconfig for the tests' kubectl.
     th_copy_in "$host" "$(th_share "$a")/admin.kubeconfig" /root/.kube/config || return
-    bash "$top/tests/testhost/install-kvirt.sh" "$host" "$top/target/debug" >&2 || return
-    th_sh "$host" "cat > /etc/kvirt/kvirtd.toml <<EOF
+    bash "$top/tests/testhost/install-kvirt.sh" "$host" "$KVIRT_DEB" >&2 || return
+    th_sh "$host" "cat > /etc/kvirt/kvirtd.toml.d/50-test.toml <<EOF
 node_name = \"$node\"
 [source]
 kind = \"kubernetes\"

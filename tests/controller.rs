@@ -12,7 +12,8 @@ use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-type Ctl = Controller<FakeHost, FakeHost, FakeHost, FakeHost, FakeHost, FakeHost, FakeHost, FakeHost>;
+type Ctl =
+    Controller<FakeHost, FakeHost, FakeHost, FakeHost, FakeHost, FakeHost, FakeHost, FakeHost>;
 
 fn settings() -> Settings {
     Settings {
@@ -491,9 +492,7 @@ async fn machined_trouble_never_stops_a_vm() {
     ctl.reconcile("default_vm1").await.unwrap();
     let m = host.state().machines.get("default.vm1").cloned().unwrap();
     assert_eq!(m.unit, "kvirt-vm@default_vm1.service");
-    assert!(m
-        .pid_file
-        .ends_with("xdg/libvirt/qemu/run/default_vm1.pid"));
+    assert!(m.pid_file.ends_with("xdg/libvirt/qemu/run/default_vm1.pid"));
 
     // A host without machined is never asked.
     let bare = FakeHost::default();

@@ -7,11 +7,14 @@ use kvirt::cluster;
 use kvirt::config::{Config, Emulation, SourceKind, DEFAULT_PATH};
 use kvirt::controller::{Controller, Deps, LogRecorder, Recorder, Settings, Trigger};
 use kvirt::convert::DomainType;
+use kvirt::journal::{self, Journal};
 use kvirt::key::VmKey;
+use kvirt::layout::HostLayout;
 use kvirt::libvirt::Libvirt;
 use kvirt::machined::Machined;
 use kvirt::netns::KernelNetns;
 use kvirt::network::{HostNetwork, NetworkSettings};
+use kvirt::qemulog::Forwarder;
 use kvirt::source::{scan_dir, FileStatusStore, Snapshot, StatusStore};
 use kvirt::storage::{HostStorage, Owner};
 use kvirt::systemd::SystemdBus;
@@ -33,7 +36,19 @@ use tracing::{error, info, warn};
 /// `[source] kind = "kubernetes"`, from an API server (the VMIs labelled
 /// `kubevirt.io/nodeName=<node>`, status patched on the object). Restarting
 /// kvirtd never stops a VM: on start it adopts what runs and cleans up what
-/// has no VMI. Configuration: /etc/kvirt/kvirtd.toml.
+/// has no VMI.
+///
+/// Configuration: /etc/kvirt/kvirtd.toml (every key optional, the shipped
+/// file documents them), then /etc/kvirt/kvirtd.toml.d/*.toml in name
+/// order, merged key by key. An invalid configuration exits with status 78.
+///
+/// Run by systemd (kvirtd.service, Type=notify): READY after adoption,
+/// STATUS= with VM counts per phase, watchdog pings while the loop turns.
+/// Logs go to the journal; lines about a VM carry KVIRT_VM=<ns>/<name> and
+/// reach `journalctl -u kvirt-vm@<ns>_<name>` together with the VM's QEMU
+/// log. Each running VM is registered with systemd-machined as
+/// <ns>.<name>. Prometheus metrics: http://127.0.0.1:9477/metrics
+/// ([metrics] listen). Set KVIRT_LOG (e.g. debug) for more detail.
 #[derive(Parser)]
 #[command(version)]
 struct Args {
@@ -76,15 +91,21 @@ fn main() -> Result<()> {
         }
         return Ok(());
     }
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("KVIRT_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    init_logging();
     let explicit = args.config != Path::new(DEFAULT_PATH);
-    let config = Config::load(&args.config, explicit)?;
+    let config = match Config::load(&args.config, explicit) {
+        Ok(c) => c,
+        Err(e) => {
+            // systemd shows the STATUS= line; RestartPreventExitStatus=78
+            // keeps it from retrying what only an edit can fix.
+            error!("{e}");
+            let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&format!(
+                "invalid configuration: {e}"
+            ))]);
+            eprintln!("kvirtd: {e}");
+            std::process::exit(EX_CONFIG);
+        }
+    };
     if args.check_config {
         println!("{} is valid", args.config.display());
         return Ok(());
@@ -94,6 +115,46 @@ fn main() -> Result<()> {
         .build()?
         .block_on(run(config))
 }
+
+/// To the journal with kvirt's fields when systemd runs kvirtd, plain text
+/// on stderr otherwise.
+fn init_logging() {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_env("KVIRT_LOG").unwrap_or_else(|_| "info".into());
+    let journal = Journal::stderr_is_journal()
+        .then(Journal::connect)
+        .and_then(Result::ok);
+    let registry = tracing_subscriber::registry().with(filter);
+    match journal {
+        Some(j) => registry.with(journal::Layer::new(j)).init(),
+        None => registry
+            .with(tracing_subscriber::fmt::layer().with_writer(std::io::stderr))
+            .init(),
+    }
+}
+
+/// Each VM's QEMU log into the journal under its unit, once a second.
+fn forward_qemu_logs(layout: HostLayout) -> Result<()> {
+    let Ok(journal) = Journal::connect() else {
+        warn!("no journal: QEMU logs stay in each VM's cache directory");
+        return Ok(());
+    };
+    let fwd = Forwarder::new(journal, layout);
+    std::thread::Builder::new()
+        .name("qemu-log".into())
+        .spawn(move || loop {
+            for e in fwd.pass() {
+                warn!("{e}");
+            }
+            std::thread::sleep(Duration::from_secs(1));
+        })?;
+    Ok(())
+}
+
+/// sysexits.h: configuration error.
+const EX_CONFIG: i32 = 78;
 
 fn find_binary(name: &str) -> Option<PathBuf> {
     [
@@ -187,15 +248,15 @@ fn watch_dir(dir: PathBuf, tx: UnboundedSender<Trigger>) -> Result<()> {
     Ok(())
 }
 
-fn notify_status(ctl_counts: std::collections::BTreeMap<String, usize>) {
-    let total: usize = ctl_counts.values().sum();
-    let parts: Vec<String> = ctl_counts.iter().map(|(p, n)| format!("{n} {p}")).collect();
-    let status = if parts.is_empty() {
+/// `STATUS=` as `systemctl status kvirtd` shows it: VM counts per phase.
+fn status_line(counts: &BTreeMap<String, usize>) -> String {
+    let total: usize = counts.values().sum();
+    let parts: Vec<String> = counts.iter().map(|(p, n)| format!("{n} {p}")).collect();
+    if parts.is_empty() {
         "0 VMs".to_string()
     } else {
         format!("{total} VMs: {}", parts.join(", "))
-    };
-    let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&status)]);
+    }
 }
 
 async fn run(config: Config) -> Result<()> {
@@ -245,6 +306,15 @@ async fn run(config: Config) -> Result<()> {
         },
     };
     let resync = Duration::from_secs(config.source.resync_seconds);
+    forward_qemu_logs(settings.layout.clone())?;
+    let metrics = match config.metrics.address() {
+        Some(addr) => Some(
+            tokio::net::TcpListener::bind(addr)
+                .await
+                .with_context(|| format!("metrics.listen {addr}"))?,
+        ),
+        None => None,
+    };
 
     match config.source.kind {
         SourceKind::Directory => {
@@ -262,10 +332,13 @@ async fn run(config: Config) -> Result<()> {
                 status,
                 LogRecorder,
                 settings,
-                initial,
-                ready,
-                list,
-                resync,
+                Sources {
+                    initial,
+                    ready,
+                    list,
+                    resync,
+                },
+                metrics,
                 tx,
                 rx,
             )
@@ -298,7 +371,19 @@ async fn run(config: Config) -> Result<()> {
             };
             let events = cluster::events::KubeEvents::new(client, &node);
             serve(
-                host, status, events, settings, initial, ready, list, resync, tx, rx,
+                host,
+                status,
+                events,
+                settings,
+                Sources {
+                    initial,
+                    ready,
+                    list,
+                    resync,
+                },
+                metrics,
+                tx,
+                rx,
             )
             .await
         }
@@ -346,18 +431,27 @@ struct Host {
     machines: Machined,
 }
 
-/// Adopts, reports ready, then runs the loop until SIGTERM. `ready` starts
-/// the source's change feed; `list` gives the full set for each resync.
+/// Where the VMIs come from: the first full set, how to start the change
+/// feed once ready, and the full set again for each resync.
+struct Sources<Ready, List> {
+    initial: BTreeMap<VmKey, VirtualMachineInstance>,
+    ready: Ready,
+    list: List,
+    resync: Duration,
+}
+
+/// Adopts, reports ready, then runs the loop until SIGTERM.
 #[allow(clippy::too_many_arguments)]
 async fn serve<St: StatusStore, R: Recorder>(
     host: Host,
     status: St,
     recorder: R,
     settings: Settings,
-    initial: BTreeMap<VmKey, VirtualMachineInstance>,
-    ready: impl FnOnce(UnboundedSender<Trigger>) -> Result<()>,
-    list: impl Fn() -> BTreeMap<VmKey, VirtualMachineInstance> + Send + 'static,
-    resync: Duration,
+    sources: Sources<
+        impl FnOnce(UnboundedSender<Trigger>) -> Result<()>,
+        impl Fn() -> BTreeMap<VmKey, VirtualMachineInstance> + Send + 'static,
+    >,
+    metrics: Option<tokio::net::TcpListener>,
     tx: UnboundedSender<Trigger>,
     rx: UnboundedReceiver<Trigger>,
 ) -> Result<()> {
@@ -374,16 +468,28 @@ async fn serve<St: StatusStore, R: Recorder>(
     let ctl = Controller::new(deps, settings);
 
     // Adoption before serving: every VM the host has is matched or cleaned.
-    ctl.set_vmis(initial).await;
+    ctl.set_vmis(sources.initial).await;
     for (id, e) in ctl.reconcile_all().await {
         warn!(vm = %id, "first pass: {e}");
     }
-    let _ = sd_notify::notify(&[sd_notify::NotifyState::Ready]);
-    notify_status(ctl.phase_counts());
-    info!("ready");
-    ready(tx.clone())?;
+    let status = status_line(&ctl.phase_counts());
+    let _ = sd_notify::notify(&[
+        sd_notify::NotifyState::Ready,
+        sd_notify::NotifyState::Status(&status),
+    ]);
+    info!("ready: {status}");
+    (sources.ready)(tx.clone())?;
 
-    let (ticker_tx, ticker_ctl) = (tx.clone(), ctl.clone());
+    if let Some(listener) = metrics {
+        info!("metrics on http://{}/metrics", listener.local_addr()?);
+        let c = ctl.clone();
+        tokio::spawn(kvirt::metrics::serve(listener, move || {
+            c.metrics().set_phases(&c.phase_counts());
+            c.metrics().encode()
+        }));
+    }
+
+    let (resync, list, ticker_tx) = (sources.resync, sources.list, tx.clone());
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(resync);
         tick.tick().await;
@@ -391,17 +497,14 @@ async fn serve<St: StatusStore, R: Recorder>(
             tick.tick().await;
             let _ = ticker_tx.send(Trigger::Vmis(list()));
             let _ = ticker_tx.send(Trigger::Resync);
-            notify_status(ticker_ctl.phase_counts());
         }
     });
-    let status_ctl = ctl.clone();
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(Duration::from_secs(2));
-        loop {
-            tick.tick().await;
-            notify_status(status_ctl.phase_counts());
-        }
-    });
+    let (a, c) = (ctl.clone(), ctl.clone());
+    tokio::spawn(keepalive(
+        move || a.heartbeat(),
+        move || c.phase_counts(),
+        tx.clone(),
+    ));
 
     let loop_task = tokio::spawn(ctl.run(tx, rx));
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -412,4 +515,34 @@ async fn serve<St: StatusStore, R: Recorder>(
     }
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
     Ok(())
+}
+
+/// `STATUS=` every two seconds, and the watchdog: each beat asks the loop
+/// to answer, and systemd is pinged only when the previous beat was
+/// answered, so a wedged loop gets kvirtd restarted (its VMs keep running).
+async fn keepalive(
+    answered: impl Fn() -> u64,
+    counts: impl Fn() -> BTreeMap<String, usize>,
+    tx: UnboundedSender<Trigger>,
+) {
+    let watchdog = sd_notify::watchdog_enabled();
+    let period = watchdog
+        .map(|w| (w / 4).min(Duration::from_secs(2)))
+        .unwrap_or(Duration::from_secs(2));
+    let mut tick = tokio::time::interval(period);
+    let mut sent = 0u64;
+    let mut last = String::new();
+    loop {
+        tick.tick().await;
+        if watchdog.is_some() && answered() == sent {
+            let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);
+        }
+        sent += 1;
+        let _ = tx.send(Trigger::Heartbeat(sent));
+        let status = status_line(&counts());
+        if status != last {
+            let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&status)]);
+            last = status;
+        }
+    }
 }

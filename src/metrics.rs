@@ -1,0 +1,242 @@
+//! Prometheus metrics: VMs by phase, how long kvirt takes to start a VM,
+//! reconcile errors by reason and what the start-up adoption found; served
+//! as text on a local address (`[metrics] listen`).
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+use std::collections::BTreeMap;
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpListener;
+
+/// Every phase a VMI can show, so each series exists from the start.
+const PHASES: [&str; 6] = [
+    "Pending",
+    "Scheduling",
+    "Scheduled",
+    "Running",
+    "Succeeded",
+    "Failed",
+];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PhaseLabel {
+    phase: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabel {
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ResultLabel {
+    result: String,
+}
+
+/// What kvirtd found of a VM when it started.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Adoption {
+    /// Running, wanted, kept as it was.
+    Adopted,
+    /// On the host with no VMI (or an old instance): removed.
+    Cleaned,
+    /// Wanted, but found broken (e.g. its unit gone): failed.
+    Failed,
+}
+
+impl Adoption {
+    fn as_str(self) -> &'static str {
+        match self {
+            Adoption::Adopted => "adopted",
+            Adoption::Cleaned => "cleaned",
+            Adoption::Failed => "failed",
+        }
+    }
+}
+
+pub struct Metrics {
+    registry: Registry,
+    vms: Family<PhaseLabel, Gauge>,
+    start: Histogram,
+    errors: Family<ReasonLabel, Counter>,
+    adoptions: Family<ResultLabel, Counter>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut registry = Registry::with_prefix("kvirt");
+        let vms = Family::<PhaseLabel, Gauge>::default();
+        // From the first pass to a running domain: namespace, network, unit,
+        // define and start; 50 ms to ~100 s.
+        let start = Histogram::new([0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 100.0]);
+        let errors = Family::<ReasonLabel, Counter>::default();
+        let adoptions = Family::<ResultLabel, Counter>::default();
+        registry.register("vms", "VMs on this host by VMI phase", vms.clone());
+        registry.register(
+            "vm_start_duration_seconds",
+            "Time kvirtd took to bring a VM from nothing to a running domain",
+            start.clone(),
+        );
+        registry.register(
+            "reconcile_errors",
+            "Failed reconciles and VM starts, by reason",
+            errors.clone(),
+        );
+        registry.register(
+            "adoptions",
+            "VMs found on the host at start-up, by what became of them",
+            adoptions.clone(),
+        );
+        Self {
+            registry,
+            vms,
+            start,
+            errors,
+            adoptions,
+        }
+    }
+}
+
+impl Metrics {
+    pub fn set_phases(&self, counts: &BTreeMap<String, usize>) {
+        for phase in PHASES {
+            let n = counts.get(phase).copied().unwrap_or(0);
+            self.vms
+                .get_or_create(&PhaseLabel {
+                    phase: phase.into(),
+                })
+                .set(n as i64);
+        }
+    }
+
+    pub fn started(&self, took: Duration) {
+        self.start.observe(took.as_secs_f64());
+    }
+
+    pub fn error(&self, reason: &str) {
+        self.errors
+            .get_or_create(&ReasonLabel {
+                reason: reason.into(),
+            })
+            .inc();
+    }
+
+    pub fn adoption(&self, a: Adoption) {
+        self.adoptions
+            .get_or_create(&ResultLabel {
+                result: a.as_str().into(),
+            })
+            .inc();
+    }
+
+    /// The OpenMetrics text exposition.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// A minimal HTTP/1.1 server: `GET /metrics` answers `render()`, anything
+/// else 404. One request per connection; nothing here is worth a framework.
+pub async fn serve(listener: TcpListener, render: impl Fn() -> String + Send + Sync + 'static) {
+    let render = std::sync::Arc::new(render);
+    loop {
+        let Ok((mut conn, _)) = listener.accept().await else {
+            continue;
+        };
+        let render = render.clone();
+        tokio::spawn(async move {
+            let mut buf = vec![0u8; 4096];
+            let mut len = 0;
+            // Read up to the end of the headers (or give up on a huge request).
+            let read = tokio::time::timeout(Duration::from_secs(5), async {
+                while len < buf.len() {
+                    match conn.read(&mut buf[len..]).await {
+                        Ok(0) | Err(_) => break,
+                        Ok(n) => len += n,
+                    }
+                    if buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
+                        break;
+                    }
+                }
+            })
+            .await;
+            if read.is_err() {
+                return;
+            }
+            let head = String::from_utf8_lossy(&buf[..len]);
+            let mut parts = head.split_whitespace();
+            let response = match (parts.next(), parts.next()) {
+                (Some("GET"), Some("/metrics")) => {
+                    let body = render();
+                    format!(
+                        "HTTP/1.1 200 OK\r\nContent-Type: {CONTENT_TYPE}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                        body.len()
+                    )
+                }
+                _ => "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                    .to_string(),
+            };
+            let _ = conn.write_all(response.as_bytes()).await;
+            let _ = conn.shutdown().await;
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_phase_has_a_series_and_counts_are_encoded() {
+        let m = Metrics::default();
+        m.set_phases(&BTreeMap::from([("Running".to_string(), 2)]));
+        m.started(Duration::from_millis(1500));
+        m.error("libvirt");
+        m.adoption(Adoption::Adopted);
+        let text = m.encode();
+        for want in [
+            "kvirt_vms{phase=\"Running\"} 2",
+            "kvirt_vms{phase=\"Failed\"} 0",
+            "kvirt_vm_start_duration_seconds_bucket{le=\"2.5\"} 1",
+            "kvirt_vm_start_duration_seconds_bucket{le=\"1.0\"} 0",
+            "kvirt_reconcile_errors_total{reason=\"libvirt\"} 1",
+            "kvirt_adoptions_total{result=\"adopted\"} 1",
+        ] {
+            assert!(text.contains(want), "{want} missing from\n{text}");
+        }
+        // A phase that empties goes back to zero rather than vanishing.
+        m.set_phases(&BTreeMap::new());
+        assert!(m.encode().contains("kvirt_vms{phase=\"Running\"} 0"));
+    }
+
+    #[tokio::test]
+    async fn the_endpoint_answers_get_metrics_only() {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        tokio::spawn(serve(listener, || "kvirt_vms 1\n".to_string()));
+        let get = |path: &'static str| async move {
+            let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+            c.write_all(format!("GET {path} HTTP/1.1\r\nHost: x\r\n\r\n").as_bytes())
+                .await
+                .unwrap();
+            let mut out = String::new();
+            c.read_to_string(&mut out).await.unwrap();
+            out
+        };
+        let ok = get("/metrics").await;
+        assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
+        assert!(ok.contains(CONTENT_TYPE));
+        assert!(ok.ends_with("\r\n\r\nkvirt_vms 1\n"), "{ok}");
+        assert!(get("/").await.starts_with("HTTP/1.1 404"));
+    }
+}
