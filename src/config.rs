@@ -423,11 +423,19 @@ mod tests {
     fn drop_ins_override_key_by_key_in_name_order() {
         let dir = tempfile::tempdir().unwrap();
         let main = dir.path().join("kvirtd.toml");
-        std::fs::write(&main, "node_name = \"n1\"\n[vm]\nuser = \"u\"\ntasks_max = 7\n").unwrap();
+        std::fs::write(
+            &main,
+            "node_name = \"n1\"\n[vm]\nuser = \"u\"\ntasks_max = 7\n",
+        )
+        .unwrap();
         let d = drop_in_dir(&main);
         std::fs::create_dir(&d).unwrap();
         std::fs::write(d.join("20-b.toml"), "[vm]\ntasks_max = 9\n").unwrap();
-        std::fs::write(d.join("10-a.toml"), "[vm]\ntasks_max = 8\nemulation = \"always\"\n").unwrap();
+        std::fs::write(
+            d.join("10-a.toml"),
+            "[vm]\ntasks_max = 8\nemulation = \"always\"\n",
+        )
+        .unwrap();
         std::fs::write(d.join("README"), "not toml, ignored").unwrap();
         let c = Config::load(&main, true).unwrap();
         assert_eq!(c.node_name, "n1");

@@ -289,6 +289,7 @@ fn to_dbus(unit: &str, p: &Prop) -> Result<(String, OwnedValue), SystemdError> {
         Prop::Bool(n, v) => (n, Value::from(*v)),
         Prop::U32(n, v) => (n, Value::from(*v)),
         Prop::U64(n, v) => (n, Value::from(*v)),
+        Prop::I32(n, v) => (n, Value::from(*v)),
         Prop::Strs(n, v) => (n, Value::from(v.clone())),
         Prop::Exec(n, argv) => {
             let path = argv.first().cloned().unwrap_or_default();

@@ -23,6 +23,7 @@ pub enum Prop {
     Bool(&'static str, bool),
     U32(&'static str, u32),
     U64(&'static str, u64),
+    I32(&'static str, i32),
     Strs(&'static str, Vec<String>),
     /// `ExecStart`: argv, argv[0] included.
     Exec(&'static str, Vec<String>),
@@ -32,7 +33,7 @@ pub enum Prop {
     TmpFs(&'static str, Vec<(String, String)>),
     /// `DeviceAllow`: (device, rwm).
     Devices(&'static str, Vec<(String, String)>),
-    /// `RestrictAddressFamilies`: only these are allowed.
+    /// `RestrictAddressFamilies`, `SystemCallFilter`: only these are allowed.
     AllowList(&'static str, Vec<String>),
 }
 
@@ -43,6 +44,7 @@ impl Prop {
             | Prop::Bool(n, _)
             | Prop::U32(n, _)
             | Prop::U64(n, _)
+            | Prop::I32(n, _)
             | Prop::Strs(n, _)
             | Prop::Exec(n, _)
             | Prop::Binds(n, _)
@@ -143,9 +145,10 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
         Prop::Bool("RestrictRealtime", true),
         Prop::Bool("LockPersonality", true),
         // No namespaces of its own (session libvirt makes none), no foreign
-        // ABIs, only the sockets libvirt and QEMU use; other users'
-        // processes invisible. MemoryDenyWriteExecute is left out: QEMU's
-        // TCG translates guest code into executable memory.
+        // ABIs, only the sockets libvirt and QEMU use. Not here:
+        // MemoryDenyWriteExecute (QEMU's TCG writes the code it runs) and
+        // ProtectProc=invisible (libvirt reads its client's /proc entry to
+        // identify kvirtd).
         Prop::U64("RestrictNamespaces", 0),
         Prop::Strs("SystemCallArchitectures", vec!["native".into()]),
         Prop::AllowList(
@@ -154,8 +157,12 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
                 .map(String::from)
                 .to_vec(),
         ),
-        Prop::Str("ProtectProc", "invisible".into()),
         Prop::Bool("RemoveIPC", true),
+        // What a service normally needs: no mounts, module loading, raw I/O,
+        // clock or reboot. Anything else fails with EPERM instead of
+        // killing the VM.
+        Prop::AllowList("SystemCallFilter", vec!["@system-service".into()]),
+        Prop::I32("SystemCallErrorNumber", libc::EPERM),
         Prop::Str("DevicePolicy", "closed".into()),
         Prop::Devices(
             "DeviceAllow",

@@ -201,7 +201,7 @@ spec:
 fn libvirtd_works_as_the_vms_daemon_too() {
     let Some(h) = host() else { return };
     let _g = serial();
-    h.ok("sed -i 's/^daemon = .*/daemon = \"libvirtd\"/' /etc/kvirt/kvirtd.toml && grep -q 'daemon = \"libvirtd\"' /etc/kvirt/kvirtd.toml");
+    h.ok("sed -i 's/^daemon = .*/daemon = \"libvirtd\"/' /etc/kvirt/kvirtd.toml.d/50-test.toml && grep -q 'daemon = \"libvirtd\"' /etc/kvirt/kvirtd.toml.d/50-test.toml");
     h.restart_kvirtd();
     h.create_vm("echo", "run");
     h.wait_phase("echo", "Running", BOOT);
@@ -210,7 +210,7 @@ fn libvirtd_works_as_the_vms_daemon_too() {
     h.ok("[ -S /run/kvirt/vms/default_echo/xdg/libvirt/libvirt-sock ]");
     h.console_shows("echo", "KVIRT-GUEST");
     h.remove_vm_and_wait_gone("echo");
-    h.ok("sed -i 's/^daemon = .*/daemon = \"virtqemud\"/' /etc/kvirt/kvirtd.toml");
+    h.ok("sed -i 's/^daemon = .*/daemon = \"virtqemud\"/' /etc/kvirt/kvirtd.toml.d/50-test.toml");
     h.restart_kvirtd();
 }
 

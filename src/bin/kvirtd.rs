@@ -99,10 +99,7 @@ fn main() -> Result<()> {
             // systemd shows the STATUS= line; RestartPreventExitStatus=78
             // keeps it from retrying what only an edit can fix.
             error!("{e}");
-            let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&format!(
-                "invalid configuration: {e}"
-            ))]);
-            eprintln!("kvirtd: {e}");
+            let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&e.to_string())]);
             std::process::exit(EX_CONFIG);
         }
     };

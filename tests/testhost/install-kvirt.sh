@@ -27,7 +27,7 @@ dns = [\"192.0.2.53\"]
 # Short, so the tests see guests renew.
 dhcp_lease_seconds = 20
 EOF2
-cd /root && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-download ./kvirt.deb
+DEBIAN_FRONTEND=noninteractive apt-get install -y -q /root/kvirt.deb
 "
 th_wait 60 th_sh "$name" "systemctl is-active -q kvirtd" || {
   th_sh "$name" "journalctl -u kvirtd --no-pager -n 50" >&2 || true
