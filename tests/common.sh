@@ -95,6 +95,10 @@ kvirt_k8s_cluster() {
     th_copy_in "$host" "$(th_share "$a")/kubeconfigs/$(basename "$kc")" /etc/kvirt/kubeconfig || return
     # Both hosts need the admin kubeconfig for the tests' kubectl.
     th_copy_in "$host" "$(th_share "$a")/admin.kubeconfig" /root/.kube/config || return
+    if [[ $node == node-b ]]; then
+      # One network namespace, one metrics port each.
+      th_sh "$host" 'mkdir -p /etc/kvirt/kvirtd.toml.d && printf "[metrics]\nlisten = \"127.0.0.1:9478\"\n" >/etc/kvirt/kvirtd.toml.d/40-metrics.toml' || return
+    fi
     bash "$top/tests/testhost/install-kvirt.sh" "$host" "$KVIRT_DEB" >&2 || return
     th_sh "$host" "cat > /etc/kvirt/kvirtd.toml.d/50-test.toml <<EOF
 node_name = \"$node\"

@@ -304,13 +304,20 @@ async fn run(config: Config) -> Result<()> {
     };
     let resync = Duration::from_secs(config.source.resync_seconds);
     forward_qemu_logs(settings.layout.clone())?;
+    // Metrics are for watching VMs, never a reason not to run them.
     let metrics = match config.metrics.address() {
-        Some(addr) => Some(
-            tokio::net::TcpListener::bind(addr)
-                .await
-                .with_context(|| format!("metrics.listen {addr}"))?,
-        ),
+        Some(addr) => tokio::net::TcpListener::bind(addr)
+            .await
+            .inspect_err(|e| error!("metrics.listen {addr}: {e}; no metrics endpoint"))
+            .ok(),
         None => None,
+    };
+    let daemon = Daemon {
+        host,
+        settings,
+        metrics,
+        tx,
+        rx,
     };
 
     match config.source.kind {
@@ -318,35 +325,26 @@ async fn run(config: Config) -> Result<()> {
             let dir = config.source.directory.clone();
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
             let status = FileStatusStore {
-                host: settings.layout.clone(),
+                host: daemon.settings.layout.clone(),
             };
             let initial = scan(&dir).vmis;
             let watch = dir.clone();
             let ready = move |tx: UnboundedSender<Trigger>| watch_dir(watch, tx);
             let list = move || scan(&dir).vmis;
-            serve(
-                host,
-                status,
-                LogRecorder,
-                settings,
-                Sources {
-                    initial,
-                    ready,
-                    list,
-                    resync,
-                },
-                metrics,
-                tx,
-                rx,
-            )
-            .await
+            let sources = Sources {
+                initial,
+                ready,
+                list,
+                resync,
+            };
+            daemon.serve(status, LogRecorder, sources).await
         }
         SourceKind::Kubernetes => {
             let k = &config.kubernetes;
             let client = cluster::client(&k.kubeconfig).await?;
-            let node = settings.node_name.clone();
+            let node = daemon.settings.node_name.clone();
             info!("waiting for the first list of this node's VMIs");
-            let store = cluster::source::watch_node(client.clone(), &node, tx.clone()).await;
+            let store = cluster::source::watch_node(client.clone(), &node, daemon.tx.clone()).await;
             let initial = cluster::source::snapshot(&store);
             tokio::spawn(cluster::lease::heartbeat(
                 client.clone(),
@@ -367,22 +365,13 @@ async fn run(config: Config) -> Result<()> {
                 client: client.clone(),
             };
             let events = cluster::events::KubeEvents::new(client, &node);
-            serve(
-                host,
-                status,
-                events,
-                settings,
-                Sources {
-                    initial,
-                    ready,
-                    list,
-                    resync,
-                },
-                metrics,
-                tx,
-                rx,
-            )
-            .await
+            let sources = Sources {
+                initial,
+                ready,
+                list,
+                resync,
+            };
+            daemon.serve(status, events, sources).await
         }
     }
 }
@@ -437,81 +426,94 @@ struct Sources<Ready, List> {
     resync: Duration,
 }
 
-/// Adopts, reports ready, then runs the loop until SIGTERM.
-#[allow(clippy::too_many_arguments)]
-async fn serve<St: StatusStore, R: Recorder>(
+/// Everything but the VMI source: the same for a directory or a cluster.
+struct Daemon {
     host: Host,
-    status: St,
-    recorder: R,
     settings: Settings,
-    sources: Sources<
-        impl FnOnce(UnboundedSender<Trigger>) -> Result<()>,
-        impl Fn() -> BTreeMap<VmKey, VirtualMachineInstance> + Send + 'static,
-    >,
     metrics: Option<tokio::net::TcpListener>,
     tx: UnboundedSender<Trigger>,
     rx: UnboundedReceiver<Trigger>,
-) -> Result<()> {
-    let deps = Deps {
-        units: host.units,
-        netns: KernelNetns::default(),
-        network: host.network,
-        hypervisor: host.hypervisor,
-        storage: host.storage,
-        status,
-        recorder,
-        machines: host.machines,
-    };
-    let ctl = Controller::new(deps, settings);
+}
 
-    // Adoption before serving: every VM the host has is matched or cleaned.
-    ctl.set_vmis(sources.initial).await;
-    for (id, e) in ctl.reconcile_all().await {
-        warn!(vm = %id, "first pass: {e}");
-    }
-    let status = status_line(&ctl.phase_counts());
-    let _ = sd_notify::notify(&[
-        sd_notify::NotifyState::Ready,
-        sd_notify::NotifyState::Status(&status),
-    ]);
-    info!("ready: {status}");
-    (sources.ready)(tx.clone())?;
+impl Daemon {
+    /// Adopts, reports ready, then runs the loop until SIGTERM.
+    async fn serve<St: StatusStore, R: Recorder>(
+        self,
+        status: St,
+        recorder: R,
+        sources: Sources<
+            impl FnOnce(UnboundedSender<Trigger>) -> Result<()>,
+            impl Fn() -> BTreeMap<VmKey, VirtualMachineInstance> + Send + 'static,
+        >,
+    ) -> Result<()> {
+        let Daemon {
+            host,
+            settings,
+            metrics,
+            tx,
+            rx,
+        } = self;
+        let deps = Deps {
+            units: host.units,
+            netns: KernelNetns::default(),
+            network: host.network,
+            hypervisor: host.hypervisor,
+            storage: host.storage,
+            status,
+            recorder,
+            machines: host.machines,
+        };
+        let ctl = Controller::new(deps, settings);
 
-    if let Some(listener) = metrics {
-        info!("metrics on http://{}/metrics", listener.local_addr()?);
-        let c = ctl.clone();
-        tokio::spawn(kvirt::metrics::serve(listener, move || {
-            c.metrics().set_phases(&c.phase_counts());
-            c.metrics().encode()
-        }));
-    }
-
-    let (resync, list, ticker_tx) = (sources.resync, sources.list, tx.clone());
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(resync);
-        tick.tick().await;
-        loop {
-            tick.tick().await;
-            let _ = ticker_tx.send(Trigger::Vmis(list()));
-            let _ = ticker_tx.send(Trigger::Resync);
+        // Adoption before serving: every VM the host has is matched or cleaned.
+        ctl.set_vmis(sources.initial).await;
+        for (id, e) in ctl.reconcile_all().await {
+            warn!(vm = %id, "first pass: {e}");
         }
-    });
-    let (a, c) = (ctl.clone(), ctl.clone());
-    tokio::spawn(keepalive(
-        move || a.heartbeat(),
-        move || c.phase_counts(),
-        tx.clone(),
-    ));
+        let status = status_line(&ctl.phase_counts());
+        let _ = sd_notify::notify(&[
+            sd_notify::NotifyState::Ready,
+            sd_notify::NotifyState::Status(&status),
+        ]);
+        info!("ready: {status}");
+        (sources.ready)(tx.clone())?;
 
-    let loop_task = tokio::spawn(ctl.run(tx, rx));
-    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        _ = term.recv() => info!("SIGTERM: exiting; VMs keep running"),
-        _ = tokio::signal::ctrl_c() => info!("interrupted: exiting; VMs keep running"),
-        r = loop_task => r.context("controller loop")?,
+        if let Some(listener) = metrics {
+            info!("metrics on http://{}/metrics", listener.local_addr()?);
+            let c = ctl.clone();
+            tokio::spawn(kvirt::metrics::serve(listener, move || {
+                c.metrics().set_phases(&c.phase_counts());
+                c.metrics().encode()
+            }));
+        }
+
+        let (resync, list, ticker_tx) = (sources.resync, sources.list, tx.clone());
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(resync);
+            tick.tick().await;
+            loop {
+                tick.tick().await;
+                let _ = ticker_tx.send(Trigger::Vmis(list()));
+                let _ = ticker_tx.send(Trigger::Resync);
+            }
+        });
+        let (a, c) = (ctl.clone(), ctl.clone());
+        tokio::spawn(keepalive(
+            move || a.heartbeat(),
+            move || c.phase_counts(),
+            tx.clone(),
+        ));
+
+        let loop_task = tokio::spawn(ctl.run(tx, rx));
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = term.recv() => info!("SIGTERM: exiting; VMs keep running"),
+            _ = tokio::signal::ctrl_c() => info!("interrupted: exiting; VMs keep running"),
+            r = loop_task => r.context("controller loop")?,
+        }
+        let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+        Ok(())
     }
-    let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
-    Ok(())
 }
 
 /// `STATUS=` every two seconds, and the watchdog: each beat asks the loop
