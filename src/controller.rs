@@ -741,7 +741,7 @@ impl<
                         .filter_map(|d| match d {
                             DiskPrep::CreateRawIfMissing { path, .. }
                             | DiskPrep::RequireExisting { path, .. } => Some(path.clone()),
-                            DiskPrep::CreateQcow2 { .. } => None,
+                            DiskPrep::CreateQcow2 { .. } | DiskPrep::CloudInitIso { .. } => None,
                         })
                         .collect(),
                 });

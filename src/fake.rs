@@ -292,7 +292,8 @@ impl Storage for FakeHost {
         let path = match disk {
             DiskPrep::CreateQcow2 { path, .. }
             | DiskPrep::CreateRawIfMissing { path, .. }
-            | DiskPrep::RequireExisting { path, .. } => path.clone(),
+            | DiskPrep::RequireExisting { path, .. }
+            | DiskPrep::CloudInitIso { path, .. } => path.clone(),
         };
         if self.call(format!("disk {}", path.display())) {
             return Err(StorageError::Disk {

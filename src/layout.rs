@@ -152,6 +152,10 @@ impl VmPaths {
         self.state_dir.join("disks")
     }
 
+    pub fn cloud_init_iso(&self, volume: &str) -> PathBuf {
+        self.disk_dir().join(format!("{volume}.cloud-init.iso"))
+    }
+
     pub fn empty_disk(&self, volume: &str) -> PathBuf {
         self.disk_dir().join(format!("{volume}.qcow2"))
     }

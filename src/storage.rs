@@ -1,5 +1,6 @@
 //! A VM's directories and disk files on the host.
 
+use crate::convert::cloudinit::Seed;
 use crate::convert::DiskPrep;
 use crate::layout::{HostLayout, VmPaths};
 use nix::unistd::{chown, Gid, Uid};
@@ -166,6 +167,7 @@ impl HostStorage {
                 check_under_roots(path, roots, false)?;
                 self.own(path)
             }
+            DiskPrep::CloudInitIso { path, seed, .. } => self.seed_iso(path, seed),
             DiskPrep::RequireExisting { path, .. } => {
                 if !path.is_file() {
                     return Err(StorageError::Disk {
@@ -178,6 +180,53 @@ impl HostStorage {
                 self.own(path)
             }
         }
+    }
+}
+
+impl HostStorage {
+    /// Builds the cloud-init image in a root-only staging directory on the
+    /// same file system and renames it into the VM's disk directory, so
+    /// nothing the VM's user can write (a planted symlink) steers root.
+    fn seed_iso(&self, path: &Path, seed: &Seed) -> Result<(), StorageError> {
+        let staging = self.host.state_dir.join(".staging");
+        self.mkdir(&staging, 0o700, false)?;
+        let work = nix::unistd::mkdtemp(&staging.join("seed-XXXXXX"))
+            .map_err(|e| io(&staging, "create staging directory")(e.into()))?;
+        let result = self.seed_iso_in(&work, path, seed);
+        let _ = std::fs::remove_dir_all(&work);
+        result
+    }
+
+    fn seed_iso_in(&self, work: &Path, path: &Path, seed: &Seed) -> Result<(), StorageError> {
+        let files = work.join("files");
+        for (rel, bytes) in &seed.files {
+            let f = files.join(rel);
+            if let Some(parent) = f.parent() {
+                std::fs::create_dir_all(parent).map_err(io(parent, "create directory"))?;
+            }
+            std::fs::write(&f, bytes).map_err(io(&f, "write"))?;
+        }
+        let iso = work.join("seed.iso");
+        let out = std::process::Command::new("xorrisofs")
+            .args(["-quiet", "-input-charset", "utf-8", "-joliet", "-rock"])
+            .args(["-volid", seed.label, "-output"])
+            .arg(&iso)
+            .arg(&files)
+            .output()
+            .map_err(io(path, "run xorrisofs"))?;
+        if !out.status.success() {
+            return Err(StorageError::Disk {
+                path: path.to_owned(),
+                message: format!(
+                    "xorrisofs failed: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            });
+        }
+        std::fs::set_permissions(&iso, std::fs::Permissions::from_mode(0o640))
+            .map_err(io(&iso, "chmod"))?;
+        self.own(&iso)?;
+        std::fs::rename(&iso, path).map_err(io(path, "rename into place"))
     }
 }
 
@@ -288,6 +337,52 @@ mod tests {
         s.remove_dir(&p.state_dir).await.unwrap();
         s.remove_dir(&p.state_dir).await.unwrap();
         assert!(!p.state_dir.exists());
+    }
+
+    #[tokio::test]
+    async fn cloud_init_seeds_are_isos_with_their_label_and_files() {
+        if std::process::Command::new("xorrisofs")
+            .arg("-version")
+            .output()
+            .is_err()
+        {
+            eprintln!("skipped: no xorrisofs (tests/run-all installs it)");
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let s = storage(tmp.path());
+        let p = s.host.vm(&VmKey::new("ns", "vm").unwrap());
+        s.create_dirs(&p).await.unwrap();
+        let iso = p.cloud_init_iso("ci");
+        // Whatever the VM's user planted there is replaced, never followed.
+        let victim = tmp.path().join("victim");
+        std::fs::write(&victim, b"untouched").unwrap();
+        std::os::unix::fs::symlink(&victim, &iso).unwrap();
+        let seed = Seed {
+            label: "cidata",
+            files: vec![
+                ("meta-data".into(), b"instance-id: vm.ns\n".to_vec()),
+                ("user-data".into(), b"#!/bin/sh\necho KVIRT-SEED\n".to_vec()),
+            ],
+        };
+        let prep = DiskPrep::CloudInitIso {
+            volume: "ci".into(),
+            path: iso.clone(),
+            seed,
+        };
+        s.prepare_disk(&prep, &[]).await.unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"untouched");
+        let bytes = std::fs::read(&iso).unwrap();
+        // ISO 9660: the primary volume descriptor at sector 16 names it.
+        assert_eq!(&bytes[32769..32774], b"CD001");
+        assert_eq!(&bytes[32808..32814], b"cidata");
+        let text = String::from_utf8_lossy(&bytes);
+        assert!(text.contains("echo KVIRT-SEED"));
+        assert!(text.contains("user-data"), "Rock Ridge/Joliet long names");
+        // Again (a restart): replaced in place, no staging left behind.
+        s.prepare_disk(&prep, &[]).await.unwrap();
+        let staging = s.host.state_dir.join(".staging");
+        assert_eq!(std::fs::read_dir(staging).unwrap().count(), 0);
     }
 
     #[tokio::test]

@@ -389,7 +389,28 @@ pub struct Volume {
     pub host_disk: Option<HostDisk>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub empty_disk: Option<EmptyDisk>,
-    /// Other volume sources (containerDisk, cloudInitNoCloud, ...).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cloud_init_no_cloud: Option<CloudInit>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cloud_init_config_drive: Option<CloudInit>,
+    /// Other volume sources (containerDisk, ...).
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+/// `cloudInitNoCloud` and `cloudInitConfigDrive` share their fields.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CloudInit {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub user_data: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub user_data_base64: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub network_data: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub network_data_base64: Option<String>,
+    /// `secretRef`, `networkDataSecretRef` (cluster objects) and the rest.
     #[serde(flatten)]
     pub extra: Extra,
 }
@@ -600,8 +621,8 @@ spec:
   volumes:
     - name: root
       hostDisk: {path: /srv/vm.img, type: Disk, futureHostDiskField: x}
-    - name: ci
-      cloudInitNoCloud: {userData: "#cloud-config"}
+    - name: cd
+      containerDisk: {image: quay.io/containerdisks/fedora:latest}
 status:
   phase: Running
   someStatusField: [1, 2]
@@ -619,7 +640,7 @@ status:
         assert!(vmi.spec.domain.devices.disks[0]
             .extra
             .contains_key("dedicatedIOThread"));
-        assert!(vmi.spec.volumes[1].extra.contains_key("cloudInitNoCloud"));
+        assert!(vmi.spec.volumes[1].extra.contains_key("containerDisk"));
         assert_eq!(vmi.status.phase, Some(Phase::Running));
 
         // YAML → typed → JSON must equal YAML → untyped → JSON.

@@ -226,6 +226,7 @@ fn the_rpm_carries_the_same_files_and_declares_its_dependencies() {
         "qemu-kvm-core",
         "nftables",
         "iproute",
+        "xorriso",
         "systemd",
         "libvirt.so.0()(64bit)",
     ] {
@@ -248,6 +249,7 @@ fn the_rpm_carries_the_same_files_and_declares_its_dependencies() {
         "libvirt-daemon-driver-qemu",
         "nftables",
         "iproute2",
+        "xorriso",
         "libvirt0",
     ] {
         assert!(deps.contains(dep), "{dep} not in Depends: {deps}");

@@ -386,3 +386,27 @@ fn the_test_manifests_convert() {
         assert!(c.network.is_some());
     }
 }
+
+#[test]
+fn cloud_init_user_data_runs_in_the_guest_from_nocloud_and_config_drive() {
+    let Some(h) = host() else { return };
+    let _g = serial();
+    let seed_disk = "      - name: cloudinit\n        disk: {bus: virtio}\n";
+    let nocloud = support::vmi_manifest("nocloud", "", "", seed_disk)
+        + "  - name: cloudinit\n    cloudInitNoCloud:\n      userData: |\n        #!/bin/sh\n        echo KVIRT-CLOUDINIT-$((6 * 7))\n";
+    // "#!/bin/sh\necho KVIRT-CONFIGDRIVE-$((6 * 7))\n"
+    let config_drive = support::vmi_manifest("configdrive", "", "", seed_disk)
+        + "  - name: cloudinit\n    cloudInitConfigDrive:\n      userDataBase64: IyEvYmluL3NoCmVjaG8gS1ZJUlQtQ09ORklHRFJJVkUtJCgoNiAqIDcpKQo=\n";
+    h.put_manifest("nocloud", "run", &nocloud);
+    h.put_manifest("configdrive", "run", &config_drive);
+    h.wait_phase("nocloud", "Running", BOOT);
+    h.wait_phase("configdrive", "Running", BOOT);
+    // The seed is an ISO in the VM's own state directory.
+    h.ok("test -f /var/lib/kvirt/vms/default_nocloud/disks/cloudinit.cloud-init.iso");
+    h.serial_log_shows("nocloud", "KVIRT-GUEST-SEED cidata meta-data user-data");
+    h.serial_log_shows("nocloud", "KVIRT-CLOUDINIT-42");
+    h.serial_log_shows("configdrive", "KVIRT-GUEST-SEED config-2 openstack");
+    h.serial_log_shows("configdrive", "KVIRT-CONFIGDRIVE-42");
+    h.remove_vm_and_wait_gone("nocloud");
+    h.remove_vm_and_wait_gone("configdrive");
+}

@@ -1,6 +1,7 @@
 //! `devices.disks` + `volumes` → `<disk>`s, the SCSI controller they need,
 //! and the files the runtime must prepare.
 
+use super::cloudinit::{self, Flavor};
 use super::domain::{Alias, Boot, Controller, Disk, DiskDriver, DiskSource, DiskTarget, Present};
 use super::{is_dns_label, ConvertContext, DiskPrep, Errors};
 use crate::vmi::{HostDiskType, VmiSpec, Volume};
@@ -20,9 +21,16 @@ struct Source {
 pub(super) fn convert(
     spec: &VmiSpec,
     ctx: &ConvertContext,
+    uuid: &str,
     errs: &mut Errors,
 ) -> (Vec<Disk>, Vec<Controller>, Vec<DiskPrep>) {
-    let (sources, preps) = volumes(&spec.volumes, ctx, errs);
+    // KubeVirt's guest hostname: spec.hostname, else the VMI's name.
+    let hostname = spec
+        .extra
+        .get("hostname")
+        .and_then(|h| h.as_str())
+        .unwrap_or(ctx.key.name());
+    let (sources, preps) = volumes(&spec.volumes, ctx, hostname, uuid, errs);
     let mut used = BTreeSet::new();
     let mut names = BTreeSet::new();
     let mut boot_orders = BTreeSet::new();
@@ -222,11 +230,14 @@ pub(super) fn convert(
 fn volumes<'v>(
     volumes: &'v [Volume],
     ctx: &ConvertContext,
+    hostname: &str,
+    uuid: &str,
     errs: &mut Errors,
 ) -> (BTreeMap<&'v str, Source>, Vec<DiskPrep>) {
     let mut sources = BTreeMap::new();
     let mut preps = Vec::new();
     let mut host_paths = BTreeSet::new();
+    let mut cloud_init_seen = false;
     for (i, v) in volumes.iter().enumerate() {
         let path = format!("spec.volumes[{i}]");
         if !is_dns_label(&v.name) {
@@ -249,18 +260,54 @@ fn volumes<'v>(
                 "volume source not supported by kvirt",
             );
         }
-        let source = match (&v.host_disk, &v.empty_disk) {
-            (Some(_), Some(_)) => {
-                errs.add(&path, "set only one volume source");
-                continue;
-            }
-            (None, None) => {
+        let set = [
+            v.host_disk.is_some(),
+            v.empty_disk.is_some(),
+            v.cloud_init_no_cloud.is_some(),
+            v.cloud_init_config_drive.is_some(),
+        ]
+        .into_iter()
+        .filter(|s| *s)
+        .count();
+        if set > 1 {
+            errs.add(&path, "set only one volume source");
+            continue;
+        }
+        let cloud_init = match (&v.cloud_init_no_cloud, &v.cloud_init_config_drive) {
+            (Some(ci), _) => Some((Flavor::NoCloud, ci)),
+            (_, Some(ci)) => Some((Flavor::ConfigDrive, ci)),
+            _ => None,
+        };
+        let source = match (&v.host_disk, &v.empty_disk, cloud_init) {
+            (None, None, None) => {
                 if v.extra.is_empty() {
                     errs.add(&path, "has no volume source");
                 }
                 continue;
             }
-            (Some(hd), None) => {
+            (_, _, Some((flavor, ci))) => {
+                let p = format!("{path}.{}", flavor.field());
+                if cloud_init_seen {
+                    errs.add(&p, "only one cloud-init volume is allowed");
+                    continue;
+                }
+                cloud_init_seen = true;
+                let Some(seed) = cloudinit::seed(flavor, ci, &p, ctx.key, hostname, uuid, errs)
+                else {
+                    continue;
+                };
+                let file = ctx.paths.cloud_init_iso(&v.name);
+                preps.push(DiskPrep::CloudInitIso {
+                    volume: v.name.clone(),
+                    path: file.clone(),
+                    seed,
+                });
+                Source {
+                    path: file,
+                    format: "raw",
+                }
+            }
+            (Some(hd), _, None) => {
                 let p = format!("{path}.hostDisk");
                 errs.reject_extra(&p, &hd.extra);
                 let Some(file) = host_disk_path(&hd.path, ctx, &format!("{p}.path"), errs) else {
@@ -296,7 +343,7 @@ fn volumes<'v>(
                     format: "raw",
                 }
             }
-            (None, Some(ed)) => {
+            (None, Some(ed), None) => {
                 let p = format!("{path}.emptyDisk");
                 errs.reject_extra(&p, &ed.extra);
                 let file = ctx.paths.empty_disk(&v.name);

@@ -13,6 +13,7 @@
 //! `metadata` labels and annotations are not interpreted.
 
 mod clock;
+pub mod cloudinit;
 mod cpu;
 mod devices;
 mod disks;
@@ -99,6 +100,13 @@ pub enum DiskPrep {
     /// hostDisk Disk: must exist (the runtime checks, and re-checks the
     /// real path under the roots).
     RequireExisting { volume: String, path: PathBuf },
+    /// cloudInitNoCloud/ConfigDrive: an ISO of these files, remade on every
+    /// start (the VMI is the truth, the image only a copy of it).
+    CloudInitIso {
+        volume: String,
+        path: PathBuf,
+        seed: cloudinit::Seed,
+    },
 }
 
 /// What the systemd unit needs to size the VM's cgroup.
@@ -152,7 +160,7 @@ pub fn convert_all_errors(
     let (uuid, os, sysinfo) = firmware::convert(vmi, ctx.key, dom, &mut errs);
     let features = features::convert(dom.features.as_ref(), &mut errs);
     let clock = clock::convert(dom.clock.as_ref(), &mut errs);
-    let (disk_devs, controllers, preps) = disks::convert(spec, ctx, &mut errs);
+    let (disk_devs, controllers, preps) = disks::convert(spec, ctx, &uuid, &mut errs);
     let mut devices = devices::convert(spec, ctx.paths, &mut errs);
     devices.disks = disk_devs;
     devices.controllers = controllers;

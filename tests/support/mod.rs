@@ -186,6 +186,16 @@ impl Host {
         );
     }
 
+    /// Everything the guest printed since it started (the serial log),
+    /// for markers printed once at boot.
+    pub fn serial_log_shows(&self, vm: &str, marker: &str) {
+        self.wait(
+            &format!("{marker} in {vm}'s serial log"),
+            Duration::from_secs(60),
+            &format!("grep -qF -- '{marker}' /run/kvirt/vms/default_{vm}/console.log"),
+        );
+    }
+
     pub fn restart_kvirtd(&self) {
         self.ok("systemctl restart kvirtd");
         self.wait(

@@ -15,12 +15,13 @@ TH_HOSTNAME=kvirt-testhost
 
 TH_HOST_PKGS=(debootstrap systemd-container busybox-static cpio dosfstools mtools
   syslinux syslinux-common qemu-utils libvirt-clients libvirt-dev pkg-config
-  util-linux xz-utils zstd debian-archive-keyring ca-certificates lintian rpm rpmlint)
+  util-linux xz-utils zstd debian-archive-keyring ca-certificates lintian rpm rpmlint
+  xorriso)
 
 TH_ROOTFS_PKGS=(systemd systemd-sysv dbus libpam-systemd libvirt-daemon
   libvirt-daemon-driver-qemu libvirt-clients qemu-system-x86 qemu-utils seabios
   ipxe-qemu iproute2 nftables busybox-static procps socat util-linux kmod
-  ca-certificates systemd-container)
+  ca-certificates systemd-container xorriso)
 
 # Units that fail or only make noise in an nspawn container.
 TH_ROOTFS_MASK=(systemd-modules-load.service apt-daily.timer apt-daily-upgrade.timer
@@ -229,6 +230,19 @@ if [ -e /sys/class/net/eth0 ]; then
     mkdir -p /www/$p && echo "KVIRT-HELLO $p" >/www/$p/index.html && httpd -p $p -h /www/$p
   done
 fi
+# cloud-init, as little of it as the tests need: a NoCloud (cidata) or
+# ConfigDrive (config-2) seed's user-data runs when it is a script.
+for dev in /dev/vd? /dev/sr?; do
+  [ -b "$dev" ] || continue
+  label=$(blkid "$dev" 2>/dev/null | sed -n 's/.* LABEL="\([^"]*\)".*/\1/p')
+  case $label in cidata | config-2) ;; *) continue ;; esac
+  mkdir -p /seed && mount -t iso9660 -o ro "$dev" /seed || continue
+  echo "KVIRT-GUEST-SEED $label $(ls /seed | tr '\n' ' ')"
+  for ud in /seed/user-data /seed/openstack/latest/user_data; do
+    if [ -f "$ud" ] && [ "$(head -c 2 "$ud")" = "#!" ]; then sh "$ud"; fi
+  done
+  umount /seed
+done
 echo "KVIRT-GUEST-READY mode=$mode acpi=$acpi"
 case $mode in
   poweroff)
@@ -303,7 +317,7 @@ DHCP
   }
   : >"$ir/lib/modules/order"
   local m
-  for m in evdev button virtio_net virtio_blk; do th__guest_mod "$m"; done
+  for m in evdev button virtio_net virtio_blk isofs; do th__guest_mod "$m"; done
   (cd "$ir" && find . -print0 | LC_ALL=C sort -z | cpio --null -o -H newc --quiet --reproducible) |
     gzip -9n >"$out/initrd.img"
   echo "$kver" >"$out/kernel-version"
