@@ -234,7 +234,8 @@ fi
 # ConfigDrive (config-2) seed's user-data runs when it is a script.
 for dev in /dev/vd? /dev/sr?; do
   [ -b "$dev" ] || continue
-  label=$(blkid "$dev" 2>/dev/null | sed -n 's/.* LABEL="\([^"]*\)".*/\1/p')
+  # The ISO 9660 volume id (busybox has no blkid): 32 bytes at 32808.
+  label=$(dd if="$dev" bs=1 skip=32808 count=32 2>/dev/null | tr -d ' ')
   case $label in cidata | config-2) ;; *) continue ;; esac
   mkdir -p /seed && mount -t iso9660 -o ro "$dev" /seed || continue
   echo "KVIRT-GUEST-SEED $label $(ls /seed | tr '\n' ' ')"
