@@ -139,6 +139,11 @@ impl VmPaths {
         self.runtime_dir.join("console.log")
     }
 
+    /// The QEMU guest agent's virtio-serial channel.
+    pub fn guest_agent_socket(&self) -> PathBuf {
+        self.runtime_dir.join("qga.sock")
+    }
+
     pub fn vnc_socket(&self) -> PathBuf {
         self.runtime_dir.join("vnc.sock")
     }

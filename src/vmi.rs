@@ -304,6 +304,41 @@ pub struct Devices {
     pub autoattach_mem_balloon: Option<bool>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rng: Option<Rng>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub inputs: Vec<Input>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub watchdog: Option<Watchdog>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Input {
+    pub name: String,
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub type_: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub bus: Option<String>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Watchdog {
+    pub name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub i6300esb: Option<I6300esb>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct I6300esb {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub action: Option<String>,
     #[serde(flatten)]
     pub extra: Extra,
 }

@@ -42,6 +42,8 @@ fn a_manifest_becomes_a_running_vm_that_survives_kvirtd_restarts() {
         h.ok("systemctl show -p MemoryMax --value kvirt-vm@default_alpha"),
         ((128u64 + 256) << 20).to_string()
     );
+    // The guest agent's channel is there for an agent to answer on.
+    h.ok("[ -S /run/kvirt/vms/default_alpha/qga.sock ]");
     // QEMU's capability probe landed in the cache every VM shares.
     h.ok("ls /var/cache/kvirt/qemu-capabilities/*.xml");
     h.console_shows("alpha", "KVIRT-GUEST");

@@ -1,13 +1,13 @@
-//! The other devices: serial console, VNC, balloon, RNG. (Networking is
-//! `network.rs`.)
+//! The other devices: serial console, VNC, balloon, RNG, input devices, the
+//! watchdog and the guest agent's channel. (Networking is `network.rs`.)
 
 use super::domain::{
-    Console, ConsoleTarget, Devices, Graphics, Log, Memballoon, Rng, RngBackend, Serial,
-    SerialTarget, UnixSource, Video, VideoModel,
+    Alias, Channel, ChannelTarget, Console, ConsoleTarget, Devices, Graphics, Input, Log,
+    Memballoon, Rng, RngBackend, Serial, SerialTarget, UnixSource, Video, VideoModel, Watchdog,
 };
-use super::Errors;
+use super::{is_dns_label, Errors};
 use crate::layout::VmPaths;
-use crate::vmi::VmiSpec;
+use crate::vmi::{self, VmiSpec};
 
 /// Everything in `<devices>` except disks and controllers.
 pub(super) fn convert(spec: &VmiSpec, paths: &VmPaths, errs: &mut Errors) -> Devices {
@@ -70,7 +70,88 @@ pub(super) fn convert(spec: &VmiSpec, paths: &VmPaths, errs: &mut Errors) -> Dev
             },
         });
     }
+    out.inputs = inputs(&dev.inputs, errs);
+    out.watchdog = dev.watchdog.as_ref().and_then(|w| watchdog(w, errs));
+    // As in KubeVirt, every VM gets the guest agent's channel: an agent in
+    // the guest answers on it whenever it runs.
+    out.channels.push(Channel {
+        type_: "unix",
+        source: UnixSource {
+            mode: "bind",
+            path: paths.guest_agent_socket().to_string_lossy().into_owned(),
+        },
+        target: ChannelTarget {
+            type_: "virtio",
+            name: "org.qemu.guest_agent.0",
+        },
+    });
     out
+}
+
+/// `inputs`: KubeVirt offers the tablet, on USB (default) or virtio.
+fn inputs(list: &[vmi::Input], errs: &mut Errors) -> Vec<Input> {
+    let mut out = Vec::new();
+    for (i, input) in list.iter().enumerate() {
+        let path = format!("spec.domain.devices.inputs[{i}]");
+        errs.reject_extra(&path, &input.extra);
+        if !is_dns_label(&input.name) {
+            errs.add(
+                format!("{path}.name"),
+                format!("{:?} is not a DNS-1123 label", input.name),
+            );
+            continue;
+        }
+        if input.type_.as_deref() != Some("tablet") {
+            errs.add(format!("{path}.type"), "only tablet is supported");
+            continue;
+        }
+        let bus = match input.bus.as_deref() {
+            None | Some("") | Some("usb") => "usb",
+            Some("virtio") => "virtio",
+            Some(other) => {
+                errs.add(format!("{path}.bus"), format!("{other:?}: usb or virtio"));
+                continue;
+            }
+        };
+        out.push(Input {
+            type_: "tablet",
+            bus,
+            alias: Alias {
+                name: format!("ua-{}", input.name),
+            },
+        });
+    }
+    out
+}
+
+/// `watchdog`: the i6300esb, with KubeVirt's actions (default reset).
+fn watchdog(w: &vmi::Watchdog, errs: &mut Errors) -> Option<Watchdog> {
+    const PATH: &str = "spec.domain.devices.watchdog";
+    errs.reject_extra(PATH, &w.extra);
+    let Some(esb) = &w.i6300esb else {
+        errs.add(PATH, "needs i6300esb (the only watchdog model)");
+        return None;
+    };
+    errs.reject_extra(&format!("{PATH}.i6300esb"), &esb.extra);
+    let action = match esb.action.as_deref() {
+        None | Some("") | Some("reset") => "reset",
+        Some("poweroff") => "poweroff",
+        Some("shutdown") => "shutdown",
+        Some(other) => {
+            errs.add(
+                format!("{PATH}.i6300esb.action"),
+                format!("{other:?}: reset, poweroff or shutdown"),
+            );
+            return None;
+        }
+    };
+    Some(Watchdog {
+        model: "i6300esb",
+        action,
+        alias: Alias {
+            name: format!("ua-{}", w.name),
+        },
+    })
 }
 
 #[cfg(test)]
@@ -104,6 +185,32 @@ mod tests {
             assert!(x.contains(want), "{want} missing in\n{x}");
         }
         assert!(!x.contains("<rng"));
+        assert!(
+            x.contains(
+                r#"<channel type="unix">
+      <source mode="bind" path="/run/kvirt/vms/ns_vm/qga.sock"/>
+      <target type="virtio" name="org.qemu.guest_agent.0"/>
+    </channel>"#
+            ),
+            "{x}"
+        );
+        assert!(!x.contains("<input") && !x.contains("<watchdog"));
+    }
+
+    #[test]
+    fn tablet_and_watchdog() {
+        let x = conv("{inputs: [{name: t1, type: tablet}, {name: t2, type: tablet, bus: virtio}], watchdog: {name: wd, i6300esb: {action: poweroff}}}").unwrap();
+        for want in [
+            r#"<input type="tablet" bus="usb">
+      <alias name="ua-t1"/>"#,
+            r#"<input type="tablet" bus="virtio">"#,
+            r#"<watchdog model="i6300esb" action="poweroff">
+      <alias name="ua-wd"/>"#,
+        ] {
+            assert!(x.contains(want), "{want} missing in\n{x}");
+        }
+        let x = conv("{watchdog: {name: wd, i6300esb: {}}}").unwrap();
+        assert!(x.contains(r#"action="reset""#), "{x}");
     }
 
     #[test]
@@ -125,8 +232,21 @@ mod tests {
     #[test]
     fn unknown_devices_are_refused() {
         assert_eq!(
-            conv("{inputs: [], rng: {x: 1}}").unwrap_err(),
-            ["spec.domain.devices.inputs", "spec.domain.devices.rng.x"]
+            conv("{sound: {}, rng: {x: 1}}").unwrap_err(),
+            ["spec.domain.devices.sound", "spec.domain.devices.rng.x"]
+        );
+        assert_eq!(
+            conv("{inputs: [{name: m, type: mouse}, {name: k, type: tablet, bus: ps2}], watchdog: {name: w, i6300esb: {action: pause}}}")
+                .unwrap_err(),
+            [
+                "spec.domain.devices.inputs[0].type",
+                "spec.domain.devices.inputs[1].bus",
+                "spec.domain.devices.watchdog.i6300esb.action",
+            ]
+        );
+        assert_eq!(
+            conv("{watchdog: {name: w}}").unwrap_err(),
+            ["spec.domain.devices.watchdog"]
         );
     }
 }

@@ -193,6 +193,46 @@ pub struct Devices {
     pub memballoon: Option<Memballoon>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rng: Option<Rng>,
+    #[serde(rename = "input", skip_serializing_if = "Vec::is_empty")]
+    pub inputs: Vec<Input>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub watchdog: Option<Watchdog>,
+    #[serde(rename = "channel", skip_serializing_if = "Vec::is_empty")]
+    pub channels: Vec<Channel>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Input {
+    #[serde(rename = "@type")]
+    pub type_: &'static str,
+    #[serde(rename = "@bus")]
+    pub bus: &'static str,
+    pub alias: Alias,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Watchdog {
+    #[serde(rename = "@model")]
+    pub model: &'static str,
+    #[serde(rename = "@action")]
+    pub action: &'static str,
+    pub alias: Alias,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Channel {
+    #[serde(rename = "@type")]
+    pub type_: &'static str,
+    pub source: UnixSource,
+    pub target: ChannelTarget,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ChannelTarget {
+    #[serde(rename = "@type")]
+    pub type_: &'static str,
+    #[serde(rename = "@name")]
+    pub name: &'static str,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
