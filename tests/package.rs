@@ -132,13 +132,7 @@ fn installed_observed_upgraded_removed_and_purged_as_a_package() {
     assert!(h
         .ok("dpkg -s kvirt | sed -n 's/^Version: //p'")
         .ends_with("-2"));
-    h.wait(
-        "the upgraded kvirtd ready",
-        Duration::from_secs(30),
-        &format!(
-            "systemctl is-active -q kvirtd && [ \"$(systemctl show -P InvocationID kvirtd)\" != {invocation} ]"
-        ),
-    );
+    h.wait_new_kvirtd("the upgrade", "InvocationID", &invocation);
     assert_eq!(h.qemu_pid("pkg"), qemu, "the upgrade restarted the VM");
     h.wait(
         "the upgraded kvirtd adopting the VM",

@@ -67,13 +67,7 @@ fn a_manifest_becomes_a_running_vm_that_survives_kvirtd_restarts() {
     assert_eq!(h.qemu_pid("alpha"), pid);
     let main_pid = h.ok("systemctl show -p MainPID --value kvirtd");
     h.ok("systemctl kill -s KILL kvirtd");
-    h.wait(
-        "kvirtd restarted by systemd after SIGKILL",
-        Duration::from_secs(30),
-        &format!(
-            "systemctl is-active -q kvirtd && [ \"$(systemctl show -p MainPID --value kvirtd)\" != {main_pid} ]"
-        ),
-    );
+    h.wait_new_kvirtd("SIGKILL", "MainPID", &main_pid);
     assert_eq!(h.qemu_pid("alpha"), pid, "the VM was restarted");
     let after = h.status("alpha");
     assert_eq!(after["status"]["phase"], "Running");

@@ -499,9 +499,13 @@ impl Daemon {
         });
         let (a, c) = (ctl.clone(), ctl.clone());
         tokio::spawn(keepalive(
+            sd_notify::watchdog_enabled(),
             move || a.heartbeat(),
             move || c.phase_counts(),
             tx.clone(),
+            |state| {
+                let _ = sd_notify::notify(std::slice::from_ref(state));
+            },
         ));
 
         let loop_task = tokio::spawn(ctl.run(tx, rx));
@@ -520,11 +524,12 @@ impl Daemon {
 /// to answer, and systemd is pinged only when the previous beat was
 /// answered, so a wedged loop gets kvirtd restarted (its VMs keep running).
 async fn keepalive(
+    watchdog: Option<Duration>,
     answered: impl Fn() -> u64,
     counts: impl Fn() -> BTreeMap<String, usize>,
     tx: UnboundedSender<Trigger>,
+    notify: impl Fn(&sd_notify::NotifyState),
 ) {
-    let watchdog = sd_notify::watchdog_enabled();
     let period = watchdog
         .map(|w| (w / 4).min(Duration::from_secs(2)))
         .unwrap_or(Duration::from_secs(2));
@@ -534,14 +539,69 @@ async fn keepalive(
     loop {
         tick.tick().await;
         if watchdog.is_some() && answered() == sent {
-            let _ = sd_notify::notify(&[sd_notify::NotifyState::Watchdog]);
+            notify(&sd_notify::NotifyState::Watchdog);
         }
         sent += 1;
         let _ = tx.send(Trigger::Heartbeat(sent));
         let status = status_line(&counts());
         if status != last {
-            let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(&status)]);
+            notify(&sd_notify::NotifyState::Status(&status));
             last = status;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+
+    #[tokio::test(start_paused = true)]
+    async fn the_watchdog_is_fed_only_while_the_loop_answers() {
+        let answered = Arc::new(AtomicU64::new(0));
+        let wedged = Arc::new(AtomicBool::new(false));
+        let sent = Arc::new(Mutex::new(Vec::<String>::new()));
+        let (tx, mut rx) = unbounded_channel();
+        // The loop's part: answer each heartbeat, unless wedged.
+        let (a, w) = (answered.clone(), wedged.clone());
+        tokio::spawn(async move {
+            while let Some(t) = rx.recv().await {
+                if let (Trigger::Heartbeat(n), false) = (t, w.load(Ordering::SeqCst)) {
+                    a.store(n, Ordering::SeqCst);
+                }
+            }
+        });
+        let (a, s) = (answered.clone(), sent.clone());
+        tokio::spawn(keepalive(
+            Some(Duration::from_secs(8)),
+            move || a.load(Ordering::SeqCst),
+            || BTreeMap::from([("Running".to_string(), 2)]),
+            tx,
+            move |state| s.lock().unwrap().push(state.to_string()),
+        ));
+        let pings = || {
+            let mut s = sent.lock().unwrap();
+            let n = s.iter().filter(|l| l.as_str() == "WATCHDOG=1").count();
+            s.clear();
+            n
+        };
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert!(pings() >= 4, "fed every 2 s while the loop answers");
+        wedged.store(true, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        pings();
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        assert_eq!(pings(), 0, "a wedged loop starves the watchdog");
+        wedged.store(false, Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert!(pings() >= 3, "fed again once the loop answers");
+    }
+
+    #[test]
+    fn status_counts_vms_per_phase() {
+        assert_eq!(status_line(&BTreeMap::new()), "0 VMs");
+        let counts = BTreeMap::from([("Running".to_string(), 2), ("Scheduled".to_string(), 1)]);
+        assert_eq!(status_line(&counts), "3 VMs: 2 Running, 1 Scheduled");
     }
 }

@@ -196,6 +196,18 @@ impl Host {
         );
     }
 
+    /// Waits until a new kvirtd is active: its `property` (MainPID,
+    /// InvocationID) no longer `before`.
+    pub fn wait_new_kvirtd(&self, why: &str, property: &str, before: &str) {
+        self.wait(
+            &format!("kvirtd active again after {why}"),
+            Duration::from_secs(30),
+            &format!(
+                "systemctl is-active -q kvirtd && [ \"$(systemctl show -P {property} kvirtd)\" != {before} ]"
+            ),
+        );
+    }
+
     pub fn restart_kvirtd(&self) {
         self.ok("systemctl restart kvirtd");
         self.wait(
