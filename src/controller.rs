@@ -4,6 +4,7 @@
 //! reports status; one VM's trouble never blocks another's.
 
 use crate::convert::{self, ConvertContext, Converted, DiskPrep, DomainType};
+use crate::journal;
 use crate::key::{self, VmKey};
 use crate::layout::{DaemonKind, HostLayout, VmPaths};
 use crate::libvirt::{DomainRef, Hypervisor, LibvirtError};
@@ -24,7 +25,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
-use tracing::{info, info_span, warn, Instrument};
+use tracing::{info, warn, Instrument};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ControllerError {
@@ -370,11 +371,7 @@ impl<
     pub async fn reconcile(&self, id: &str) -> Result<Reconciled, ControllerError> {
         let vmi = self.vmis().get(id).cloned();
         let key = vmi.as_ref().and_then(|v| v.key().ok());
-        let span = info_span!(
-            "vm",
-            vm = %key.as_ref().map_or(id.to_owned(), |k| k.to_string()),
-            unit = %key::unit_name_of(id),
-        );
+        let span = journal::vm_span(id, key.as_ref());
         self.reconcile_inner(id, vmi, key).instrument(span).await
     }
 
@@ -931,7 +928,9 @@ impl<
                             let n = failures.entry(id.clone()).or_default();
                             *n += 1;
                             let delay = Duration::from_secs(1 << (*n).min(6));
-                            warn!(vm = %id, retry_in = ?delay, "reconcile failed: {e}");
+                            journal::vm_span(&id, None).in_scope(|| {
+                                warn!(retry_in = ?delay, "reconcile failed: {e}")
+                            });
                             Some(delay)
                         }
                     };

@@ -380,8 +380,9 @@ impl DhcpServers {
                 path: netns_path.to_owned(),
             })??;
         let (cancel, cancelled) = oneshot::channel();
-        // Info level so that warnings from the task still name the VM.
-        let span = tracing::info_span!("dhcp", vm = id, iface);
+        // Created inside the VM's span (the reconcile that set it up), so
+        // the task's lines still name the VM.
+        let span = tracing::info_span!("dhcp", iface);
         let task = tokio::spawn(
             async move {
                 if let Err(e) = serve(socket, lease, cancelled).await {

@@ -6,6 +6,7 @@
 //! unit (`journalctl -u` matches it), the way systemd's own messages about a
 //! unit carry `UNIT=`.
 
+use crate::key::{self, VmKey};
 use std::fmt::Write as _;
 use std::io;
 use std::os::unix::net::UnixDatagram;
@@ -18,6 +19,16 @@ use tracing_subscriber::registry::LookupSpan;
 pub const SOCKET: &str = "/run/systemd/journal/socket";
 /// The field naming the VM a line is about, as `<namespace>/<name>`.
 pub const VM_FIELD: &str = "KVIRT_VM";
+
+/// The span every line about one VM runs in: its `<ns>/<name>` and unit
+/// become `KVIRT_VM=` and `OBJECT_SYSTEMD_UNIT=`.
+pub fn vm_span(id: &str, key: Option<&VmKey>) -> tracing::Span {
+    let vm = key
+        .map(VmKey::to_string)
+        .or_else(|| VmKey::parse(id).ok().map(|k| k.to_string()))
+        .unwrap_or_else(|| id.to_owned());
+    tracing::info_span!("vm", vm = %vm, unit = %key::unit_name_of(id))
+}
 
 /// Where journal entries go: the socket, or a recording in tests.
 pub trait Sink: Send + Sync {
@@ -289,6 +300,25 @@ pub mod tests {
         );
         assert_eq!(field(e, "PRIORITY"), Some("4"));
         assert_eq!(field(e, "SYSLOG_IDENTIFIER"), Some("kvirtd"));
+    }
+
+    #[test]
+    fn a_vm_known_only_by_its_id_is_named_the_same_way() {
+        let rec = Recording::default();
+        let subscriber = tracing_subscriber::registry().with(Layer::new(rec.clone()));
+        tracing::subscriber::with_default(subscriber, || {
+            vm_span("default_vm1", None).in_scope(|| tracing::warn!("reconcile failed"));
+        });
+        let entries = rec.0.lock().unwrap();
+        assert_eq!(field(&entries[0], VM_FIELD), Some("default/vm1"));
+        assert_eq!(
+            field(&entries[0], "OBJECT_SYSTEMD_UNIT"),
+            Some("kvirt-vm@default_vm1.service")
+        );
+        assert_eq!(
+            field(&entries[0], "MESSAGE"),
+            Some("default/vm1: reconcile failed")
+        );
     }
 
     #[test]

@@ -468,7 +468,7 @@ impl Daemon {
         // Adoption before serving: every VM the host has is matched or cleaned.
         ctl.set_vmis(sources.initial).await;
         for (id, e) in ctl.reconcile_all().await {
-            warn!(vm = %id, "first pass: {e}");
+            journal::vm_span(&id, None).in_scope(|| warn!("first pass: {e}"));
         }
         let status = status_line(&ctl.phase_counts());
         let _ = sd_notify::notify(&[
