@@ -98,11 +98,12 @@ impl Recorder for LogRecorder {
         message: &str,
         warning: bool,
     ) {
-        let vm = vmi.key().map_or_else(|_| "?".into(), |k| k.to_string());
+        let span = vmi.key().ok().map(|k| journal::vm_span(&k.id(), Some(&k)));
+        let _in_vm = span.as_ref().map(|s| s.enter());
         if warning {
-            warn!(%vm, reason = ?reason, "{message}");
+            warn!(reason = ?reason, "{message}");
         } else {
-            info!(%vm, reason = ?reason, "{message}");
+            info!(reason = ?reason, "{message}");
         }
     }
 }

@@ -109,17 +109,26 @@ impl<K: Sink> Forwarder<K> {
         };
         let unit = key::unit_name_of(id);
         let vm = VmKey::parse(id).map_or_else(|_| id.to_owned(), |k| k.to_string());
+        // Shown as qemu[<pid>]: QEMU's own, from libvirt's pid file.
+        let domain = path.file_stem().unwrap_or_default().to_string_lossy();
+        let pid = std::fs::read_to_string(self.layout.vm_by_id(id).qemu_pid_file(&domain))
+            .ok()
+            .filter(|p| p.trim().parse::<u32>().is_ok());
         for line in String::from_utf8_lossy(&buf[..upto]).lines() {
             if line.is_empty() {
                 continue;
             }
-            self.sink.send(&[
+            let mut fields = vec![
                 ("PRIORITY", "6"),
                 ("SYSLOG_IDENTIFIER", "qemu"),
-                ("OBJECT_SYSTEMD_UNIT", &unit),
-                (VM_FIELD, &vm),
+                ("OBJECT_SYSTEMD_UNIT", unit.as_str()),
+                (VM_FIELD, vm.as_str()),
                 ("MESSAGE", line),
-            ])?;
+            ];
+            if let Some(p) = &pid {
+                fields.push(("SYSLOG_PID", p.trim()));
+            }
+            self.sink.send(&fields)?;
         }
         std::fs::create_dir_all(self.offsets_dir())?;
         let tmp = pos_file.with_extension("tmp");
@@ -168,9 +177,13 @@ mod tests {
         let rec = Recording::default();
         let fwd = Forwarder::new(rec.clone(), layout.clone());
 
+        let pid_file = layout.vm_by_id("default_vm1").qemu_pid_file("default_vm1");
+        std::fs::create_dir_all(pid_file.parent().unwrap()).unwrap();
+        std::fs::write(&pid_file, "4242\n").unwrap();
         std::fs::write(&path, "qemu starting\nhalf a li").unwrap();
         assert!(fwd.pass().is_empty());
         let e = rec.0.lock().unwrap()[0].clone();
+        assert_eq!(field(&e, "SYSLOG_PID"), Some("4242"));
         assert_eq!(
             field(&e, "OBJECT_SYSTEMD_UNIT"),
             Some("kvirt-vm@default_vm1.service")
