@@ -172,6 +172,9 @@ pub struct VmConfig {
 pub struct StorageConfig {
     /// hostDisk paths must lie under one of these.
     pub host_disk_roots: Vec<PathBuf>,
+    /// containerDisk registries (`host:port`) spoken to over plain HTTP;
+    /// loopback registries always are.
+    pub insecure_registries: Vec<String>,
 }
 
 impl Default for SourceConfig {
@@ -212,6 +215,7 @@ impl Default for StorageConfig {
     fn default() -> Self {
         Self {
             host_disk_roots: vec!["/var/lib/kvirt/images".into()],
+            insecure_registries: Vec::new(),
         }
     }
 }

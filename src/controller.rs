@@ -3,7 +3,8 @@
 //! Each reconcile observes the host, plans, carries the plan out and
 //! reports status; one VM's trouble never blocks another's.
 
-use crate::convert::{self, ConvertContext, Converted, DiskPrep, DomainType};
+use crate::convert::{self, Backing, ConvertContext, Converted, DiskPrep, DomainType};
+use crate::image::{ImageDisk, ImageError, Images, Progress};
 use crate::journal;
 use crate::key::{self, VmKey};
 use crate::layout::{DaemonKind, HostLayout, VmPaths};
@@ -45,6 +46,8 @@ pub enum ControllerError {
     Machined {
         source: crate::machined::MachinedError,
     },
+    #[error("VM {id}: {source}")]
+    Image { id: String, source: ImageError },
     #[error("VM {id}: teardown incomplete: {}", errors.join("; "))]
     Teardown { id: String, errors: Vec<String> },
 }
@@ -60,6 +63,7 @@ impl ControllerError {
             ControllerError::Network { .. } => "network",
             ControllerError::Status { .. } => "status",
             ControllerError::Machined { .. } => "machined",
+            ControllerError::Image { .. } => "image",
             ControllerError::Teardown { .. } => "teardown",
         }
     }
@@ -73,6 +77,9 @@ pub enum EventReason {
     ShuttingDown,
     Stopped,
     SyncFailed,
+    /// A containerDisk is in the image cache (kubelet's reasons).
+    Pulled,
+    ErrImagePull,
 }
 
 /// Where Events about a VMI go (the log in standalone mode, Event objects
@@ -125,7 +132,7 @@ pub struct Settings {
     pub shutdown_resend: Duration,
 }
 
-pub struct Deps<U, N, H, S, St, R, W, M> {
+pub struct Deps<U, N, H, S, St, R, W, M, I> {
     pub units: U,
     pub netns: N,
     pub network: W,
@@ -134,6 +141,7 @@ pub struct Deps<U, N, H, S, St, R, W, M> {
     pub status: St,
     pub recorder: R,
     pub machines: M,
+    pub images: I,
 }
 
 /// What wakes the loop.
@@ -158,8 +166,8 @@ pub struct Reconciled {
     pub found: Option<Adoption>,
 }
 
-pub struct Controller<U, N, H, S, St, R, W, M> {
-    deps: Deps<U, N, H, S, St, R, W, M>,
+pub struct Controller<U, N, H, S, St, R, W, M, I> {
+    deps: Deps<U, N, H, S, St, R, W, M, I>,
     settings: Settings,
     /// The VMIs this host should run, by id, with the status kvirtd owns.
     vmis: Mutex<HashMap<String, VirtualMachineInstance>>,
@@ -181,9 +189,10 @@ impl<
         R: Recorder,
         W: Network,
         M: Machines,
-    > Controller<U, N, H, S, St, R, W, M>
+        I: Images,
+    > Controller<U, N, H, S, St, R, W, M, I>
 {
-    pub fn new(deps: Deps<U, N, H, S, St, R, W, M>, settings: Settings) -> Arc<Self> {
+    pub fn new(deps: Deps<U, N, H, S, St, R, W, M, I>, settings: Settings) -> Arc<Self> {
         Arc::new(Self {
             deps,
             settings,
@@ -423,8 +432,13 @@ impl<
             }
         }
 
+        let mut images = BTreeMap::new();
+        if let (Some(v), Some(k), Some(Ok(conv)), true) = (&vmi, &key, &converted, creating) {
+            images = self.pull_images(v, k, conv).await?;
+        }
         let ctx = StepCtx {
             id,
+            images: &images,
             obs: &obs,
             vmi: vmi.as_ref(),
             key: key.as_ref(),
@@ -504,6 +518,113 @@ impl<
         })
     }
 
+    /// containerDisks are pulled before anything is made on the host, so a
+    /// registry outage leaves nothing behind: the error goes to the loop's
+    /// backoff and the VMI waits in Scheduled, as a pod waits in
+    /// ImagePullBackOff. Progress shows in the Ready condition and the log.
+    async fn pull_images(
+        &self,
+        vmi: &VirtualMachineInstance,
+        key: &VmKey,
+        conv: &Converted,
+    ) -> Result<BTreeMap<String, ImageDisk>, ControllerError> {
+        let mut disks = BTreeMap::new();
+        for prep in &conv.disks {
+            let DiskPrep::Overlay {
+                volume,
+                backing:
+                    Backing::Image {
+                        image,
+                        pull_policy,
+                        path,
+                    },
+                ..
+            } = prep
+            else {
+                continue;
+            };
+            let started = tokio::time::Instant::now();
+            let latest = Mutex::new(None::<Progress>);
+            let downloaded = std::sync::atomic::AtomicBool::new(false);
+            let report = |p: Progress| {
+                downloaded.store(true, Ordering::Relaxed);
+                *latest.lock().unwrap_or_else(|e| e.into_inner()) = Some(p);
+            };
+            let pull = self
+                .deps
+                .images
+                .disk(image, *pull_policy, path.as_deref(), &report);
+            tokio::pin!(pull);
+            let mut tick = tokio::time::interval(Duration::from_secs(2));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            let result = loop {
+                tokio::select! {
+                    r = &mut pull => break r,
+                    _ = tick.tick() => {
+                        let p = latest.lock().unwrap_or_else(|e| e.into_inner()).take();
+                        if let Some(p) = p {
+                            let msg = format!("pulling {image}: {}", mib_of(p));
+                            info!(volume = %volume, "{msg}");
+                            self.set_waiting(key, "PullingContainerDisk", &msg).await;
+                        }
+                    }
+                }
+            };
+            match result {
+                Ok(d) => {
+                    let msg = if downloaded.load(Ordering::Relaxed) {
+                        format!(
+                            "pulled {image} ({}) in {:.1} s",
+                            d.digest,
+                            started.elapsed().as_secs_f64()
+                        )
+                    } else {
+                        format!("{image} ({}) is already on the host", d.digest)
+                    };
+                    info!(volume = %volume, "{msg}");
+                    self.deps
+                        .recorder
+                        .record(vmi, EventReason::Pulled, &msg, false);
+                    disks.insert(volume.clone(), d);
+                }
+                Err(e) => {
+                    let msg = format!("volume {volume}: {e}");
+                    self.deps
+                        .recorder
+                        .record(vmi, EventReason::ErrImagePull, &msg, true);
+                    self.set_waiting(key, "ErrImagePull", &msg).await;
+                    return Err(ControllerError::Image {
+                        id: key.id(),
+                        source: e,
+                    });
+                }
+            }
+        }
+        Ok(disks)
+    }
+
+    /// Why a VM that is not running yet is waiting (the Ready condition),
+    /// saved at once; a failed save is retried by the next report.
+    async fn set_waiting(&self, key: &VmKey, reason: &str, message: &str) {
+        let id = key.id();
+        let vmi = {
+            let mut vmis = self.vmis();
+            let Some(vmi) = vmis.get_mut(&id) else { return };
+            let Some(next) = status::waiting(&vmi.status, reason, message, &now_rfc3339()) else {
+                return;
+            };
+            vmi.status = next;
+            vmi.clone()
+        };
+        self.unsaved().insert(id.clone());
+        match self.deps.status.save(&vmi).await {
+            Ok(()) => {
+                self.unsaved().remove(&id);
+            }
+            Err(e) => warn!("status: {e}"),
+        }
+    }
+
     async fn rollback(&self, id: &str, dom: Option<&DomainRef>) {
         let obs = match self.observe(id, dom).await {
             Ok(o) => o,
@@ -529,6 +650,7 @@ impl<
         );
         let ctx = StepCtx {
             id,
+            images: &BTreeMap::new(),
             obs: &Observed::default(),
             vmi: None,
             key: None,
@@ -681,7 +803,7 @@ impl<
                 for d in &conv().disks {
                     self.deps
                         .storage
-                        .prepare_disk(d, &self.settings.host_disk_roots)
+                        .prepare_disk(d, &self.settings.host_disk_roots, c.images.get(d.volume()))
                         .await
                         .map_err(storage_err)?;
                 }
@@ -739,8 +861,20 @@ impl<
                         .filter_map(|d| match d {
                             DiskPrep::CreateRawIfMissing { path, .. }
                             | DiskPrep::RequireExisting { path, .. } => Some(path.clone()),
-                            DiskPrep::CreateQcow2 { .. } | DiskPrep::CloudInitIso { .. } => None,
+                            _ => None,
                         })
+                        .collect(),
+                    extra_ro_paths: conv
+                        .disks
+                        .iter()
+                        .filter_map(|d| match d {
+                            DiskPrep::Overlay {
+                                backing: Backing::HostDisk(base),
+                                ..
+                            } => Some(base.clone()),
+                            _ => None,
+                        })
+                        .chain(c.images.values().map(|i| i.root.clone()))
                         .collect(),
                 });
                 self.deps.units.start(&spec).await.map_err(sd_err)
@@ -952,6 +1086,8 @@ impl<
 
 struct StepCtx<'a> {
     id: &'a str,
+    /// containerDisks pulled for this start, by volume.
+    images: &'a BTreeMap<String, ImageDisk>,
     obs: &'a Observed,
     vmi: Option<&'a VirtualMachineInstance>,
     key: Option<&'a VmKey>,
@@ -977,4 +1113,13 @@ pub fn now_rfc3339() -> String {
     jiff::Timestamp::from_second(now.as_second())
         .unwrap_or(now)
         .to_string()
+}
+
+fn mib_of(p: Progress) -> String {
+    const MIB: f64 = 1024.0 * 1024.0;
+    format!(
+        "{:.1} of {:.1} MiB",
+        p.done as f64 / MIB,
+        p.total as f64 / MIB
+    )
 }

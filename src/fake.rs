@@ -3,6 +3,7 @@
 
 use crate::controller::{EventReason, Recorder};
 use crate::convert::DiskPrep;
+use crate::image::{ImageDisk, ImageError, Images, Progress, PullPolicy};
 use crate::key::{self, VmKey};
 use crate::layout::VmPaths;
 use crate::libvirt::{DomainRef, Hypervisor, LibvirtError};
@@ -46,6 +47,8 @@ pub struct HostState {
     pub machines: BTreeMap<String, MachineSpec>,
     /// A host without systemd-machined.
     pub no_machined: bool,
+    /// Images in the (pretend) image cache.
+    pub pulled: BTreeSet<String>,
 }
 
 #[derive(Clone, Default)]
@@ -154,6 +157,36 @@ impl Units for FakeHost {
             .keys()
             .filter_map(|u| key::id_from_unit(u).map(str::to_owned))
             .collect())
+    }
+}
+
+/// Images are "pulled" into a cache that only exists in memory: half a
+/// progress report, then the whole, as a real pull reports.
+impl Images for FakeHost {
+    async fn disk(
+        &self,
+        image: &str,
+        _policy: PullPolicy,
+        path: Option<&str>,
+        progress: &(dyn Fn(Progress) + Send + Sync),
+    ) -> Result<ImageDisk, ImageError> {
+        if self.call(format!("pull {image}")) {
+            return Err(ImageError::Content {
+                image: image.into(),
+                message: injected("pull"),
+            });
+        }
+        progress(Progress { done: 1, total: 2 });
+        progress(Progress { done: 2, total: 2 });
+        let hex: String = image.bytes().map(|b| format!("{b:02x}")).take(32).collect();
+        let root = PathBuf::from("/var/cache/kvirt/images/sha256").join(&hex);
+        self.state().pulled.insert(image.into());
+        Ok(ImageDisk {
+            path: root.join(path.unwrap_or("disk/disk.qcow2").trim_start_matches('/')),
+            format: "qcow2",
+            root,
+            digest: format!("sha256:{hex}"),
+        })
     }
 }
 
@@ -288,13 +321,13 @@ impl Storage for FakeHost {
         Ok(())
     }
 
-    async fn prepare_disk(&self, disk: &DiskPrep, _roots: &[PathBuf]) -> Result<(), StorageError> {
-        let path = match disk {
-            DiskPrep::CreateQcow2 { path, .. }
-            | DiskPrep::CreateRawIfMissing { path, .. }
-            | DiskPrep::RequireExisting { path, .. }
-            | DiskPrep::CloudInitIso { path, .. } => path.clone(),
-        };
+    async fn prepare_disk(
+        &self,
+        disk: &DiskPrep,
+        _roots: &[PathBuf],
+        _image: Option<&ImageDisk>,
+    ) -> Result<(), StorageError> {
+        let path = disk.path().to_owned();
         if self.call(format!("disk {}", path.display())) {
             return Err(StorageError::Disk {
                 path,

@@ -54,6 +54,11 @@ impl HostLayout {
         self.runtime_dir.join("vms")
     }
 
+    /// containerDisk images, shared by every VM (see `image`).
+    pub fn images_dir(&self) -> PathBuf {
+        self.cache_dir.join("images")
+    }
+
     /// QEMU capability cache shared by every VM's daemon: the first define on
     /// a fresh daemon probes QEMU for ~0.5 s, later ones reuse this.
     pub fn qemu_capabilities_dir(&self) -> PathBuf {
@@ -163,6 +168,11 @@ impl VmPaths {
 
     pub fn empty_disk(&self, volume: &str) -> PathBuf {
         self.disk_dir().join(format!("{volume}.qcow2"))
+    }
+
+    /// The VM's writable layer over a containerDisk or ephemeral base.
+    pub fn overlay(&self, volume: &str) -> PathBuf {
+        self.disk_dir().join(format!("{volume}.overlay.qcow2"))
     }
 
     pub fn is_under(&self, path: &Path) -> bool {

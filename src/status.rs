@@ -69,6 +69,24 @@ pub fn next_status(
     Ok((next != *prev).then_some(next))
 }
 
+/// A VM that is not running yet says why in its Ready condition (a
+/// containerDisk being pulled, or failing to be); the phase stays.
+pub fn waiting(prev: &VmiStatus, reason: &str, message: &str, now: &str) -> Option<VmiStatus> {
+    if prev.phase == Some(Phase::Running) {
+        return None;
+    }
+    let mut next = prev.clone();
+    set_condition(
+        &mut next.conditions,
+        READY,
+        false,
+        Some(reason),
+        Some(message),
+        now,
+    );
+    (next != *prev).then_some(next)
+}
+
 /// Kubernetes' QoS class for the VM's resources, as KubeVirt reports the
 /// pod's: Guaranteed when CPU and memory limits are set and requests (where
 /// given) equal them, BestEffort with no resources at all, else Burstable.

@@ -1,7 +1,8 @@
 //! A VM's directories and disk files on the host.
 
 use crate::convert::cloudinit::Seed;
-use crate::convert::DiskPrep;
+use crate::convert::{Backing, DiskPrep};
+use crate::image::ImageDisk;
 use crate::layout::{HostLayout, VmPaths};
 use nix::unistd::{chown, Gid, Uid};
 use std::future::Future;
@@ -47,11 +48,13 @@ impl Owner {
 pub trait Storage: Send + Sync + 'static {
     fn create_dirs(&self, paths: &VmPaths)
         -> impl Future<Output = Result<(), StorageError>> + Send;
-    /// Creates or checks one disk; `roots` re-checks hostDisks after symlinks.
+    /// Creates or checks one disk; `roots` re-checks hostDisks after
+    /// symlinks; `image` is a containerDisk's disk in the image cache.
     fn prepare_disk(
         &self,
         disk: &DiskPrep,
         roots: &[PathBuf],
+        image: Option<&ImageDisk>,
     ) -> impl Future<Output = Result<(), StorageError>> + Send;
     fn remove_dir(&self, dir: &Path) -> impl Future<Output = Result<(), StorageError>> + Send;
     fn exists(&self, dir: &Path) -> impl Future<Output = bool> + Send;
@@ -128,6 +131,7 @@ impl HostStorage {
         &self,
         disk: &DiskPrep,
         roots: &[PathBuf],
+        image: Option<&ImageDisk>,
     ) -> Result<(), StorageError> {
         match disk {
             DiskPrep::CreateQcow2 {
@@ -136,21 +140,29 @@ impl HostStorage {
                 if path.exists() {
                     return Ok(());
                 }
-                let out = std::process::Command::new("qemu-img")
-                    .args(["create", "-q", "-f", "qcow2"])
-                    .arg(path)
-                    .arg(size_bytes.to_string())
-                    .output()
-                    .map_err(io(path, "run qemu-img"))?;
-                if !out.status.success() {
-                    return Err(StorageError::Disk {
-                        path: path.clone(),
-                        message: format!(
-                            "qemu-img create failed: {}",
-                            String::from_utf8_lossy(&out.stderr).trim()
-                        ),
-                    });
+                qemu_img_create(path, &[], Some(*size_bytes))?;
+                self.own(path)
+            }
+            DiskPrep::Overlay { path, backing, .. } => {
+                let (base, format) = match (backing, image) {
+                    (Backing::Image { image, .. }, None) => {
+                        return Err(StorageError::Disk {
+                            path: path.clone(),
+                            message: format!("{image} is not in the image cache"),
+                        })
+                    }
+                    (Backing::Image { .. }, Some(d)) => (d.path.clone(), d.format),
+                    (Backing::HostDisk(base), _) => self.ephemeral_base(base, roots)?,
+                };
+                // A fresh write layer on every start, as KubeVirt's is.
+                match std::fs::remove_file(path) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                        return Err(io(path, "remove old overlay")(e))
+                    }
+                    _ => {}
                 }
+                let base = base.to_string_lossy();
+                qemu_img_create(path, &["-F", format, "-b", &base], None)?;
                 self.own(path)
             }
             DiskPrep::CreateRawIfMissing {
@@ -183,7 +195,67 @@ impl HostStorage {
     }
 }
 
+/// A qcow2 at `path`: empty of `size` bytes, or over a backing file.
+fn qemu_img_create(path: &Path, options: &[&str], size: Option<u64>) -> Result<(), StorageError> {
+    let out = std::process::Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .args(options)
+        .arg(path)
+        .args(size.map(|s| s.to_string()))
+        .output()
+        .map_err(io(path, "run qemu-img"))?;
+    if !out.status.success() {
+        return Err(StorageError::Disk {
+            path: path.to_owned(),
+            message: format!(
+                "qemu-img create failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        });
+    }
+    Ok(())
+}
+
 impl HostStorage {
+    /// An ephemeral volume's base: an existing file under the roots, only
+    /// read, which must not itself lead QEMU to other files.
+    fn ephemeral_base(
+        &self,
+        base: &Path,
+        roots: &[PathBuf],
+    ) -> Result<(PathBuf, &'static str), StorageError> {
+        let disk_err = |message: String| StorageError::Disk {
+            path: base.to_owned(),
+            message,
+        };
+        if !base.is_file() {
+            return Err(disk_err(
+                "the ephemeral base (hostDisk) does not exist".into(),
+            ));
+        }
+        check_under_roots(base, roots, false)?;
+        let real = std::fs::canonicalize(base).map_err(io(base, "resolve"))?;
+        let mut header = Vec::with_capacity(104);
+        std::fs::File::open(&real)
+            .and_then(|f| std::io::Read::read_to_end(&mut std::io::Read::take(f, 104), &mut header))
+            .map_err(io(&real, "read"))?;
+        let format = crate::image::disk_format(&header).map_err(disk_err)?;
+        let meta = std::fs::metadata(&real).map_err(io(&real, "stat"))?;
+        let readable = meta.permissions().mode() & 0o004 != 0
+            || self.owner.is_none_or(|o| {
+                use std::os::unix::fs::MetadataExt;
+                (meta.uid() == o.uid && meta.mode() & 0o400 != 0)
+                    || (meta.gid() == o.gid && meta.mode() & 0o040 != 0)
+            });
+        if !readable {
+            return Err(disk_err(
+                "the VM's user cannot read the ephemeral base (make it readable, it is never written)"
+                    .into(),
+            ));
+        }
+        Ok((real, format))
+    }
+
     /// Builds the cloud-init image in a root-only staging directory on the
     /// same file system and renames it into the VM's disk directory, so
     /// nothing the VM's user can write (a planted symlink) steers root.
@@ -276,9 +348,14 @@ impl Storage for HostStorage {
         blocking(move || this.create_dirs_blocking(&p)).await
     }
 
-    async fn prepare_disk(&self, disk: &DiskPrep, roots: &[PathBuf]) -> Result<(), StorageError> {
-        let (this, d, r) = (self.clone(), disk.clone(), roots.to_vec());
-        blocking(move || this.prepare_disk_blocking(&d, &r)).await
+    async fn prepare_disk(
+        &self,
+        disk: &DiskPrep,
+        roots: &[PathBuf],
+        image: Option<&ImageDisk>,
+    ) -> Result<(), StorageError> {
+        let (this, d, r, i) = (self.clone(), disk.clone(), roots.to_vec(), image.cloned());
+        blocking(move || this.prepare_disk_blocking(&d, &r, i.as_ref())).await
     }
 
     async fn remove_dir(&self, dir: &Path) -> Result<(), StorageError> {
@@ -370,7 +447,7 @@ mod tests {
             path: iso.clone(),
             seed,
         };
-        s.prepare_disk(&prep, &[]).await.unwrap();
+        s.prepare_disk(&prep, &[], None).await.unwrap();
         assert_eq!(std::fs::read(&victim).unwrap(), b"untouched");
         let bytes = std::fs::read(&iso).unwrap();
         // ISO 9660: the primary volume descriptor at sector 16 names it.
@@ -380,7 +457,7 @@ mod tests {
         assert!(text.contains("echo KVIRT-SEED"));
         assert!(text.contains("user-data"), "Rock Ridge/Joliet long names");
         // Again (a restart): replaced in place, no staging left behind.
-        s.prepare_disk(&prep, &[]).await.unwrap();
+        s.prepare_disk(&prep, &[], None).await.unwrap();
         let staging = s.host.state_dir.join(".staging");
         assert_eq!(std::fs::read_dir(staging).unwrap().count(), 0);
     }
@@ -403,6 +480,7 @@ mod tests {
                     path: root.join("link.img"),
                 },
                 &roots,
+                None,
             )
             .await
             .unwrap_err();
@@ -416,6 +494,7 @@ mod tests {
                 size_bytes: 1 << 20,
             },
             &roots,
+            None,
         )
         .await
         .unwrap();
@@ -428,9 +507,136 @@ mod tests {
                     path: root.join("none.img"),
                 },
                 &roots,
+                None,
             )
             .await
             .unwrap_err();
         assert!(missing.to_string().contains("does not exist"), "{missing}");
+    }
+
+    fn qemu_img() -> bool {
+        let ok = std::process::Command::new("qemu-img")
+            .arg("--version")
+            .output()
+            .is_ok();
+        if !ok {
+            eprintln!("skipped: no qemu-img (tests/run-all installs it)");
+        }
+        ok
+    }
+
+    fn backing_of(overlay: &Path) -> (String, String) {
+        let out = std::process::Command::new("qemu-img")
+            .args(["info", "--output=json", "-U"])
+            .arg(overlay)
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        (
+            v["full-backing-filename"].as_str().unwrap_or("").to_owned(),
+            v["backing-filename-format"]
+                .as_str()
+                .unwrap_or("")
+                .to_owned(),
+        )
+    }
+
+    #[tokio::test]
+    async fn overlays_are_fresh_qcow2s_over_their_base() {
+        if !qemu_img() {
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let s = storage(tmp.path());
+        let p = s.host.vm(&VmKey::new("ns", "vm").unwrap());
+        s.create_dirs(&p).await.unwrap();
+        let base = tmp.path().join("cache/disk.raw");
+        std::fs::create_dir_all(base.parent().unwrap()).unwrap();
+        std::fs::write(&base, vec![0u8; 1 << 20]).unwrap();
+        let overlay = p.overlay("root");
+        let prep = DiskPrep::Overlay {
+            volume: "root".into(),
+            path: overlay.clone(),
+            backing: Backing::Image {
+                image: "example.org/disk:1".into(),
+                pull_policy: crate::image::PullPolicy::IfNotPresent,
+                path: None,
+            },
+        };
+        let err = s.prepare_disk(&prep, &[], None).await.unwrap_err();
+        assert!(err.to_string().contains("not in the image cache"), "{err}");
+        let disk = ImageDisk {
+            path: base.clone(),
+            format: "raw",
+            root: base.parent().unwrap().to_owned(),
+            digest: "sha256:0".into(),
+        };
+        s.prepare_disk(&prep, &[], Some(&disk)).await.unwrap();
+        assert_eq!(
+            backing_of(&overlay),
+            (base.display().to_string(), "raw".to_owned())
+        );
+        // What the guest wrote is gone at the next start.
+        std::fs::write(&overlay, b"guest data").unwrap();
+        s.prepare_disk(&prep, &[], Some(&disk)).await.unwrap();
+        assert_eq!(backing_of(&overlay).1, "raw");
+        assert_eq!(std::fs::read(&base).unwrap(), vec![0u8; 1 << 20]);
+    }
+
+    #[tokio::test]
+    async fn ephemeral_bases_are_checked_before_use() {
+        if !qemu_img() {
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let s = storage(tmp.path());
+        let p = s.host.vm(&VmKey::new("ns", "vm").unwrap());
+        s.create_dirs(&p).await.unwrap();
+        let root = tmp.path().join("images");
+        std::fs::create_dir_all(&root).unwrap();
+        let prep = |base: &Path| DiskPrep::Overlay {
+            volume: "e".into(),
+            path: p.overlay("e"),
+            backing: Backing::HostDisk(base.to_owned()),
+        };
+        let roots = vec![root.clone()];
+        let missing = s
+            .prepare_disk(&prep(&root.join("none.img")), &roots, None)
+            .await
+            .unwrap_err();
+        assert!(missing.to_string().contains("does not exist"), "{missing}");
+
+        // A qcow2 base that points QEMU at another host file is refused.
+        let sneaky = root.join("sneaky.qcow2");
+        let out = std::process::Command::new("qemu-img")
+            .args([
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-F",
+                "raw",
+                "-b",
+                "/etc/shadow",
+                "-u",
+            ])
+            .arg(&sneaky)
+            .arg("1M")
+            .status()
+            .unwrap();
+        assert!(out.success());
+        let err = s
+            .prepare_disk(&prep(&sneaky), &roots, None)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("backing file"), "{err}");
+
+        let good = root.join("base.qcow2");
+        qemu_img_create(&good, &[], Some(1 << 20)).unwrap();
+        s.prepare_disk(&prep(&good), &roots, None).await.unwrap();
+        assert_eq!(
+            backing_of(&p.overlay("e")),
+            (good.display().to_string(), "qcow2".to_owned())
+        );
     }
 }

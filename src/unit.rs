@@ -78,6 +78,9 @@ pub struct UnitInput<'a> {
     pub grace_seconds: u64,
     /// Files outside the VM's own directories QEMU must write (hostDisks).
     pub extra_rw_paths: Vec<PathBuf>,
+    /// Files and directories QEMU only reads: containerDisk images in the
+    /// image cache, ephemeral bases.
+    pub extra_ro_paths: Vec<PathBuf>,
 }
 
 /// systemd's CPUWeight for a Kubernetes CPU request: 1 CPU = the default
@@ -103,7 +106,7 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
     let mut rw = vec![s(&p.state_dir), s(&p.runtime_dir)];
     rw.extend(i.extra_rw_paths.iter().map(|x| s(x)));
 
-    let properties = vec![
+    let mut properties = vec![
         Prop::Str("Description", format!("kvirt VM {}", i.key)),
         Prop::Exec(
             "ExecStart",
@@ -192,6 +195,14 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
         ),
         Prop::Strs("ReadWritePaths", rw),
     ];
+    if !i.extra_ro_paths.is_empty() {
+        // Bound over the tmpfs that hides the image cache: the VM sees its
+        // own images and no others.
+        properties.push(Prop::Binds(
+            "BindReadOnlyPaths",
+            i.extra_ro_paths.iter().map(|x| (s(x), s(x))).collect(),
+        ));
+    }
     UnitSpec {
         name: i.key.unit_name(),
         properties,
@@ -217,6 +228,7 @@ mod tests {
             tasks_max: 1024,
             grace_seconds: 30,
             extra_rw_paths: vec!["/var/lib/kvirt/images/a.img".into()],
+            extra_ro_paths: vec![],
         }
     }
 
@@ -279,6 +291,28 @@ mod tests {
         assert_eq!(
             find(&u, "CapabilityBoundingSet"),
             &Prop::U64("CapabilityBoundingSet", 0)
+        );
+        assert!(u.properties.iter().all(|p| p.name() != "BindReadOnlyPaths"));
+    }
+
+    #[test]
+    fn unit_reads_its_own_images_and_no_others() {
+        let host = HostLayout::default();
+        let key = VmKey::new("default", "vm1").unwrap();
+        let paths = host.vm(&key);
+        let image = "/var/cache/kvirt/images/sha256/ab12";
+        let u = unit_spec(&UnitInput {
+            extra_ro_paths: vec![image.into()],
+            ..input(&key, &paths, &host)
+        });
+        // The cache as a whole stays hidden; only this image is bound in.
+        let Prop::TmpFs(_, hidden) = find(&u, "TemporaryFileSystem") else {
+            panic!()
+        };
+        assert!(hidden.contains(&("/var/cache/kvirt".into(), "ro".into())));
+        assert_eq!(
+            find(&u, "BindReadOnlyPaths"),
+            &Prop::Binds("BindReadOnlyPaths", vec![(image.into(), image.into())])
         );
     }
 

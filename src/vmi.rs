@@ -428,7 +428,11 @@ pub struct Volume {
     pub cloud_init_no_cloud: Option<CloudInit>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cloud_init_config_drive: Option<CloudInit>,
-    /// Other volume sources (containerDisk, ...).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container_disk: Option<ContainerDisk>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ephemeral: Option<Ephemeral>,
+    /// Other volume sources (persistentVolumeClaim, ...).
     #[serde(flatten)]
     pub extra: Extra,
 }
@@ -446,6 +450,35 @@ pub struct CloudInit {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub network_data_base64: Option<String>,
     /// `secretRef`, `networkDataSecretRef` (cluster objects) and the rest.
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+/// A disk image in an OCI image (under `/disk/`), used through a
+/// throw-away overlay.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ContainerDisk {
+    pub image: String,
+    /// The disk's path in the image; the file in `/disk/` when unset.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_pull_policy: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_pull_secret: Option<String>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+/// KubeVirt's ephemeral volume: a read-only base with a throw-away
+/// overlay. KubeVirt's base is a PVC; kvirt's is a hostDisk.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Ephemeral {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub host_disk: Option<HostDisk>,
+    /// `persistentVolumeClaim` (needs a cluster's storage).
     #[serde(flatten)]
     pub extra: Extra,
 }
@@ -657,7 +690,7 @@ spec:
     - name: root
       hostDisk: {path: /srv/vm.img, type: Disk, futureHostDiskField: x}
     - name: cd
-      containerDisk: {image: quay.io/containerdisks/fedora:latest}
+      containerDisk: {image: quay.io/containerdisks/fedora:latest, futureField: 1}
 status:
   phase: Running
   someStatusField: [1, 2]
@@ -675,7 +708,9 @@ status:
         assert!(vmi.spec.domain.devices.disks[0]
             .extra
             .contains_key("dedicatedIOThread"));
-        assert!(vmi.spec.volumes[1].extra.contains_key("containerDisk"));
+        let cd = vmi.spec.volumes[1].container_disk.as_ref().unwrap();
+        assert_eq!(cd.image, "quay.io/containerdisks/fedora:latest");
+        assert!(cd.extra.contains_key("futureField"));
         assert_eq!(vmi.status.phase, Some(Phase::Running));
 
         // YAML → typed → JSON must equal YAML → untyped → JSON.

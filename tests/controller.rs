@@ -7,13 +7,23 @@ use kvirt::fake::FakeHost;
 use kvirt::key::VmKey;
 use kvirt::layout::{DaemonKind, HostLayout};
 use kvirt::plan::DomainState;
+use kvirt::unit::Prop;
 use kvirt::vmi::{Phase, VirtualMachineInstance};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-type Ctl =
-    Controller<FakeHost, FakeHost, FakeHost, FakeHost, FakeHost, FakeHost, FakeHost, FakeHost>;
+type Ctl = Controller<
+    FakeHost,
+    FakeHost,
+    FakeHost,
+    FakeHost,
+    FakeHost,
+    FakeHost,
+    FakeHost,
+    FakeHost,
+    FakeHost,
+>;
 
 fn settings() -> Settings {
     Settings {
@@ -42,6 +52,7 @@ fn controller(host: &FakeHost) -> Arc<Ctl> {
             status: host.clone(),
             recorder: host.clone(),
             machines: host.clone(),
+            images: host.clone(),
         },
         settings(),
     )
@@ -502,4 +513,111 @@ async fn machined_trouble_never_stops_a_vm() {
     ctl.reconcile("default_vm1").await.unwrap();
     assert_eq!(phase(&bare, "vm1"), Some(Phase::Running));
     assert!(!bare.take_calls().iter().any(|c| c.contains("machine")));
+}
+
+const CONTAINER_DISK: &str = "  volumes:\n    - {name: root, containerDisk: {image: 'registry.example:5000/disks/guest:1'}}\n";
+
+fn with_root_disk(name: &str, uid: &str) -> VirtualMachineInstance {
+    let mut v = vmi(name, uid, CONTAINER_DISK);
+    v.spec.domain.devices.disks =
+        vec![serde_json::from_value(serde_json::json!({"name": "root"})).unwrap()];
+    v
+}
+
+#[tokio::test]
+async fn a_container_disk_is_pulled_before_anything_is_made_and_bound_read_only() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    ctl.set_vmis(set(&[with_root_disk("vm1", "u1")])).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    let calls: Vec<String> = host
+        .take_calls()
+        .into_iter()
+        .filter(|c| !c.starts_with("save"))
+        .collect();
+    assert_eq!(
+        &calls[..4],
+        [
+            "hold default/vm1",
+            "pull registry.example:5000/disks/guest:1",
+            "mkdir /var/lib/kvirt/vms/default_vm1",
+            "disk /var/lib/kvirt/vms/default_vm1/disks/root.overlay.qcow2",
+        ]
+    );
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
+    assert_eq!(
+        reasons(&host),
+        [
+            EventReason::Created,
+            EventReason::Pulled,
+            EventReason::Started
+        ]
+    );
+    let pulled = host.state().events[1].2.clone();
+    assert!(
+        pulled.starts_with("pulled registry.example:5000/disks/guest:1 (sha256:"),
+        "{pulled}"
+    );
+    // The VM's unit sees this image of the cache, read-only, and no other.
+    let spec = host.state().unit_specs["kvirt-vm@default_vm1.service"].clone();
+    let binds = spec
+        .properties
+        .iter()
+        .find_map(|p| match p {
+            Prop::Binds("BindReadOnlyPaths", b) => Some(b.clone()),
+            _ => None,
+        })
+        .expect("BindReadOnlyPaths");
+    assert_eq!(binds.len(), 1);
+    assert!(
+        binds[0].0.starts_with("/var/cache/kvirt/images/sha256/"),
+        "{binds:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_failed_pull_leaves_nothing_and_is_retried_while_the_vmi_waits() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    host.fail("pull ");
+    ctl.set_vmis(set(&[with_root_disk("vm1", "u1"), vmi("vm2", "u2", "")]))
+        .await;
+    let err = ctl.reconcile("default_vm1").await.unwrap_err();
+    assert_eq!(err.reason(), "image");
+    assert!(err.to_string().contains("injected failure: pull"), "{err}");
+    ctl.reconcile("default_vm2").await.unwrap();
+    let calls = host.take_calls();
+    assert!(
+        !calls
+            .iter()
+            .any(|c| c.contains("default_vm1") && !c.starts_with("save")),
+        "nothing of vm1 on the host: {calls:?}"
+    );
+    // Waiting, not failed: the reason is in the Ready condition and an Event.
+    let st = host.state().statuses[&VmKey::new("default", "vm1").unwrap()].clone();
+    assert_eq!(st.status.phase, Some(Phase::Scheduled));
+    let ready = st
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .unwrap();
+    assert_eq!(ready.reason.as_deref(), Some("ErrImagePull"));
+    assert!(ready.message.as_deref().unwrap().contains("volume root"));
+    assert!(reasons(&host).contains(&EventReason::ErrImagePull));
+    // The other VM never noticed.
+    assert_eq!(phase(&host, "vm2"), Some(Phase::Running));
+
+    // The registry is back: the next pass (the loop's backoff) runs it.
+    host.heal("pull ");
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
+    let st = host.state().statuses[&VmKey::new("default", "vm1").unwrap()].clone();
+    let ready = st
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .unwrap();
+    assert_eq!(ready.status, "True");
 }

@@ -45,6 +45,14 @@ enum Command {
         #[arg(long, value_enum, default_value = "kvm")]
         domain_type: DomainTypeArg,
     },
+    /// Package a disk image (qcow2 or raw) as a containerDisk image, with
+    /// the disk at /disk/<file name>, and push it to a registry.
+    PushDisk {
+        disk: PathBuf,
+        /// Where to push it: REGISTRY/REPOSITORY:TAG. Loopback registries
+        /// and [storage] insecure_registries are reached over plain HTTP.
+        image: String,
+    },
     /// Print this manual page (roff) for packaging.
     #[command(hide = true)]
     Man,
@@ -65,6 +73,15 @@ fn main() -> Result<()> {
         Command::Status { vm } => status(&config()?.layout(), &vm),
         Command::Console { vm } => console(&config()?.layout(), &vm),
         Command::Domxml { file, domain_type } => domxml(&config()?, &file, domain_type),
+        Command::PushDisk { disk, image } => {
+            let insecure = config()?.storage.insecure_registries;
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let url = rt.block_on(kvirt::image::push_disk(&disk, &image, &insecure))?;
+            println!("{url}");
+            Ok(())
+        }
         Command::Man => {
             use clap::CommandFactory;
             clap_mangen::Man::new(Args::command().name("kvirtctl"))

@@ -7,6 +7,7 @@ use kvirt::cluster;
 use kvirt::config::{Config, Emulation, SourceKind, DEFAULT_PATH};
 use kvirt::controller::{Controller, Deps, LogRecorder, Recorder, Settings, Trigger};
 use kvirt::convert::DomainType;
+use kvirt::image::OciImages;
 use kvirt::journal::{self, Journal};
 use kvirt::key::VmKey;
 use kvirt::layout::HostLayout;
@@ -301,6 +302,10 @@ async fn run(config: Config) -> Result<()> {
             host: settings.layout.clone(),
             owner: Some(owner),
         },
+        images: OciImages::new(
+            settings.layout.images_dir(),
+            config.storage.insecure_registries.clone(),
+        ),
     };
     let resync = Duration::from_secs(config.source.resync_seconds);
     forward_qemu_logs(settings.layout.clone())?;
@@ -415,6 +420,7 @@ struct Host {
     hypervisor: Libvirt,
     storage: HostStorage,
     machines: Machined,
+    images: OciImages,
 }
 
 /// Where the VMIs come from: the first full set, how to start the change
@@ -462,6 +468,7 @@ impl Daemon {
             status,
             recorder,
             machines: host.machines,
+            images: host.images,
         };
         let ctl = Controller::new(deps, settings);
 

@@ -3,8 +3,9 @@
 
 use super::cloudinit::{self, Flavor};
 use super::domain::{Alias, Boot, Controller, Disk, DiskDriver, DiskSource, DiskTarget, Present};
-use super::{is_dns_label, ConvertContext, DiskPrep, Errors};
-use crate::vmi::{HostDiskType, VmiSpec, Volume};
+use super::{is_dns_label, Backing, ConvertContext, DiskPrep, Errors};
+use crate::image::{self, PullPolicy};
+use crate::vmi::{ContainerDisk, Ephemeral, HostDiskType, VmiSpec, Volume};
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -265,6 +266,8 @@ fn volumes<'v>(
             v.empty_disk.is_some(),
             v.cloud_init_no_cloud.is_some(),
             v.cloud_init_config_drive.is_some(),
+            v.container_disk.is_some(),
+            v.ephemeral.is_some(),
         ]
         .into_iter()
         .filter(|s| *s)
@@ -278,6 +281,35 @@ fn volumes<'v>(
             (_, Some(ci)) => Some((Flavor::ConfigDrive, ci)),
             _ => None,
         };
+        if let Some(cd) = &v.container_disk {
+            let p = format!("{path}.containerDisk");
+            if let Some(backing) = container_disk(cd, &p, errs) {
+                let file = ctx.paths.overlay(&v.name);
+                preps.push(DiskPrep::Overlay {
+                    volume: v.name.clone(),
+                    path: file.clone(),
+                    backing,
+                });
+                sources.insert(v.name.as_str(), qcow2(file));
+            }
+            continue;
+        }
+        if let Some(eph) = &v.ephemeral {
+            let p = format!("{path}.ephemeral");
+            if let Some(base) = ephemeral(eph, ctx, &p, errs) {
+                if !host_paths.insert(base.clone()) {
+                    errs.add(format!("{p}.hostDisk.path"), "used by another volume");
+                }
+                let file = ctx.paths.overlay(&v.name);
+                preps.push(DiskPrep::Overlay {
+                    volume: v.name.clone(),
+                    path: file.clone(),
+                    backing: Backing::HostDisk(base),
+                });
+                sources.insert(v.name.as_str(), qcow2(file));
+            }
+            continue;
+        }
         let source = match (&v.host_disk, &v.empty_disk, cloud_init) {
             (None, None, None) => {
                 if v.extra.is_empty() {
@@ -354,15 +386,84 @@ fn volumes<'v>(
                         size_bytes,
                     });
                 }
-                Source {
-                    path: file,
-                    format: "qcow2",
-                }
+                qcow2(file)
             }
         };
         sources.insert(v.name.as_str(), source);
     }
     (sources, preps)
+}
+
+fn qcow2(path: PathBuf) -> Source {
+    Source {
+        path,
+        format: "qcow2",
+    }
+}
+
+fn container_disk(cd: &ContainerDisk, p: &str, errs: &mut Errors) -> Option<Backing> {
+    errs.reject_extra(p, &cd.extra);
+    let before = errs.len();
+    if let Err(e) = image::parse_reference(&cd.image) {
+        errs.add(format!("{p}.image"), e);
+    }
+    let pull_policy = match PullPolicy::resolve(cd.image_pull_policy.as_deref(), &cd.image) {
+        Ok(pol) => Some(pol),
+        Err(e) => {
+            if cd.image_pull_policy.is_some() {
+                errs.add(format!("{p}.imagePullPolicy"), e);
+            }
+            None
+        }
+    };
+    if cd.image_pull_secret.is_some() {
+        errs.add(
+            format!("{p}.imagePullSecret"),
+            "registry credentials are not supported yet (use a public or loopback registry)",
+        );
+    }
+    if let Some(path) = &cd.path {
+        if path.is_empty()
+            || path.chars().any(char::is_control)
+            || path.split('/').any(|c| c == "..")
+        {
+            errs.add(
+                format!("{p}.path"),
+                format!("{path:?} is not a path in the image"),
+            );
+        }
+    }
+    (errs.len() == before).then(|| Backing::Image {
+        image: cd.image.clone(),
+        pull_policy: pull_policy.expect("checked above"),
+        path: cd.path.clone(),
+    })
+}
+
+fn ephemeral(eph: &Ephemeral, ctx: &ConvertContext, p: &str, errs: &mut Errors) -> Option<PathBuf> {
+    for k in eph.extra.keys() {
+        let why = if k == "persistentVolumeClaim" {
+            "PVCs need a cluster's storage: kvirt layers ephemeral disks over a hostDisk"
+        } else {
+            "not supported by kvirt"
+        };
+        errs.add(format!("{p}.{k}"), why);
+    }
+    let Some(hd) = &eph.host_disk else {
+        if eph.extra.is_empty() {
+            errs.add(p, "needs a hostDisk to lay the overlay over");
+        }
+        return None;
+    };
+    let p = format!("{p}.hostDisk");
+    errs.reject_extra(&p, &hd.extra);
+    if hd.type_ != HostDiskType::Disk {
+        errs.add(format!("{p}.type"), "must be Disk: the base is only read");
+    }
+    if hd.capacity.is_some() {
+        errs.add(format!("{p}.capacity"), "the overlay has the base's size");
+    }
+    host_disk_path(&hd.path, ctx, &format!("{p}.path"), errs)
 }
 
 fn capacity(q: &crate::quantity::Quantity, field: &str, errs: &mut Errors) -> Option<u64> {
@@ -565,10 +666,6 @@ volumes:
             ["spec.domain.devices.disks[1].name", "spec.volumes[1]"]
         );
         assert_eq!(
-            disk_errors("[{name: a}]", "[{name: a, containerDisk: {image: x}}]"),
-            ["spec.volumes[0].containerDisk"]
-        );
-        assert_eq!(
             disk_errors(
                 "[{name: a, cdrom: {bus: virtio, readonly: false, tray: half}}]",
                 "[{name: a, hostDisk: {path: /srv/vms/a, type: DiskOrCreate}}]"
@@ -597,6 +694,84 @@ volumes:
                 "spec.domain.devices.disks[1].bootOrder",
                 "spec.volumes[1]"
             ]
+        );
+    }
+
+    #[test]
+    fn container_disks_and_ephemeral_volumes_are_overlays() {
+        let c = run(
+            &vmi("domain:
+  memory: {guest: 64Mi}
+  devices: {disks: [{name: root, bootOrder: 1}, {name: data, disk: {bus: sata}}]}
+volumes:
+  - {name: root, containerDisk: {image: 'quay.io/containerdisks/fedora:41', path: /disk/f.qcow2}}
+  - {name: data, ephemeral: {hostDisk: {path: /srv/vms/base.img, type: Disk}}}"),
+            DomainType::Kvm,
+        )
+        .unwrap();
+        let x = &c.domain_xml;
+        for want in [
+            r#"<source file="/var/lib/kvirt/vms/ns_vm/disks/root.overlay.qcow2"/>"#,
+            r#"<source file="/var/lib/kvirt/vms/ns_vm/disks/data.overlay.qcow2"/>"#,
+        ] {
+            assert!(x.contains(want), "{want} missing in\n{x}");
+        }
+        assert_eq!(
+            x.matches(r#"<driver name="qemu" type="qcow2"/>"#).count(),
+            2
+        );
+        assert_eq!(
+            c.disks,
+            [
+                DiskPrep::Overlay {
+                    volume: "root".into(),
+                    path: "/var/lib/kvirt/vms/ns_vm/disks/root.overlay.qcow2".into(),
+                    backing: Backing::Image {
+                        image: "quay.io/containerdisks/fedora:41".into(),
+                        pull_policy: PullPolicy::IfNotPresent,
+                        path: Some("/disk/f.qcow2".into()),
+                    },
+                },
+                DiskPrep::Overlay {
+                    volume: "data".into(),
+                    path: "/var/lib/kvirt/vms/ns_vm/disks/data.overlay.qcow2".into(),
+                    backing: Backing::HostDisk("/srv/vms/base.img".into()),
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn container_disk_and_ephemeral_errors() {
+        assert_eq!(
+            disk_errors(
+                "[{name: a}, {name: b}, {name: c}, {name: d}]",
+                "[{name: a, containerDisk: {image: 'bad image', imagePullPolicy: Sometimes, imagePullSecret: s, path: ../x, size: 1}},
+                  {name: b, ephemeral: {persistentVolumeClaim: {claimName: pvc}}},
+                  {name: c, ephemeral: {hostDisk: {path: /etc/passwd, type: DiskOrCreate, capacity: 1Gi}}},
+                  {name: d, ephemeral: {}}]"
+            ),
+            [
+                "spec.volumes[0].containerDisk.size",
+                "spec.volumes[0].containerDisk.image",
+                "spec.volumes[0].containerDisk.imagePullPolicy",
+                "spec.volumes[0].containerDisk.imagePullSecret",
+                "spec.volumes[0].containerDisk.path",
+                "spec.volumes[1].ephemeral.persistentVolumeClaim",
+                "spec.volumes[2].ephemeral.hostDisk.type",
+                "spec.volumes[2].ephemeral.hostDisk.capacity",
+                "spec.volumes[2].ephemeral.hostDisk.path",
+                "spec.volumes[3].ephemeral",
+            ]
+        );
+        // Two sources in one volume, and the same base twice.
+        assert_eq!(
+            disk_errors(
+                "[{name: a}, {name: b}]",
+                "[{name: a, containerDisk: {image: x}, emptyDisk: {capacity: 1Gi}},
+                  {name: b, ephemeral: {hostDisk: {path: /srv/vms/x, type: Disk}}, hostDisk: {path: /srv/vms/x, type: Disk}}]"
+            ),
+            ["spec.volumes[0]", "spec.volumes[1]"]
         );
     }
 }

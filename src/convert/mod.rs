@@ -107,6 +107,48 @@ pub enum DiskPrep {
         path: PathBuf,
         seed: cloudinit::Seed,
     },
+    /// containerDisk / ephemeral: a fresh qcow2 overlay on a read-only
+    /// base, made on every start (KubeVirt's ephemeral write layer).
+    Overlay {
+        volume: String,
+        path: PathBuf,
+        backing: Backing,
+    },
+}
+
+impl DiskPrep {
+    pub fn path(&self) -> &std::path::Path {
+        match self {
+            DiskPrep::CreateQcow2 { path, .. }
+            | DiskPrep::CreateRawIfMissing { path, .. }
+            | DiskPrep::RequireExisting { path, .. }
+            | DiskPrep::CloudInitIso { path, .. }
+            | DiskPrep::Overlay { path, .. } => path,
+        }
+    }
+
+    pub fn volume(&self) -> &str {
+        match self {
+            DiskPrep::CreateQcow2 { volume, .. }
+            | DiskPrep::CreateRawIfMissing { volume, .. }
+            | DiskPrep::RequireExisting { volume, .. }
+            | DiskPrep::CloudInitIso { volume, .. }
+            | DiskPrep::Overlay { volume, .. } => volume,
+        }
+    }
+}
+
+/// What an overlay is laid over.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Backing {
+    /// A containerDisk: the disk inside the image, found after the pull.
+    Image {
+        image: String,
+        pull_policy: crate::image::PullPolicy,
+        path: Option<String>,
+    },
+    /// `ephemeral.hostDisk`: an existing file, only read.
+    HostDisk(PathBuf),
 }
 
 /// What the systemd unit needs to size the VM's cgroup.
@@ -260,6 +302,10 @@ const UNSUPPORTED: &str = "not supported by kvirt";
 pub(crate) struct Errors(Vec<ConvertError>);
 
 impl Errors {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
     fn add(&mut self, field: impl Into<String>, message: impl fmt::Display) {
         self.0.push(ConvertError {
             field: field.into(),

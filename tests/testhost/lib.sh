@@ -16,12 +16,12 @@ TH_HOSTNAME=kvirt-testhost
 TH_HOST_PKGS=(debootstrap systemd-container busybox-static cpio dosfstools mtools
   syslinux syslinux-common qemu-utils libvirt-clients libvirt-dev pkg-config
   util-linux xz-utils zstd debian-archive-keyring ca-certificates lintian rpm rpmlint
-  xorriso)
+  xorriso docker-registry)
 
 TH_ROOTFS_PKGS=(systemd systemd-sysv dbus libpam-systemd libvirt-daemon
   libvirt-daemon-driver-qemu libvirt-clients qemu-system-x86 qemu-utils seabios
   ipxe-qemu iproute2 nftables busybox-static procps socat util-linux kmod
-  ca-certificates systemd-container xorriso)
+  ca-certificates systemd-container xorriso docker-registry)
 
 # Units that fail or only make noise in an nspawn container.
 TH_ROOTFS_MASK=(systemd-modules-load.service apt-daily.timer apt-daily-upgrade.timer
