@@ -197,6 +197,8 @@ pub struct Firmware {
 pub struct Bootloader {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bios: Option<Bios>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub efi: Option<Efi>,
     #[serde(flatten)]
     pub extra: Extra,
 }
@@ -206,6 +208,18 @@ pub struct Bootloader {
 pub struct Bios {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub use_serial: Option<bool>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+/// UEFI (OVMF). KubeVirt turns Secure Boot on unless told otherwise.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Efi {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub secure_boot: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub persistent: Option<bool>,
     #[serde(flatten)]
     pub extra: Extra,
 }

@@ -406,3 +406,76 @@ fn cloud_init_user_data_runs_in_the_guest_from_nocloud_and_config_drive() {
     h.remove_vm_and_wait_gone("nocloud");
     h.remove_vm_and_wait_gone("configdrive");
 }
+
+#[test]
+fn a_container_disk_from_a_loopback_registry_boots_two_vms_over_one_cached_copy() {
+    let Some(h) = host() else { return };
+    let _g = serial();
+    // A real registry (Debian's docker-registry) on the test host's loopback.
+    h.ok("mkdir -p /var/lib/test-registry
+          printf 'version: 0.1\\nlog: {level: warn}\\nstorage: {filesystem: {rootdirectory: /var/lib/test-registry}}\\nhttp: {addr: 127.0.0.1:5000}\\n' >/etc/test-registry.yml
+          systemctl is-active -q test-registry || systemd-run -q --unit=test-registry docker-registry serve /etc/test-registry.yml");
+    h.wait(
+        "the registry answering",
+        Duration::from_secs(30),
+        "busybox wget -q -O /dev/null http://127.0.0.1:5000/v2/",
+    );
+    // The test guest as a qcow2 containerDisk, pushed by kvirtctl.
+    let image = "127.0.0.1:5000/kvirt/guest:1";
+    h.ok(&format!(
+        "qemu-img convert -O qcow2 /srv/guest/run.raw /tmp/guest.qcow2
+         kvirtctl push-disk /tmp/guest.qcow2 {image}"
+    ));
+    let boot = "    hostDisk: {path: /var/lib/kvirt/images/";
+    for vm in ["cd1", "cd2"] {
+        let manifest: String = support::vmi_manifest(vm, "", "", "")
+            .lines()
+            .map(|l| {
+                if l.starts_with(boot) {
+                    format!("    containerDisk: {{image: '{image}'}}\n")
+                } else {
+                    format!("{l}\n")
+                }
+            })
+            .collect();
+        assert!(manifest.contains("containerDisk"), "{manifest}");
+        h.put_manifest(vm, "", &manifest);
+    }
+    for vm in ["cd1", "cd2"] {
+        h.wait_phase(vm, "Running", BOOT);
+        h.serial_log_shows(vm, "KVIRT-GUEST-READY");
+    }
+    // One copy in the cache, pulled once; each VM writes to its own overlay
+    // over it, through a read-only bind of that image only.
+    assert_eq!(h.ok("ls /var/cache/kvirt/images/sha256 | wc -l"), "1");
+    let cached = h.ok("ls /var/cache/kvirt/images/sha256/*/disk/guest.qcow2");
+    let said = |what: &str| {
+        h.ok(&format!(
+            "journalctl -u kvirtd -o cat | grep -o 'default/cd[12]: {what}' | sort -u | wc -l"
+        ))
+    };
+    assert_eq!(said(&format!("pulled {image} (sha256:")), "1");
+    assert_eq!(
+        said(&format!(
+            "{image} (sha256:[0-9a-f]*) is already on the host"
+        )),
+        "1"
+    );
+    for vm in ["cd1", "cd2"] {
+        let info = h.ok(&format!(
+            "qemu-img info -U --output=json /var/lib/kvirt/vms/default_{vm}/disks/boot.overlay.qcow2"
+        ));
+        let info: serde_json::Value = serde_json::from_str(&info).unwrap();
+        assert_eq!(info["full-backing-filename"], cached.as_str(), "{info}");
+        assert_eq!(info["backing-filename-format"], "qcow2");
+        let binds = h.ok(&format!(
+            "systemctl show -p BindReadOnlyPaths --value kvirt-vm@default_{vm}.service"
+        ));
+        assert!(binds.contains("/var/cache/kvirt/images/sha256/"), "{binds}");
+    }
+    // The VMs go, their overlays with them; the cached image stays.
+    h.remove_vm_and_wait_gone("cd1");
+    h.remove_vm_and_wait_gone("cd2");
+    h.ok(&format!("test -f {cached}"));
+    h.ok("systemctl stop test-registry; rm -rf /var/lib/test-registry /tmp/guest.qcow2");
+}

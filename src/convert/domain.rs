@@ -86,12 +86,30 @@ pub struct SysinfoEntry {
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Os {
+    /// `efi`: libvirt picks the OVMF build matching `firmware` below.
+    #[serde(rename = "@firmware", skip_serializing_if = "Option::is_none")]
+    pub firmware_kind: Option<&'static str>,
     #[serde(rename = "type")]
     pub type_: OsType,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub firmware: Option<OsFirmware>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bios: Option<OsBios>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub smbios: Option<Smbios>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct OsFirmware {
+    pub feature: Vec<FirmwareFeature>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct FirmwareFeature {
+    #[serde(rename = "@enabled")]
+    pub enabled: &'static str,
+    #[serde(rename = "@name")]
+    pub name: &'static str,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]

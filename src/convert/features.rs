@@ -2,10 +2,14 @@
 //! graceful shutdown relies on the ACPI power button.
 
 use super::domain::{Features, Present, State};
-use super::Errors;
+use super::{firmware, Errors};
 use crate::vmi;
 
-pub(super) fn convert(f: Option<&vmi::Features>, errs: &mut Errors) -> Option<Features> {
+pub(super) fn convert(
+    f: Option<&vmi::Features>,
+    needs: firmware::Needs,
+    errs: &mut Errors,
+) -> Option<Features> {
     const PATH: &str = "spec.domain.features";
     let mut out = Features {
         acpi: Some(Present {}),
@@ -27,6 +31,15 @@ pub(super) fn convert(f: Option<&vmi::Features>, errs: &mut Errors) -> Option<Fe
         out.smm = f.smm.as_ref().map(|s| State {
             state: if s.is_enabled() { "on" } else { "off" },
         });
+    }
+    match out.smm {
+        Some(State { state: "off" }) if needs.smm => errs.add(
+            format!("{PATH}.smm"),
+            "Secure Boot needs SMM (enable it, or set efi.secureBoot: false)",
+        ),
+        // KubeVirt turns SMM on for Secure Boot itself.
+        None if needs.smm => out.smm = Some(State { state: "on" }),
+        _ => {}
     }
     (out != Features::default()).then_some(out)
 }
@@ -74,6 +87,38 @@ mod tests {
             [
                 "spec.domain.features.hyperv",
                 "spec.domain.features.apic.endOfInterrupt"
+            ]
+        );
+    }
+
+    #[test]
+    fn secure_boot_turns_smm_on_and_refuses_it_off() {
+        let efi = |features: &str, efi: &str| {
+            run(
+                &vmi(&format!(
+                    "domain: {{memory: {{guest: 64Mi}}, features: {features}, firmware: {{bootloader: {{efi: {efi}}}}}}}"
+                )),
+                DomainType::Kvm,
+            )
+        };
+        let x = efi("{}", "{}").unwrap().domain_xml;
+        assert!(x.contains("<smm state=\"on\"/>"), "{x}");
+        assert!(x.contains("<os firmware=\"efi\">"), "{x}");
+        assert!(
+            x.contains("<feature enabled=\"yes\" name=\"secure-boot\"/>"),
+            "{x}"
+        );
+        let x = efi("{}", "{secureBoot: false}").unwrap().domain_xml;
+        assert!(!x.contains("<smm"), "{x}");
+        assert!(
+            x.contains("<feature enabled=\"no\" name=\"secure-boot\"/>"),
+            "{x}"
+        );
+        assert_eq!(
+            fields(efi("{smm: {enabled: false}}", "{persistent: true}")),
+            [
+                "spec.domain.firmware.bootloader.efi.persistent",
+                "spec.domain.features.smm"
             ]
         );
     }

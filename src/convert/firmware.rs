@@ -1,7 +1,9 @@
 //! Machine type, firmware (UUID, SMBIOS serial, BIOS) → `<uuid>`, `<os>`,
 //! `<sysinfo>`.
 
-use super::domain::{Os, OsBios, OsType, Smbios, Sysinfo, SysinfoEntry, SysinfoSystem};
+use super::domain::{
+    FirmwareFeature, Os, OsBios, OsFirmware, OsType, Smbios, Sysinfo, SysinfoEntry, SysinfoSystem,
+};
 use super::Errors;
 use crate::key::VmKey;
 use crate::vmi::{DomainSpec, VirtualMachineInstance};
@@ -9,12 +11,19 @@ use sha2::{Digest, Sha256};
 
 const DEFAULT_MACHINE: &str = "q35";
 
+/// What the firmware asks of the rest of the domain.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(super) struct Needs {
+    /// Secure Boot: OVMF's secure build only runs with SMM on.
+    pub smm: bool,
+}
+
 pub(super) fn convert(
     vmi: &VirtualMachineInstance,
     key: &VmKey,
     dom: &DomainSpec,
     errs: &mut Errors,
-) -> (String, Os, Option<Sysinfo>) {
+) -> (String, Os, Option<Sysinfo>, Needs) {
     let mut machine = DEFAULT_MACHINE.to_owned();
     if let Some(m) = &dom.machine {
         errs.reject_extra("spec.domain.machine", &m.extra);
@@ -38,6 +47,8 @@ pub(super) fn convert(
     let mut uuid = default_uuid(vmi, key);
     let mut sysinfo = None;
     let mut bios = None;
+    let mut efi = None;
+    let mut needs = Needs::default();
     if let Some(fw) = fw {
         const PATH: &str = "spec.domain.firmware";
         errs.reject_extra(PATH, &fw.extra);
@@ -72,17 +83,53 @@ pub(super) fn convert(
                     bios = Some(OsBios { useserial: "yes" });
                 }
             }
+            if let Some(e) = &boot.efi {
+                let p = format!("{PATH}.bootloader.efi");
+                errs.reject_extra(&p, &e.extra);
+                if boot.bios.is_some() {
+                    errs.add(&p, "set only one of bios and efi");
+                }
+                if e.persistent == Some(true) {
+                    errs.add(
+                        format!("{p}.persistent"),
+                        "persistent EFI variables are not supported yet (they last as long as the VM)",
+                    );
+                }
+                let secure = e.secure_boot.unwrap_or(true);
+                if secure && !machine.contains("q35") {
+                    errs.add(
+                        format!("{p}.secureBoot"),
+                        format!("Secure Boot needs a q35 machine, not {machine:?}"),
+                    );
+                }
+                needs.smm = secure;
+                let yes_no = |b: bool| if b { "yes" } else { "no" };
+                efi = Some(OsFirmware {
+                    feature: vec![
+                        FirmwareFeature {
+                            enabled: yes_no(secure),
+                            name: "secure-boot",
+                        },
+                        FirmwareFeature {
+                            enabled: yes_no(secure),
+                            name: "enrolled-keys",
+                        },
+                    ],
+                });
+            }
         }
     }
     let os = Os {
+        firmware_kind: efi.as_ref().map(|_| "efi"),
         type_: OsType {
             machine,
             value: "hvm",
         },
+        firmware: efi,
         bios,
         smbios: sysinfo.as_ref().map(|_| Smbios { mode: "sysinfo" }),
     };
-    (uuid, os, sysinfo)
+    (uuid, os, sysinfo, needs)
 }
 
 /// A VMI's UID is a UUID already (it is what KubeVirt gives the domain).
@@ -186,8 +233,15 @@ mod tests {
             ["spec.domain.firmware.serial"]
         );
         assert_eq!(
-            f("firmware: {bootloader: {efi: {secureBoot: false}}}"),
-            ["spec.domain.firmware.bootloader.efi"]
+            f("firmware: {bootloader: {bios: {}, efi: {secureBoot: false, x: 1}}}"),
+            [
+                "spec.domain.firmware.bootloader.efi.x",
+                "spec.domain.firmware.bootloader.efi"
+            ]
+        );
+        assert_eq!(
+            f("machine: {type: pc-i440fx-9.2}, firmware: {bootloader: {efi: {}}}"),
+            ["spec.domain.firmware.bootloader.efi.secureBoot"]
         );
         assert_eq!(
             f("firmware: {kernelBoot: {}}"),

@@ -199,8 +199,8 @@ pub fn convert_all_errors(
     let res = memory::ResourceSpec::parse(dom.resources.as_ref(), &mut errs);
     let memory_bytes = memory::guest_memory(dom.memory.as_ref(), &res, &mut errs);
     let (cpu, vcpus) = cpu::convert(dom.cpu.as_ref(), &res, ctx.domain_type, &mut errs);
-    let (uuid, os, sysinfo) = firmware::convert(vmi, ctx.key, dom, &mut errs);
-    let features = features::convert(dom.features.as_ref(), &mut errs);
+    let (uuid, os, sysinfo, needs) = firmware::convert(vmi, ctx.key, dom, &mut errs);
+    let features = features::convert(dom.features.as_ref(), needs, &mut errs);
     let clock = clock::convert(dom.clock.as_ref(), &mut errs);
     let (disk_devs, controllers, preps) = disks::convert(spec, ctx, &uuid, &mut errs);
     let mut devices = devices::convert(spec, ctx.paths, &mut errs);

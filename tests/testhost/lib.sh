@@ -26,7 +26,7 @@ TH_ROOTFS_PKGS=(systemd systemd-sysv dbus libpam-systemd libvirt-daemon
 # Units that fail or only make noise in an nspawn container.
 TH_ROOTFS_MASK=(systemd-modules-load.service apt-daily.timer apt-daily-upgrade.timer
   dpkg-db-backup.timer e2scrub_all.timer e2scrub_reap.service fstrim.timer
-  systemd-networkd-wait-online.service)
+  systemd-networkd-wait-online.service docker-registry.service)
 
 th_log() { printf '[th %(%H:%M:%S)T] %s\n' -1 "$*" >&2; }
 th_die() { th_log "ERROR: $*"; return 1; }
