@@ -146,6 +146,19 @@ pub struct Cpu {
     pub threads: Option<u32>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub features: Option<Vec<CpuFeature>>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CpuFeature {
+    pub name: String,
+    /// force, require (the default), optional, disable or forbid.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub policy: Option<String>,
     #[serde(flatten)]
     pub extra: Extra,
 }
@@ -233,6 +246,11 @@ pub struct Features {
     pub apic: Option<FeatureState>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub smm: Option<FeatureState>,
+    /// Hyper-V enlightenments by KubeVirt's names (`relaxed`, `vapic`,
+    /// `spinlocks`, ...); extra settings (`spinlocks`, `vendorid`) are in
+    /// each one's `extra`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hyperv: Option<std::collections::BTreeMap<String, FeatureState>>,
     #[serde(flatten)]
     pub extra: Extra,
 }
@@ -286,6 +304,8 @@ pub struct Timers {
     pub pit: Option<Timer>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub rtc: Option<Timer>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hyperv: Option<Timer>,
     #[serde(flatten)]
     pub extra: Extra,
 }
@@ -383,6 +403,9 @@ pub struct Disk {
     pub cache: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub io: Option<String>,
+    /// Several VMs may have it open at once (a cluster file system's disk).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shareable: Option<bool>,
     #[serde(flatten)]
     pub extra: Extra,
 }

@@ -55,6 +55,7 @@ pub(super) fn convert(c: Option<&vmi::Clock>, errs: &mut Errors) -> Clock {
             ("kvm", "kvmclock", &t.kvm, &[][..]),
             ("pit", "pit", &t.pit, &["delay", "catchup", "discard"][..]),
             ("rtc", "rtc", &t.rtc, &["delay", "catchup"][..]),
+            ("hyperv", "hypervclock", &t.hyperv, &[][..]),
         ];
         for (field, name, timer, policies) in timers {
             let Some(timer) = timer else { continue };
@@ -111,12 +112,13 @@ mod tests {
     #[test]
     fn timers() {
         let x =
-            conv("{utc: {}, timer: {hpet: {present: false}, rtc: {tickPolicy: catchup}, kvm: {}}}")
+            conv("{utc: {}, timer: {hpet: {present: false}, rtc: {tickPolicy: catchup}, kvm: {}, hyperv: {}}}")
                 .unwrap();
         assert!(
             x.contains(
                 "<clock offset=\"utc\">\n    <timer name=\"hpet\" present=\"no\"/>\n    \
-                 <timer name=\"kvmclock\"/>\n    <timer name=\"rtc\" tickpolicy=\"catchup\"/>\n  </clock>"
+                 <timer name=\"kvmclock\"/>\n    <timer name=\"rtc\" tickpolicy=\"catchup\"/>\n    \
+                 <timer name=\"hypervclock\"/>\n  </clock>"
             ),
             "{x}"
         );
@@ -133,9 +135,9 @@ mod tests {
             ["spec.domain.clock.timezone"]
         );
         assert_eq!(
-            conv("{timer: {rtc: {tickPolicy: merge, track: guest}, hyperv: {}}}").unwrap_err(),
+            conv("{timer: {rtc: {tickPolicy: merge, track: guest}, tsc: {}}}").unwrap_err(),
             [
-                "spec.domain.clock.timer.hyperv",
+                "spec.domain.clock.timer.tsc",
                 "spec.domain.clock.timer.rtc.track",
                 "spec.domain.clock.timer.rtc.tickPolicy"
             ]

@@ -1,6 +1,6 @@
 //! vCPU count, topology and CPU model.
 
-use super::domain::{Cpu, Topology};
+use super::domain::{Cpu, CpuFeature, CpuModel, Topology};
 use super::memory::ResourceSpec;
 use super::{DomainType, Errors};
 use crate::vmi;
@@ -59,8 +59,35 @@ pub(super) fn convert(
         // TCG cannot pass the host CPU through; QEMU's default model it is.
         DomainType::Qemu => None,
     };
+    let mut model = None;
+    let mut feature = Vec::new();
     if let Some(c) = cpu {
-        errs.reject_extra(PATH, &c.extra);
+        for (key, why) in [
+            (
+                "dedicatedCpuPlacement",
+                "dedicated CPUs need CPU pinning, which kvirt does not do yet",
+            ),
+            (
+                "isolateEmulatorThread",
+                "needs dedicated CPUs, which kvirt does not do yet",
+            ),
+            ("numa", "guest NUMA topology is not supported yet"),
+            ("realtime", "realtime vCPUs are not supported yet"),
+        ] {
+            if c.extra.contains_key(key) {
+                errs.add(format!("{PATH}.{key}"), why);
+            }
+        }
+        let mut rest = c.extra.clone();
+        for key in [
+            "dedicatedCpuPlacement",
+            "isolateEmulatorThread",
+            "numa",
+            "realtime",
+        ] {
+            rest.remove(key);
+        }
+        errs.reject_extra(PATH, &rest);
         match (c.model.as_deref(), domain_type) {
             (None, _) => {}
             (Some(m @ ("host-passthrough" | "host-model")), DomainType::Kvm) => {
@@ -74,13 +101,70 @@ pub(super) fn convert(
                 format!("{PATH}.model"),
                 format!("{m} needs KVM, but this host emulates CPUs (domain type qemu)"),
             ),
+            (Some(m), _) if is_name(m) => {
+                mode = Some("custom");
+                model = Some(CpuModel {
+                    fallback: "forbid",
+                    name: m.to_owned(),
+                });
+            }
             (Some(m), _) => errs.add(
                 format!("{PATH}.model"),
-                format!("named CPU models ({m:?}) are not supported yet; use host-passthrough or host-model"),
+                format!("{m:?} is not a CPU model name"),
             ),
         }
+        for (i, f) in c.features.iter().flatten().enumerate() {
+            let p = format!("{PATH}.features[{i}]");
+            errs.reject_extra(&p, &f.extra);
+            if !is_name(&f.name) {
+                errs.add(
+                    format!("{p}.name"),
+                    format!("{:?} is not a CPU feature name", f.name),
+                );
+            }
+            let policy = match f.policy.as_deref().unwrap_or("require") {
+                "force" => "force",
+                "require" => "require",
+                "optional" => "optional",
+                "disable" => "disable",
+                "forbid" => "forbid",
+                other => {
+                    errs.add(
+                        format!("{p}.policy"),
+                        format!("{other:?} is not force, require, optional, disable or forbid"),
+                    );
+                    "require"
+                }
+            };
+            feature.push(CpuFeature {
+                policy,
+                name: f.name.clone(),
+            });
+        }
+        if !feature.is_empty() && mode.is_none() {
+            errs.add(
+                format!("{PATH}.features"),
+                "an emulated CPU needs a model for features (set cpu.model)",
+            );
+        }
     }
-    (Cpu { mode, topology }, vcpus)
+    (
+        Cpu {
+            mode,
+            model,
+            topology,
+            feature,
+        },
+        vcpus,
+    )
+}
+
+/// CPU model and feature names as libvirt and QEMU spell them.
+fn is_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 64
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._-".contains(&b))
 }
 
 #[cfg(test)]
@@ -144,8 +228,48 @@ mod tests {
             ["spec.domain.cpu.model"]
         );
         assert_eq!(
-            fields(ok("Haswell", DomainType::Kvm)),
+            fields(ok("\"Has well\"", DomainType::Kvm)),
             ["spec.domain.cpu.model"]
+        );
+        // A named model is exact on KVM and TCG alike: never another one.
+        for t in [DomainType::Kvm, DomainType::Qemu] {
+            let x = ok("Haswell-noTSX", t).unwrap().domain_xml;
+            assert!(
+                x.contains(
+                    "<cpu mode=\"custom\">\n    <model fallback=\"forbid\">Haswell-noTSX</model>"
+                ),
+                "{x}"
+            );
+        }
+    }
+
+    #[test]
+    fn features_with_policies() {
+        let x = run(
+            &vmi("domain: {memory: {guest: 64Mi}, cpu: {model: host-model, features: [{name: pcid}, {name: vmx, policy: disable}]}}"),
+            DomainType::Kvm,
+        )
+        .unwrap()
+        .domain_xml;
+        assert!(
+            x.contains("<feature policy=\"require\" name=\"pcid\"/>"),
+            "{x}"
+        );
+        assert!(
+            x.contains("<feature policy=\"disable\" name=\"vmx\"/>"),
+            "{x}"
+        );
+        assert_eq!(
+            fields(run(
+                &vmi("domain: {memory: {guest: 64Mi}, cpu: {features: [{name: 'a b', policy: maybe, x: 1}]}}"),
+                DomainType::Qemu,
+            )),
+            [
+                "spec.domain.cpu.features[0].x",
+                "spec.domain.cpu.features[0].name",
+                "spec.domain.cpu.features[0].policy",
+                "spec.domain.cpu.features"
+            ]
         );
     }
 
@@ -159,9 +283,20 @@ mod tests {
         };
         assert_eq!(f("{cores: 0}"), ["spec.domain.cpu.cores"]);
         assert_eq!(f("{cores: 64, sockets: 64}"), ["spec.domain.cpu"]);
-        assert_eq!(
-            f("{cores: 2, dedicatedCpuPlacement: true}"),
-            ["spec.domain.cpu.dedicatedCpuPlacement"]
-        );
+        let e = run(
+            &vmi("domain: {memory: {guest: 64Mi}, cpu: {cores: 2, dedicatedCpuPlacement: true, numa: {}, x: 1}}"),
+            DomainType::Kvm,
+        )
+        .unwrap_err()
+        .iter()
+        .map(|e| format!("{e}\n"))
+        .collect::<String>();
+        for want in [
+            "spec.domain.cpu.dedicatedCpuPlacement: dedicated CPUs need CPU pinning",
+            "spec.domain.cpu.numa: guest NUMA",
+            "spec.domain.cpu.x: not supported by kvirt",
+        ] {
+            assert!(e.contains(want), "{want} in {e}");
+        }
     }
 }

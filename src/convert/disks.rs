@@ -176,6 +176,19 @@ pub(super) fn convert(
             }
         });
 
+        let shareable = d.shareable == Some(true);
+        if shareable {
+            // Two writers through a host page cache would corrupt it.
+            if cache != Some("none") {
+                errs.add(format!("{path}.shareable"), "needs cache: none");
+            }
+            if source.is_some_and(|s| s.format != "raw") {
+                errs.add(
+                    format!("{path}.shareable"),
+                    "only a raw hostDisk can be shared (this volume is a VM's own qcow2)",
+                );
+            }
+        }
         let prefix = if bus == "virtio" { "vd" } else { "sd" };
         let index = per_prefix.entry(prefix).or_default();
         let dev = format!("{prefix}{}", device_suffix(*index));
@@ -198,6 +211,7 @@ pub(super) fn convert(
                 serial: d.serial.clone(),
                 boot,
                 readonly: readonly.then_some(Present {}),
+                shareable: shareable.then_some(Present {}),
                 // KubeVirt's user-alias convention: lets events and the
                 // runtime map a libvirt device back to the VMI disk.
                 alias: Alias {
@@ -551,7 +565,7 @@ mod tests {
   memory: {guest: 64Mi}
   devices:
     disks:
-      - {name: root, disk: {bus: virtio}, bootOrder: 1, serial: ROOT-1, cache: none, io: native}
+      - {name: root, disk: {bus: virtio}, bootOrder: 1, serial: ROOT-1, cache: none, io: native, shareable: true}
       - {name: data, disk: {bus: sata, readonly: true}}
       - {name: fast, disk: {bus: scsi}}
       - {name: iso, cdrom: {bus: sata}, bootOrder: 2}
@@ -580,6 +594,7 @@ volumes:
             "<serial>ROOT-1</serial>",
             r#"<boot order="2"/>"#,
             r#"<alias name="ua-scratch"/>"#,
+            "<shareable/>",
         ] {
             assert!(x.contains(want), "{want} missing in\n{x}");
         }
@@ -679,7 +694,7 @@ volumes:
         );
         assert_eq!(
             disk_errors(
-                "[{name: a, bootOrder: 1, io: native, cache: bogus, serial: \"a b\"}, {name: B, bootOrder: 1, disk: {bus: usb}}]",
+                "[{name: a, bootOrder: 1, io: native, cache: bogus, serial: \"a b\", shareable: true}, {name: B, bootOrder: 1, disk: {bus: usb}}]",
                 "[{name: a, emptyDisk: {capacity: 0}}, {name: b, hostDisk: {path: /srv/vms/a, type: Disk, capacity: 1Gi}}]"
             ),
             [
@@ -688,6 +703,8 @@ volumes:
                 "spec.domain.devices.disks[0].serial",
                 "spec.domain.devices.disks[0].cache",
                 "spec.domain.devices.disks[0].io",
+                "spec.domain.devices.disks[0].shareable",
+                "spec.domain.devices.disks[0].shareable",
                 "spec.domain.devices.disks[1].name",
                 "spec.domain.devices.disks[1].name",
                 "spec.domain.devices.disks[1].disk.bus",

@@ -149,14 +149,86 @@ pub struct Features {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub apic: Option<Present>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub hyperv: Option<Hyperv>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub smm: Option<State>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct Hyperv {
+    #[serde(rename = "@mode")]
+    pub mode: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub relaxed: Option<State>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vapic: Option<State>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub spinlocks: Option<Spinlocks>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vpindex: Option<State>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub runtime: Option<State>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub synic: Option<State>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub stimer: Option<State>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reset: Option<State>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub vendor_id: Option<VendorId>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub frequencies: Option<State>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reenlightenment: Option<State>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tlbflush: Option<State>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ipi: Option<State>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Spinlocks {
+    #[serde(rename = "@state")]
+    pub state: &'static str,
+    #[serde(rename = "@retries", skip_serializing_if = "Option::is_none")]
+    pub retries: Option<u32>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct VendorId {
+    #[serde(rename = "@state")]
+    pub state: &'static str,
+    #[serde(rename = "@value", skip_serializing_if = "Option::is_none")]
+    pub value: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Cpu {
     #[serde(rename = "@mode", skip_serializing_if = "Option::is_none")]
     pub mode: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<CpuModel>,
     pub topology: Topology,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub feature: Vec<CpuFeature>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CpuModel {
+    /// `forbid`: a model QEMU cannot provide fails the start instead of
+    /// silently becoming another.
+    #[serde(rename = "@fallback")]
+    pub fallback: &'static str,
+    #[serde(rename = "$text")]
+    pub name: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CpuFeature {
+    #[serde(rename = "@policy")]
+    pub policy: &'static str,
+    #[serde(rename = "@name")]
+    pub name: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -268,6 +340,8 @@ pub struct Disk {
     pub boot: Option<Boot>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub readonly: Option<Present>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub shareable: Option<Present>,
     pub alias: Alias,
 }
 
@@ -399,6 +473,8 @@ pub struct Interface {
     pub mac: MacAddress,
     pub target: InterfaceTarget,
     pub model: InterfaceModel,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub boot: Option<Boot>,
     pub alias: InterfaceAlias,
 }
 

@@ -1,13 +1,14 @@
 //! `features` → `<features>`. ACPI is on unless disabled, as in KubeVirt:
 //! graceful shutdown relies on the ACPI power button.
 
-use super::domain::{Features, Present, State};
-use super::{firmware, Errors};
+use super::domain::{Features, Hyperv, Present, Spinlocks, State, VendorId};
+use super::{firmware, DomainType, Errors};
 use crate::vmi;
 
 pub(super) fn convert(
     f: Option<&vmi::Features>,
     needs: firmware::Needs,
+    domain_type: DomainType,
     errs: &mut Errors,
 ) -> Option<Features> {
     const PATH: &str = "spec.domain.features";
@@ -31,6 +32,9 @@ pub(super) fn convert(
         out.smm = f.smm.as_ref().map(|s| State {
             state: if s.is_enabled() { "on" } else { "off" },
         });
+        if let Some(hv) = &f.hyperv {
+            out.hyperv = hyperv(hv, domain_type, errs);
+        }
     }
     match out.smm {
         Some(State { state: "off" }) if needs.smm => errs.add(
@@ -42,6 +46,99 @@ pub(super) fn convert(
         _ => {}
     }
     (out != Features::default()).then_some(out)
+}
+
+/// KubeVirt's Hyper-V enlightenments, with the dependencies QEMU enforces
+/// checked here so the error names the field.
+fn hyperv(
+    hv: &std::collections::BTreeMap<String, vmi::FeatureState>,
+    domain_type: DomainType,
+    errs: &mut Errors,
+) -> Option<Hyperv> {
+    const PATH: &str = "spec.domain.features.hyperv";
+    if domain_type == DomainType::Qemu {
+        errs.add(
+            PATH,
+            "Hyper-V enlightenments need KVM, but this host emulates CPUs",
+        );
+        return None;
+    }
+    let on = |name: &str| hv.get(name).is_some_and(vmi::FeatureState::is_enabled);
+    let state = |s: &vmi::FeatureState| State {
+        state: if s.is_enabled() { "on" } else { "off" },
+    };
+    let mut out = Hyperv {
+        mode: "custom",
+        ..Hyperv::default()
+    };
+    for (name, s) in hv {
+        let p = format!("{PATH}.{name}");
+        let mut extra = s.extra.clone();
+        match name.as_str() {
+            "relaxed" => out.relaxed = Some(state(s)),
+            "vapic" => out.vapic = Some(state(s)),
+            "vpindex" => out.vpindex = Some(state(s)),
+            "runtime" => out.runtime = Some(state(s)),
+            "synic" => out.synic = Some(state(s)),
+            "synictimer" => out.stimer = Some(state(s)),
+            "reset" => out.reset = Some(state(s)),
+            "frequencies" => out.frequencies = Some(state(s)),
+            "reenlightenment" => out.reenlightenment = Some(state(s)),
+            "tlbflush" => out.tlbflush = Some(state(s)),
+            "ipi" => out.ipi = Some(state(s)),
+            "spinlocks" => {
+                let retries = extra.remove("spinlocks").map(|v| {
+                    match v.as_u64().and_then(|n| u32::try_from(n).ok()) {
+                        Some(n) if n >= 4096 => n,
+                        _ => {
+                            errs.add(
+                                format!("{p}.spinlocks"),
+                                "must be a number of at least 4096",
+                            );
+                            4096
+                        }
+                    }
+                });
+                out.spinlocks = Some(Spinlocks {
+                    state: state(s).state,
+                    retries: retries.filter(|_| s.is_enabled()),
+                });
+            }
+            "vendorid" => {
+                let value = extra.remove("vendorid").map(|v| match v.as_str() {
+                    Some(id) if !id.is_empty() && id.len() <= 12 && id.is_ascii() => id.to_owned(),
+                    _ => {
+                        errs.add(format!("{p}.vendorid"), "must be 1 to 12 ASCII characters");
+                        String::new()
+                    }
+                });
+                if s.is_enabled() && value.is_none() {
+                    errs.add(format!("{p}.vendorid"), "is required when enabled");
+                }
+                out.vendor_id = Some(VendorId {
+                    state: state(s).state,
+                    value: value.filter(|_| s.is_enabled()),
+                });
+            }
+            _ => {
+                errs.add(&p, "not supported by kvirt");
+                continue;
+            }
+        }
+        errs.reject_extra(&p, &extra);
+    }
+    for (needs, of) in [
+        ("synic", "vpindex"),
+        ("synictimer", "synic"),
+        ("synictimer", "vpindex"),
+        ("tlbflush", "vpindex"),
+        ("ipi", "vpindex"),
+    ] {
+        if on(needs) && !on(of) {
+            errs.add(format!("{PATH}.{needs}"), format!("needs {of} enabled too"));
+        }
+    }
+    (!hv.is_empty()).then_some(out)
 }
 
 #[cfg(test)]
@@ -80,12 +177,12 @@ mod tests {
     #[test]
     fn errors() {
         let v = vmi(
-            "domain: {memory: {guest: 64Mi}, features: {hyperv: {}, apic: {endOfInterrupt: true}}}",
+            "domain: {memory: {guest: 64Mi}, features: {kvm: {hidden: true}, hyperv: {}, apic: {endOfInterrupt: true}}}",
         );
         assert_eq!(
             fields(run(&v, DomainType::Kvm)),
             [
-                "spec.domain.features.hyperv",
+                "spec.domain.features.kvm",
                 "spec.domain.features.apic.endOfInterrupt"
             ]
         );
@@ -120,6 +217,45 @@ mod tests {
                 "spec.domain.firmware.bootloader.efi.persistent",
                 "spec.domain.features.smm"
             ]
+        );
+    }
+
+    #[test]
+    fn hyperv_enlightenments_and_their_dependencies() {
+        let x = xml("{hyperv: {relaxed: {}, vapic: {}, spinlocks: {spinlocks: 8191}, vpindex: {}, synic: {}, synictimer: {}, vendorid: {vendorid: KVMKVMKVM}, reset: {enabled: false}}}");
+        for want in [
+            "<hyperv mode=\"custom\">",
+            "<relaxed state=\"on\"/>",
+            "<spinlocks state=\"on\" retries=\"8191\"/>",
+            "<stimer state=\"on\"/>",
+            "<vendor_id state=\"on\" value=\"KVMKVMKVM\"/>",
+            "<reset state=\"off\"/>",
+        ] {
+            assert!(x.contains(want), "{want} in {x}");
+        }
+        let errs = |hv: &str, t| {
+            fields(run(
+                &vmi(&format!(
+                    "domain: {{memory: {{guest: 64Mi}}, features: {{hyperv: {hv}}}}}"
+                )),
+                t,
+            ))
+        };
+        assert_eq!(
+            errs("{synictimer: {}, ipi: {}, spinlocks: {spinlocks: 10}, vendorid: {}, evmcs: {}, relaxed: {x: 1}}", DomainType::Kvm),
+            [
+                "spec.domain.features.hyperv.evmcs",
+                "spec.domain.features.hyperv.relaxed.x",
+                "spec.domain.features.hyperv.spinlocks.spinlocks",
+                "spec.domain.features.hyperv.vendorid.vendorid",
+                "spec.domain.features.hyperv.synictimer",
+                "spec.domain.features.hyperv.synictimer",
+                "spec.domain.features.hyperv.ipi",
+            ]
+        );
+        assert_eq!(
+            errs("{relaxed: {}}", DomainType::Qemu),
+            ["spec.domain.features.hyperv"]
         );
     }
 }

@@ -200,7 +200,7 @@ pub fn convert_all_errors(
     let memory_bytes = memory::guest_memory(dom.memory.as_ref(), &res, &mut errs);
     let (cpu, vcpus) = cpu::convert(dom.cpu.as_ref(), &res, ctx.domain_type, &mut errs);
     let (uuid, os, sysinfo, needs) = firmware::convert(vmi, ctx.key, dom, &mut errs);
-    let features = features::convert(dom.features.as_ref(), needs, &mut errs);
+    let features = features::convert(dom.features.as_ref(), needs, ctx.domain_type, &mut errs);
     let clock = clock::convert(dom.clock.as_ref(), &mut errs);
     let (disk_devs, controllers, preps) = disks::convert(spec, ctx, &uuid, &mut errs);
     let mut devices = devices::convert(spec, ctx.paths, &mut errs);
@@ -208,6 +208,14 @@ pub fn convert_all_errors(
     devices.controllers = controllers;
     let default_mac = crate::network::guest_mac(&ctx.key.id());
     let net = network::convert(spec, default_mac, &mut errs).map(|(iface, net)| {
+        if let Some(b) = &iface.boot {
+            if devices.disks.iter().any(|d| d.boot.as_ref() == Some(b)) {
+                errs.add(
+                    "spec.domain.devices.interfaces[0].bootOrder",
+                    format!("{} is used by a disk", b.order),
+                );
+            }
+        }
         devices.interfaces.push(iface);
         net
     });

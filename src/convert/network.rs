@@ -2,7 +2,7 @@
 //! kvirt gives a VM. Everything else (bridge, SR-IOV, passt, Multus) is
 //! refused by name.
 
-use super::domain::{Interface, InterfaceAlias, InterfaceModel, InterfaceTarget, MacAddress};
+use super::domain::{Boot, Interface, InterfaceAlias, InterfaceModel, InterfaceTarget, MacAddress};
 use super::Errors;
 pub use crate::nft::{PortRule, Proto};
 use crate::vmi::VmiSpec;
@@ -187,6 +187,16 @@ pub(super) fn convert(
         .remove("ports")
         .map(|p| ports(&p, &format!("{path}.ports"), errs))
         .unwrap_or_default();
+    // PXE from the pod network; disks check that no two share an order.
+    let boot = extra.remove("bootOrder").and_then(|v| match v.as_u64() {
+        Some(order @ 1..=65535) => Some(Boot {
+            order: order as u32,
+        }),
+        _ => {
+            errs.add(format!("{path}.bootOrder"), "must be at least 1");
+            None
+        }
+    });
     for k in extra.keys() {
         errs.add(format!("{path}.{k}"), super::UNSUPPORTED);
     }
@@ -196,7 +206,9 @@ pub(super) fn convert(
         ports,
         vm_cidr,
     };
-    Some((interface(&net, &model), net))
+    let mut iface = interface(&net, &model);
+    iface.boot = boot;
+    Some((iface, net))
 }
 
 fn ports(v: &Value, path: &str, errs: &mut Errors) -> Vec<PortRule> {
@@ -250,6 +262,7 @@ fn interface(net: &NetSpec, model: &str) -> Interface {
         model: InterfaceModel {
             type_: model.to_owned(),
         },
+        boot: None,
         alias: InterfaceAlias {
             name: format!("ua-{}", net.name),
         },
@@ -258,6 +271,8 @@ fn interface(net: &NetSpec, model: &str) -> Interface {
 
 #[cfg(test)]
 mod tests {
+    use super::super::test_support::*;
+    use super::super::DomainType;
     use super::*;
 
     fn conv(yaml: &str) -> Result<Option<NetSpec>, Vec<String>> {
@@ -323,6 +338,29 @@ mod tests {
                 "spec.domain.devices.interfaces[0].macAddress",
                 "spec.domain.devices.interfaces[0].ports[0].port",
             ]
+        );
+    }
+
+    #[test]
+    fn interface_boot_order_is_its_own() {
+        let net = |extra: &str| {
+            run(
+                &vmi(&format!("domain: {{memory: {{guest: 64Mi}}, devices: {{disks: [{{name: a, bootOrder: 1}}], interfaces: [{{name: default, masquerade: {{}}{extra}}}]}}}}\nnetworks: [{{name: default, pod: {{}}}}]\nvolumes: [{{name: a, emptyDisk: {{capacity: 1Mi}}}}]")),
+                DomainType::Kvm,
+            )
+        };
+        let x = net(", bootOrder: 2").unwrap().domain_xml;
+        assert!(
+            x.contains("<model type=\"virtio\"/>\n      <boot order=\"2\"/>"),
+            "{x}"
+        );
+        assert_eq!(
+            fields(net(", bootOrder: 1")),
+            ["spec.domain.devices.interfaces[0].bootOrder"]
+        );
+        assert_eq!(
+            fields(net(", bootOrder: 0")),
+            ["spec.domain.devices.interfaces[0].bootOrder"]
         );
     }
 }
