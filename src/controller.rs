@@ -8,7 +8,7 @@ use crate::image::{ImageDisk, ImageError, Images, Progress};
 use crate::journal;
 use crate::key::{self, VmKey};
 use crate::layout::{DaemonKind, HostLayout, VmPaths};
-use crate::libvirt::{DomainRef, Hypervisor, LibvirtError};
+use crate::libvirt::{DomainRef, GuestAgent, Hypervisor, LibvirtError};
 use crate::machined::{MachineSpec, Machines};
 use crate::metrics::{Adoption, Metrics};
 use crate::netns::{Netns, NetnsError};
@@ -425,7 +425,8 @@ impl<
                 v.status.phase,
                 None | Some(Phase::Pending | Phase::Scheduling)
             ) {
-                self.report(k, &Outcome::Phase(Phase::Scheduled)).await?;
+                self.report(k, &Outcome::Phase(Phase::Scheduled), None)
+                    .await?;
                 self.deps
                     .recorder
                     .record(v, EventReason::Created, "VM is being created", false);
@@ -509,7 +510,21 @@ impl<
                 // Everything of it is gone from the host: let the object go.
                 self.deps.status.release(v).await.map_err(status_err(id))?;
             }
-            (_, Some(k)) => self.report(k, &outcome).await?,
+            (_, Some(k)) => {
+                let agent = match (&outcome, &dom) {
+                    (Outcome::Phase(Phase::Running), Some(d)) => self
+                        .deps
+                        .hypervisor
+                        .guest_agent(d)
+                        .await
+                        .unwrap_or_else(|e| {
+                            warn!("asking the guest agent: {e}");
+                            None
+                        }),
+                    _ => None,
+                };
+                self.report(k, &outcome, agent.as_ref()).await?
+            }
             _ => {}
         }
         Ok(Reconciled {
@@ -518,7 +533,8 @@ impl<
         })
     }
 
-    /// containerDisks are pulled before anything is made on the host, so a
+    /// containerDisks (and kernelBoot images) are pulled before anything is
+    /// made on the host, so a
     /// registry outage leaves nothing behind: the error goes to the loop's
     /// backoff and the VMI waits in Scheduled, as a pod waits in
     /// ImagePullBackOff. Progress shows in the Ready condition and the log.
@@ -529,20 +545,8 @@ impl<
         conv: &Converted,
     ) -> Result<BTreeMap<String, ImageDisk>, ControllerError> {
         let mut disks = BTreeMap::new();
-        for prep in &conv.disks {
-            let DiskPrep::Overlay {
-                volume,
-                backing:
-                    Backing::Image {
-                        image,
-                        pull_policy,
-                        path,
-                    },
-                ..
-            } = prep
-            else {
-                continue;
-            };
+        for need in conv.disks.iter().flat_map(DiskPrep::image_needs) {
+            let (volume, image) = (need.key, need.image);
             let started = tokio::time::Instant::now();
             let latest = Mutex::new(None::<Progress>);
             let downloaded = std::sync::atomic::AtomicBool::new(false);
@@ -553,7 +557,7 @@ impl<
             let pull = self
                 .deps
                 .images
-                .disk(image, *pull_policy, path.as_deref(), &report);
+                .disk(image, need.pull_policy, need.path, &report);
             tokio::pin!(pull);
             let mut tick = tokio::time::interval(Duration::from_secs(2));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
@@ -585,7 +589,7 @@ impl<
                     self.deps
                         .recorder
                         .record(vmi, EventReason::Pulled, &msg, false);
-                    disks.insert(volume.clone(), d);
+                    disks.insert(volume.to_owned(), d);
                 }
                 Err(e) => {
                     let msg = format!("volume {volume}: {e}");
@@ -674,7 +678,12 @@ impl<
     /// Applies the outcome to the VMI's status. The new status is the
     /// truth at once (the next plan relies on it); writing it out is retried
     /// until it succeeds, so an outage of the status store loses nothing.
-    async fn report(&self, key: &VmKey, outcome: &Outcome) -> Result<(), ControllerError> {
+    async fn report(
+        &self,
+        key: &VmKey,
+        outcome: &Outcome,
+        agent: Option<&GuestAgent>,
+    ) -> Result<(), ControllerError> {
         let id = key.id();
         let now = now_rfc3339();
         let interfaces = self.interfaces(&id, outcome);
@@ -683,25 +692,31 @@ impl<
             let Some(vmi) = vmis.get_mut(&id) else {
                 return Ok(());
             };
-            match status::next_status(&vmi.status, outcome, &self.settings.node_name, &now) {
-                Ok(Some(mut next)) => {
-                    let old = vmi.status.phase;
-                    let qos = status::qos_class(vmi.spec.domain.resources.as_ref());
-                    next.extra.insert("qosClass".into(), qos.into());
-                    next.interfaces = interfaces.clone();
+            let next =
+                match status::next_status(&vmi.status, outcome, &self.settings.node_name, &now) {
+                    Ok(Some(mut next)) => {
+                        let qos = status::qos_class(vmi.spec.domain.resources.as_ref());
+                        next.extra.insert("qosClass".into(), qos.into());
+                        Some(next)
+                    }
+                    Ok(None) => Some(vmi.status.clone()),
+                    Err(e) => {
+                        warn!("not reporting: {e}");
+                        None
+                    }
+                };
+            next.and_then(|mut next| {
+                // A pass that saw nothing settled says nothing about these.
+                if *outcome != Outcome::Unchanged {
+                    next.interfaces = interfaces;
+                    status::set_guest_agent(&mut next, agent, &now);
+                }
+                let old = vmi.status.phase;
+                (next != vmi.status).then(|| {
                     vmi.status = next;
-                    Some((old, vmi.status.phase))
-                }
-                Ok(None) if vmi.status.interfaces != interfaces => {
-                    vmi.status.interfaces = interfaces.clone();
-                    Some((vmi.status.phase, vmi.status.phase))
-                }
-                Ok(None) => None,
-                Err(e) => {
-                    warn!("not reporting: {e}");
-                    None
-                }
-            }
+                    (old, vmi.status.phase)
+                })
+            })
         };
         let current = self.vmis().get(&id).cloned();
         if let (Some((old, new)), Some(vmi)) = (changed, &current) {
@@ -803,7 +818,7 @@ impl<
                 for d in &conv().disks {
                     self.deps
                         .storage
-                        .prepare_disk(d, &self.settings.host_disk_roots, c.images.get(d.volume()))
+                        .prepare_disk(d, &self.settings.host_disk_roots, c.images)
                         .await
                         .map_err(storage_err)?;
                 }
@@ -874,7 +889,13 @@ impl<
                             } => Some(base.clone()),
                             _ => None,
                         })
-                        .chain(c.images.values().map(|i| i.root.clone()))
+                        // Kernels are copied; only overlays read the cache.
+                        .chain(conv.disks.iter().filter_map(|d| match d {
+                            DiskPrep::Overlay { volume, .. } => {
+                                c.images.get(volume).map(|i| i.root.clone())
+                            }
+                            _ => None,
+                        }))
                         .collect(),
                 });
                 self.deps.units.start(&spec).await.map_err(sd_err)

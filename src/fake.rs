@@ -6,7 +6,7 @@ use crate::convert::DiskPrep;
 use crate::image::{ImageDisk, ImageError, Images, Progress, PullPolicy};
 use crate::key::{self, VmKey};
 use crate::layout::VmPaths;
-use crate::libvirt::{DomainRef, Hypervisor, LibvirtError};
+use crate::libvirt::{DomainRef, GuestAgent, Hypervisor, LibvirtError};
 use crate::machined::{MachineSpec, MachinedError, Machines};
 use crate::netns::{Netns, NetnsError};
 use crate::plan::{DomainObs, DomainState, UnitActivity, UnitObs};
@@ -49,6 +49,8 @@ pub struct HostState {
     pub no_machined: bool,
     /// Images in the (pretend) image cache.
     pub pulled: BTreeSet<String>,
+    /// Guest agents connected, by VM id.
+    pub agents: BTreeMap<String, GuestAgent>,
 }
 
 #[derive(Clone, Default)]
@@ -310,6 +312,15 @@ impl Hypervisor for FakeHost {
     }
 
     async fn forget(&self, _id: &str) {}
+
+    async fn guest_agent(&self, d: &DomainRef) -> Result<Option<GuestAgent>, LibvirtError> {
+        let s = self.state();
+        let running = s
+            .domains
+            .get(&d.id)
+            .is_some_and(|dom| dom.state == DomainState::Running);
+        Ok(s.agents.get(&d.id).filter(|_| running).cloned())
+    }
 }
 
 impl Storage for FakeHost {
@@ -325,7 +336,7 @@ impl Storage for FakeHost {
         &self,
         disk: &DiskPrep,
         _roots: &[PathBuf],
-        _image: Option<&ImageDisk>,
+        _images: &crate::storage::Pulled,
     ) -> Result<(), StorageError> {
         let path = disk.path().to_owned();
         if self.call(format!("disk {}", path.display())) {

@@ -630,10 +630,10 @@ fn remove_any(p: &Path) -> std::io::Result<()> {
     }
 }
 
-/// Builds a containerDisk image (one layer with the disk at
-/// `/disk/<file name>`) and pushes it: what `kvirtctl push-disk` does.
+/// Builds a containerDisk image (one layer with the files under `/disk/`,
+/// by their file names) and pushes it: what `kvirtctl push-disk` does.
 pub async fn push_disk(
-    disk: &Path,
+    files: &[PathBuf],
     image: &str,
     insecure: &[String],
 ) -> Result<String, ImageError> {
@@ -642,23 +642,14 @@ pub async fn push_disk(
         image: image.to_owned(),
         message,
     })?;
-    let io = |op| {
-        let (image, path) = (image.to_owned(), disk.to_owned());
-        move |source| ImageError::Io {
-            image,
-            path,
-            op,
-            source,
-        }
-    };
-    let name = disk
-        .file_name()
-        .ok_or_else(|| ImageError::Content {
+    let mut entries = Vec::new();
+    for f in files {
+        let name = f.file_name().ok_or_else(|| ImageError::Content {
             image: image.to_owned(),
-            message: format!("{}: not a file name", disk.display()),
-        })?
-        .to_owned();
-    let file = disk.to_owned();
+            message: format!("{}: not a file name", f.display()),
+        })?;
+        entries.push((f.clone(), Path::new("disk").join(name)));
+    }
     let layer = tokio::task::spawn_blocking(move || -> std::io::Result<Vec<u8>> {
         let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
         {
@@ -671,13 +662,17 @@ pub async fn push_disk(
             dir.set_uid(107);
             dir.set_gid(107);
             tar.append_data(&mut dir, "disk/", std::io::empty())?;
-            let mut f = std::fs::File::open(&file)?;
-            let mut h = tar::Header::new_gnu();
-            h.set_size(f.metadata()?.len());
-            h.set_mode(0o440);
-            h.set_uid(107);
-            h.set_gid(107);
-            tar.append_data(&mut h, Path::new("disk").join(&name), &mut f)?;
+            for (from, to) in &entries {
+                let mut f = std::fs::File::open(from).map_err(|e| {
+                    std::io::Error::new(e.kind(), format!("{}: {e}", from.display()))
+                })?;
+                let mut h = tar::Header::new_gnu();
+                h.set_size(f.metadata()?.len());
+                h.set_mode(0o440);
+                h.set_uid(107);
+                h.set_gid(107);
+                tar.append_data(&mut h, to, &mut f)?;
+            }
             tar.finish()?;
         }
         gz.finish()
@@ -687,7 +682,10 @@ pub async fn push_disk(
         image: image.to_owned(),
         message: "worker thread died".into(),
     })?
-    .map_err(io("read"))?;
+    .map_err(|e| ImageError::Content {
+        image: image.to_owned(),
+        message: e.to_string(),
+    })?;
     let config = serde_json::json!({
         "architecture": "amd64",
         "os": "linux",

@@ -170,6 +170,15 @@ impl VmPaths {
         self.disk_dir().join(format!("{volume}.qcow2"))
     }
 
+    /// Direct kernel boot's copies of the image's kernel and initrd.
+    pub fn kernel_file(&self) -> PathBuf {
+        self.disk_dir().join("kernel")
+    }
+
+    pub fn initrd_file(&self) -> PathBuf {
+        self.disk_dir().join("initrd")
+    }
+
     /// The VM's writable layer over a containerDisk or ephemeral base.
     pub fn overlay(&self, volume: &str) -> PathBuf {
         self.disk_dir().join(format!("{volume}.overlay.qcow2"))

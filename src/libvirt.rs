@@ -50,11 +50,89 @@ pub trait Hypervisor: Send + Sync + 'static {
     fn destroy(&self, d: &DomainRef) -> impl Future<Output = Result<(), LibvirtError>> + Send;
     /// Drops any connection to this VM's daemon (it is going away).
     fn forget(&self, id: &str) -> impl Future<Output = ()> + Send;
+    /// What the QEMU guest agent says, or `None` while no agent is
+    /// connected (or the domain does not run).
+    fn guest_agent(
+        &self,
+        d: &DomainRef,
+    ) -> impl Future<Output = Result<Option<GuestAgent>, LibvirtError>> + Send;
 }
+
+/// A connected guest agent and the guest OS it reports, with KubeVirt's
+/// `guestOSInfo` keys (`id`, `name`, `prettyName`, `version`, ...); empty
+/// when the agent cannot tell.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GuestAgent {
+    pub os_info: std::collections::BTreeMap<String, String>,
+}
+
+/// The agent's channel is connected: the guest opened its end.
+fn agent_connected(live_xml: &str) -> bool {
+    live_xml.lines().any(|l| {
+        l.contains("org.qemu.guest_agent.0")
+            && (l.contains("state='connected'") || l.contains("state=\"connected\""))
+    })
+}
+
+/// libvirt's `os.*` guest info key → KubeVirt's `guestOSInfo` key.
+fn guest_os_key(libvirt_key: &str) -> Option<&'static str> {
+    Some(match libvirt_key.strip_prefix("os.")? {
+        "id" => "id",
+        "name" => "name",
+        "pretty-name" => "prettyName",
+        "version" => "version",
+        "version-id" => "versionId",
+        "kernel-release" => "kernelRelease",
+        "kernel-version" => "kernelVersion",
+        "machine" => "machine",
+        _ => return None,
+    })
+}
+
+/// The agent's `guest-get-osinfo` through `virDomainGetGuestInfo` (which,
+/// unlike a raw agent command, does not taint the domain).
+fn guest_os_info(dom: &Domain) -> Result<std::collections::BTreeMap<String, String>, String> {
+    let mut params: sys::virTypedParameterPtr = std::ptr::null_mut();
+    let mut n: libc::c_int = 0;
+    // SAFETY: dom is a live domain; libvirt allocates params, freed below.
+    let r = unsafe {
+        sys::virDomainGetGuestInfo(
+            dom.as_ptr(),
+            sys::VIR_DOMAIN_GUEST_INFO_OS,
+            &mut params,
+            &mut n,
+            0,
+        )
+    };
+    if r < 0 {
+        return Err(virt::error::Error::last_error().to_string());
+    }
+    let mut out = std::collections::BTreeMap::new();
+    for i in 0..usize::try_from(n).unwrap_or(0) {
+        // SAFETY: libvirt returned n parameters at params.
+        let p = unsafe { &*params.add(i) };
+        // SAFETY: field is NUL-terminated within its 80 bytes.
+        let field = unsafe { std::ffi::CStr::from_ptr(p.field.as_ptr()) }.to_string_lossy();
+        let Some(key) = guest_os_key(&field) else {
+            continue;
+        };
+        if p.type_ == sys::VIR_TYPED_PARAM_STRING as i32 {
+            // SAFETY: a string parameter's value is a C string.
+            let v = unsafe { std::ffi::CStr::from_ptr(p.value.s) };
+            out.insert(key.to_owned(), v.to_string_lossy().into_owned());
+        }
+    }
+    // SAFETY: params and n came from virDomainGetGuestInfo.
+    unsafe { sys::virTypedParamsFree(params, n) };
+    Ok(out)
+}
+
+/// Seconds a guest agent gets to answer before the pass moves on.
+const AGENT_TIMEOUT_S: i32 = 2;
 
 struct Conn {
     conn: Connect,
-    callback_id: i32,
+    callback_ids: Vec<i32>,
 }
 
 /// One reference to a cached connection; libvirt counts references, so each
@@ -133,12 +211,29 @@ impl Libvirt {
         let conn = Connect::open(Some(&d.uri)).map_err(Self::err(&d.id, "connect"))?;
         // Notices a daemon that died without closing the socket.
         let _ = conn.set_keep_alive(5, 3);
+        // Lifecycle changes, and the guest agent (dis)connecting, wake the VM.
+        let callback_ids = [
+            sys::VIR_DOMAIN_EVENT_ID_LIFECYCLE,
+            sys::VIR_DOMAIN_EVENT_ID_AGENT_LIFECYCLE,
+        ]
+        .into_iter()
+        .map(|event| self.register(&conn, &d.id, event as i32))
+        .filter(|id| *id >= 0)
+        .collect();
+        let c = ConnRef(conn.clone());
+        conns.insert(d.id.clone(), Conn { conn, callback_ids });
+        Ok(c)
+    }
+
+    /// Registers `on_event` for one event of every domain on `conn`; both
+    /// events used pass (state, reason) ints, so one callback serves them.
+    fn register(&self, conn: &Connect, id: &str, event: i32) -> i32 {
         let ctx = Box::into_raw(Box::new(EventCtx {
-            id: d.id.clone(),
+            id: id.to_owned(),
             tx: self.events.clone(),
         }));
-        // SAFETY: the callback matches libvirt's lifecycle signature; ctx is
-        // owned by libvirt from here and freed through `free_ctx`.
+        // SAFETY: the callback matches libvirt's signature for these events;
+        // ctx is owned by libvirt from here and freed through `free_ctx`.
         let callback_id = unsafe {
             let cb: unsafe extern "C" fn(
                 sys::virConnectPtr,
@@ -146,11 +241,11 @@ impl Libvirt {
                 i32,
                 i32,
                 *mut libc::c_void,
-            ) -> i32 = on_lifecycle;
+            ) -> i32 = on_event;
             sys::virConnectDomainEventRegisterAny(
                 conn.as_ptr(),
                 std::ptr::null_mut(),
-                sys::VIR_DOMAIN_EVENT_ID_LIFECYCLE as i32,
+                event,
                 Some(std::mem::transmute::<
                     unsafe extern "C" fn(
                         sys::virConnectPtr,
@@ -169,9 +264,7 @@ impl Libvirt {
             // SAFETY: registration failed, so libvirt did not take ctx.
             drop(unsafe { Box::from_raw(ctx) });
         }
-        let c = ConnRef(conn.clone());
-        conns.insert(d.id.clone(), Conn { conn, callback_id });
-        Ok(c)
+        callback_id
     }
 
     async fn blocking<T: Send + 'static>(
@@ -198,14 +291,14 @@ impl Libvirt {
 }
 
 fn close(mut c: Conn) {
-    if c.callback_id >= 0 {
+    for id in c.callback_ids {
         // SAFETY: the id came from this connection's registration.
-        unsafe { sys::virConnectDomainEventDeregisterAny(c.conn.as_ptr(), c.callback_id) };
+        unsafe { sys::virConnectDomainEventDeregisterAny(c.conn.as_ptr(), id) };
     }
     let _ = c.conn.close();
 }
 
-unsafe extern "C" fn on_lifecycle(
+unsafe extern "C" fn on_event(
     _conn: sys::virConnectPtr,
     _dom: sys::virDomainPtr,
     _event: i32,
@@ -317,6 +410,33 @@ impl Hypervisor for Libvirt {
         .await
     }
 
+    async fn guest_agent(&self, d: &DomainRef) -> Result<Option<GuestAgent>, LibvirtError> {
+        self.blocking(d, |this, d| {
+            let (_conn, Some(dom)) = this.lookup(d)? else {
+                return Ok(None);
+            };
+            if !dom.is_active().unwrap_or(false) {
+                return Ok(None);
+            }
+            let xml = dom
+                .get_xml_desc(0)
+                .map_err(Libvirt::err(&d.id, "domain XML"))?;
+            if !agent_connected(&xml) {
+                return Ok(None);
+            }
+            // A slow agent is asked again at the next pass, and one
+            // without guest-get-osinfo is still an agent.
+            // SAFETY: dom is a live domain.
+            unsafe { sys::virDomainAgentSetResponseTimeout(dom.as_ptr(), AGENT_TIMEOUT_S, 0) };
+            let os_info = guest_os_info(&dom).unwrap_or_else(|e| {
+                tracing::debug!("guest OS info: {e}");
+                Default::default()
+            });
+            Ok(Some(GuestAgent { os_info }))
+        })
+        .await
+    }
+
     async fn forget(&self, id: &str) {
         let this = self.clone();
         let id = id.to_owned();
@@ -365,6 +485,25 @@ mod tests {
             domain_state(sys::VIR_DOMAIN_RUNNING, 1),
             DomainState::Running
         );
+    }
+
+    #[test]
+    fn the_agent_is_connected_when_its_channel_says_so() {
+        let live = "<channel type='unix'>\n  <target type='virtio' name='org.qemu.guest_agent.0' state='connected'/>\n</channel>";
+        assert!(agent_connected(live));
+        assert!(!agent_connected(
+            &live.replace("'connected'", "'disconnected'")
+        ));
+        assert!(!agent_connected("<domain/>"));
+    }
+
+    #[test]
+    fn guest_os_info_has_kubevirts_keys() {
+        assert_eq!(guest_os_key("os.pretty-name"), Some("prettyName"));
+        assert_eq!(guest_os_key("os.version-id"), Some("versionId"));
+        assert_eq!(guest_os_key("os.kernel-release"), Some("kernelRelease"));
+        assert_eq!(guest_os_key("os.variant"), None);
+        assert_eq!(guest_os_key("timezone.name"), None);
     }
 
     #[test]

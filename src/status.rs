@@ -2,6 +2,7 @@
 //! nodeName, transition timestamps and the `Ready`/`Synchronized` conditions.
 //! Pure; writing it somewhere is the source's job.
 
+use crate::libvirt::GuestAgent;
 use crate::phase;
 use crate::plan::Outcome;
 use crate::vmi::{Condition, Phase, PhaseTransitionTimestamp, ResourceRequirements, VmiStatus};
@@ -68,6 +69,38 @@ pub fn next_status(
 
     Ok((next != *prev).then_some(next))
 }
+
+/// KubeVirt's `AgentConnected` condition and `guestOSInfo`: present while
+/// a guest agent is connected, gone when it is not.
+pub fn set_guest_agent(status: &mut VmiStatus, agent: Option<&GuestAgent>, now: &str) {
+    match agent {
+        Some(a) => {
+            set_condition(
+                &mut status.conditions,
+                AGENT_CONNECTED,
+                true,
+                None,
+                None,
+                now,
+            );
+            let info = a
+                .os_info
+                .iter()
+                .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+                .collect();
+            status
+                .extra
+                .insert(GUEST_OS_INFO.into(), serde_json::Value::Object(info));
+        }
+        None => {
+            status.conditions.retain(|c| c.type_ != AGENT_CONNECTED);
+            status.extra.remove(GUEST_OS_INFO);
+        }
+    }
+}
+
+const AGENT_CONNECTED: &str = "AgentConnected";
+const GUEST_OS_INFO: &str = "guestOSInfo";
 
 /// A VM that is not running yet says why in its Ready condition (a
 /// containerDisk being pulled, or failing to be); the phase stays.

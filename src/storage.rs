@@ -3,6 +3,23 @@
 use crate::convert::cloudinit::Seed;
 use crate::convert::{Backing, DiskPrep};
 use crate::image::ImageDisk;
+
+/// Files pulled from container images for one VM, by `ImageNeed` key.
+pub type Pulled = std::collections::BTreeMap<String, ImageDisk>;
+
+fn kernel_dest(d: &DiskPrep) -> Option<&Path> {
+    match d {
+        DiskPrep::KernelBoot { kernel, .. } => kernel.as_ref().map(|f| f.dest.as_path()),
+        _ => None,
+    }
+}
+
+fn initrd_dest(d: &DiskPrep) -> Option<&Path> {
+    match d {
+        DiskPrep::KernelBoot { initrd, .. } => initrd.as_ref().map(|f| f.dest.as_path()),
+        _ => None,
+    }
+}
 use crate::layout::{HostLayout, VmPaths};
 use nix::unistd::{chown, Gid, Uid};
 use std::future::Future;
@@ -49,12 +66,12 @@ pub trait Storage: Send + Sync + 'static {
     fn create_dirs(&self, paths: &VmPaths)
         -> impl Future<Output = Result<(), StorageError>> + Send;
     /// Creates or checks one disk; `roots` re-checks hostDisks after
-    /// symlinks; `image` is a containerDisk's disk in the image cache.
+    /// symlinks; `images` has the files pulled for it, by `ImageNeed` key.
     fn prepare_disk(
         &self,
         disk: &DiskPrep,
         roots: &[PathBuf],
-        image: Option<&ImageDisk>,
+        images: &Pulled,
     ) -> impl Future<Output = Result<(), StorageError>> + Send;
     fn remove_dir(&self, dir: &Path) -> impl Future<Output = Result<(), StorageError>> + Send;
     fn exists(&self, dir: &Path) -> impl Future<Output = bool> + Send;
@@ -131,7 +148,7 @@ impl HostStorage {
         &self,
         disk: &DiskPrep,
         roots: &[PathBuf],
-        image: Option<&ImageDisk>,
+        images: &Pulled,
     ) -> Result<(), StorageError> {
         match disk {
             DiskPrep::CreateQcow2 {
@@ -143,8 +160,30 @@ impl HostStorage {
                 qemu_img_create(path, &[], Some(*size_bytes))?;
                 self.own(path)
             }
-            DiskPrep::Overlay { path, backing, .. } => {
-                let (base, format) = match (backing, image) {
+            DiskPrep::KernelBoot { image, .. } => {
+                for need in disk.image_needs() {
+                    let Some(pulled) = images.get(need.key) else {
+                        return Err(StorageError::Disk {
+                            path: disk.path().to_owned(),
+                            message: format!("{image} is not in the image cache"),
+                        });
+                    };
+                    let dest = match need.key {
+                        crate::convert::kernelboot::KERNEL => kernel_dest(disk),
+                        _ => initrd_dest(disk),
+                    };
+                    if let Some(dest) = dest {
+                        self.place_copy(&pulled.path, dest)?;
+                    }
+                }
+                Ok(())
+            }
+            DiskPrep::Overlay {
+                volume,
+                path,
+                backing,
+            } => {
+                let (base, format) = match (backing, images.get(volume)) {
                     (Backing::Image { image, .. }, None) => {
                         return Err(StorageError::Disk {
                             path: path.clone(),
@@ -256,17 +295,38 @@ impl HostStorage {
         Ok((real, format))
     }
 
-    /// Builds the cloud-init image in a root-only staging directory on the
-    /// same file system and renames it into the VM's disk directory, so
-    /// nothing the VM's user can write (a planted symlink) steers root.
-    fn seed_iso(&self, path: &Path, seed: &Seed) -> Result<(), StorageError> {
+    /// Files for the VM's disk directory are made in a root-only staging
+    /// directory on the same file system and renamed into place, so nothing
+    /// the VM's user can write there (a planted symlink) steers root.
+    fn staged(
+        &self,
+        what: &str,
+        make: impl FnOnce(&Path) -> Result<(), StorageError>,
+    ) -> Result<(), StorageError> {
         let staging = self.host.state_dir.join(".staging");
         self.mkdir(&staging, 0o700, false)?;
-        let work = nix::unistd::mkdtemp(&staging.join("seed-XXXXXX"))
+        let work = nix::unistd::mkdtemp(&staging.join(format!("{what}-XXXXXX")))
             .map_err(|e| io(&staging, "create staging directory")(e.into()))?;
-        let result = self.seed_iso_in(&work, path, seed);
+        let result = make(&work);
         let _ = std::fs::remove_dir_all(&work);
         result
+    }
+
+    fn seed_iso(&self, path: &Path, seed: &Seed) -> Result<(), StorageError> {
+        self.staged("seed", |work| self.seed_iso_in(work, path, seed))
+    }
+
+    /// A private copy of a file from the image cache (the VM's user may
+    /// read it; nobody changes the cached original).
+    fn place_copy(&self, from: &Path, to: &Path) -> Result<(), StorageError> {
+        self.staged("copy", |work| {
+            let tmp = work.join("file");
+            std::fs::copy(from, &tmp).map_err(io(from, "copy"))?;
+            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o640))
+                .map_err(io(&tmp, "chmod"))?;
+            self.own(&tmp)?;
+            std::fs::rename(&tmp, to).map_err(io(to, "rename into place"))
+        })
     }
 
     fn seed_iso_in(&self, work: &Path, path: &Path, seed: &Seed) -> Result<(), StorageError> {
@@ -352,10 +412,10 @@ impl Storage for HostStorage {
         &self,
         disk: &DiskPrep,
         roots: &[PathBuf],
-        image: Option<&ImageDisk>,
+        images: &Pulled,
     ) -> Result<(), StorageError> {
-        let (this, d, r, i) = (self.clone(), disk.clone(), roots.to_vec(), image.cloned());
-        blocking(move || this.prepare_disk_blocking(&d, &r, i.as_ref())).await
+        let (this, d, r, i) = (self.clone(), disk.clone(), roots.to_vec(), images.clone());
+        blocking(move || this.prepare_disk_blocking(&d, &r, &i)).await
     }
 
     async fn remove_dir(&self, dir: &Path) -> Result<(), StorageError> {
@@ -447,7 +507,7 @@ mod tests {
             path: iso.clone(),
             seed,
         };
-        s.prepare_disk(&prep, &[], None).await.unwrap();
+        s.prepare_disk(&prep, &[], &Pulled::new()).await.unwrap();
         assert_eq!(std::fs::read(&victim).unwrap(), b"untouched");
         let bytes = std::fs::read(&iso).unwrap();
         // ISO 9660: the primary volume descriptor at sector 16 names it.
@@ -457,7 +517,7 @@ mod tests {
         assert!(text.contains("echo KVIRT-SEED"));
         assert!(text.contains("user-data"), "Rock Ridge/Joliet long names");
         // Again (a restart): replaced in place, no staging left behind.
-        s.prepare_disk(&prep, &[], None).await.unwrap();
+        s.prepare_disk(&prep, &[], &Pulled::new()).await.unwrap();
         let staging = s.host.state_dir.join(".staging");
         assert_eq!(std::fs::read_dir(staging).unwrap().count(), 0);
     }
@@ -480,7 +540,7 @@ mod tests {
                     path: root.join("link.img"),
                 },
                 &roots,
-                None,
+                &Pulled::new(),
             )
             .await
             .unwrap_err();
@@ -494,7 +554,7 @@ mod tests {
                 size_bytes: 1 << 20,
             },
             &roots,
-            None,
+            &Pulled::new(),
         )
         .await
         .unwrap();
@@ -507,7 +567,7 @@ mod tests {
                     path: root.join("none.img"),
                 },
                 &roots,
-                None,
+                &Pulled::new(),
             )
             .await
             .unwrap_err();
@@ -523,6 +583,10 @@ mod tests {
             eprintln!("skipped: no qemu-img (tests/run-all installs it)");
         }
         ok
+    }
+
+    fn root_pulled(d: &ImageDisk) -> Pulled {
+        [("root".to_owned(), d.clone())].into_iter().collect()
     }
 
     fn backing_of(overlay: &Path) -> (String, String) {
@@ -563,7 +627,10 @@ mod tests {
                 path: None,
             },
         };
-        let err = s.prepare_disk(&prep, &[], None).await.unwrap_err();
+        let err = s
+            .prepare_disk(&prep, &[], &Pulled::new())
+            .await
+            .unwrap_err();
         assert!(err.to_string().contains("not in the image cache"), "{err}");
         let disk = ImageDisk {
             path: base.clone(),
@@ -571,14 +638,18 @@ mod tests {
             root: base.parent().unwrap().to_owned(),
             digest: "sha256:0".into(),
         };
-        s.prepare_disk(&prep, &[], Some(&disk)).await.unwrap();
+        s.prepare_disk(&prep, &[], &root_pulled(&disk))
+            .await
+            .unwrap();
         assert_eq!(
             backing_of(&overlay),
             (base.display().to_string(), "raw".to_owned())
         );
         // What the guest wrote is gone at the next start.
         std::fs::write(&overlay, b"guest data").unwrap();
-        s.prepare_disk(&prep, &[], Some(&disk)).await.unwrap();
+        s.prepare_disk(&prep, &[], &root_pulled(&disk))
+            .await
+            .unwrap();
         assert_eq!(backing_of(&overlay).1, "raw");
         assert_eq!(std::fs::read(&base).unwrap(), vec![0u8; 1 << 20]);
     }
@@ -601,7 +672,7 @@ mod tests {
         };
         let roots = vec![root.clone()];
         let missing = s
-            .prepare_disk(&prep(&root.join("none.img")), &roots, None)
+            .prepare_disk(&prep(&root.join("none.img")), &roots, &Pulled::new())
             .await
             .unwrap_err();
         assert!(missing.to_string().contains("does not exist"), "{missing}");
@@ -626,17 +697,67 @@ mod tests {
             .unwrap();
         assert!(out.success());
         let err = s
-            .prepare_disk(&prep(&sneaky), &roots, None)
+            .prepare_disk(&prep(&sneaky), &roots, &Pulled::new())
             .await
             .unwrap_err();
         assert!(err.to_string().contains("backing file"), "{err}");
 
         let good = root.join("base.qcow2");
         qemu_img_create(&good, &[], Some(1 << 20)).unwrap();
-        s.prepare_disk(&prep(&good), &roots, None).await.unwrap();
+        s.prepare_disk(&prep(&good), &roots, &Pulled::new())
+            .await
+            .unwrap();
         assert_eq!(
             backing_of(&p.overlay("e")),
             (good.display().to_string(), "qcow2".to_owned())
         );
+    }
+
+    #[tokio::test]
+    async fn kernel_boot_files_are_private_copies_placed_safely() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = storage(tmp.path());
+        let p = s.host.vm(&VmKey::new("ns", "vm").unwrap());
+        s.create_dirs(&p).await.unwrap();
+        let cached = tmp.path().join("cache/vmlinuz");
+        std::fs::create_dir_all(cached.parent().unwrap()).unwrap();
+        std::fs::write(&cached, b"kernel bytes").unwrap();
+        // Whatever the VM's user planted there is replaced, never followed.
+        let victim = tmp.path().join("victim");
+        std::fs::write(&victim, b"untouched").unwrap();
+        std::os::unix::fs::symlink(&victim, p.kernel_file()).unwrap();
+        let prep = DiskPrep::KernelBoot {
+            image: "example.org/k:1".into(),
+            pull_policy: crate::image::PullPolicy::IfNotPresent,
+            kernel: Some(crate::convert::ImageFile {
+                path_in_image: "/disk/vmlinuz".into(),
+                dest: p.kernel_file(),
+            }),
+            initrd: None,
+        };
+        let err = s
+            .prepare_disk(&prep, &[], &Pulled::new())
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("not in the image cache"), "{err}");
+        let pulled: Pulled = [(
+            crate::convert::kernelboot::KERNEL.to_owned(),
+            ImageDisk {
+                path: cached.clone(),
+                format: "raw",
+                root: cached.parent().unwrap().to_owned(),
+                digest: "sha256:0".into(),
+            },
+        )]
+        .into_iter()
+        .collect();
+        s.prepare_disk(&prep, &[], &pulled).await.unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"untouched");
+        assert_eq!(std::fs::read(p.kernel_file()).unwrap(), b"kernel bytes");
+        let mode = std::fs::symlink_metadata(p.kernel_file())
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o640);
     }
 }

@@ -201,6 +201,36 @@ pub struct Firmware {
     pub serial: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub bootloader: Option<Bootloader>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kernel_boot: Option<KernelBoot>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+/// Direct kernel boot, the kernel and initrd taken from a container image.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct KernelBoot {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kernel_args: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container: Option<KernelBootContainer>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct KernelBootContainer {
+    pub image: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kernel_path: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub initrd_path: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_pull_policy: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub image_pull_secret: Option<String>,
     #[serde(flatten)]
     pub extra: Extra,
 }

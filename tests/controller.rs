@@ -6,6 +6,7 @@ use kvirt::convert::DomainType;
 use kvirt::fake::FakeHost;
 use kvirt::key::VmKey;
 use kvirt::layout::{DaemonKind, HostLayout};
+use kvirt::libvirt::GuestAgent;
 use kvirt::plan::DomainState;
 use kvirt::unit::Prop;
 use kvirt::vmi::{Phase, VirtualMachineInstance};
@@ -620,4 +621,47 @@ async fn a_failed_pull_leaves_nothing_and_is_retried_while_the_vmi_waits() {
         .find(|c| c.type_ == "Ready")
         .unwrap();
     assert_eq!(ready.status, "True");
+}
+
+#[tokio::test]
+async fn a_connected_guest_agent_shows_in_the_status_and_goes_with_it() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    ctl.set_vmis(set(&[vmi("vm1", "u1", "")])).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    let status = |host: &FakeHost| {
+        host.state().statuses[&VmKey::new("default", "vm1").unwrap()]
+            .status
+            .clone()
+    };
+    let agent_cond = |host: &FakeHost| {
+        status(host)
+            .conditions
+            .into_iter()
+            .find(|c| c.type_ == "AgentConnected")
+    };
+    assert!(agent_cond(&host).is_none());
+
+    // The guest starts its agent: the agent's event wakes the VM.
+    let mut os_info = BTreeMap::new();
+    os_info.insert("prettyName".to_string(), "Fedora Linux 41".to_string());
+    host.state()
+        .agents
+        .insert("default_vm1".into(), GuestAgent { os_info });
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert_eq!(agent_cond(&host).unwrap().status, "True");
+    assert_eq!(
+        status(&host).extra["guestOSInfo"],
+        serde_json::json!({"prettyName": "Fedora Linux 41"})
+    );
+    // Nothing new: nothing written.
+    host.take_calls();
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert!(host.take_calls().is_empty());
+
+    host.state().agents.clear();
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert!(agent_cond(&host).is_none());
+    assert!(!status(&host).extra.contains_key("guestOSInfo"));
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
 }

@@ -98,7 +98,9 @@ async fn container_disks_from_a_real_registry() {
         .collect();
     std::fs::write(&disk, &bytes).unwrap();
     let image = format!("127.0.0.1:{}/kvirt/guest:1", registry.port);
-    let url = kvirt::image::push_disk(&disk, &image, &[]).await.unwrap();
+    let url = kvirt::image::push_disk(std::slice::from_ref(&disk), &image, &[])
+        .await
+        .unwrap();
     assert!(url.contains("/v2/kvirt/guest/manifests/"), "{url}");
 
     // Two VMs starting together: one download, one copy in the cache.

@@ -42,8 +42,28 @@ fn a_manifest_becomes_a_running_vm_that_survives_kvirtd_restarts() {
         h.ok("systemctl show -p MemoryMax --value kvirt-vm@default_alpha"),
         ((128u64 + 256) << 20).to_string()
     );
-    // The guest agent's channel is there for an agent to answer on.
+    // The guest agent's channel is there, and the test guest's agent on it
+    // shows in the status as KubeVirt's does: AgentConnected, guestOSInfo.
     h.ok("[ -S /run/kvirt/vms/default_alpha/qga.sock ]");
+    h.wait(
+        "alpha's guest agent in its status",
+        Duration::from_secs(60),
+        "grep -q '\"prettyName\": \"kvirt test guest 1\"' /run/kvirt/vms/default_alpha/status.json",
+    );
+    let st = h.status("alpha")["status"].clone();
+    let agent = st["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "AgentConnected")
+        .cloned();
+    assert_eq!(
+        agent.map(|c| c["status"].clone()),
+        Some("True".into()),
+        "{st}"
+    );
+    assert_eq!(st["guestOSInfo"]["id"], "kvirt-test", "{st}");
+    assert!(st["guestOSInfo"]["kernelRelease"].is_string(), "{st}");
     // QEMU's capability probe landed in the cache every VM shares.
     h.ok("ls /var/cache/kvirt/qemu-capabilities/*.xml");
     h.console_shows("alpha", "KVIRT-GUEST");
@@ -408,7 +428,7 @@ fn cloud_init_user_data_runs_in_the_guest_from_nocloud_and_config_drive() {
 }
 
 #[test]
-fn a_container_disk_from_a_loopback_registry_boots_two_vms_over_one_cached_copy() {
+fn container_disks_kernel_boot_and_ephemeral_volumes_boot_over_read_only_bases() {
     let Some(h) = host() else { return };
     let _g = serial();
     // A real registry (Debian's docker-registry) on the test host's loopback.
@@ -424,7 +444,7 @@ fn a_container_disk_from_a_loopback_registry_boots_two_vms_over_one_cached_copy(
     let image = "127.0.0.1:5000/kvirt/guest:1";
     h.ok(&format!(
         "qemu-img convert -O qcow2 /srv/guest/run.raw /tmp/guest.qcow2
-         kvirtctl push-disk /tmp/guest.qcow2 {image}"
+         kvirtctl push-disk {image} /tmp/guest.qcow2"
     ));
     let boot = "    hostDisk: {path: /var/lib/kvirt/images/";
     for vm in ["cd1", "cd2"] {
@@ -473,9 +493,78 @@ fn a_container_disk_from_a_loopback_registry_boots_two_vms_over_one_cached_copy(
         ));
         assert!(binds.contains("/var/cache/kvirt/images/sha256/"), "{binds}");
     }
-    // The VMs go, their overlays with them; the cached image stays.
+    // Direct kernel boot from an image of the same cache: the test guest's
+    // kernel and initrd, copied into the VM's own directory.
+    let kernel_image = "127.0.0.1:5000/kvirt/kernel:1";
+    h.ok(&format!(
+        "kvirtctl push-disk {kernel_image} /srv/guest/vmlinuz /srv/guest/initrd.img"
+    ));
+    h.put_manifest(
+        "kb1",
+        "",
+        &format!(
+            "apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata:
+  name: kb1
+  namespace: default
+spec:
+  terminationGracePeriodSeconds: 15
+  domain:
+    memory: {{guest: 128Mi}}
+    firmware:
+      kernelBoot:
+        kernelArgs: console=ttyS0 kvirt.mode=run
+        container:
+          image: '{kernel_image}'
+          kernelPath: /disk/vmlinuz
+          initrdPath: /disk/initrd.img
+    devices: {{}}
+"
+        ),
+    );
+    h.wait_phase("kb1", "Running", BOOT);
+    h.serial_log_shows("kb1", "KVIRT-GUEST-READY");
+    assert_eq!(
+        h.ok("stat -c '%U %a' /var/lib/kvirt/vms/default_kb1/disks/kernel"),
+        "kvirt 640"
+    );
+    assert_eq!(h.ok("ls /var/cache/kvirt/images/sha256 | wc -l"), "2");
+
+    // An ephemeral volume: the same overlay, over a hostDisk that is only read.
+    h.ok("cp /srv/guest/run.raw /var/lib/kvirt/images/golden.raw
+          chmod 0644 /var/lib/kvirt/images/golden.raw
+          sha256sum /var/lib/kvirt/images/golden.raw >/tmp/golden.sum");
+    let manifest: String = support::vmi_manifest("eph1", "", "", "")
+        .lines()
+        .map(|l| {
+            if l.starts_with(boot) {
+                "    ephemeral: {hostDisk: {path: /var/lib/kvirt/images/golden.raw, type: Disk}}\n"
+                    .to_owned()
+            } else {
+                format!("{l}\n")
+            }
+        })
+        .collect();
+    h.put_manifest("eph1", "", &manifest);
+    h.wait_phase("eph1", "Running", BOOT);
+    h.serial_log_shows("eph1", "KVIRT-GUEST-READY");
+    let info = h.ok(
+        "qemu-img info -U --output=json /var/lib/kvirt/vms/default_eph1/disks/boot.overlay.qcow2",
+    );
+    let info: serde_json::Value = serde_json::from_str(&info).unwrap();
+    assert_eq!(
+        info["full-backing-filename"], "/var/lib/kvirt/images/golden.raw",
+        "{info}"
+    );
+    assert_eq!(info["backing-filename-format"], "raw");
+    h.remove_vm_and_wait_gone("eph1");
+    h.ok("sha256sum -c --quiet /tmp/golden.sum && rm /var/lib/kvirt/images/golden.raw /tmp/golden.sum");
+
+    // The VMs go, their overlays with them; the cached images stay.
     h.remove_vm_and_wait_gone("cd1");
     h.remove_vm_and_wait_gone("cd2");
+    h.remove_vm_and_wait_gone("kb1");
     h.ok(&format!("test -f {cached}"));
     h.ok("systemctl stop test-registry; rm -rf /var/lib/test-registry /tmp/guest.qcow2");
 }

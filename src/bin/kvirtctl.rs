@@ -45,13 +45,15 @@ enum Command {
         #[arg(long, value_enum, default_value = "kvm")]
         domain_type: DomainTypeArg,
     },
-    /// Package a disk image (qcow2 or raw) as a containerDisk image, with
-    /// the disk at /disk/<file name>, and push it to a registry.
+    /// Package files (a qcow2 or raw disk; a kernel and initrd for
+    /// kernelBoot) as a containerDisk image, each at /disk/<file name>, and
+    /// push it to a registry.
     PushDisk {
-        disk: PathBuf,
         /// Where to push it: REGISTRY/REPOSITORY:TAG. Loopback registries
         /// and [storage] insecure_registries are reached over plain HTTP.
         image: String,
+        #[arg(required = true)]
+        files: Vec<PathBuf>,
     },
     /// Print this manual page (roff) for packaging.
     #[command(hide = true)]
@@ -73,12 +75,12 @@ fn main() -> Result<()> {
         Command::Status { vm } => status(&config()?.layout(), &vm),
         Command::Console { vm } => console(&config()?.layout(), &vm),
         Command::Domxml { file, domain_type } => domxml(&config()?, &file, domain_type),
-        Command::PushDisk { disk, image } => {
+        Command::PushDisk { image, files } => {
             let insecure = config()?.storage.insecure_registries;
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
-            let url = rt.block_on(kvirt::image::push_disk(&disk, &image, &insecure))?;
+            let url = rt.block_on(kvirt::image::push_disk(&files, &image, &insecure))?;
             println!("{url}");
             Ok(())
         }

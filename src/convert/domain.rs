@@ -94,6 +94,12 @@ pub struct Os {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub firmware: Option<OsFirmware>,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub kernel: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub initrd: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cmdline: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub bios: Option<OsBios>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub smbios: Option<Smbios>,

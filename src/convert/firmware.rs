@@ -16,6 +16,8 @@ const DEFAULT_MACHINE: &str = "q35";
 pub(super) struct Needs {
     /// Secure Boot: OVMF's secure build only runs with SMM on.
     pub smm: bool,
+    /// `kernelBoot` is set (see `kernelboot`).
+    pub kernel_boot: bool,
 }
 
 pub(super) fn convert(
@@ -52,6 +54,7 @@ pub(super) fn convert(
     if let Some(fw) = fw {
         const PATH: &str = "spec.domain.firmware";
         errs.reject_extra(PATH, &fw.extra);
+        needs.kernel_boot = fw.kernel_boot.is_some();
         if let Some(u) = &fw.uuid {
             match normalize_uuid(u) {
                 Some(u) => uuid = u,
@@ -126,6 +129,9 @@ pub(super) fn convert(
             value: "hvm",
         },
         firmware: efi,
+        kernel: None,
+        initrd: None,
+        cmdline: None,
         bios,
         smbios: sysinfo.as_ref().map(|_| Smbios { mode: "sysinfo" }),
     };
@@ -245,7 +251,7 @@ mod tests {
         );
         assert_eq!(
             f("firmware: {kernelBoot: {}}"),
-            ["spec.domain.firmware.kernelBoot"]
+            ["spec.domain.firmware.kernelBoot.container"]
         );
         assert_eq!(
             f("machine: {type: \"q35 -x\"}"),

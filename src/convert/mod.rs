@@ -20,6 +20,7 @@ mod disks;
 pub mod domain;
 mod features;
 mod firmware;
+pub mod kernelboot;
 mod memory;
 pub mod network;
 
@@ -114,9 +115,72 @@ pub enum DiskPrep {
         path: PathBuf,
         backing: Backing,
     },
+    /// `kernelBoot`: files of an image copied into the VM's directory.
+    KernelBoot {
+        image: String,
+        pull_policy: crate::image::PullPolicy,
+        kernel: Option<ImageFile>,
+        initrd: Option<ImageFile>,
+    },
+}
+
+/// A file in a container image and where the VM gets its copy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ImageFile {
+    pub path_in_image: String,
+    pub dest: PathBuf,
+}
+
+/// One file the runtime must find in a pulled image: `key` names it in
+/// the map of pulled files (a volume name, or `kernelboot::KERNEL`...).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ImageNeed<'a> {
+    pub key: &'a str,
+    pub image: &'a str,
+    pub pull_policy: crate::image::PullPolicy,
+    pub path: Option<&'a str>,
 }
 
 impl DiskPrep {
+    /// The files this prep needs from container images.
+    pub fn image_needs(&self) -> Vec<ImageNeed<'_>> {
+        match self {
+            DiskPrep::Overlay {
+                volume,
+                backing:
+                    Backing::Image {
+                        image,
+                        pull_policy,
+                        path,
+                    },
+                ..
+            } => vec![ImageNeed {
+                key: volume,
+                image,
+                pull_policy: *pull_policy,
+                path: path.as_deref(),
+            }],
+            DiskPrep::KernelBoot {
+                image,
+                pull_policy,
+                kernel,
+                initrd,
+            } => [(kernelboot::KERNEL, kernel), (kernelboot::INITRD, initrd)]
+                .into_iter()
+                .filter_map(|(key, f)| {
+                    Some(ImageNeed {
+                        key,
+                        image,
+                        pull_policy: *pull_policy,
+                        path: Some(f.as_ref()?.path_in_image.as_str()),
+                    })
+                })
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// What the fake host and logs call it.
     pub fn path(&self) -> &std::path::Path {
         match self {
             DiskPrep::CreateQcow2 { path, .. }
@@ -124,16 +188,10 @@ impl DiskPrep {
             | DiskPrep::RequireExisting { path, .. }
             | DiskPrep::CloudInitIso { path, .. }
             | DiskPrep::Overlay { path, .. } => path,
-        }
-    }
-
-    pub fn volume(&self) -> &str {
-        match self {
-            DiskPrep::CreateQcow2 { volume, .. }
-            | DiskPrep::CreateRawIfMissing { volume, .. }
-            | DiskPrep::RequireExisting { volume, .. }
-            | DiskPrep::CloudInitIso { volume, .. }
-            | DiskPrep::Overlay { volume, .. } => volume,
+            DiskPrep::KernelBoot { kernel, initrd, .. } => kernel
+                .as_ref()
+                .or(initrd.as_ref())
+                .map_or(std::path::Path::new(""), |f| &f.dest),
         }
     }
 }
@@ -202,7 +260,11 @@ pub fn convert_all_errors(
     let (uuid, os, sysinfo, needs) = firmware::convert(vmi, ctx.key, dom, &mut errs);
     let features = features::convert(dom.features.as_ref(), needs, ctx.domain_type, &mut errs);
     let clock = clock::convert(dom.clock.as_ref(), &mut errs);
-    let (disk_devs, controllers, preps) = disks::convert(spec, ctx, &uuid, &mut errs);
+    let (disk_devs, controllers, mut preps) = disks::convert(spec, ctx, &uuid, &mut errs);
+    let mut os = os;
+    if let Some(kb) = dom.firmware.as_ref().and_then(|f| f.kernel_boot.as_ref()) {
+        preps.extend(kernelboot::convert(kb, ctx.paths, &mut os, &mut errs));
+    }
     let mut devices = devices::convert(spec, ctx.paths, &mut errs);
     devices.disks = disk_devs;
     devices.controllers = controllers;

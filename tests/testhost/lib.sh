@@ -244,6 +244,26 @@ for dev in /dev/vd? /dev/sr?; do
   done
   umount /seed
 done
+# A guest agent, as little of it as the tests need, on the agent's
+# virtio-serial port: guest-sync (libvirt's handshake) and guest-get-osinfo.
+# One descriptor both ways (a port opens once at a time), kept open: a read
+# returns EOF until the host end connects, which libvirt does only once it
+# sees the port opened.
+for p in /sys/class/virtio-ports/*; do
+  [ "$(cat "$p/name" 2>/dev/null)" = org.qemu.guest_agent.0 ] || continue
+  port=/dev/${p##*/}
+  {
+    while :; do
+      if ! read -r line <&3; then sleep 1; continue; fi
+      case $line in
+        *guest-sync*) echo "{\"return\": $(echo "$line" | sed -n 's/.*"id": *\([0-9]*\).*/\1/p')}" >&3 ;;
+        *guest-get-osinfo*) echo "{\"return\": {\"id\": \"kvirt-test\", \"name\": \"kvirt test guest\", \"pretty-name\": \"kvirt test guest 1\", \"version-id\": \"1\", \"kernel-release\": \"$(uname -r)\", \"machine\": \"$(uname -m)\"}}" >&3 ;;
+        *) echo '{"return": {}}' >&3 ;;
+      esac
+    done
+  } 3<>"$port" &
+  echo "KVIRT-GUEST-AGENT $port"
+done
 echo "KVIRT-GUEST-READY mode=$mode acpi=$acpi"
 case $mode in
   poweroff)
@@ -318,7 +338,7 @@ DHCP
   }
   : >"$ir/lib/modules/order"
   local m
-  for m in evdev button virtio_net virtio_blk isofs; do th__guest_mod "$m"; done
+  for m in evdev button virtio_net virtio_blk isofs virtio_console; do th__guest_mod "$m"; done
   (cd "$ir" && find . -print0 | LC_ALL=C sort -z | cpio --null -o -H newc --quiet --reproducible) |
     gzip -9n >"$out/initrd.img"
   echo "$kver" >"$out/kernel-version"
