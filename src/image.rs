@@ -305,29 +305,14 @@ impl OciImages {
         self.entry(image, digest.trim())
     }
 
-    fn io(
-        &self,
-        image: &str,
-        path: &Path,
-        op: &'static str,
-    ) -> impl FnOnce(std::io::Error) -> ImageError {
-        let (image, path) = (image.to_owned(), path.to_owned());
-        move |source| ImageError::Io {
-            image,
-            path,
-            op,
-            source,
-        }
-    }
-
     fn remember(&self, image: &str, digest: &str) -> Result<(), ImageError> {
         let f = self.ref_file(image);
         let dir = f.parent().expect("refs/ has a parent");
-        mkdir(dir).map_err(self.io(image, dir, "create directory"))?;
+        mkdir(dir).map_err(io_err(image, dir, "create directory"))?;
         let tmp = f.with_extension("tmp");
         std::fs::write(&tmp, digest)
             .and_then(|_| std::fs::rename(&tmp, &f))
-            .map_err(self.io(image, &f, "write"))
+            .map_err(io_err(image, &f, "write"))
     }
 
     async fn pull(
@@ -405,7 +390,7 @@ impl OciImages {
         let hex = hex_of(&layer.digest)
             .ok_or_else(|| content(format!("layer digest {:?}", layer.digest)))?;
         let dir = self.dir.join("blobs");
-        mkdir(&dir).map_err(self.io(image, &dir, "create directory"))?;
+        mkdir(&dir).map_err(io_err(image, &dir, "create directory"))?;
         let done = dir.join(&hex);
         if done.is_file() {
             return Ok(done);
@@ -433,25 +418,25 @@ impl OciImages {
                 // The registry sent it all again: start over.
                 BlobResponse::Full(s) => (s, 0, tokio::fs::File::create(&partial).await),
             };
-            let mut file = file.map_err(self.io(image, &partial, "open"))?;
+            let mut file = file.map_err(io_err(image, &partial, "open"))?;
             use futures::StreamExt;
             while let Some(chunk) = stream.next().await {
-                let chunk = chunk.map_err(self.io(image, &partial, "download"))?;
+                let chunk = chunk.map_err(io_err(image, &partial, "download"))?;
                 file.write_all(&chunk)
                     .await
-                    .map_err(self.io(image, &partial, "write"))?;
+                    .map_err(io_err(image, &partial, "write"))?;
                 at += chunk.len() as u64;
                 progress(at);
             }
             file.flush()
                 .await
-                .map_err(self.io(image, &partial, "write"))?;
+                .map_err(io_err(image, &partial, "write"))?;
         }
         let check = partial.clone();
         let sum = tokio::task::spawn_blocking(move || sha256_file(&check))
             .await
             .map_err(|_| content("hashing: worker thread died".into()))?
-            .map_err(self.io(image, &partial, "read"))?;
+            .map_err(io_err(image, &partial, "read"))?;
         if sum != hex {
             let _ = std::fs::remove_file(&partial);
             return Err(content(format!(
@@ -459,7 +444,7 @@ impl OciImages {
                 layer.digest
             )));
         }
-        std::fs::rename(&partial, &done).map_err(self.io(image, &done, "rename"))?;
+        std::fs::rename(&partial, &done).map_err(io_err(image, &done, "rename"))?;
         Ok(done)
     }
 }
@@ -504,6 +489,16 @@ impl OciImages {
     }
 }
 
+fn io_err(image: &str, path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> ImageError {
+    let (image, path) = (image.to_owned(), path.to_owned());
+    move |source| ImageError::Io {
+        image,
+        path,
+        op,
+        source,
+    }
+}
+
 /// `sha256:<64 hex>` → the hex; anything else (which could steer a path) → None.
 fn hex_of(digest: &str) -> Option<String> {
     let hex = digest.strip_prefix("sha256:")?;
@@ -536,15 +531,7 @@ fn sha256_file(path: &Path) -> std::io::Result<String> {
 /// `sha256/<hex>`. Only directories and regular files are made (root's,
 /// world-readable): links, devices and paths leaving the tree are skipped.
 fn unpack(dir: &Path, image: &str, hex: &str, layers: &[PathBuf]) -> Result<PathBuf, ImageError> {
-    let io = |path: &Path, op: &'static str| {
-        let (image, path) = (image.to_owned(), path.to_owned());
-        move |source| ImageError::Io {
-            image,
-            path,
-            op,
-            source,
-        }
-    };
+    let io = |path: &Path, op| io_err(image, path, op);
     let tmp_parent = dir.join(".tmp");
     mkdir(&tmp_parent).map_err(io(&tmp_parent, "create directory"))?;
     let tmp = tmp_parent.join(format!("{hex}-{}", std::process::id()));
