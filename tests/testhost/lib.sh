@@ -76,6 +76,11 @@ th_host_deps() {
     apt-get update >&2
     apt-get install -y --no-install-recommends "${missing[@]}" >&2
   fi
+  # Only its binary is wanted (tests/image.rs starts its own on a loopback
+  # port): no registry service left running on this machine.
+  if [[ " ${missing[*]} " == *" docker-registry "* ]] && [[ -d /run/systemd/system ]]; then
+    systemctl disable --now docker-registry.service >&2 || true
+  fi
   th_log "host packages installed in $(th__since "$t")"
 }
 
