@@ -266,7 +266,10 @@ fn client(protocol: ClientProtocol) -> Client {
 }
 
 impl OciImages {
+    /// One per kvirtd: unpacking a crashed predecessor left behind in
+    /// `.tmp/` is dropped (its `.partial` downloads are kept and resumed).
     pub fn new(dir: PathBuf, insecure: Vec<String>) -> Self {
+        let _ = std::fs::remove_dir_all(dir.join(".tmp"));
         Self {
             dir,
             https: client(ClientProtocol::Https),

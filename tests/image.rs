@@ -151,7 +151,10 @@ async fn container_disks_from_a_real_registry() {
     std::fs::create_dir_all(resumed.join("blobs")).unwrap();
     let partial = resumed.join("blobs").join(format!("{hex}.partial"));
     std::fs::write(&partial, &blob[..blob.len() / 2]).unwrap();
+    let stale = resumed.join(".tmp/abc-1");
+    std::fs::create_dir_all(&stale).unwrap();
     let again = OciImages::new(resumed.clone(), vec![]);
+    assert!(!stale.exists(), "a crashed unpack is cleaned up at start");
     let d = again
         .disk(&image, PullPolicy::Always, None, &|_| {})
         .await
