@@ -534,10 +534,10 @@ impl<
     }
 
     /// containerDisks (and kernelBoot images) are pulled before anything is
-    /// made on the host, so a
-    /// registry outage leaves nothing behind: the error goes to the loop's
-    /// backoff and the VMI waits in Scheduled, as a pod waits in
-    /// ImagePullBackOff. Progress shows in the Ready condition and the log.
+    /// made on the host, so a registry outage leaves nothing behind: the
+    /// error goes to the loop's backoff and the VMI waits in Scheduled, as a
+    /// pod waits in ImagePullBackOff. Progress shows in the Ready condition
+    /// and the log.
     async fn pull_images(
         &self,
         vmi: &VirtualMachineInstance,
