@@ -449,6 +449,15 @@ mod tests {
     use super::*;
     use crate::key::VmKey;
 
+    /// Storage in a temporary root with one VM's directories made.
+    async fn vm_dirs() -> (tempfile::TempDir, HostStorage, VmPaths) {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = storage(tmp.path());
+        let p = s.host.vm(&VmKey::new("ns", "vm").unwrap());
+        s.create_dirs(&p).await.unwrap();
+        (tmp, s, p)
+    }
+
     fn storage(root: &Path) -> HostStorage {
         HostStorage {
             host: HostLayout {
@@ -462,10 +471,7 @@ mod tests {
 
     #[tokio::test]
     async fn creates_and_removes_a_vms_directories() {
-        let tmp = tempfile::tempdir().unwrap();
-        let s = storage(tmp.path());
-        let p = s.host.vm(&VmKey::new("ns", "vm").unwrap());
-        s.create_dirs(&p).await.unwrap();
+        let (_tmp, s, p) = vm_dirs().await;
         assert!(p.capabilities_mount().is_dir());
         assert!(p.xdg_runtime_dir().is_dir());
         let conf = std::fs::read_to_string(p.qemu_conf()).unwrap();
@@ -486,10 +492,7 @@ mod tests {
             eprintln!("skipped: no xorrisofs (tests/run-all installs it)");
             return;
         }
-        let tmp = tempfile::tempdir().unwrap();
-        let s = storage(tmp.path());
-        let p = s.host.vm(&VmKey::new("ns", "vm").unwrap());
-        s.create_dirs(&p).await.unwrap();
+        let (tmp, s, p) = vm_dirs().await;
         let iso = p.cloud_init_iso("ci");
         // Whatever the VM's user planted there is replaced, never followed.
         let victim = tmp.path().join("victim");
@@ -610,10 +613,7 @@ mod tests {
         if !qemu_img() {
             return;
         }
-        let tmp = tempfile::tempdir().unwrap();
-        let s = storage(tmp.path());
-        let p = s.host.vm(&VmKey::new("ns", "vm").unwrap());
-        s.create_dirs(&p).await.unwrap();
+        let (tmp, s, p) = vm_dirs().await;
         let base = tmp.path().join("cache/disk.raw");
         std::fs::create_dir_all(base.parent().unwrap()).unwrap();
         std::fs::write(&base, vec![0u8; 1 << 20]).unwrap();
@@ -659,10 +659,7 @@ mod tests {
         if !qemu_img() {
             return;
         }
-        let tmp = tempfile::tempdir().unwrap();
-        let s = storage(tmp.path());
-        let p = s.host.vm(&VmKey::new("ns", "vm").unwrap());
-        s.create_dirs(&p).await.unwrap();
+        let (tmp, s, p) = vm_dirs().await;
         let root = tmp.path().join("images");
         std::fs::create_dir_all(&root).unwrap();
         let prep = |base: &Path| DiskPrep::Overlay {
@@ -715,10 +712,7 @@ mod tests {
 
     #[tokio::test]
     async fn kernel_boot_files_are_private_copies_placed_safely() {
-        let tmp = tempfile::tempdir().unwrap();
-        let s = storage(tmp.path());
-        let p = s.host.vm(&VmKey::new("ns", "vm").unwrap());
-        s.create_dirs(&p).await.unwrap();
+        let (tmp, s, p) = vm_dirs().await;
         let cached = tmp.path().join("cache/vmlinuz");
         std::fs::create_dir_all(cached.parent().unwrap()).unwrap();
         std::fs::write(&cached, b"kernel bytes").unwrap();

@@ -418,24 +418,13 @@ fn qcow2(path: PathBuf) -> Source {
 fn container_disk(cd: &ContainerDisk, p: &str, errs: &mut Errors) -> Option<Backing> {
     errs.reject_extra(p, &cd.extra);
     let before = errs.len();
-    if let Err(e) = image::parse_reference(&cd.image) {
-        errs.add(format!("{p}.image"), e);
-    }
-    let pull_policy = match PullPolicy::resolve(cd.image_pull_policy.as_deref(), &cd.image) {
-        Ok(pol) => Some(pol),
-        Err(e) => {
-            if cd.image_pull_policy.is_some() {
-                errs.add(format!("{p}.imagePullPolicy"), e);
-            }
-            None
-        }
-    };
-    if cd.image_pull_secret.is_some() {
-        errs.add(
-            format!("{p}.imagePullSecret"),
-            "registry credentials are not supported yet (use a public or loopback registry)",
-        );
-    }
+    let pull_policy = image_source(
+        &cd.image,
+        cd.image_pull_policy.as_deref(),
+        cd.image_pull_secret.is_some(),
+        p,
+        errs,
+    );
     if let Some(path) = &cd.path {
         if path.is_empty()
             || path.chars().any(char::is_control)
@@ -452,6 +441,31 @@ fn container_disk(cd: &ContainerDisk, p: &str, errs: &mut Errors) -> Option<Back
         pull_policy: pull_policy.expect("checked above"),
         path: cd.path.clone(),
     })
+}
+
+/// What containerDisks and kernelBoot share: the image reference, its pull
+/// policy (`None` when it is wrong), and credentials kvirt cannot use yet.
+pub(super) fn image_source(
+    image: &str,
+    policy: Option<&str>,
+    has_pull_secret: bool,
+    p: &str,
+    errs: &mut Errors,
+) -> Option<PullPolicy> {
+    if let Err(e) = image::parse_reference(image) {
+        errs.add(format!("{p}.image"), e);
+    }
+    let resolved = PullPolicy::resolve(policy, image);
+    if let (Err(e), Some(_)) = (&resolved, policy) {
+        errs.add(format!("{p}.imagePullPolicy"), e);
+    }
+    if has_pull_secret {
+        errs.add(
+            format!("{p}.imagePullSecret"),
+            "registry credentials are not supported yet (use a public or loopback registry)",
+        );
+    }
+    resolved.ok()
 }
 
 fn ephemeral(eph: &Ephemeral, ctx: &ConvertContext, p: &str, errs: &mut Errors) -> Option<PathBuf> {

@@ -4,7 +4,6 @@
 
 use super::domain::Os;
 use super::{DiskPrep, Errors, ImageFile};
-use crate::image::{self, PullPolicy};
 use crate::layout::VmPaths;
 use crate::vmi::KernelBoot;
 
@@ -31,19 +30,13 @@ pub(super) fn convert(
     let p = format!("{PATH}.container");
     errs.reject_extra(&p, &c.extra);
     let before = errs.len();
-    if let Err(e) = image::parse_reference(&c.image) {
-        errs.add(format!("{p}.image"), e);
-    }
-    let pull_policy = PullPolicy::resolve(c.image_pull_policy.as_deref(), &c.image);
-    if let (Err(e), Some(_)) = (&pull_policy, &c.image_pull_policy) {
-        errs.add(format!("{p}.imagePullPolicy"), e);
-    }
-    if c.image_pull_secret.is_some() {
-        errs.add(
-            format!("{p}.imagePullSecret"),
-            "registry credentials are not supported yet",
-        );
-    }
+    let pull_policy = super::disks::image_source(
+        &c.image,
+        c.image_pull_policy.as_deref(),
+        c.image_pull_secret.is_some(),
+        &p,
+        errs,
+    );
     for (field, path) in [
         ("kernelPath", &c.kernel_path),
         ("initrdPath", &c.initrd_path),
@@ -84,7 +77,7 @@ pub(super) fn convert(
     os.cmdline = kb.kernel_args.clone();
     Some(DiskPrep::KernelBoot {
         image: c.image.clone(),
-        pull_policy: pull_policy.ok()?,
+        pull_policy: pull_policy?,
         kernel,
         initrd,
     })
