@@ -13,7 +13,9 @@ use crate::machined::{MachineSpec, Machines};
 use crate::metrics::{Adoption, Metrics};
 use crate::netns::{Netns, NetnsError};
 use crate::network::{Network, NetworkError};
+use crate::objects::{ObjectRef, Objects};
 use crate::plan::{self, Desired, DomainState, Observed, Outcome, Step, UnitActivity};
+use crate::pullsecret::{self, Credentials};
 use crate::source::{SourceError, StatusStore};
 use crate::status;
 use crate::storage::{Storage, StorageError};
@@ -48,6 +50,8 @@ pub enum ControllerError {
     },
     #[error("VM {id}: {source}")]
     Image { id: String, source: ImageError },
+    #[error("VM {id}: {message}")]
+    Objects { id: String, message: String },
     #[error("VM {id}: teardown incomplete: {}", errors.join("; "))]
     Teardown { id: String, errors: Vec<String> },
 }
@@ -64,6 +68,7 @@ impl ControllerError {
             ControllerError::Status { .. } => "status",
             ControllerError::Machined { .. } => "machined",
             ControllerError::Image { .. } => "image",
+            ControllerError::Objects { .. } => "objects",
             ControllerError::Teardown { .. } => "teardown",
         }
     }
@@ -80,6 +85,9 @@ pub enum EventReason {
     /// A containerDisk is in the image cache (kubelet's reasons).
     Pulled,
     ErrImagePull,
+    /// A Secret, ConfigMap or ServiceAccount a volume names cannot be read
+    /// (kubelet's reason when a pod's volume cannot be set up).
+    FailedMount,
 }
 
 /// Where Events about a VMI go (the log in standalone mode, Event objects
@@ -121,6 +129,8 @@ pub struct Settings {
     pub node_name: String,
     pub layout: HostLayout,
     pub host_disk_roots: Vec<PathBuf>,
+    /// VMIs come from a cluster (their volumes may name its objects).
+    pub cluster: bool,
     pub daemon: DaemonKind,
     pub daemon_path: PathBuf,
     pub domain_type: DomainType,
@@ -295,6 +305,7 @@ impl<
                 paths: &paths,
                 domain_type: self.settings.domain_type,
                 host_disk_roots: &self.settings.host_disk_roots,
+                cluster: self.settings.cluster,
             },
         )
         .map_err(|e| e.to_string())
@@ -433,12 +444,14 @@ impl<
             }
         }
 
-        let mut images = BTreeMap::new();
+        let (mut disks, mut images) = (Vec::new(), BTreeMap::new());
         if let (Some(v), Some(k), Some(Ok(conv)), true) = (&vmi, &key, &converted, creating) {
+            disks = self.read_objects(v, k, conv).await?;
             images = self.pull_images(v, k, conv).await?;
         }
         let ctx = StepCtx {
             id,
+            disks: &disks,
             images: &images,
             obs: &obs,
             vmi: vmi.as_ref(),
@@ -533,6 +546,67 @@ impl<
         })
     }
 
+    /// The Secrets, ConfigMaps and ServiceAccount tokens the seed images
+    /// name are read once per start, before anything is made on the host;
+    /// the disks come back with their data. A missing object is waited for
+    /// (backoff, `Ready=False FailedMount`, an Event), as kubelet waits to
+    /// mount a pod's volume; a running VM never rereads them.
+    async fn read_objects(
+        &self,
+        vmi: &VirtualMachineInstance,
+        key: &VmKey,
+        conv: &Converted,
+    ) -> Result<Vec<DiskPrep>, ControllerError> {
+        let mut objects = Objects::new();
+        let refs = conv.disks.iter().flat_map(|d| match d {
+            DiskPrep::SeedIso { seed, .. } => seed.object_refs().collect(),
+            _ => Vec::new(),
+        });
+        let mut result = Ok(());
+        for r in refs {
+            if objects.contains_key(r) {
+                continue;
+            }
+            match self.deps.status.object(key.namespace(), r).await {
+                Ok(data) => {
+                    objects.insert(r.clone(), data);
+                }
+                Err(e) => {
+                    result = Err(e.to_string());
+                    break;
+                }
+            }
+        }
+        let disks = result.and_then(|()| {
+            conv.disks
+                .iter()
+                .map(|d| match d {
+                    DiskPrep::SeedIso { volume, path, seed } if !seed.from_objects.is_empty() => {
+                        Ok(DiskPrep::SeedIso {
+                            volume: volume.clone(),
+                            path: path.clone(),
+                            seed: seed.resolve(&objects)?,
+                        })
+                    }
+                    other => Ok(other.clone()),
+                })
+                .collect::<Result<Vec<_>, String>>()
+        });
+        match disks {
+            Ok(d) => Ok(d),
+            Err(message) => {
+                self.deps
+                    .recorder
+                    .record(vmi, EventReason::FailedMount, &message, true);
+                self.set_waiting(key, "FailedMount", &message).await;
+                Err(ControllerError::Objects {
+                    id: key.id(),
+                    message,
+                })
+            }
+        }
+    }
+
     /// containerDisks (and kernelBoot images) are pulled before anything is
     /// made on the host, so a registry outage leaves nothing behind: the
     /// error goes to the loop's backoff and the VMI waits in Scheduled, as a
@@ -547,6 +621,23 @@ impl<
         let mut disks = BTreeMap::new();
         for need in conv.disks.iter().flat_map(DiskPrep::image_needs) {
             let (volume, image) = (need.key, need.image);
+            let auth = match need.pull_secret {
+                None => None,
+                Some(secret) => match self.credentials(key, image, secret).await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        let msg = format!("volume {volume}: {e}");
+                        self.deps
+                            .recorder
+                            .record(vmi, EventReason::ErrImagePull, &msg, true);
+                        self.set_waiting(key, "ErrImagePull", &msg).await;
+                        return Err(ControllerError::Image {
+                            id: key.id(),
+                            source: e,
+                        });
+                    }
+                },
+            };
             let started = tokio::time::Instant::now();
             let latest = Mutex::new(None::<Progress>);
             let downloaded = std::sync::atomic::AtomicBool::new(false);
@@ -554,10 +645,10 @@ impl<
                 downloaded.store(true, Ordering::Relaxed);
                 *latest.lock().unwrap_or_else(|e| e.into_inner()) = Some(p);
             };
-            let pull = self
-                .deps
-                .images
-                .disk(image, need.pull_policy, need.path, &report);
+            let pull =
+                self.deps
+                    .images
+                    .disk(image, need.pull_policy, need.path, auth.as_ref(), &report);
             tokio::pin!(pull);
             let mut tick = tokio::time::interval(Duration::from_secs(2));
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
@@ -607,6 +698,31 @@ impl<
         Ok(disks)
     }
 
+    /// The registry credentials for `image` in its pull secret; `None`
+    /// when the secret has none for that registry (then the pull is
+    /// anonymous, as kubelet's).
+    async fn credentials(
+        &self,
+        key: &VmKey,
+        image: &str,
+        secret: &str,
+    ) -> Result<Option<Credentials>, ImageError> {
+        let err = |message: String| ImageError::PullSecret {
+            image: image.to_owned(),
+            secret: secret.to_owned(),
+            message,
+        };
+        let r = crate::image::parse_reference(image).map_err(err)?;
+        let data = self
+            .deps
+            .status
+            .object(key.namespace(), &ObjectRef::Secret(secret.to_owned()))
+            .await
+            .map_err(|e| err(e.to_string()))?
+            .ok_or_else(|| err("not found".into()))?;
+        pullsecret::credentials(&data, r.resolve_registry(), r.repository()).map_err(err)
+    }
+
     /// Why a VM that is not running yet is waiting (the Ready condition),
     /// saved at once; a failed save is retried by the next report.
     async fn set_waiting(&self, key: &VmKey, reason: &str, message: &str) {
@@ -654,6 +770,7 @@ impl<
         );
         let ctx = StepCtx {
             id,
+            disks: &[],
             images: &BTreeMap::new(),
             obs: &Observed::default(),
             vmi: None,
@@ -815,7 +932,7 @@ impl<
                 .await
                 .map_err(storage_err),
             Step::PrepareDisks => {
-                for d in &conv().disks {
+                for d in c.disks {
                     self.deps
                         .storage
                         .prepare_disk(d, &self.settings.host_disk_roots, c.images)
@@ -1107,6 +1224,8 @@ impl<
 
 struct StepCtx<'a> {
     id: &'a str,
+    /// The converted disks with their cluster objects' data, for this start.
+    disks: &'a [DiskPrep],
     /// containerDisks pulled for this start, by volume.
     images: &'a BTreeMap<String, ImageDisk>,
     obs: &'a Observed,

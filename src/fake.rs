@@ -9,7 +9,9 @@ use crate::layout::VmPaths;
 use crate::libvirt::{DomainRef, GuestAgent, Hypervisor, LibvirtError};
 use crate::machined::{MachineSpec, MachinedError, Machines};
 use crate::netns::{Netns, NetnsError};
+use crate::objects::{ObjectData, ObjectRef};
 use crate::plan::{DomainObs, DomainState, UnitActivity, UnitObs};
+use crate::pullsecret::Credentials;
 use crate::source::{SourceError, StatusStore};
 use crate::storage::{Storage, StorageError};
 use crate::systemd::{SystemdError, Units};
@@ -51,6 +53,8 @@ pub struct HostState {
     pub pulled: BTreeSet<String>,
     /// Guest agents connected, by VM id.
     pub agents: BTreeMap<String, GuestAgent>,
+    /// Cluster objects, by namespace and reference.
+    pub objects: BTreeMap<(String, ObjectRef), ObjectData>,
 }
 
 #[derive(Clone, Default)]
@@ -170,9 +174,11 @@ impl Images for FakeHost {
         image: &str,
         _policy: PullPolicy,
         path: Option<&str>,
+        auth: Option<&Credentials>,
         progress: &(dyn Fn(Progress) + Send + Sync),
     ) -> Result<ImageDisk, ImageError> {
-        if self.call(format!("pull {image}")) {
+        let who = auth.map_or(String::new(), |c| format!(" as {}", c.username));
+        if self.call(format!("pull {image}{who}")) {
             return Err(ImageError::Content {
                 image: image.into(),
                 message: injected("pull"),
@@ -403,6 +409,22 @@ impl StatusStore for FakeHost {
         s.held.remove(&key);
         s.released.push(key);
         Ok(())
+    }
+
+    async fn object(
+        &self,
+        namespace: &str,
+        object: &ObjectRef,
+    ) -> Result<Option<ObjectData>, SourceError> {
+        if self.call(format!("read {namespace}/{object}")) {
+            return Err(SourceError::Object {
+                namespace: namespace.into(),
+                object: object.clone(),
+                message: injected("read"),
+            });
+        }
+        let key = (namespace.to_owned(), object.clone());
+        Ok(self.state().objects.get(&key).cloned())
     }
 }
 

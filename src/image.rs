@@ -11,11 +11,13 @@
 //! - `refs/<sha256 of the reference>`: the digest a tag resolved to, for
 //!   `IfNotPresent`.
 
+use crate::pullsecret::Credentials;
 use oci_client::client::{BlobResponse, ClientConfig, ClientProtocol};
 use oci_client::manifest::OciDescriptor;
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
 use sha2::{Digest, Sha256};
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::future::Future;
 use std::io::Read;
@@ -44,6 +46,12 @@ pub enum ImageError {
     },
     #[error("{image}: {message}")]
     Content { image: String, message: String },
+    #[error("{image}: imagePullSecret {secret:?}: {message}")]
+    PullSecret {
+        image: String,
+        secret: String,
+        message: String,
+    },
 }
 
 /// Kubernetes' `imagePullPolicy`.
@@ -224,6 +232,7 @@ pub trait Images: Send + Sync + 'static {
         image: &str,
         policy: PullPolicy,
         path: Option<&str>,
+        auth: Option<&Credentials>,
         progress: &(dyn Fn(Progress) + Send + Sync),
     ) -> impl Future<Output = Result<ImageDisk, ImageError>> + Send;
 }
@@ -322,21 +331,28 @@ impl OciImages {
         &self,
         image: &str,
         r: &Reference,
+        auth: Option<&Credentials>,
         progress: &(dyn Fn(Progress) + Send + Sync),
     ) -> Result<CachedImage, ImageError> {
-        let client = if is_plain_http(r.resolve_registry(), &self.insecure) {
-            &self.http
-        } else {
-            &self.https
-        };
+        let (client, registry_auth) = self.client_for(r, auth);
+        let client = client.as_ref();
         let registry = |source| ImageError::Registry {
             image: image.to_owned(),
             source,
         };
         let (manifest, digest) = client
-            .pull_image_manifest(r, &RegistryAuth::Anonymous)
+            .pull_image_manifest(r, &registry_auth)
             .await
             .map_err(registry)?;
+        if auth.is_some() {
+            // Marked before the first byte lands in the cache, so a crash
+            // can never leave a private image looking public.
+            if let Some(m) = self.private_marker(&digest) {
+                let dir = m.parent().expect("private/ has a parent");
+                mkdir(dir).map_err(io_err(image, dir, "create directory"))?;
+                std::fs::write(&m, b"").map_err(io_err(image, &m, "write"))?;
+            }
+        }
         if let Some(c) = self.entry(image, &digest) {
             self.remember(image, &digest)?;
             return Ok(c);
@@ -458,9 +474,10 @@ impl Images for OciImages {
         image: &str,
         policy: PullPolicy,
         path: Option<&str>,
+        auth: Option<&Credentials>,
         progress: &(dyn Fn(Progress) + Send + Sync),
     ) -> Result<ImageDisk, ImageError> {
-        self.ensure(image, policy, progress).await?.disk(path)
+        self.ensure(image, policy, auth, progress).await?.disk(path)
     }
 }
 
@@ -470,6 +487,7 @@ impl OciImages {
         &self,
         image: &str,
         policy: PullPolicy,
+        auth: Option<&Credentials>,
         progress: &(dyn Fn(Progress) + Send + Sync),
     ) -> Result<CachedImage, ImageError> {
         let r = parse_reference(image).map_err(|message| ImageError::Reference {
@@ -480,6 +498,18 @@ impl OciImages {
         let _one_pull = lock.lock().await;
         if policy != PullPolicy::Always {
             if let Some(c) = self.cached(image, &r) {
+                if self.is_private(&c.digest) {
+                    // A private image in the cache is not a licence to use
+                    // it: the registry must say these credentials may.
+                    let (client, registry_auth) = self.client_for(&r, auth);
+                    client
+                        .fetch_manifest_digest(&r, &registry_auth)
+                        .await
+                        .map_err(|source| ImageError::Registry {
+                            image: image.to_owned(),
+                            source,
+                        })?;
+                }
                 return Ok(c);
             }
         }
@@ -488,7 +518,44 @@ impl OciImages {
                 image: image.to_owned(),
             });
         }
-        self.pull(image, &r, progress).await
+        self.pull(image, &r, auth, progress).await
+    }
+
+    /// The client and credentials for a registry. A pull with credentials
+    /// gets a client of its own: oci-client keeps the tokens it is given
+    /// per repository, and one VM's must never serve another's pull.
+    fn client_for(
+        &self,
+        r: &Reference,
+        auth: Option<&Credentials>,
+    ) -> (Cow<'_, Client>, RegistryAuth) {
+        let protocol = if is_plain_http(r.resolve_registry(), &self.insecure) {
+            ClientProtocol::Http
+        } else {
+            ClientProtocol::Https
+        };
+        match auth {
+            None => {
+                let shared = match protocol {
+                    ClientProtocol::Http => &self.http,
+                    _ => &self.https,
+                };
+                (Cow::Borrowed(shared), RegistryAuth::Anonymous)
+            }
+            Some(c) => (
+                Cow::Owned(client(protocol)),
+                RegistryAuth::Basic(c.username.clone(), c.password.clone()),
+            ),
+        }
+    }
+
+    /// Images pulled with credentials are marked, by digest.
+    fn private_marker(&self, digest: &str) -> Option<PathBuf> {
+        Some(self.dir.join("private").join(hex_of(digest)?))
+    }
+
+    fn is_private(&self, digest: &str) -> bool {
+        self.private_marker(digest).is_some_and(|m| m.exists())
     }
 }
 
@@ -626,6 +693,7 @@ pub async fn push_disk(
     files: &[PathBuf],
     image: &str,
     insecure: &[String],
+    auth: Option<&Credentials>,
 ) -> Result<String, ImageError> {
     use oci_client::client::{Config, ImageLayer};
     let r = parse_reference(image).map_err(|message| ImageError::Reference {
@@ -689,8 +757,11 @@ pub async fn push_disk(
     });
     let layers = [ImageLayer::oci_v1_gzip(layer, None)];
     let config = Config::oci_v1(config.to_string().into_bytes(), None);
+    let registry_auth = auth.map_or(RegistryAuth::Anonymous, |c| {
+        RegistryAuth::Basic(c.username.clone(), c.password.clone())
+    });
     let pushed = client
-        .push(&r, &layers, config, &RegistryAuth::Anonymous, None)
+        .push(&r, &layers, config, &registry_auth, None)
         .await
         .map_err(|source| ImageError::Registry {
             image: image.to_owned(),

@@ -166,6 +166,11 @@ impl VmPaths {
         self.disk_dir().join(format!("{volume}.cloud-init.iso"))
     }
 
+    /// A configMap/secret/serviceAccount volume's ISO.
+    pub fn config_iso(&self, volume: &str) -> PathBuf {
+        self.disk_dir().join(format!("{volume}.iso"))
+    }
+
     pub fn empty_disk(&self, volume: &str) -> PathBuf {
         self.disk_dir().join(format!("{volume}.qcow2"))
     }

@@ -4,6 +4,7 @@
 
 use crate::key::VmKey;
 use crate::layout::HostLayout;
+use crate::objects::{ObjectData, ObjectRef};
 use crate::vmi::{VirtualMachineInstance, VmiStatus};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
@@ -19,6 +20,12 @@ pub enum SourceError {
         path: PathBuf,
         op: &'static str,
         source: std::io::Error,
+    },
+    #[error("reading {object} in namespace {namespace}: {message}")]
+    Object {
+        namespace: String,
+        object: ObjectRef,
+        message: String,
     },
 }
 
@@ -52,6 +59,20 @@ pub trait StatusStore: Send + Sync + 'static {
         _vmi: &VirtualMachineInstance,
     ) -> impl Future<Output = Result<(), SourceError>> + Send {
         async { Ok(()) }
+    }
+    /// An object in the VMI's namespace its volumes name, `None` when it
+    /// does not exist. Only a cluster has them.
+    fn object(
+        &self,
+        namespace: &str,
+        object: &ObjectRef,
+    ) -> impl Future<Output = Result<Option<ObjectData>, SourceError>> + Send {
+        let err = SourceError::Object {
+            namespace: namespace.into(),
+            object: object.clone(),
+            message: "there is no cluster to read it from".into(),
+        };
+        async { Err(err) }
     }
 }
 

@@ -1,6 +1,6 @@
 //! A VM's directories and disk files on the host.
 
-use crate::convert::cloudinit::Seed;
+use crate::convert::seed::Seed;
 use crate::convert::{Backing, DiskPrep};
 use crate::image::ImageDisk;
 
@@ -218,7 +218,7 @@ impl HostStorage {
                 check_under_roots(path, roots, false)?;
                 self.own(path)
             }
-            DiskPrep::CloudInitIso { path, seed, .. } => self.seed_iso(path, seed),
+            DiskPrep::SeedIso { path, seed, .. } => self.seed_iso(path, seed),
             DiskPrep::RequireExisting { path, .. } => {
                 if !path.is_file() {
                     return Err(StorageError::Disk {
@@ -330,8 +330,21 @@ impl HostStorage {
     }
 
     fn seed_iso_in(&self, work: &Path, path: &Path, seed: &Seed) -> Result<(), StorageError> {
+        let refuse = |message: String| StorageError::Disk {
+            path: path.to_owned(),
+            message,
+        };
+        if let Some(o) = seed.from_objects.first() {
+            return Err(refuse(format!("{}: {} was not read", o.field, o.object)));
+        }
         let files = work.join("files");
         for (rel, bytes) in &seed.files {
+            let safe = Path::new(rel)
+                .components()
+                .all(|c| matches!(c, std::path::Component::Normal(_)));
+            if !safe {
+                return Err(refuse(format!("{rel:?} is not a path inside the image")));
+            }
             let f = files.join(rel);
             if let Some(parent) = f.parent() {
                 std::fs::create_dir_all(parent).map_err(io(parent, "create directory"))?;
@@ -341,7 +354,7 @@ impl HostStorage {
         let iso = work.join("seed.iso");
         let out = std::process::Command::new("xorrisofs")
             .args(["-quiet", "-input-charset", "utf-8", "-joliet", "-rock"])
-            .args(["-volid", seed.label, "-output"])
+            .args(["-volid", &seed.label, "-output"])
             .arg(&iso)
             .arg(&files)
             .output()
@@ -498,14 +511,12 @@ mod tests {
         let victim = tmp.path().join("victim");
         std::fs::write(&victim, b"untouched").unwrap();
         std::os::unix::fs::symlink(&victim, &iso).unwrap();
-        let seed = Seed {
-            label: "cidata",
-            files: vec![
-                ("meta-data".into(), b"instance-id: vm.ns\n".to_vec()),
-                ("user-data".into(), b"#!/bin/sh\necho KVIRT-SEED\n".to_vec()),
-            ],
-        };
-        let prep = DiskPrep::CloudInitIso {
+        let mut seed = Seed::new("cidata");
+        seed.files = vec![
+            ("meta-data".into(), b"instance-id: vm.ns\n".to_vec()),
+            ("user-data".into(), b"#!/bin/sh\necho KVIRT-SEED\n".to_vec()),
+        ];
+        let prep = DiskPrep::SeedIso {
             volume: "ci".into(),
             path: iso.clone(),
             seed,
@@ -624,6 +635,7 @@ mod tests {
             backing: Backing::Image {
                 image: "example.org/disk:1".into(),
                 pull_policy: crate::image::PullPolicy::IfNotPresent,
+                pull_secret: None,
                 path: None,
             },
         };
@@ -723,6 +735,7 @@ mod tests {
         let prep = DiskPrep::KernelBoot {
             image: "example.org/k:1".into(),
             pull_policy: crate::image::PullPolicy::IfNotPresent,
+            pull_secret: None,
             kernel: Some(crate::convert::ImageFile {
                 path_in_image: "/disk/vmlinuz".into(),
                 dest: p.kernel_file(),

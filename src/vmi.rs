@@ -499,6 +499,12 @@ pub struct Volume {
     pub container_disk: Option<ContainerDisk>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ephemeral: Option<Ephemeral>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub config_map: Option<ConfigMapVolume>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub secret: Option<SecretVolume>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub service_account: Option<ServiceAccountVolume>,
     /// Other volume sources (persistentVolumeClaim, ...).
     #[serde(flatten)]
     pub extra: Extra,
@@ -516,7 +522,59 @@ pub struct CloudInit {
     pub network_data: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub network_data_base64: Option<String>,
-    /// `secretRef`, `networkDataSecretRef` (cluster objects) and the rest.
+    /// User data from a Secret's `userdata` (or `userData`) key.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<LocalObjectReference>,
+    /// Network data from a Secret's `networkdata` (or `networkData`) key.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub network_data_secret_ref: Option<LocalObjectReference>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LocalObjectReference {
+    #[serde(default)]
+    pub name: String,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+/// A ConfigMap as a disk: an ISO with a file per key.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ConfigMapVolume {
+    #[serde(default)]
+    pub name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub optional: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub volume_label: Option<String>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+/// A Secret as a disk: an ISO with a file per key.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SecretVolume {
+    #[serde(default)]
+    pub secret_name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub optional: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub volume_label: Option<String>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+/// A ServiceAccount's credentials as a disk: `token`, `namespace`, `ca.crt`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ServiceAccountVolume {
+    #[serde(default)]
+    pub service_account_name: String,
     #[serde(flatten)]
     pub extra: Extra,
 }

@@ -123,6 +123,177 @@ fn a_vmi_for_this_node_runs_reports_and_is_deleted_cleanly() {
 }
 
 #[test]
+fn secrets_config_maps_and_service_accounts_reach_the_guest() {
+    let Some((a, _b)) = hosts() else { return };
+    let _g = serial();
+    disk(&[&a], "k-config", "run");
+    apply(
+        &a,
+        "apiVersion: v1
+kind: Secret
+metadata: {name: k-userdata}
+stringData:
+  userdata: |
+    #!/bin/sh
+    echo KVIRT-SECRET-USERDATA-$((6 * 7))
+---
+apiVersion: v1
+kind: Secret
+metadata: {name: k-app-secret}
+stringData: {password: s3cr3t-pw}
+---
+apiVersion: v1
+kind: ServiceAccount
+metadata: {name: k-vm-sa}
+",
+    );
+    let disks = "      - {name: cloudinit, disk: {bus: virtio}}
+      - {name: app-config, disk: {bus: virtio}}
+      - {name: app-secret, disk: {bus: virtio}}
+      - {name: sa, disk: {bus: virtio}}
+";
+    let vmi = support::vmi_manifest("k-config", "kubevirt.io/nodeName: node-a", "", disks)
+        + "  - name: cloudinit
+    cloudInitNoCloud: {secretRef: {name: k-userdata}}
+  - name: app-config
+    configMap: {name: k-app-config}
+  - name: app-secret
+    secret: {secretName: k-app-secret, volumeLabel: APPSECRET}
+  - name: sa
+    serviceAccount: {serviceAccountName: k-vm-sa}
+";
+    // The ConfigMap is not there yet: the VMI waits, and says why.
+    apply(&a, &vmi);
+    a.wait(
+        "FailedMount event",
+        WAIT,
+        "kubectl get events --field-selector involvedObject.name=k-config,reason=FailedMount -o name | grep -q .",
+    );
+    let ready = kubectl(
+        &a,
+        "get vmi k-config -o jsonpath='{.status.phase} {.status.conditions[?(@.type==\"Ready\")].reason} {.status.conditions[?(@.type==\"Ready\")].message}'",
+    );
+    assert!(
+        ready.starts_with("Scheduled FailedMount")
+            && ready.contains("configmap \"k-app-config\" not found"),
+        "{ready}"
+    );
+    assert!(!unit_loaded(&a, "k-config"));
+    assert!(
+        a.succeeds("[ ! -e /var/lib/kvirt/vms/default_k-config ]"),
+        "nothing made on the host while waiting"
+    );
+    kubectl(
+        &a,
+        "create configmap k-app-config --from-literal=greeting=hello-from-configmap",
+    );
+    kubectl(
+        &a,
+        "wait vmi/k-config --for=jsonpath='{.status.phase}'=Running --timeout=120s",
+    );
+    a.serial_log_shows("k-config", "KVIRT-SECRET-USERDATA-42");
+    a.serial_log_shows(
+        "k-config",
+        "KVIRT-GUEST-FILE cfgdata/greeting hello-from-configmap",
+    );
+    a.serial_log_shows("k-config", "KVIRT-GUEST-FILE APPSECRET/password s3cr3t-pw");
+    a.serial_log_shows("k-config", "KVIRT-GUEST-FILE cfgdata/namespace default");
+    a.serial_log_shows(
+        "k-config",
+        "KVIRT-GUEST-FILE cfgdata/ca.crt -----BEGIN CERTIFICATE--",
+    );
+    // The token is the ServiceAccount's: the API server says whose it is.
+    let iso = "/var/lib/kvirt/vms/default_k-config/disks/sa.iso";
+    let who = a.ok(&format!(
+        "t=$(mktemp) && xorriso -osirrox on -indev {iso} -extract /token $t 2>/dev/null
+         printf '{{\"apiVersion\": \"authentication.k8s.io/v1\", \"kind\": \"TokenReview\", \"spec\": {{\"token\": \"%s\"}}}}' \"$(cat $t)\" |
+           kubectl create -f - -o jsonpath='{{.status.user.username}}'; rm -f $t"
+    ));
+    assert_eq!(who, "system:serviceaccount:default:k-vm-sa");
+    // Secret data is on the host only in the VM's own, private files.
+    let mode = a.ok(&format!(
+        "stat -c '%a %U' {iso} /var/lib/kvirt/vms/default_k-config/disks/app-secret.iso"
+    ));
+    assert_eq!(mode, "640 kvirt\n640 kvirt");
+    a.ok("! journalctl -u kvirtd | grep -q s3cr3t-pw");
+    delete(&a, "k-config");
+    assert!(host_clean(&a, "k-config"));
+    kubectl(&a, "delete secret k-userdata k-app-secret");
+    kubectl(&a, "delete configmap k-app-config");
+    kubectl(&a, "delete serviceaccount k-vm-sa");
+}
+
+#[test]
+fn a_private_container_disk_is_pulled_with_its_pull_secret_only() {
+    let Some((a, _b)) = hosts() else { return };
+    let _g = serial();
+    // A registry that wants a password, on A's loopback.
+    let hash = bcrypt::hash("s3cret-reg", 4).unwrap();
+    a.ok(&format!(
+        "mkdir -p /var/lib/test-private-registry
+         echo 'vmuser:{hash}' >/etc/test-private-registry.htpasswd
+         printf 'version: 0.1\\nlog: {{level: warn, accesslog: {{disabled: true}}}}\\nstorage: {{filesystem: {{rootdirectory: /var/lib/test-private-registry}}}}\\nhttp: {{addr: 127.0.0.1:5001}}\\nauth: {{htpasswd: {{realm: kvirt-test, path: /etc/test-private-registry.htpasswd}}}}\\n' >/etc/test-private-registry.yml
+         systemctl is-active -q test-private-registry || systemd-run -q --unit=test-private-registry docker-registry serve /etc/test-private-registry.yml"
+    ));
+    a.wait(
+        "the registry answering",
+        Duration::from_secs(30),
+        // wget fails on the 401 it is waiting for (and pipefail is on).
+        "{ busybox wget -S -O /dev/null http://127.0.0.1:5001/v2/ 2>&1 || true; } | grep -q 401",
+    );
+    let image = "127.0.0.1:5001/team/guest:1";
+    a.ok(&format!(
+        "qemu-img convert -O qcow2 /srv/guest/run.raw /tmp/private.qcow2
+         ! kvirtctl push-disk {image} /tmp/private.qcow2 </dev/null
+         echo s3cret-reg | kvirtctl push-disk --username vmuser {image} /tmp/private.qcow2"
+    ));
+    kubectl(
+        &a,
+        "create secret docker-registry k-regcred --docker-server=127.0.0.1:5001 --docker-username=vmuser --docker-password=s3cret-reg",
+    );
+    let manifest = |name: &str, secret: &str| -> String {
+        support::vmi_manifest(name, "kubevirt.io/nodeName: node-a", "", "")
+            .lines()
+            .map(|l| {
+                if l.starts_with("    hostDisk:") {
+                    format!("    containerDisk: {{image: '{image}'{secret}}}\n")
+                } else {
+                    format!("{l}\n")
+                }
+            })
+            .collect()
+    };
+    apply(&a, &manifest("k-private", ", imagePullSecret: k-regcred"));
+    kubectl(
+        &a,
+        "wait vmi/k-private --for=jsonpath='{.status.phase}'=Running --timeout=120s",
+    );
+    a.serial_log_shows("k-private", "KVIRT-GUEST-READY");
+    // The image is in the cache now, and still no use to a VMI without
+    // the credentials: it waits with the registry's answer.
+    apply(&a, &manifest("k-nosecret", ""));
+    a.wait(
+        "ErrImagePull event",
+        WAIT,
+        "kubectl get events --field-selector involvedObject.name=k-nosecret,reason=ErrImagePull -o name | grep -q .",
+    );
+    let ready = kubectl(
+        &a,
+        "get vmi k-nosecret -o jsonpath='{.status.phase} {.status.conditions[?(@.type==\"Ready\")].reason} {.status.conditions[?(@.type==\"Ready\")].message}'",
+    );
+    assert!(
+        ready.starts_with("Scheduled ErrImagePull") && ready.contains("Not authorized"),
+        "{ready}"
+    );
+    assert!(!unit_loaded(&a, "k-nosecret"));
+    delete(&a, "k-nosecret");
+    delete(&a, "k-private");
+    assert!(host_clean(&a, "k-private") && host_clean(&a, "k-nosecret"));
+    kubectl(&a, "delete secret k-regcred");
+    a.ok("systemctl stop test-private-registry");
+}
+
+#[test]
 fn two_hosts_racing_for_one_vmi_run_it_exactly_once() {
     let Some((a, b)) = hosts() else { return };
     let _g = serial();
@@ -315,7 +486,11 @@ fn the_lease_is_renewed_and_rbac_is_least_privilege() {
     assert!(can("watch virtualmachineinstances.kubevirt.io"));
     assert!(!can("delete virtualmachineinstances.kubevirt.io"));
     assert!(!can("create virtualmachineinstances.kubevirt.io"));
-    assert!(!can("get secrets"));
+    // Only what a VMI's volumes name, one object at a time, as kubelet.
+    assert!(can("get secrets") && can("get configmaps"));
+    assert!(can("create serviceaccounts --subresource=token"));
+    assert!(!can("list secrets") && !can("watch secrets") && !can("create secrets"));
+    assert!(!can("create serviceaccounts"));
     // The shipped manifests are what kvirtd prints.
     a.ok("diff <(kvirtd --print-crd) /etc/kvirt/manifests/crd.yaml");
 }

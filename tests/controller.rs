@@ -2,11 +2,12 @@
 //! without root.
 
 use kvirt::controller::{Controller, Deps, EventReason, Settings, Trigger};
-use kvirt::convert::DomainType;
+use kvirt::convert::{DiskPrep, DomainType};
 use kvirt::fake::FakeHost;
 use kvirt::key::VmKey;
 use kvirt::layout::{DaemonKind, HostLayout};
 use kvirt::libvirt::GuestAgent;
+use kvirt::objects::ObjectRef;
 use kvirt::plan::DomainState;
 use kvirt::unit::Prop;
 use kvirt::vmi::{Phase, VirtualMachineInstance};
@@ -31,6 +32,7 @@ fn settings() -> Settings {
         node_name: "node-1".into(),
         layout: HostLayout::default(),
         host_disk_roots: vec!["/var/lib/kvirt/images".into()],
+        cluster: true,
         daemon: DaemonKind::Virtqemud,
         daemon_path: "/usr/sbin/virtqemud".into(),
         domain_type: DomainType::Qemu,
@@ -663,5 +665,170 @@ async fn a_connected_guest_agent_shows_in_the_status_and_goes_with_it() {
     ctl.reconcile("default_vm1").await.unwrap();
     assert!(agent_cond(&host).is_none());
     assert!(!status(&host).extra.contains_key("guestOSInfo"));
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
+}
+
+/// A VMI with a cloud-init Secret and a ConfigMap disk.
+fn with_config_volumes(name: &str, uid: &str) -> VirtualMachineInstance {
+    let mut v = vmi(
+        name,
+        uid,
+        "  volumes:
+  - name: ci
+    cloudInitNoCloud: {secretRef: {name: userdata}}
+  - name: app
+    configMap: {name: app-config}
+  - name: sa
+    serviceAccount: {serviceAccountName: default}
+",
+    );
+    v.spec.domain.devices.disks = ["ci", "app", "sa"]
+        .map(|d| serde_json::from_value(serde_json::json!({ "name": d })).unwrap())
+        .to_vec();
+    v
+}
+
+fn seed_of(host: &FakeHost, volume: &str) -> kvirt::convert::seed::Seed {
+    host.state()
+        .disks
+        .iter()
+        .find_map(|d| match d {
+            DiskPrep::SeedIso {
+                volume: v, seed, ..
+            } if v == volume => Some(seed.clone()),
+            _ => None,
+        })
+        .unwrap_or_else(|| panic!("no seed for {volume}"))
+}
+
+#[tokio::test]
+async fn cluster_objects_are_read_at_start_and_a_missing_one_is_waited_for() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    let put = |r: ObjectRef, pairs: &[(&str, &str)]| {
+        let data = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.as_bytes().to_vec()))
+            .collect();
+        host.state().objects.insert(("default".into(), r), data);
+    };
+    put(
+        ObjectRef::Secret("userdata".into()),
+        &[("userdata", "#!/bin/sh\necho hi\n")],
+    );
+    put(
+        ObjectRef::ServiceAccountToken("default".into()),
+        &[("token", "t0k3n"), ("namespace", "default")],
+    );
+    ctl.set_vmis(set(&[
+        with_config_volumes("vm1", "u1"),
+        vmi("vm2", "u2", ""),
+    ]))
+    .await;
+
+    // The ConfigMap does not exist yet: nothing is made, the VMI waits.
+    let err = ctl.reconcile("default_vm1").await.unwrap_err();
+    assert_eq!(err.reason(), "objects");
+    assert!(
+        err.to_string()
+            .contains("spec.volumes[1].configMap: configmap \"app-config\" not found"),
+        "{err}"
+    );
+    ctl.reconcile("default_vm2").await.unwrap();
+    let calls = host.take_calls();
+    assert!(
+        !calls
+            .iter()
+            .any(|c| c.contains("default_vm1") && !c.starts_with("save")),
+        "nothing of vm1 on the host: {calls:?}"
+    );
+    let st = host.state().statuses[&VmKey::new("default", "vm1").unwrap()].clone();
+    assert_eq!(st.status.phase, Some(Phase::Scheduled));
+    let ready = st
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .unwrap();
+    assert_eq!(ready.reason.as_deref(), Some("FailedMount"));
+    assert!(reasons(&host).contains(&EventReason::FailedMount));
+    assert_eq!(phase(&host, "vm2"), Some(Phase::Running));
+
+    // Created: the next pass reads each object once and writes its data.
+    put(
+        ObjectRef::ConfigMap("app-config".into()),
+        &[("app.conf", "x=1")],
+    );
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
+    let reads: Vec<String> = host
+        .take_calls()
+        .into_iter()
+        .filter(|c| c.starts_with("read "))
+        .collect();
+    assert_eq!(
+        reads,
+        [
+            "read default/secret \"userdata\"",
+            "read default/configmap \"app-config\"",
+            "read default/serviceaccount \"default\"",
+        ]
+    );
+    let ci = seed_of(&host, "ci");
+    assert_eq!(
+        ci.files[1],
+        ("user-data".into(), b"#!/bin/sh\necho hi\n".to_vec())
+    );
+    assert!(ci.from_objects.is_empty());
+    assert!(
+        !format!("{ci:?}").contains("echo hi"),
+        "secrets stay out of logs"
+    );
+    let app = seed_of(&host, "app");
+    assert_eq!((app.label.as_str(), app.files.len()), ("cfgdata", 1));
+    let sa = seed_of(&host, "sa");
+    assert_eq!(sa.files[1], ("token".into(), b"t0k3n".to_vec()));
+
+    // A running VM never rereads them, even when they are gone.
+    host.state().objects.clear();
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert!(!host.take_calls().iter().any(|c| c.starts_with("read ")));
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
+}
+
+#[tokio::test]
+async fn a_pull_secret_gives_the_pull_its_registry_credentials() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    let mut v = vmi(
+        "vm1",
+        "u1",
+        "  volumes:\n    - {name: root, containerDisk: {image: 'registry.example:5000/disks/guest:1', imagePullSecret: regcred}}\n",
+    );
+    v.spec.domain.devices.disks =
+        vec![serde_json::from_value(serde_json::json!({"name": "root"})).unwrap()];
+    ctl.set_vmis(set(&[v])).await;
+
+    // No such Secret yet: the VMI waits, nothing is pulled or made.
+    let err = ctl.reconcile("default_vm1").await.unwrap_err();
+    assert_eq!(err.reason(), "image");
+    assert!(
+        err.to_string()
+            .contains("imagePullSecret \"regcred\": not found"),
+        "{err}"
+    );
+    assert!(!host.take_calls().iter().any(|c| c.starts_with("pull ")));
+    assert!(reasons(&host).contains(&EventReason::ErrImagePull));
+
+    // "dm11c2VyOnB3" is "vmuser:pw".
+    let config = r#"{"auths": {"registry.example:5000": {"auth": "dm11c2VyOnB3"}}}"#;
+    host.state().objects.insert(
+        ("default".into(), ObjectRef::Secret("regcred".into())),
+        [(".dockerconfigjson".to_string(), config.as_bytes().to_vec())].into(),
+    );
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert!(host
+        .take_calls()
+        .contains(&"pull registry.example:5000/disks/guest:1 as vmuser".to_string()));
     assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
 }

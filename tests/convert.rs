@@ -5,7 +5,9 @@
 //! Fixture conventions, in leading comments:
 //! - `# expect-error: FIELD` (repeatable): conversion must fail with exactly
 //!   these error fields, in order;
-//! - `# domain-type: qemu`: convert for TCG instead of KVM.
+//! - `# domain-type: qemu`: convert for TCG instead of KVM;
+//! - `# source: directory`: convert as a standalone kvirtd (no cluster
+//!   objects); the default is a cluster's VMI.
 //!
 //! Update snapshots with `INSTA_UPDATE=always cargo test --test convert`
 //! (or `cargo insta review`) and review the diff.
@@ -24,6 +26,7 @@ struct Fixture {
     yaml: String,
     expect_errors: Vec<String>,
     domain_type: DomainType,
+    cluster: bool,
 }
 
 fn fixtures() -> Vec<Fixture> {
@@ -50,7 +53,13 @@ fn fixtures() -> Vec<Fixture> {
                 Some("qemu") => DomainType::Qemu,
                 Some(other) => panic!("{}: unknown domain-type {other}", p.display()),
             };
+            let cluster = match directive("source").first().map(String::as_str) {
+                None | Some("cluster") => true,
+                Some("directory") => false,
+                Some(other) => panic!("{}: unknown source {other}", p.display()),
+            };
             Fixture {
+                cluster,
                 name: p.file_stem().unwrap().to_string_lossy().into_owned(),
                 expect_errors: directive("expect-error"),
                 domain_type,
@@ -73,6 +82,7 @@ fn convert_fixture(
         paths: &paths,
         domain_type: f.domain_type,
         host_disk_roots: &roots,
+        cluster: f.cluster,
     };
     let all = convert_all_errors(&vmi, &ctx);
     // `convert` must agree with `convert_all_errors` and report the first.
@@ -188,6 +198,7 @@ fn error_display_names_the_field() {
             paths: &paths,
             domain_type: DomainType::Kvm,
             host_disk_roots: &[PathBuf::from(HOST_DISK_ROOT)],
+            cluster: false,
         },
     )
     .unwrap_err();

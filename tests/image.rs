@@ -23,6 +23,11 @@ impl Drop for Registry {
 }
 
 fn start_registry(dir: &Path) -> Option<Registry> {
+    start_registry_with(dir, "")
+}
+
+/// A registry whose extra configuration is `extra` (YAML lines).
+fn start_registry_with(dir: &Path, extra: &str) -> Option<Registry> {
     if Command::new("docker-registry")
         .arg("--version")
         .output()
@@ -41,7 +46,7 @@ fn start_registry(dir: &Path) -> Option<Registry> {
     std::fs::write(
         &config,
         format!(
-            "version: 0.1\nlog: {{level: warn}}\nstorage: {{filesystem: {{rootdirectory: {}}}}}\nhttp: {{addr: 127.0.0.1:{port}}}\n",
+            "version: 0.1\nlog: {{level: warn, accesslog: {{disabled: true}}}}\nstorage: {{filesystem: {{rootdirectory: {}}}}}\nhttp: {{addr: 127.0.0.1:{port}}}\n{extra}",
             storage.display()
         ),
     )
@@ -98,7 +103,7 @@ async fn container_disks_from_a_real_registry() {
         .collect();
     std::fs::write(&disk, &bytes).unwrap();
     let image = format!("127.0.0.1:{}/kvirt/guest:1", registry.port);
-    let url = kvirt::image::push_disk(std::slice::from_ref(&disk), &image, &[])
+    let url = kvirt::image::push_disk(std::slice::from_ref(&disk), &image, &[], None)
         .await
         .unwrap();
     assert!(url.contains("/v2/kvirt/guest/manifests/"), "{url}");
@@ -109,8 +114,8 @@ async fn container_disks_from_a_real_registry() {
     let (a, b) = (AtomicUsize::new(0), AtomicUsize::new(0));
     let (pa, pb) = (counting(&a), counting(&b));
     let (da, db) = tokio::join!(
-        images.disk(&image, PullPolicy::IfNotPresent, None, &pa),
-        images.disk(&image, PullPolicy::IfNotPresent, None, &pb),
+        images.disk(&image, PullPolicy::IfNotPresent, None, None, &pa),
+        images.disk(&image, PullPolicy::IfNotPresent, None, None, &pb),
     );
     let (da, db) = (da.unwrap(), db.unwrap());
     assert_eq!(da, db);
@@ -133,6 +138,7 @@ async fn container_disks_from_a_real_registry() {
             &image,
             PullPolicy::IfNotPresent,
             Some("disk/other.img"),
+            None,
             &|_| {},
         )
         .await
@@ -156,7 +162,7 @@ async fn container_disks_from_a_real_registry() {
     let again = OciImages::new(resumed.clone(), vec![]);
     assert!(!stale.exists(), "a crashed unpack is cleaned up at start");
     let d = again
-        .disk(&image, PullPolicy::Always, None, &|_| {})
+        .disk(&image, PullPolicy::Always, None, None, &|_| {})
         .await
         .unwrap();
     assert_eq!(std::fs::read(&d.path).unwrap(), bytes);
@@ -168,12 +174,12 @@ async fn container_disks_from_a_real_registry() {
     std::fs::write(&partial, vec![0u8; blob.len() / 2]).unwrap();
     let bad = OciImages::new(corrupt.clone(), vec![]);
     let err = bad
-        .disk(&image, PullPolicy::Always, None, &|_| {})
+        .disk(&image, PullPolicy::Always, None, None, &|_| {})
         .await
         .unwrap_err();
     assert!(err.to_string().contains("arrived with digest"), "{err}");
     assert!(!partial.exists());
-    bad.disk(&image, PullPolicy::Always, None, &|_| {})
+    bad.disk(&image, PullPolicy::Always, None, None, &|_| {})
         .await
         .unwrap();
 
@@ -181,22 +187,95 @@ async fn container_disks_from_a_real_registry() {
     // Always needs the registry, Never never asks it.
     drop(registry);
     let cached = images
-        .disk(&image, PullPolicy::IfNotPresent, None, &|_| {})
+        .disk(&image, PullPolicy::IfNotPresent, None, None, &|_| {})
         .await
         .unwrap();
     assert_eq!(cached, da);
     let err = images
-        .disk(&image, PullPolicy::Always, None, &|_| {})
+        .disk(&image, PullPolicy::Always, None, None, &|_| {})
         .await
         .unwrap_err();
     assert!(err.to_string().contains("registry"), "{err}");
     let empty = OciImages::new(tmp.path().join("empty"), vec![]);
     let err = empty
-        .disk(&image, PullPolicy::Never, None, &|_| {})
+        .disk(&image, PullPolicy::Never, None, None, &|_| {})
         .await
         .unwrap_err();
     assert!(
         err.to_string().contains("imagePullPolicy is Never"),
         "{err}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn private_images_need_their_credentials_even_from_the_cache() {
+    use kvirt::pullsecret::Credentials;
+    let tmp = tempfile::tempdir().unwrap();
+    let htpasswd = tmp.path().join("htpasswd");
+    let hash = bcrypt::hash("s3cret", 4).unwrap();
+    std::fs::write(&htpasswd, format!("vmuser:{hash}\n")).unwrap();
+    let extra = format!(
+        "auth: {{htpasswd: {{realm: kvirt-test, path: {}}}}}\n",
+        htpasswd.display()
+    );
+    let Some(registry) = start_registry_with(tmp.path(), &extra) else {
+        return;
+    };
+    let disk = tmp.path().join("private.raw");
+    std::fs::write(&disk, b"private bytes").unwrap();
+    let image = format!("127.0.0.1:{}/team/private:1", registry.port);
+    let user = |password: &str| Credentials {
+        username: "vmuser".into(),
+        password: password.into(),
+    };
+    let files = std::slice::from_ref(&disk);
+    let err = kvirt::image::push_disk(files, &image, &[], None)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("registry"), "{err}");
+    kvirt::image::push_disk(files, &image, &[], Some(&user("s3cret")))
+        .await
+        .unwrap();
+
+    let cache = tmp.path().join("cache");
+    let images = OciImages::new(cache.clone(), vec![]);
+    let pull = |auth: Option<Credentials>| {
+        let images = &images;
+        let image = image.clone();
+        async move {
+            images
+                .disk(
+                    &image,
+                    PullPolicy::IfNotPresent,
+                    None,
+                    auth.as_ref(),
+                    &|_| {},
+                )
+                .await
+        }
+    };
+    for wrong in [None, Some(user("wrong"))] {
+        let err = pull(wrong).await.unwrap_err();
+        assert!(
+            err.to_string().contains("registry: Not authorized"),
+            "{err}"
+        );
+    }
+    let d = pull(Some(user("s3cret"))).await.unwrap();
+    assert_eq!(std::fs::read(&d.path).unwrap(), b"private bytes");
+
+    // In the cache now, and still not for a VM without the credentials
+    // (nor with wrong ones): the registry is asked, as a pull would.
+    let before = std::fs::read_dir(cache.join("sha256")).unwrap().count();
+    for wrong in [None, Some(user("wrong"))] {
+        let err = pull(wrong).await.unwrap_err();
+        assert!(
+            err.to_string().contains("registry: Not authorized"),
+            "{err}"
+        );
+    }
+    let again = pull(Some(user("s3cret"))).await.unwrap();
+    assert_eq!(again, d);
+    let after = std::fs::read_dir(cache.join("sha256")).unwrap().count();
+    assert_eq!(before, after);
 }

@@ -397,6 +397,7 @@ fn the_test_manifests_convert() {
             paths: &paths,
             domain_type: DomainType::Qemu,
             host_disk_roots: &["/var/lib/kvirt/images".into()],
+            cluster: false,
         };
         let c = convert(&vmi, &ctx).unwrap_or_else(|e| panic!("{e}\n{m}"));
         assert!(c.network.is_some());

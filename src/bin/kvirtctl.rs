@@ -54,6 +54,10 @@ enum Command {
         image: String,
         #[arg(required = true)]
         files: Vec<PathBuf>,
+        /// Log in to the registry as this user; the password is read from
+        /// standard input (as `docker login --password-stdin`).
+        #[arg(long)]
+        username: Option<String>,
     },
     /// Print this manual page (roff) for packaging.
     #[command(hide = true)]
@@ -75,12 +79,34 @@ fn main() -> Result<()> {
         Command::Status { vm } => status(&config()?.layout(), &vm),
         Command::Console { vm } => console(&config()?.layout(), &vm),
         Command::Domxml { file, domain_type } => domxml(&config()?, &file, domain_type),
-        Command::PushDisk { image, files } => {
+        Command::PushDisk {
+            image,
+            files,
+            username,
+        } => {
             let insecure = config()?.storage.insecure_registries;
+            let auth = match username {
+                None => None,
+                Some(username) => {
+                    let mut password = String::new();
+                    std::io::stdin()
+                        .read_line(&mut password)
+                        .context("reading the password from standard input")?;
+                    Some(kvirt::pullsecret::Credentials {
+                        username,
+                        password: password.trim_end_matches(['\r', '\n']).to_owned(),
+                    })
+                }
+            };
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
-            let url = rt.block_on(kvirt::image::push_disk(&files, &image, &insecure))?;
+            let url = rt.block_on(kvirt::image::push_disk(
+                &files,
+                &image,
+                &insecure,
+                auth.as_ref(),
+            ))?;
             println!("{url}");
             Ok(())
         }
@@ -257,6 +283,8 @@ fn domxml(config: &Config, file: &Path, domain_type: DomainTypeArg) -> Result<()
             DomainTypeArg::Qemu => DomainType::Qemu,
         },
         host_disk_roots: &config.storage.host_disk_roots,
+        // The XML does not depend on what the objects hold.
+        cluster: true,
     };
     match convert::convert_all_errors(&vmi, &ctx) {
         Ok(c) => {

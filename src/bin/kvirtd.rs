@@ -196,6 +196,7 @@ fn settings(config: &Config) -> Result<Settings> {
         node_name: config.node_name.clone(),
         layout: config.layout(),
         host_disk_roots: config.storage.host_disk_roots.clone(),
+        cluster: config.source.kind == kvirt::config::SourceKind::Kubernetes,
         daemon,
         daemon_path,
         domain_type,
@@ -346,7 +347,7 @@ async fn run(config: Config) -> Result<()> {
         }
         SourceKind::Kubernetes => {
             let k = &config.kubernetes;
-            let client = cluster::client(&k.kubeconfig).await?;
+            let (client, ca_pem) = cluster::client(&k.kubeconfig).await?;
             let node = daemon.settings.node_name.clone();
             info!("waiting for the first list of this node's VMIs");
             let store = cluster::source::watch_node(client.clone(), &node, daemon.tx.clone()).await;
@@ -368,6 +369,7 @@ async fn run(config: Config) -> Result<()> {
             let list = move || cluster::source::snapshot(&store);
             let status = cluster::status::KubeStatus {
                 client: client.clone(),
+                ca_pem,
             };
             let events = cluster::events::KubeEvents::new(client, &node);
             let sources = Sources {

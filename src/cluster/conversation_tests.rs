@@ -88,7 +88,13 @@ async fn status_is_one_merge_patch_of_owned_fields() {
         );
         reply(send, 200, object(&[]));
     });
-    KubeStatus { client }.save(&v).await.unwrap();
+    KubeStatus {
+        client,
+        ca_pem: None,
+    }
+    .save(&v)
+    .await
+    .unwrap();
     server.await.unwrap();
 }
 
@@ -108,7 +114,13 @@ async fn hold_adds_the_finalizer_guarded_by_resource_version() {
         );
         reply(send, 200, object(&["someone/else", FINALIZER]));
     });
-    KubeStatus { client }.hold(&vmi()).await.unwrap();
+    KubeStatus {
+        client,
+        ca_pem: None,
+    }
+    .hold(&vmi())
+    .await
+    .unwrap();
     server.await.unwrap();
 }
 
@@ -130,7 +142,13 @@ async fn release_drops_ours_and_kubevirts_finalizer_only() {
         );
         reply(send, 200, object(&["other/one"]));
     });
-    KubeStatus { client }.release(&vmi()).await.unwrap();
+    KubeStatus {
+        client,
+        ca_pem: None,
+    }
+    .release(&vmi())
+    .await
+    .unwrap();
     server.await.unwrap();
 }
 
@@ -149,7 +167,10 @@ async fn release_of_a_vanished_or_replaced_vmi_patches_nothing() {
         replaced["metadata"]["uid"] = json!("another-uid");
         reply(send, 200, replaced);
     });
-    let store = KubeStatus { client };
+    let store = KubeStatus {
+        client,
+        ca_pem: None,
+    };
     store.release(&vmi()).await.unwrap();
     store.release(&vmi()).await.unwrap();
     server.await.unwrap();
@@ -186,7 +207,120 @@ async fn an_unreachable_api_is_an_error_to_retry() {
     });
     let mut v = vmi();
     v.status.phase = Some(Phase::Running);
-    let err = KubeStatus { client }.save(&v).await.unwrap_err();
+    let err = KubeStatus {
+        client,
+        ca_pem: None,
+    }
+    .save(&v)
+    .await
+    .unwrap_err();
     assert!(err.to_string().contains("patch status"), "{err}");
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn objects_are_read_as_a_pod_volume_would_be() {
+    use crate::objects::ObjectRef;
+    let (client, mut api) = client();
+    let server = tokio::spawn(async move {
+        let (method, path, _, _, send) = next(&mut api).await;
+        assert_eq!(
+            (method.as_str(), path.as_str()),
+            ("GET", "/api/v1/namespaces/ns1/secrets/s1")
+        );
+        // "aGk=" is "hi": the data arrives decoded.
+        reply(
+            send,
+            200,
+            json!({"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": "s1"}, "data": {"userdata": "aGk="}}),
+        );
+        let (_, path, _, _, send) = next(&mut api).await;
+        assert_eq!(path, "/api/v1/namespaces/ns1/configmaps/c1");
+        reply(
+            send,
+            200,
+            json!({"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "c1"}, "data": {"a": "1"}, "binaryData": {"b": "Ag=="}}),
+        );
+        let (_, _, _, _, send) = next(&mut api).await;
+        reply(
+            send,
+            404,
+            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "reason": "NotFound", "code": 404, "message": "configmaps \"gone\" not found"}),
+        );
+        let (method, path, _, body, send) = next(&mut api).await;
+        assert_eq!(
+            (method.as_str(), path.as_str()),
+            (
+                "POST",
+                "/api/v1/namespaces/ns1/serviceaccounts/default/token"
+            )
+        );
+        assert_eq!(
+            body["spec"]["expirationSeconds"],
+            super::status::TOKEN_SECONDS
+        );
+        reply(
+            send,
+            201,
+            json!({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+            "spec": {"audiences": []}, "status": {"token": "t0k3n", "expirationTimestamp": "2027-11-29T00:00:00Z"}}),
+        );
+        let (_, _, _, _, send) = next(&mut api).await;
+        reply(
+            send,
+            403,
+            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+            "reason": "Forbidden", "code": 403, "message": "forbidden"}),
+        );
+    });
+    let store = KubeStatus {
+        client,
+        ca_pem: Some(b"PEM".to_vec()),
+    };
+    let secret = store
+        .object("ns1", &ObjectRef::Secret("s1".into()))
+        .await
+        .unwrap();
+    assert_eq!(secret.unwrap()["userdata"], b"hi");
+    let cm = store
+        .object("ns1", &ObjectRef::ConfigMap("c1".into()))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (cm["a"].as_slice(), cm["b"].as_slice()),
+        (&b"1"[..], &[2u8][..])
+    );
+    let gone = store
+        .object("ns1", &ObjectRef::ConfigMap("gone".into()))
+        .await
+        .unwrap();
+    assert!(gone.is_none());
+    let sa = store
+        .object("ns1", &ObjectRef::ServiceAccountToken("default".into()))
+        .await
+        .unwrap()
+        .unwrap();
+    let files: Vec<(&str, &[u8])> = sa.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+    assert_eq!(
+        files,
+        [
+            ("ca.crt", &b"PEM"[..]),
+            ("namespace", b"ns1"),
+            ("token", b"t0k3n")
+        ]
+    );
+    let err = store
+        .object("ns1", &ObjectRef::Secret("locked".into()))
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("reading secret \"locked\" in namespace ns1"),
+        "{err}"
+    );
     server.await.unwrap();
 }

@@ -62,8 +62,10 @@ impl kube::Resource for VirtualMachineInstance {
     }
 }
 
-/// A client from a kubeconfig file: kvirtd is a host daemon, not a pod.
-pub async fn client(path: &Path) -> Result<kube::Client, ClusterError> {
+/// A client from a kubeconfig file (kvirtd is a host daemon, not a pod),
+/// and the CA the API server's certificate is checked against, as PEM: a
+/// serviceAccount disk gives it to the guest as `ca.crt`.
+pub async fn client(path: &Path) -> Result<(kube::Client, Option<Vec<u8>>), ClusterError> {
     let err = |message: String| ClusterError::Kubeconfig {
         path: path.display().to_string(),
         message,
@@ -72,7 +74,25 @@ pub async fn client(path: &Path) -> Result<kube::Client, ClusterError> {
     let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
         .await
         .map_err(|e| err(e.to_string()))?;
-    kube::Client::try_from(cfg).map_err(|e| err(e.to_string()))
+    let ca = cfg.root_cert.as_deref().map(pem_certificates);
+    let client = kube::Client::try_from(cfg).map_err(|e| err(e.to_string()))?;
+    Ok((client, ca))
+}
+
+/// DER certificates as one PEM bundle.
+fn pem_certificates(ders: &[Vec<u8>]) -> Vec<u8> {
+    use base64::Engine as _;
+    let mut pem = String::new();
+    for der in ders {
+        let b64 = base64::engine::general_purpose::STANDARD.encode(der);
+        pem.push_str("-----BEGIN CERTIFICATE-----\n");
+        for line in b64.as_bytes().chunks(64) {
+            pem.push_str(&String::from_utf8_lossy(line));
+            pem.push('\n');
+        }
+        pem.push_str("-----END CERTIFICATE-----\n");
+    }
+    pem.into_bytes()
 }
 
 fn api_err(
@@ -89,3 +109,24 @@ fn api_err(
 
 #[cfg(test)]
 mod conversation_tests;
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn certificates_become_pem_lines_of_64() {
+        let pem = String::from_utf8(super::pem_certificates(&[vec![0u8; 60], vec![1]])).unwrap();
+        let lines: Vec<&str> = pem.lines().collect();
+        assert_eq!(lines[0], "-----BEGIN CERTIFICATE-----");
+        assert_eq!(lines[1].len(), 64);
+        assert_eq!(lines[2], "AAAAAAAAAAAAAAAA");
+        assert_eq!(lines[3], "-----END CERTIFICATE-----");
+        assert_eq!(
+            &lines[4..],
+            [
+                "-----BEGIN CERTIFICATE-----",
+                "AQ==",
+                "-----END CERTIFICATE-----"
+            ]
+        );
+    }
+}

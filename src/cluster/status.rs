@@ -2,8 +2,11 @@
 
 use super::{api_err, ClusterError, FINALIZER, KUBEVIRT_FINALIZER};
 use crate::key::VmKey;
+use crate::objects::{ObjectData, ObjectRef};
 use crate::source::{SourceError, StatusStore};
 use crate::vmi::VirtualMachineInstance;
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::{ConfigMap, Secret, ServiceAccount};
 use kube::api::{Api, Patch, PatchParams};
 use serde_json::{json, Map, Value};
 
@@ -54,7 +57,14 @@ pub fn without_finalizers(finalizers: &[String]) -> Option<Vec<String>> {
 #[derive(Clone)]
 pub struct KubeStatus {
     pub client: kube::Client,
+    /// The cluster's CA (PEM), the `ca.crt` of serviceAccount disks.
+    pub ca_pem: Option<Vec<u8>>,
 }
+
+/// How long a serviceAccount disk's token lasts. It is written once, when
+/// the VM starts, so it must outlive the VM as KubeVirt's does (its pod's
+/// token is one kubelet extends to a year); the API server may cap it.
+pub const TOKEN_SECONDS: i64 = 365 * 24 * 3600;
 
 impl KubeStatus {
     fn api(&self, vmi: &VirtualMachineInstance) -> Api<VirtualMachineInstance> {
@@ -138,6 +148,72 @@ impl StatusStore for KubeStatus {
         self.edit_finalizers(vmi, without_finalizers)
             .await
             .map_err(source_err)
+    }
+
+    async fn object(
+        &self,
+        namespace: &str,
+        object: &ObjectRef,
+    ) -> Result<Option<ObjectData>, SourceError> {
+        let err = |e: kube::Error| SourceError::Object {
+            namespace: namespace.into(),
+            object: object.clone(),
+            message: e.to_string(),
+        };
+        let client = self.client.clone();
+        Ok(match object {
+            ObjectRef::Secret(name) => Api::<Secret>::namespaced(client, namespace)
+                .get_opt(name)
+                .await
+                .map_err(err)?
+                .map(|s| {
+                    s.data
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|(k, v)| (k, v.0))
+                        .collect()
+                }),
+            ObjectRef::ConfigMap(name) => Api::<ConfigMap>::namespaced(client, namespace)
+                .get_opt(name)
+                .await
+                .map_err(err)?
+                .map(|c| {
+                    let text = c.data.unwrap_or_default().into_iter();
+                    let binary = c.binary_data.unwrap_or_default().into_iter();
+                    text.map(|(k, v)| (k, v.into_bytes()))
+                        .chain(binary.map(|(k, v)| (k, v.0)))
+                        .collect()
+                }),
+            ObjectRef::ServiceAccountToken(name) => {
+                let request = TokenRequest {
+                    spec: TokenRequestSpec {
+                        audiences: Vec::new(),
+                        expiration_seconds: Some(TOKEN_SECONDS),
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                };
+                let api = Api::<ServiceAccount>::namespaced(client, namespace);
+                match api
+                    .create_token_request(name, &Default::default(), &request)
+                    .await
+                {
+                    Err(kube::Error::Api(s)) if s.code == 404 => None,
+                    Err(e) => return Err(err(e)),
+                    Ok(t) => {
+                        let token = t.status.map(|s| s.token).unwrap_or_default();
+                        let mut files = ObjectData::from([
+                            ("token".to_string(), token.into_bytes()),
+                            ("namespace".to_string(), namespace.as_bytes().to_vec()),
+                        ]);
+                        if let Some(ca) = &self.ca_pem {
+                            files.insert("ca.crt".into(), ca.clone());
+                        }
+                        Some(files)
+                    }
+                }
+            }
+        })
     }
 }
 

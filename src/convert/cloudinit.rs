@@ -6,12 +6,15 @@
 //! - ConfigDrive: volume label `config-2`; `openstack/latest/meta_data.json`,
 //!   `user_data`, `network_data.json`.
 //!
-//! The image itself is made by the runtime (an ISO 9660 with Rock Ridge and
-//! Joliet names); here it is only data.
+//! In cluster mode `secretRef`/`networkDataSecretRef` name Secrets read
+//! when the VM starts (keys `userdata`/`userData`, `networkdata`/
+//! `networkData`, as KubeVirt reads them).
 
+use super::seed::{ObjectFiles, Seed, Take};
 use super::Errors;
 use crate::key::VmKey;
-use crate::vmi::CloudInit;
+use crate::objects::ObjectRef;
+use crate::vmi::{CloudInit, LocalObjectReference};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Flavor {
@@ -32,28 +35,6 @@ impl Flavor {
             Flavor::NoCloud => "cidata",
             Flavor::ConfigDrive => "config-2",
         }
-    }
-}
-
-/// One seed image: its volume label and its files, by relative path.
-#[derive(Clone, PartialEq, Eq)]
-pub struct Seed {
-    pub label: &'static str,
-    pub files: Vec<(String, Vec<u8>)>,
-}
-
-/// Files as text, so logs and snapshots read like the seed.
-impl std::fmt::Debug for Seed {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let files: Vec<(&str, std::borrow::Cow<'_, str>)> = self
-            .files
-            .iter()
-            .map(|(p, b)| (p.as_str(), String::from_utf8_lossy(b)))
-            .collect();
-        f.debug_struct("Seed")
-            .field("label", &self.label)
-            .field("files", &files)
-            .finish()
     }
 }
 
@@ -95,37 +76,62 @@ fn data(
 
 /// Standard base64, padding optional, whitespace (line breaks) ignored.
 fn decode_base64(s: &str) -> Option<Vec<u8>> {
-    let mut out = Vec::with_capacity(s.len() * 3 / 4);
-    let mut acc = 0u32;
-    let mut bits = 0;
-    let mut padding = false;
-    for c in s.bytes().filter(|c| !c.is_ascii_whitespace()) {
-        let v = match c {
-            b'A'..=b'Z' => c - b'A',
-            b'a'..=b'z' => c - b'a' + 26,
-            b'0'..=b'9' => c - b'0' + 52,
-            b'+' => 62,
-            b'/' => 63,
-            b'=' => {
-                padding = true;
-                continue;
-            }
-            _ => return None,
-        };
-        if padding {
-            return None;
-        }
-        acc = (acc << 6) | u32::from(v);
-        bits += 6;
-        if bits >= 8 {
-            bits -= 8;
-            out.push((acc >> bits) as u8);
-        }
-    }
-    // A lone 6-bit group cannot end a valid encoding.
-    (bits < 6).then_some(out)
+    use base64::engine::{general_purpose::GeneralPurpose, DecodePaddingMode};
+    const LENIENT: GeneralPurpose = GeneralPurpose::new(
+        &base64::alphabet::STANDARD,
+        base64::engine::GeneralPurposeConfig::new()
+            .with_decode_padding_mode(DecodePaddingMode::Indifferent),
+    );
+    let compact: String = s.chars().filter(|c| !c.is_ascii_whitespace()).collect();
+    base64::Engine::decode(&LENIENT, compact).ok()
 }
 
+/// The places a seed can put user or network data.
+struct Slots {
+    user: &'static str,
+    network: &'static str,
+}
+
+impl Flavor {
+    fn slots(self) -> Slots {
+        match self {
+            Flavor::NoCloud => Slots {
+                user: "user-data",
+                network: "network-config",
+            },
+            Flavor::ConfigDrive => Slots {
+                user: "openstack/latest/user_data",
+                network: "openstack/latest/network_data.json",
+            },
+        }
+    }
+}
+
+const USER_KEYS: &[&str] = &["userdata", "userData"];
+const NETWORK_KEYS: &[&str] = &["networkdata", "networkData"];
+
+/// A Secret to read at start, or an error when there is no cluster to
+/// read it from.
+fn secret_ref(
+    r: &Option<LocalObjectReference>,
+    field: String,
+    cluster: bool,
+    errs: &mut Errors,
+) -> Option<(ObjectRef, String)> {
+    let r = r.as_ref()?;
+    errs.reject_extra(&field, &r.extra);
+    if !cluster {
+        errs.add(&field, super::NEEDS_CLUSTER);
+        return None;
+    }
+    if r.name.is_empty() {
+        errs.add(format!("{field}.name"), "is required");
+        return None;
+    }
+    Some((ObjectRef::Secret(r.name.clone()), field))
+}
+
+#[allow(clippy::too_many_arguments)]
 pub(super) fn seed(
     flavor: Flavor,
     ci: &CloudInit,
@@ -133,24 +139,33 @@ pub(super) fn seed(
     key: &VmKey,
     hostname: &str,
     uuid: &str,
+    cluster: bool,
     errs: &mut Errors,
 ) -> Option<Seed> {
-    for k in ci.extra.keys() {
-        let why = if k.ends_with("SecretRef") || k == "secretRef" {
-            "Secrets need a cluster; kvirt does not read them yet"
-        } else {
-            super::UNSUPPORTED
-        };
-        errs.add(format!("{path}.{k}"), why);
-    }
-    let user = data(&ci.user_data, &ci.user_data_base64, path, "userData", errs);
-    let network = data(
+    errs.reject_extra(path, &ci.extra);
+    let mut user = data(&ci.user_data, &ci.user_data_base64, path, "userData", errs);
+    let mut network = data(
         &ci.network_data,
         &ci.network_data_base64,
         path,
         "networkData",
         errs,
     );
+    let user_secret = secret_ref(&ci.secret_ref, format!("{path}.secretRef"), cluster, errs);
+    let network_secret = secret_ref(
+        &ci.network_data_secret_ref,
+        format!("{path}.networkDataSecretRef"),
+        cluster,
+        errs,
+    );
+    if user.is_some() && ci.secret_ref.is_some() {
+        errs.add(path, "set only one of userData and secretRef");
+        user = None;
+    }
+    if network.is_some() && ci.network_data_secret_ref.is_some() {
+        errs.add(path, "set only one of networkData and networkDataSecretRef");
+        network = None;
+    }
     let nothing = [
         &ci.user_data,
         &ci.user_data_base64,
@@ -158,20 +173,27 @@ pub(super) fn seed(
         &ci.network_data_base64,
     ]
     .iter()
-    .all(|d| d.is_none());
+    .all(|d| d.is_none())
+        && ci.secret_ref.is_none()
+        && ci.network_data_secret_ref.is_none();
     if nothing && ci.extra.is_empty() {
-        errs.add(path, "needs userData, userDataBase64 or networkData");
+        errs.add(
+            path,
+            "needs userData, userDataBase64, networkData or a secretRef",
+        );
     }
     let instance_id = format!("{}.{}", key.name(), key.namespace());
-    let files = match flavor {
+    let slots = flavor.slots();
+    let mut seed = Seed::new(flavor.label());
+    match flavor {
         Flavor::NoCloud => {
             let meta = format!("instance-id: {instance_id}\nlocal-hostname: {hostname}\n");
-            let mut files = vec![("meta-data".to_string(), meta.into_bytes())];
-            files.push(("user-data".into(), user.unwrap_or_default()));
-            if let Some(n) = network {
-                files.push(("network-config".into(), n));
+            seed.files.push(("meta-data".into(), meta.into_bytes()));
+            // NoCloud always has a user-data file, empty if need be.
+            if ci.secret_ref.is_none() {
+                seed.files
+                    .push((slots.user.into(), user.take().unwrap_or_default()));
             }
-            files
         }
         Flavor::ConfigDrive => {
             let meta = serde_json::json!({
@@ -180,24 +202,34 @@ pub(super) fn seed(
                 "hostname": hostname,
                 "uuid": uuid,
             });
-            let dir = "openstack/latest";
-            let mut files = vec![(
-                format!("{dir}/meta_data.json"),
+            seed.files.push((
+                "openstack/latest/meta_data.json".into(),
                 meta.to_string().into_bytes(),
-            )];
-            if let Some(u) = user {
-                files.push((format!("{dir}/user_data"), u));
-            }
-            if let Some(n) = network {
-                files.push((format!("{dir}/network_data.json"), n));
-            }
-            files
+            ));
         }
-    };
-    Some(Seed {
-        label: flavor.label(),
-        files,
-    })
+    }
+    if let Some(u) = user {
+        seed.files.push((slots.user.into(), u));
+    }
+    if let Some(n) = network {
+        seed.files.push((slots.network.into(), n));
+    }
+    for (secret, keys, file) in [
+        (user_secret, USER_KEYS, slots.user),
+        (network_secret, NETWORK_KEYS, slots.network),
+    ] {
+        if let Some((object, field)) = secret {
+            seed.from_objects.push(ObjectFiles {
+                object,
+                field,
+                take: Take::FirstOf {
+                    keys,
+                    file: file.into(),
+                },
+            });
+        }
+    }
+    Some(seed)
 }
 
 #[cfg(test)]
@@ -229,6 +261,7 @@ mod tests {
             &key(),
             "vm1",
             "u",
+            false,
             &mut errs,
         )
         .unwrap();
@@ -258,6 +291,7 @@ mod tests {
             &key(),
             "host1",
             "5b9b0f4e-0000-4000-8000-000000000001",
+            false,
             &mut errs,
         )
         .unwrap();
@@ -278,19 +312,97 @@ mod tests {
 
     #[test]
     fn mistakes_name_their_field() {
-        let check = |yaml: &str| {
+        let check = |yaml: &str, cluster: bool| {
             let mut errs = Errors::default();
-            seed(Flavor::NoCloud, &ci(yaml), "v", &key(), "h", "u", &mut errs);
+            seed(
+                Flavor::NoCloud,
+                &ci(yaml),
+                "v",
+                &key(),
+                "h",
+                "u",
+                cluster,
+                &mut errs,
+            );
             errs.0.into_iter().map(|e| e.field).collect::<Vec<_>>()
         };
-        assert_eq!(check("{userData: a, userDataBase64: YQ==}"), ["v"]);
-        assert_eq!(check("{userDataBase64: '***'}"), ["v.userDataBase64"]);
-        assert_eq!(check("{}"), ["v"]);
+        assert_eq!(check("{userData: a, userDataBase64: YQ==}", false), ["v"]);
         assert_eq!(
-            check("{secretRef: {name: s}}"),
-            ["v.secretRef"],
-            "one error, not also 'needs userData'"
+            check("{userDataBase64: '***'}", false),
+            ["v.userDataBase64"]
         );
+        assert_eq!(check("{}", false), ["v"]);
+        assert_eq!(check("{x: 1}", false), ["v.x"]);
+        assert_eq!(
+            check("{secretRef: {name: s}}", false),
+            ["v.secretRef"],
+            "standalone has no Secrets: one error, not also 'needs userData'"
+        );
+        assert_eq!(check("{secretRef: {name: s}}", true), [] as [&str; 0]);
+        assert_eq!(check("{secretRef: {}}", true), ["v.secretRef.name"]);
+        assert_eq!(check("{userData: a, secretRef: {name: s}}", true), ["v"]);
+        assert_eq!(
+            check("{networkData: a, networkDataSecretRef: {name: s}}", true),
+            ["v"]
+        );
+    }
+
+    #[test]
+    fn secret_refs_fill_the_user_and_network_data_files_at_start() {
+        let mut errs = Errors::default();
+        let s = seed(
+            Flavor::ConfigDrive,
+            &ci("{secretRef: {name: ud}, networkDataSecretRef: {name: nd}}"),
+            "v",
+            &key(),
+            "h",
+            "u",
+            true,
+            &mut errs,
+        )
+        .unwrap();
+        assert!(errs.0.is_empty(), "{:?}", errs.0);
+        assert_eq!(s.files.len(), 1, "only meta_data.json until the start");
+        let want = [
+            (
+                ObjectRef::Secret("ud".into()),
+                "v.secretRef",
+                &["userdata", "userData"],
+                "openstack/latest/user_data",
+            ),
+            (
+                ObjectRef::Secret("nd".into()),
+                "v.networkDataSecretRef",
+                &["networkdata", "networkData"],
+                "openstack/latest/network_data.json",
+            ),
+        ];
+        assert_eq!(s.from_objects.len(), 2);
+        for (o, (object, field, keys, file)) in s.from_objects.iter().zip(want) {
+            assert_eq!(o.object, object);
+            assert_eq!(o.field, field);
+            assert_eq!(
+                o.take,
+                Take::FirstOf {
+                    keys,
+                    file: file.into()
+                }
+            );
+        }
+        // NoCloud: user-data comes from the Secret, not as an empty file.
+        let s = seed(
+            Flavor::NoCloud,
+            &ci("{secretRef: {name: ud}}"),
+            "v",
+            &key(),
+            "h",
+            "u",
+            true,
+            &mut errs,
+        )
+        .unwrap();
+        assert_eq!(files(&s).len(), 1);
+        assert_eq!(s.from_objects.len(), 1);
     }
 
     #[test]

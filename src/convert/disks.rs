@@ -2,6 +2,7 @@
 //! and the files the runtime must prepare.
 
 use super::cloudinit::{self, Flavor};
+use super::configdisk;
 use super::domain::{Alias, Boot, Controller, Disk, DiskDriver, DiskSource, DiskTarget, Present};
 use super::{is_dns_label, Backing, ConvertContext, DiskPrep, Errors};
 use crate::image::{self, PullPolicy};
@@ -282,6 +283,9 @@ fn volumes<'v>(
             v.cloud_init_config_drive.is_some(),
             v.container_disk.is_some(),
             v.ephemeral.is_some(),
+            v.config_map.is_some(),
+            v.secret.is_some(),
+            v.service_account.is_some(),
         ]
         .into_iter()
         .filter(|s| *s)
@@ -297,7 +301,7 @@ fn volumes<'v>(
         };
         if let Some(cd) = &v.container_disk {
             let p = format!("{path}.containerDisk");
-            if let Some(backing) = container_disk(cd, &p, errs) {
+            if let Some(backing) = container_disk(cd, &p, ctx.cluster, errs) {
                 let file = ctx.paths.overlay(&v.name);
                 preps.push(DiskPrep::Overlay {
                     volume: v.name.clone(),
@@ -305,6 +309,24 @@ fn volumes<'v>(
                     backing,
                 });
                 sources.insert(v.name.as_str(), qcow2(file));
+            }
+            continue;
+        }
+        if v.config_map.is_some() || v.secret.is_some() || v.service_account.is_some() {
+            if let Some(seed) = configdisk::seed(v, &path, ctx.cluster, errs) {
+                let file = ctx.paths.config_iso(&v.name);
+                preps.push(DiskPrep::SeedIso {
+                    volume: v.name.clone(),
+                    path: file.clone(),
+                    seed,
+                });
+                sources.insert(
+                    v.name.as_str(),
+                    Source {
+                        path: file,
+                        format: "raw",
+                    },
+                );
             }
             continue;
         }
@@ -338,12 +360,13 @@ fn volumes<'v>(
                     continue;
                 }
                 cloud_init_seen = true;
-                let Some(seed) = cloudinit::seed(flavor, ci, &p, ctx.key, hostname, uuid, errs)
+                let Some(seed) =
+                    cloudinit::seed(flavor, ci, &p, ctx.key, hostname, uuid, ctx.cluster, errs)
                 else {
                     continue;
                 };
                 let file = ctx.paths.cloud_init_iso(&v.name);
-                preps.push(DiskPrep::CloudInitIso {
+                preps.push(DiskPrep::SeedIso {
                     volume: v.name.clone(),
                     path: file.clone(),
                     seed,
@@ -415,13 +438,19 @@ fn qcow2(path: PathBuf) -> Source {
     }
 }
 
-fn container_disk(cd: &ContainerDisk, p: &str, errs: &mut Errors) -> Option<Backing> {
+fn container_disk(
+    cd: &ContainerDisk,
+    p: &str,
+    cluster: bool,
+    errs: &mut Errors,
+) -> Option<Backing> {
     errs.reject_extra(p, &cd.extra);
     let before = errs.len();
     let pull_policy = image_source(
         &cd.image,
         cd.image_pull_policy.as_deref(),
-        cd.image_pull_secret.is_some(),
+        cd.image_pull_secret.as_deref(),
+        cluster,
         p,
         errs,
     );
@@ -439,16 +468,19 @@ fn container_disk(cd: &ContainerDisk, p: &str, errs: &mut Errors) -> Option<Back
     (errs.len() == before).then(|| Backing::Image {
         image: cd.image.clone(),
         pull_policy: pull_policy.expect("checked above"),
+        pull_secret: cd.image_pull_secret.clone(),
         path: cd.path.clone(),
     })
 }
 
 /// What containerDisks and kernelBoot share: the image reference, its pull
-/// policy (`None` when it is wrong), and credentials kvirt cannot use yet.
+/// policy (`None` when it is wrong), and registry credentials from a
+/// Secret, which only a cluster has.
 pub(super) fn image_source(
     image: &str,
     policy: Option<&str>,
-    has_pull_secret: bool,
+    pull_secret: Option<&str>,
+    cluster: bool,
     p: &str,
     errs: &mut Errors,
 ) -> Option<PullPolicy> {
@@ -459,11 +491,10 @@ pub(super) fn image_source(
     if let (Err(e), Some(_)) = (&resolved, policy) {
         errs.add(format!("{p}.imagePullPolicy"), e);
     }
-    if has_pull_secret {
-        errs.add(
-            format!("{p}.imagePullSecret"),
-            "registry credentials are not supported yet (use a public or loopback registry)",
-        );
+    match pull_secret {
+        Some(_) if !cluster => errs.add(format!("{p}.imagePullSecret"), super::NEEDS_CLUSTER),
+        Some("") => errs.add(format!("{p}.imagePullSecret"), "must name a Secret"),
+        _ => {}
     }
     resolved.ok()
 }
@@ -760,6 +791,7 @@ volumes:
                     backing: Backing::Image {
                         image: "quay.io/containerdisks/fedora:41".into(),
                         pull_policy: PullPolicy::IfNotPresent,
+                        pull_secret: None,
                         path: Some("/disk/f.qcow2".into()),
                     },
                 },

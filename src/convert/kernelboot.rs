@@ -15,6 +15,7 @@ pub const INITRD: &str = "kernelBoot.initrd";
 pub(super) fn convert(
     kb: &KernelBoot,
     paths: &VmPaths,
+    cluster: bool,
     os: &mut Os,
     errs: &mut Errors,
 ) -> Option<DiskPrep> {
@@ -33,7 +34,8 @@ pub(super) fn convert(
     let pull_policy = super::disks::image_source(
         &c.image,
         c.image_pull_policy.as_deref(),
-        c.image_pull_secret.is_some(),
+        c.image_pull_secret.as_deref(),
+        cluster,
         &p,
         errs,
     );
@@ -78,6 +80,7 @@ pub(super) fn convert(
     Some(DiskPrep::KernelBoot {
         image: c.image.clone(),
         pull_policy: pull_policy?,
+        pull_secret: c.image_pull_secret.clone(),
         kernel,
         initrd,
     })

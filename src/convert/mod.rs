@@ -14,6 +14,7 @@
 
 mod clock;
 pub mod cloudinit;
+pub mod configdisk;
 mod cpu;
 mod devices;
 mod disks;
@@ -23,6 +24,7 @@ mod firmware;
 pub mod kernelboot;
 mod memory;
 pub mod network;
+pub mod seed;
 
 use crate::key::VmKey;
 use crate::layout::VmPaths;
@@ -72,6 +74,9 @@ pub struct ConvertContext<'a> {
     /// hostDisk paths must lie under one of these (lexically; the runtime
     /// re-checks the real path).
     pub host_disk_roots: &'a [PathBuf],
+    /// Whether the VMI comes from a cluster, whose Secrets, ConfigMaps and
+    /// ServiceAccounts its volumes may name.
+    pub cluster: bool,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -101,12 +106,13 @@ pub enum DiskPrep {
     /// hostDisk Disk: must exist (the runtime checks, and re-checks the
     /// real path under the roots).
     RequireExisting { volume: String, path: PathBuf },
-    /// cloudInitNoCloud/ConfigDrive: an ISO of these files, remade on every
-    /// start (the VMI is the truth, the image only a copy of it).
-    CloudInitIso {
+    /// cloudInitNoCloud/ConfigDrive and configMap/secret/serviceAccount
+    /// volumes: an ISO of these files, remade on every start (the VMI and
+    /// its objects are the truth, the image only a copy of them).
+    SeedIso {
         volume: String,
         path: PathBuf,
-        seed: cloudinit::Seed,
+        seed: seed::Seed,
     },
     /// containerDisk / ephemeral: a fresh qcow2 overlay on a read-only
     /// base, made on every start (KubeVirt's ephemeral write layer).
@@ -119,6 +125,7 @@ pub enum DiskPrep {
     KernelBoot {
         image: String,
         pull_policy: crate::image::PullPolicy,
+        pull_secret: Option<String>,
         kernel: Option<ImageFile>,
         initrd: Option<ImageFile>,
     },
@@ -138,6 +145,8 @@ pub struct ImageNeed<'a> {
     pub key: &'a str,
     pub image: &'a str,
     pub pull_policy: crate::image::PullPolicy,
+    /// The Secret with the registry's credentials (cluster mode).
+    pub pull_secret: Option<&'a str>,
     pub path: Option<&'a str>,
 }
 
@@ -151,6 +160,7 @@ impl DiskPrep {
                     Backing::Image {
                         image,
                         pull_policy,
+                        pull_secret,
                         path,
                     },
                 ..
@@ -158,11 +168,13 @@ impl DiskPrep {
                 key: volume,
                 image,
                 pull_policy: *pull_policy,
+                pull_secret: pull_secret.as_deref(),
                 path: path.as_deref(),
             }],
             DiskPrep::KernelBoot {
                 image,
                 pull_policy,
+                pull_secret,
                 kernel,
                 initrd,
             } => [(kernelboot::KERNEL, kernel), (kernelboot::INITRD, initrd)]
@@ -172,6 +184,7 @@ impl DiskPrep {
                         key,
                         image,
                         pull_policy: *pull_policy,
+                        pull_secret: pull_secret.as_deref(),
                         path: Some(f.as_ref()?.path_in_image.as_str()),
                     })
                 })
@@ -186,7 +199,7 @@ impl DiskPrep {
             DiskPrep::CreateQcow2 { path, .. }
             | DiskPrep::CreateRawIfMissing { path, .. }
             | DiskPrep::RequireExisting { path, .. }
-            | DiskPrep::CloudInitIso { path, .. }
+            | DiskPrep::SeedIso { path, .. }
             | DiskPrep::Overlay { path, .. } => path,
             DiskPrep::KernelBoot { kernel, initrd, .. } => kernel
                 .as_ref()
@@ -203,6 +216,7 @@ pub enum Backing {
     Image {
         image: String,
         pull_policy: crate::image::PullPolicy,
+        pull_secret: Option<String>,
         path: Option<String>,
     },
     /// `ephemeral.hostDisk`: an existing file, only read.
@@ -263,7 +277,13 @@ pub fn convert_all_errors(
     let (disk_devs, controllers, mut preps) = disks::convert(spec, ctx, &uuid, &mut errs);
     let mut os = os;
     if let Some(kb) = dom.firmware.as_ref().and_then(|f| f.kernel_boot.as_ref()) {
-        preps.extend(kernelboot::convert(kb, ctx.paths, &mut os, &mut errs));
+        preps.extend(kernelboot::convert(
+            kb,
+            ctx.paths,
+            ctx.cluster,
+            &mut os,
+            &mut errs,
+        ));
     }
     let mut devices = devices::convert(spec, ctx.paths, &mut errs);
     devices.disks = disk_devs;
@@ -367,6 +387,10 @@ fn check_spec_fields(extra: &Extra, errs: &mut Errors) {
 
 const UNSUPPORTED: &str = "not supported by kvirt";
 
+/// Why a cluster object cannot be used in standalone mode.
+const NEEDS_CLUSTER: &str =
+    "needs a cluster: kvirtd reads this VMI from a manifest directory, which has no Secrets, ConfigMaps or ServiceAccounts";
+
 /// Collects every problem so a user can fix a manifest in one pass.
 #[derive(Debug, Default)]
 pub(crate) struct Errors(Vec<ConvertError>);
@@ -432,6 +456,7 @@ pub(crate) mod test_support {
                 paths: &paths,
                 domain_type,
                 host_disk_roots: &roots,
+                cluster: false,
             },
         )
     }

@@ -236,17 +236,28 @@ if [ -e /sys/class/net/eth0 ]; then
   done
 fi
 # cloud-init, as little of it as the tests need: a NoCloud (cidata) or
-# ConfigDrive (config-2) seed's user-data runs when it is a script.
+# ConfigDrive (config-2) seed's user-data runs when it is a script. Other
+# ISOs (configMap/secret/serviceAccount disks) show their files: the first
+# 24 bytes of each, one line per file.
 for dev in /dev/vd? /dev/sr?; do
   [ -b "$dev" ] || continue
   # The ISO 9660 volume id (busybox has no blkid): 32 bytes at 32808.
+  [ "$(dd if="$dev" bs=1 skip=32769 count=5 2>/dev/null)" = CD001 ] || continue
   label=$(dd if="$dev" bs=1 skip=32808 count=32 2>/dev/null | tr -d ' ')
-  case $label in cidata | config-2) ;; *) continue ;; esac
   mkdir -p /seed && mount -t iso9660 -o ro "$dev" /seed || continue
   echo "KVIRT-GUEST-SEED $label $(ls /seed | tr '\n' ' ')"
-  for ud in /seed/user-data /seed/openstack/latest/user_data; do
-    if [ -f "$ud" ] && [ "$(head -c 2 "$ud")" = "#!" ]; then sh "$ud"; fi
-  done
+  case $label in
+    cidata | config-2)
+      for ud in /seed/user-data /seed/openstack/latest/user_data; do
+        if [ -f "$ud" ] && [ "$(head -c 2 "$ud")" = "#!" ]; then sh "$ud"; fi
+      done
+      ;;
+    *)
+      for f in /seed/*; do
+        [ -f "$f" ] && echo "KVIRT-GUEST-FILE $label/${f#/seed/} $(head -c 24 "$f" | tr -d '\n')"
+      done
+      ;;
+  esac
   umount /seed
 done
 # A guest agent, as little of it as the tests need, on the agent's
