@@ -569,3 +569,52 @@ spec:
     h.ok(&format!("test -f {cached}"));
     h.ok("systemctl stop test-registry; rm -rf /var/lib/test-registry /tmp/guest.qcow2");
 }
+
+#[test]
+fn efi_guests_boot_through_ovmf_and_secure_boot_refuses_an_unsigned_loader() {
+    let Some(h) = host() else { return };
+    let _g = serial();
+    // The test guest's disk has an unsigned GRUB as its removable-media
+    // loader: plain OVMF boots it; Secure Boot (the default, as in KubeVirt)
+    // refuses it, which shows its keys are enrolled and enforced. One at a
+    // time: OVMF under TCG is slow enough alone.
+    let efi = |vm: &str, efi: &str| {
+        support::vmi_manifest(vm, "", "", "").replace(
+            "    memory: {guest: 128Mi}\n",
+            // GRUB loads the kernel and initrd into memory OVMF has left
+            // free: 128Mi is too little.
+            &format!(
+                "    memory: {{guest: 256Mi}}\n    firmware: {{bootloader: {{efi: {efi}}}}}\n"
+            ),
+        )
+    };
+    let shows = |vm: &str, marker: &str| {
+        h.wait(
+            &format!("{marker} in {vm}'s serial log"),
+            Duration::from_secs(240),
+            &format!("grep -qF -- '{marker}' /run/kvirt/vms/default_{vm}/console.log"),
+        )
+    };
+    let qemu = |vm: &str| h.ok(&format!("tr '\\0' ' ' </proc/{}/cmdline", h.qemu_pid(vm)));
+
+    h.put_manifest("efisb", "run", &efi("efisb", "{}"));
+    h.wait_phase("efisb", "Running", BOOT);
+    let sb = qemu("efisb");
+    assert!(
+        sb.contains("OVMF_CODE_4M.ms.fd") || sb.contains("OVMF_CODE_4M.secboot.fd"),
+        "{sb}"
+    );
+    assert!(sb.contains("smm=on"), "{sb}");
+    shows("efisb", "Access Denied");
+    h.remove_vm_and_wait_gone("efisb");
+
+    h.put_manifest("efi", "run", &efi("efi", "{secureBoot: false}"));
+    h.wait_phase("efi", "Running", BOOT);
+    let plain = qemu("efi");
+    assert!(plain.contains("OVMF_CODE_4M.fd"), "{plain}");
+    // The variables are the VM's own copy, in its own state directory.
+    let vars = h.ok("find /var/lib/kvirt/vms/default_efi -name '*VARS*'");
+    assert!(!vars.is_empty(), "no NVRAM file of the VM's own");
+    shows("efi", "KVIRT-GUEST-READY");
+    h.remove_vm_and_wait_gone("efi");
+}

@@ -16,12 +16,12 @@ TH_HOSTNAME=kvirt-testhost
 TH_HOST_PKGS=(debootstrap systemd-container busybox-static cpio dosfstools mtools
   syslinux syslinux-common qemu-utils libvirt-clients libvirt-dev pkg-config
   util-linux xz-utils zstd debian-archive-keyring ca-certificates lintian rpm rpmlint
-  xorriso docker-registry)
+  xorriso docker-registry grub-efi-amd64-bin)
 
 TH_ROOTFS_PKGS=(systemd systemd-sysv dbus libpam-systemd libvirt-daemon
   libvirt-daemon-driver-qemu libvirt-clients qemu-system-x86 qemu-utils seabios
   ipxe-qemu iproute2 nftables busybox-static procps socat util-linux kmod
-  ca-certificates systemd-container xorriso docker-registry)
+  ca-certificates systemd-container xorriso docker-registry ovmf)
 
 # Units that fail or only make noise in an nspawn container.
 TH_ROOTFS_MASK=(systemd-modules-load.service apt-daily.timer apt-daily-upgrade.timer
@@ -358,7 +358,10 @@ DHCP
   (cd "$ir" && find . -print0 | LC_ALL=C sort -z | cpio --null -o -H newc --quiet --reproducible) |
     gzip -9n >"$out/initrd.img"
   echo "$kver" >"$out/kernel-version"
-  # Two bootable raw disks: unpartitioned FAT "superfloppies" with syslinux.
+  # Two bootable raw disks: unpartitioned FAT "superfloppies" with syslinux
+  # for BIOS and a standalone GRUB as the removable-media loader
+  # (EFI/BOOT/BOOTX64.EFI) for UEFI. The GRUB is unsigned: Secure Boot
+  # refuses it.
   local mode
   for mode in run poweroff; do
     local img=$out/$mode.raw
@@ -368,6 +371,12 @@ DHCP
       "$mode" >"$w/syslinux.cfg"
     mcopy -i "$img" "$out/vmlinuz" "$out/initrd.img" "$w/syslinux.cfg" ::
     syslinux --install "$img"
+    printf 'set timeout=0\nset root=(hd0)\nlinux /vmlinuz console=ttyS0 quiet kvirt.mode=%s\ninitrd /initrd.img\nboot\n' \
+      "$mode" >"$w/grub.cfg"
+    grub-mkstandalone -O x86_64-efi --locales= --fonts= --themes= \
+      -o "$w/BOOTX64.EFI" "boot/grub/grub.cfg=$w/grub.cfg"
+    mmd -i "$img" ::EFI ::EFI/BOOT
+    mcopy -i "$img" "$w/BOOTX64.EFI" ::EFI/BOOT/
   done
   set +x
   th__guest_verify "$out" "$rootfs"
