@@ -1068,12 +1068,14 @@ impl<
                 .delete(&key::netns_name_of(id))
                 .await
                 .map_err(netns_err),
-            Step::RemoveStateDir => self
-                .deps
-                .storage
-                .remove_dir(&paths.state_dir)
-                .await
-                .map_err(storage_err),
+            Step::RemoveStateDir => {
+                let storage = &self.deps.storage;
+                storage.remove_hugepages(id).await.map_err(storage_err)?;
+                storage
+                    .remove_dir(&paths.state_dir)
+                    .await
+                    .map_err(storage_err)
+            }
             Step::RemoveRuntimeDir => self
                 .deps
                 .storage

@@ -361,6 +361,11 @@ impl Storage for FakeHost {
         Ok(())
     }
 
+    /// Hugepage directories are never made by the fake host.
+    async fn remove_hugepages(&self, _id: &str) -> Result<(), StorageError> {
+        Ok(())
+    }
+
     async fn exists(&self, dir: &Path) -> bool {
         self.state().dirs.contains(dir)
     }

@@ -12,6 +12,7 @@ pub mod controller;
 pub mod convert;
 pub mod dhcp;
 pub mod fake;
+pub mod hugepages;
 pub mod image;
 pub mod ipam;
 pub mod journal;

@@ -2,6 +2,7 @@
 
 use crate::convert::seed::Seed;
 use crate::convert::{Backing, DiskPrep};
+use crate::hugepages;
 use crate::image::ImageDisk;
 
 /// Files pulled from container images for one VM, by `ImageNeed` key.
@@ -74,6 +75,8 @@ pub trait Storage: Send + Sync + 'static {
         images: &Pulled,
     ) -> impl Future<Output = Result<(), StorageError>> + Send;
     fn remove_dir(&self, dir: &Path) -> impl Future<Output = Result<(), StorageError>> + Send;
+    /// Removes VM `id`'s directories on the host's hugetlbfs mounts.
+    fn remove_hugepages(&self, id: &str) -> impl Future<Output = Result<(), StorageError>> + Send;
     fn exists(&self, dir: &Path) -> impl Future<Output = bool> + Send;
     /// Ids of VMs that have a state or runtime directory.
     fn list_ids(&self) -> impl Future<Output = Vec<String>> + Send;
@@ -219,6 +222,12 @@ impl HostStorage {
                 self.own(path)
             }
             DiskPrep::SeedIso { path, seed, .. } => self.seed_iso(path, seed),
+            DiskPrep::Hugepages {
+                vm,
+                page_bytes,
+                pages,
+                qemu_conf,
+            } => self.hugepages(vm, *page_bytes, *pages, qemu_conf),
             DiskPrep::RequireExisting { path, .. } => {
                 if !path.is_file() {
                     return Err(StorageError::Disk {
@@ -310,6 +319,39 @@ impl HostStorage {
         let result = make(&work);
         let _ = std::fs::remove_dir_all(&work);
         result
+    }
+
+    /// The VM's own directory on the hugetlbfs of its page size, named in
+    /// its libvirt's qemu.conf, once enough pages are known to be free
+    /// (QEMU's own error would only say it could not allocate memory).
+    fn hugepages(
+        &self,
+        vm: &str,
+        page_bytes: u64,
+        pages: u64,
+        qemu_conf: &Path,
+    ) -> Result<(), StorageError> {
+        let refuse = |message: String| StorageError::Disk {
+            path: qemu_conf.to_owned(),
+            message,
+        };
+        let mount = hugepages::host_mount(page_bytes).map_err(refuse)?;
+        let free = hugepages::available_pages(page_bytes).map_err(refuse)?;
+        if free < pages {
+            return Err(refuse(format!(
+                "{pages} hugepages of {} are needed and {free} are free",
+                hugepages::human(page_bytes)
+            )));
+        }
+        let dir = hugepages::vm_dir(&mount, vm);
+        self.mkdir(dir.parent().expect("kvirt/ has a parent"), 0o711, false)?;
+        self.mkdir(&dir, 0o700, true)?;
+        let line = format!("hugetlbfs_mount = {:?}\n", dir.display().to_string());
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(qemu_conf)
+            .map_err(io(qemu_conf, "open"))?;
+        std::io::Write::write_all(&mut f, line.as_bytes()).map_err(io(qemu_conf, "write"))
     }
 
     fn seed_iso(&self, path: &Path, seed: &Seed) -> Result<(), StorageError> {
@@ -438,6 +480,13 @@ impl Storage for HostStorage {
             _ => Ok(()),
         })
         .await
+    }
+
+    async fn remove_hugepages(&self, id: &str) -> Result<(), StorageError> {
+        for dir in hugepages::host_vm_dirs(id) {
+            self.remove_dir(&dir).await?;
+        }
+        Ok(())
     }
 
     async fn exists(&self, dir: &Path) -> bool {

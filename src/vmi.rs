@@ -168,6 +168,17 @@ pub struct CpuFeature {
 pub struct Memory {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub guest: Option<Quantity>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hugepages: Option<Hugepages>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Hugepages {
+    #[serde(default)]
+    pub page_size: Option<Quantity>,
     #[serde(flatten)]
     pub extra: Extra,
 }

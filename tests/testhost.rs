@@ -618,3 +618,93 @@ fn efi_guests_boot_through_ovmf_and_secure_boot_refuses_an_unsigned_loader() {
     shows("efi", "KVIRT-GUEST-READY");
     h.remove_vm_and_wait_gone("efi");
 }
+
+/// Hugepages reserved on this machine's kernel (the test host shares it)
+/// for one test; the count before comes back when it ends.
+struct ReservedHugepages {
+    before: u64,
+}
+
+const NR_HUGEPAGES: &str = "/proc/sys/vm/nr_hugepages";
+const HUGEPAGES_2M: &str = "/sys/kernel/mm/hugepages/hugepages-2048kB";
+
+fn read_u64(path: &str) -> u64 {
+    std::fs::read_to_string(path)
+        .unwrap_or_else(|e| panic!("{path}: {e}"))
+        .trim()
+        .parse()
+        .unwrap()
+}
+
+/// 2 MiB pages nobody has: free and not reserved by a mapping.
+fn available_2m() -> u64 {
+    read_u64(&format!("{HUGEPAGES_2M}/free_hugepages"))
+        - read_u64(&format!("{HUGEPAGES_2M}/resv_hugepages"))
+}
+
+impl ReservedHugepages {
+    fn more(pages: u64) -> Self {
+        let before = read_u64(NR_HUGEPAGES);
+        std::fs::write(NR_HUGEPAGES, (before + pages).to_string()).unwrap();
+        assert_eq!(
+            read_u64(NR_HUGEPAGES),
+            before + pages,
+            "the kernel could not set aside {pages} hugepages"
+        );
+        Self { before }
+    }
+}
+
+impl Drop for ReservedHugepages {
+    fn drop(&mut self) {
+        let _ = std::fs::write(NR_HUGEPAGES, self.before.to_string());
+    }
+}
+
+#[test]
+fn hugepages_back_a_guest_and_a_vm_that_does_not_fit_fails_with_why() {
+    let Some(h) = host() else { return };
+    let _g = serial();
+    let _pages = ReservedHugepages::more(64);
+    let available = available_2m();
+    assert!(available >= 64, "{available}");
+    let hp = |vm: &str, guest: &str| {
+        support::vmi_manifest(vm, "", "", "").replace(
+            "    memory: {guest: 128Mi}\n",
+            &format!("    memory: {{guest: {guest}, hugepages: {{pageSize: 2Mi}}}}\n"),
+        )
+    };
+    // 128Mi is 64 pages of 2 MiB.
+    h.put_manifest("hp", "run", &hp("hp", "128Mi"));
+    h.wait_phase("hp", "Running", BOOT);
+    h.serial_log_shows("hp", "KVIRT-GUEST-READY");
+    let cmdline = h.ok(&format!("tr '\\0' ' ' </proc/{}/cmdline", h.qemu_pid("hp")));
+    assert!(
+        cmdline.contains("\"mem-path\":\"/dev/hugepages/kvirt/default_hp/"),
+        "{cmdline}"
+    );
+    assert_eq!(
+        available_2m(),
+        available - 64,
+        "the guest's pages are taken"
+    );
+
+    // More than is left: the VM fails with the reason, nothing of it stays.
+    let left = available_2m();
+    h.put_manifest("hp2", "run", &hp("hp2", &format!("{}Mi", 2 * (left + 1))));
+    h.wait_phase("hp2", "Failed", BOOT);
+    let reason = h.status("hp2").to_string();
+    assert!(
+        reason.contains(&format!(
+            "{} hugepages of 2 MiB are needed and {left} are free",
+            left + 1
+        )),
+        "{reason}"
+    );
+    assert!(h.succeeds("[ ! -e /dev/hugepages/kvirt/default_hp2 ]"));
+
+    h.remove_vm_and_wait_gone("hp2");
+    h.remove_vm_and_wait_gone("hp");
+    assert!(h.succeeds("[ ! -e /dev/hugepages/kvirt/default_hp ]"));
+    assert_eq!(available_2m(), available, "the pages are back");
+}

@@ -15,6 +15,8 @@ pub struct Domain {
     pub uuid: String,
     pub metadata: Metadata,
     pub memory: Memory,
+    #[serde(rename = "memoryBacking", skip_serializing_if = "Option::is_none")]
+    pub memory_backing: Option<MemoryBacking>,
     pub vcpu: Vcpu,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sysinfo: Option<Sysinfo>,
@@ -54,6 +56,25 @@ pub struct Memory {
     pub unit: &'static str,
     #[serde(rename = "$text")]
     pub value: u64,
+}
+
+/// Guest memory from hugepages of one size.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct MemoryBacking {
+    pub hugepages: HugepagePages,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct HugepagePages {
+    pub page: HugepageSize,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct HugepageSize {
+    #[serde(rename = "@size")]
+    pub size: u64,
+    #[serde(rename = "@unit")]
+    pub unit: &'static str,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]

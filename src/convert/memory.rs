@@ -87,14 +87,7 @@ fn parse_list(
 pub(super) fn guest_memory(mem: Option<&Memory>, res: &ResourceSpec, errs: &mut Errors) -> u64 {
     const FIELD: &str = "spec.domain.memory.guest";
     if let Some(mem) = mem {
-        let mut extra = mem.extra.clone();
-        if extra.remove("hugepages").is_some() {
-            errs.add(
-                "spec.domain.memory.hugepages",
-                "hugepages are not supported yet (the VM's unprivileged daemon has no hugetlbfs)",
-            );
-        }
-        errs.reject_extra("spec.domain.memory", &extra);
+        errs.reject_extra("spec.domain.memory", &mem.extra);
     }
     let guest = match mem.and_then(|m| m.guest.as_ref()) {
         Some(q) => match q.to_bytes() {
@@ -127,6 +120,46 @@ pub(super) fn guest_memory(mem: Option<&Memory>, res: &ResourceSpec, errs: &mut 
     bytes
 }
 
+/// The page size of `memory.hugepages`, when the guest's memory is to be
+/// backed by hugepages: one the x86 kernel has (2Mi or 1Gi), dividing the
+/// guest memory, as KubeVirt checks.
+pub(super) fn hugepage_size(
+    mem: Option<&Memory>,
+    guest_bytes: u64,
+    errs: &mut Errors,
+) -> Option<u64> {
+    const FIELD: &str = "spec.domain.memory.hugepages";
+    let hp = mem?.hugepages.as_ref()?;
+    errs.reject_extra(FIELD, &hp.extra);
+    let field = format!("{FIELD}.pageSize");
+    let Some(q) = &hp.page_size else {
+        errs.add(field, "is required (2Mi or 1Gi)");
+        return None;
+    };
+    let size = match q.to_bytes() {
+        Ok(b @ (0x20_0000 | 0x4000_0000)) => b,
+        Ok(_) => {
+            errs.add(
+                field,
+                format!("{q} is not a hugepage size of this architecture (2Mi or 1Gi)"),
+            );
+            return None;
+        }
+        Err(e) => {
+            errs.add(field, e);
+            return None;
+        }
+    };
+    if guest_bytes % size != 0 {
+        errs.add(
+            "spec.domain.memory.guest",
+            format!("{guest_bytes} bytes is not a whole number of {q} hugepages"),
+        );
+        return None;
+    }
+    Some(size)
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::test_support::*;
@@ -156,6 +189,30 @@ mod tests {
     }
 
     #[test]
+    fn hugepages_back_the_guest_memory_from_the_vms_own_hugetlbfs_directory() {
+        let c = run(
+            &vmi("domain: {memory: {guest: 128Mi, hugepages: {pageSize: 2Mi}}}"),
+            DomainType::Kvm,
+        )
+        .unwrap();
+        let x = &c.domain_xml;
+        assert!(
+            x.contains("<memoryBacking><hugepages><page size=\"2048\" unit=\"KiB\"/></hugepages></memoryBacking>")
+                || x.contains("<memoryBacking>\n    <hugepages>\n      <page size=\"2048\" unit=\"KiB\"/>"),
+            "{x}"
+        );
+        assert_eq!(
+            c.disks,
+            [super::super::DiskPrep::Hugepages {
+                vm: "ns_vm".into(),
+                page_bytes: 2 << 20,
+                pages: 64,
+                qemu_conf: "/var/lib/kvirt/vms/ns_vm/config/libvirt/qemu.conf".into(),
+            }]
+        );
+    }
+
+    #[test]
     fn errors() {
         let f = |y| fields(run(&vmi(y), DomainType::Kvm));
         assert_eq!(f("domain: {}"), ["spec.domain.memory.guest"]);
@@ -169,8 +226,18 @@ mod tests {
         );
         assert_eq!(
             f("domain: {memory: {guest: 2Gi, hugepages: {pageSize: 2Mi}}, resources: {limits: {memory: 1Gi}}}"),
-            ["spec.domain.memory.hugepages", "spec.domain.memory.guest"]
+            ["spec.domain.memory.guest"]
         );
+        for (hp, field) in [
+            ("{pageSize: 4Ki}", "spec.domain.memory.hugepages.pageSize"),
+            ("{pageSize: 2MB}", "spec.domain.memory.hugepages.pageSize"),
+            ("{}", "spec.domain.memory.hugepages.pageSize"),
+            ("{pageSize: 2Mi, x: 1}", "spec.domain.memory.hugepages.x"),
+            ("{pageSize: 1Gi}", "spec.domain.memory.guest"),
+        ] {
+            let spec = format!("domain: {{memory: {{guest: 66Mi, hugepages: {hp}}}}}");
+            assert_eq!(fields(run(&vmi(&spec), DomainType::Kvm)), [field], "{hp}");
+        }
         assert_eq!(
             f("domain: {resources: {requests: {memory: 2Gi, nvidia.com/gpu: 1}, limits: {memory: 1Gi}, overcommitGuestOverhead: true}}"),
             [

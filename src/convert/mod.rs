@@ -121,6 +121,15 @@ pub enum DiskPrep {
         path: PathBuf,
         backing: Backing,
     },
+    /// `memory.hugepages`: the VM's own directory on the host's hugetlbfs
+    /// of that page size, which its libvirt is told to use in `qemu_conf`;
+    /// the runtime checks first that enough pages are free.
+    Hugepages {
+        vm: String,
+        page_bytes: u64,
+        pages: u64,
+        qemu_conf: PathBuf,
+    },
     /// `kernelBoot`: files of an image copied into the VM's directory.
     KernelBoot {
         image: String,
@@ -201,6 +210,7 @@ impl DiskPrep {
             | DiskPrep::RequireExisting { path, .. }
             | DiskPrep::SeedIso { path, .. }
             | DiskPrep::Overlay { path, .. } => path,
+            DiskPrep::Hugepages { qemu_conf, .. } => qemu_conf,
             DiskPrep::KernelBoot { kernel, initrd, .. } => kernel
                 .as_ref()
                 .or(initrd.as_ref())
@@ -270,11 +280,20 @@ pub fn convert_all_errors(
     errs.reject_extra("spec.domain", &dom.extra);
     let res = memory::ResourceSpec::parse(dom.resources.as_ref(), &mut errs);
     let memory_bytes = memory::guest_memory(dom.memory.as_ref(), &res, &mut errs);
+    let hugepage = memory::hugepage_size(dom.memory.as_ref(), memory_bytes, &mut errs);
     let (cpu, vcpus) = cpu::convert(dom.cpu.as_ref(), &res, ctx.domain_type, &mut errs);
     let (uuid, os, sysinfo, needs) = firmware::convert(vmi, ctx.key, dom, &mut errs);
     let features = features::convert(dom.features.as_ref(), needs, ctx.domain_type, &mut errs);
     let clock = clock::convert(dom.clock.as_ref(), &mut errs);
     let (disk_devs, controllers, mut preps) = disks::convert(spec, ctx, &uuid, &mut errs);
+    if let Some(page_bytes) = hugepage {
+        preps.push(DiskPrep::Hugepages {
+            vm: ctx.key.id(),
+            page_bytes,
+            pages: memory_bytes / page_bytes,
+            qemu_conf: ctx.paths.qemu_conf(),
+        });
+    }
     let mut os = os;
     if let Some(kb) = dom.firmware.as_ref().and_then(|f| f.kernel_boot.as_ref()) {
         preps.extend(kernelboot::convert(
@@ -321,6 +340,14 @@ pub fn convert_all_errors(
             unit: "b",
             value: memory_bytes,
         },
+        memory_backing: hugepage.map(|page| domain::MemoryBacking {
+            hugepages: domain::HugepagePages {
+                page: domain::HugepageSize {
+                    size: page >> 10,
+                    unit: "KiB",
+                },
+            },
+        }),
         vcpu: domain::Vcpu {
             placement: "static",
             count: vcpus,
