@@ -595,16 +595,27 @@ impl<
         match disks {
             Ok(d) => Ok(d),
             Err(message) => {
-                self.deps
-                    .recorder
-                    .record(vmi, EventReason::FailedMount, &message, true);
-                self.set_waiting(key, "FailedMount", &message).await;
+                self.wait_for(vmi, key, EventReason::FailedMount, &message)
+                    .await;
                 Err(ControllerError::Objects {
                     id: key.id(),
                     message,
                 })
             }
         }
+    }
+
+    /// A start that cannot go on yet: a warning Event, and the same reason
+    /// in the Ready condition while the VMI waits (the loop retries).
+    async fn wait_for(
+        &self,
+        vmi: &VirtualMachineInstance,
+        key: &VmKey,
+        reason: EventReason,
+        message: &str,
+    ) {
+        self.deps.recorder.record(vmi, reason, message, true);
+        self.set_waiting(key, &format!("{reason:?}"), message).await;
     }
 
     /// containerDisks (and kernelBoot images) are pulled before anything is
@@ -621,21 +632,20 @@ impl<
         let mut disks = BTreeMap::new();
         for need in conv.disks.iter().flat_map(DiskPrep::image_needs) {
             let (volume, image) = (need.key, need.image);
+            let failed = |e: ImageError| async move {
+                let msg = format!("volume {volume}: {e}");
+                self.wait_for(vmi, key, EventReason::ErrImagePull, &msg)
+                    .await;
+                ControllerError::Image {
+                    id: key.id(),
+                    source: e,
+                }
+            };
             let auth = match need.pull_secret {
                 None => None,
                 Some(secret) => match self.credentials(key, image, secret).await {
                     Ok(c) => c,
-                    Err(e) => {
-                        let msg = format!("volume {volume}: {e}");
-                        self.deps
-                            .recorder
-                            .record(vmi, EventReason::ErrImagePull, &msg, true);
-                        self.set_waiting(key, "ErrImagePull", &msg).await;
-                        return Err(ControllerError::Image {
-                            id: key.id(),
-                            source: e,
-                        });
-                    }
+                    Err(e) => return Err(failed(e).await),
                 },
             };
             let started = tokio::time::Instant::now();
@@ -682,17 +692,7 @@ impl<
                         .record(vmi, EventReason::Pulled, &msg, false);
                     disks.insert(volume.to_owned(), d);
                 }
-                Err(e) => {
-                    let msg = format!("volume {volume}: {e}");
-                    self.deps
-                        .recorder
-                        .record(vmi, EventReason::ErrImagePull, &msg, true);
-                    self.set_waiting(key, "ErrImagePull", &msg).await;
-                    return Err(ControllerError::Image {
-                        id: key.id(),
-                        source: e,
-                    });
-                }
+                Err(e) => return Err(failed(e).await),
             }
         }
         Ok(disks)
@@ -1070,6 +1070,7 @@ impl<
                 .map_err(netns_err),
             Step::RemoveStateDir => {
                 let storage = &self.deps.storage;
+                storage.keep_efi_vars(&paths).await.map_err(storage_err)?;
                 storage.remove_hugepages(id).await.map_err(storage_err)?;
                 storage
                     .remove_dir(&paths.state_dir)

@@ -366,6 +366,11 @@ impl Storage for FakeHost {
         Ok(())
     }
 
+    /// Nor are EFI variables.
+    async fn keep_efi_vars(&self, _paths: &VmPaths) -> Result<(), StorageError> {
+        Ok(())
+    }
+
     async fn exists(&self, dir: &Path) -> bool {
         self.state().dirs.contains(dir)
     }

@@ -65,6 +65,12 @@ impl HostLayout {
         self.cache_dir.join("qemu-capabilities")
     }
 
+    /// EFI variables kept for VMs that ask for them (`efi.persistent`),
+    /// by VM id: they outlive the VMI, as KubeVirt's backend storage does.
+    pub fn efi_vars_dir(&self) -> PathBuf {
+        self.state_dir.join("efi-vars")
+    }
+
     pub fn vm(&self, key: &VmKey) -> VmPaths {
         VmPaths::new(self, &key.id())
     }
@@ -82,6 +88,10 @@ pub struct VmPaths {
     pub state_dir: PathBuf,
     /// `/run/kvirt/vms/<id>`: sockets, logs, status.
     pub runtime_dir: PathBuf,
+    /// `/var/lib/kvirt/efi-vars/<id>`: kept EFI variables, outside the
+    /// VM's own directories.
+    pub efi_vars_dir: PathBuf,
+    id: String,
 }
 
 impl VmPaths {
@@ -89,7 +99,17 @@ impl VmPaths {
         Self {
             state_dir: host.vms_state_dir().join(id),
             runtime_dir: host.vms_runtime_dir().join(id),
+            efi_vars_dir: host.efi_vars_dir().join(id),
+            id: id.to_owned(),
         }
+    }
+
+    /// Where session libvirt keeps the domain's EFI variables (made from
+    /// the firmware's template when missing).
+    pub fn nvram(&self) -> PathBuf {
+        self.xdg_config_dir()
+            .join("libvirt/qemu/nvram")
+            .join(format!("{}_VARS.fd", self.id))
     }
 
     /// The daemon's `XDG_RUNTIME_DIR`; session libvirt puts its socket under it.

@@ -77,10 +77,24 @@ pub trait Storage: Send + Sync + 'static {
     fn remove_dir(&self, dir: &Path) -> impl Future<Output = Result<(), StorageError>> + Send;
     /// Removes VM `id`'s directories on the host's hugetlbfs mounts.
     fn remove_hugepages(&self, id: &str) -> impl Future<Output = Result<(), StorageError>> + Send;
+    /// Keeps the EFI variables of a VM that asked for it (`efi.persistent`)
+    /// before its state directory goes; an error keeps the directory too.
+    fn keep_efi_vars(
+        &self,
+        paths: &VmPaths,
+    ) -> impl Future<Output = Result<(), StorageError>> + Send;
     fn exists(&self, dir: &Path) -> impl Future<Output = bool> + Send;
     /// Ids of VMs that have a state or runtime directory.
     fn list_ids(&self) -> impl Future<Output = Vec<String>> + Send;
 }
+
+/// In a VM's kept EFI variables directory (root's, out of the VM's reach):
+/// the variables, whose they are, and a mark that a VM using them runs.
+const EFI_VARS: &str = "VARS.fd";
+const EFI_OWNER: &str = "owner";
+const EFI_ACTIVE: &str = "active";
+/// Far above any OVMF variable store (540 KiB), far below harm.
+const MAX_EFI_VARS: u64 = 16 << 20;
 
 /// The VM's QEMU driver settings. QEMU writes its own log and the serial
 /// log straight to files: a virtlogd per VM would cost ~5 MiB PSS each.
@@ -222,6 +236,11 @@ impl HostStorage {
                 self.own(path)
             }
             DiskPrep::SeedIso { path, seed, .. } => self.seed_iso(path, seed),
+            DiskPrep::EfiVars {
+                owner,
+                nvram,
+                kept_dir,
+            } => self.restore_efi_vars(owner, nvram, kept_dir),
             DiskPrep::Hugepages {
                 vm,
                 page_bytes,
@@ -241,6 +260,53 @@ impl HostStorage {
             }
         }
     }
+}
+
+/// The VM's variables into its kept directory, when a VM that keeps them
+/// ran. The file is the VM user's: it is opened without following links,
+/// must be a regular file of a sane size, and replaces the kept copy only
+/// once whole.
+fn keep_efi_vars(nvram: &Path, kept: &Path) -> Result<(), StorageError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let active = kept.join(EFI_ACTIVE);
+    if !active.exists() {
+        return Ok(());
+    }
+    let refuse = |message: String| StorageError::Disk {
+        path: nvram.to_owned(),
+        message,
+    };
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(nvram)
+    {
+        // Never started: nothing new to keep.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io(nvram, "open")(e)),
+        Ok(f) => {
+            let meta = f.metadata().map_err(io(nvram, "stat"))?;
+            if !meta.is_file() || meta.len() > MAX_EFI_VARS {
+                return Err(refuse(format!(
+                    "not a regular file of at most {MAX_EFI_VARS} bytes: EFI variables not kept"
+                )));
+            }
+            let tmp = kept.join(format!("{EFI_VARS}.tmp"));
+            let mut out = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)
+                .map_err(io(&tmp, "create"))?;
+            std::io::copy(&mut std::io::Read::take(&f, MAX_EFI_VARS), &mut out)
+                .and_then(|_| out.sync_all())
+                .map_err(io(&tmp, "write"))?;
+            let vars = kept.join(EFI_VARS);
+            std::fs::rename(&tmp, &vars).map_err(io(&vars, "rename into place"))?;
+        }
+    }
+    std::fs::remove_file(&active).map_err(io(&active, "remove"))
 }
 
 /// A qcow2 at `path`: empty of `size` bytes, or over a backing file.
@@ -319,6 +385,41 @@ impl HostStorage {
         let result = make(&work);
         let _ = std::fs::remove_dir_all(&work);
         result
+    }
+
+    /// Puts the EFI variables this owner's VM left back where libvirt
+    /// looks for them, and marks the VM as one whose variables are kept
+    /// when it goes. Variables of another owner (a VM of the same name
+    /// made anew) are dropped: the firmware starts from its template.
+    fn restore_efi_vars(&self, owner: &str, nvram: &Path, kept: &Path) -> Result<(), StorageError> {
+        let parent = kept.parent().expect("efi-vars/ has a parent");
+        self.mkdir(parent, 0o700, false)?;
+        self.mkdir(kept, 0o700, false)?;
+        let (owner_file, vars) = (kept.join(EFI_OWNER), kept.join(EFI_VARS));
+        if std::fs::read_to_string(&owner_file).ok().as_deref() != Some(owner) {
+            match std::fs::remove_file(&vars) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(io(&vars, "remove")(e))
+                }
+                _ => {}
+            }
+            std::fs::write(&owner_file, owner).map_err(io(&owner_file, "write"))?;
+        }
+        if vars.is_file() {
+            let dir = nvram.parent().expect("nvram/ has a parent");
+            let mut d = dir.to_owned();
+            let mut made = Vec::new();
+            while !d.exists() {
+                made.push(d.clone());
+                d.pop();
+            }
+            for d in made.iter().rev() {
+                self.mkdir(d, 0o700, true)?;
+            }
+            self.place_copy(&vars, nvram)?;
+        }
+        let active = kept.join(EFI_ACTIVE);
+        std::fs::write(&active, b"").map_err(io(&active, "write"))
     }
 
     /// The VM's own directory on the hugetlbfs of its page size, named in
@@ -482,6 +583,11 @@ impl Storage for HostStorage {
         .await
     }
 
+    async fn keep_efi_vars(&self, paths: &VmPaths) -> Result<(), StorageError> {
+        let (nvram, kept) = (paths.nvram(), paths.efi_vars_dir.clone());
+        blocking(move || keep_efi_vars(&nvram, &kept)).await
+    }
+
     async fn remove_hugepages(&self, id: &str) -> Result<(), StorageError> {
         for dir in hugepages::host_vm_dirs(id) {
             self.remove_dir(&dir).await?;
@@ -529,6 +635,56 @@ mod tests {
             },
             owner: None,
         }
+    }
+
+    #[tokio::test]
+    async fn efi_variables_are_kept_for_their_owner_and_never_through_links() {
+        let (tmp, s, p) = vm_dirs().await;
+        let prep = |owner: &str| DiskPrep::EfiVars {
+            owner: owner.into(),
+            nvram: p.nvram(),
+            kept_dir: p.efi_vars_dir.clone(),
+        };
+        let kept = p.efi_vars_dir.join(EFI_VARS);
+        // First run: nothing kept yet, libvirt makes the file from its template.
+        s.prepare_disk(&prep("vm A"), &[], &Pulled::new())
+            .await
+            .unwrap();
+        assert!(!p.nvram().exists());
+        std::fs::create_dir_all(p.nvram().parent().unwrap()).unwrap();
+        std::fs::write(p.nvram(), b"vars of run 1").unwrap();
+        s.keep_efi_vars(&p).await.unwrap();
+        assert_eq!(std::fs::read(&kept).unwrap(), b"vars of run 1");
+        // Kept once: a second teardown (no run in between) changes nothing.
+        std::fs::write(p.nvram(), b"stale").unwrap();
+        s.keep_efi_vars(&p).await.unwrap();
+        assert_eq!(std::fs::read(&kept).unwrap(), b"vars of run 1");
+
+        // Next run of the same VM: they come back, over whatever is there.
+        let victim = tmp.path().join("victim");
+        std::fs::write(&victim, b"untouched").unwrap();
+        std::fs::remove_file(p.nvram()).unwrap();
+        std::os::unix::fs::symlink(&victim, p.nvram()).unwrap();
+        s.prepare_disk(&prep("vm A"), &[], &Pulled::new())
+            .await
+            .unwrap();
+        assert_eq!(std::fs::read(p.nvram()).unwrap(), b"vars of run 1");
+        assert_eq!(std::fs::read(&victim).unwrap(), b"untouched");
+
+        // The VM's user makes the file a link: it is refused, not read, and
+        // the kept copy stays as it was.
+        std::fs::remove_file(p.nvram()).unwrap();
+        std::fs::write(tmp.path().join("secret"), b"host secret").unwrap();
+        std::os::unix::fs::symlink(tmp.path().join("secret"), p.nvram()).unwrap();
+        assert!(s.keep_efi_vars(&p).await.is_err());
+        assert_eq!(std::fs::read(&kept).unwrap(), b"vars of run 1");
+
+        // Another owner (the VM made anew): the firmware starts afresh.
+        std::fs::remove_file(p.nvram()).unwrap();
+        s.prepare_disk(&prep("vm B"), &[], &Pulled::new())
+            .await
+            .unwrap();
+        assert!(!kept.exists() && !p.nvram().exists());
     }
 
     #[tokio::test]

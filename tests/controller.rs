@@ -578,6 +578,34 @@ async fn a_container_disk_is_pulled_before_anything_is_made_and_bound_read_only(
     );
 }
 
+/// Nothing of `vm` was made on the host (only its status saved), and it
+/// waits in Scheduled, not failed: the reason in its Ready condition and an
+/// Event. Returns the condition's message.
+fn waits_with_nothing_made(host: &FakeHost, vm: &str, reason: EventReason) -> String {
+    let calls = host.take_calls();
+    let id = format!("default_{vm}");
+    assert!(
+        !calls
+            .iter()
+            .any(|c| c.contains(&id) && !c.starts_with("save")),
+        "nothing of {vm} on the host: {calls:?}"
+    );
+    let st = host.state().statuses[&VmKey::new("default", vm).unwrap()].clone();
+    assert_eq!(st.status.phase, Some(Phase::Scheduled));
+    let ready = st
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .unwrap();
+    assert_eq!(
+        ready.reason.as_deref(),
+        Some(format!("{reason:?}").as_str())
+    );
+    assert!(reasons(host).contains(&reason));
+    ready.message.clone().unwrap_or_default()
+}
+
 #[tokio::test]
 async fn a_failed_pull_leaves_nothing_and_is_retried_while_the_vmi_waits() {
     let host = FakeHost::default();
@@ -589,25 +617,8 @@ async fn a_failed_pull_leaves_nothing_and_is_retried_while_the_vmi_waits() {
     assert_eq!(err.reason(), "image");
     assert!(err.to_string().contains("injected failure: pull"), "{err}");
     ctl.reconcile("default_vm2").await.unwrap();
-    let calls = host.take_calls();
-    assert!(
-        !calls
-            .iter()
-            .any(|c| c.contains("default_vm1") && !c.starts_with("save")),
-        "nothing of vm1 on the host: {calls:?}"
-    );
-    // Waiting, not failed: the reason is in the Ready condition and an Event.
-    let st = host.state().statuses[&VmKey::new("default", "vm1").unwrap()].clone();
-    assert_eq!(st.status.phase, Some(Phase::Scheduled));
-    let ready = st
-        .status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Ready")
-        .unwrap();
-    assert_eq!(ready.reason.as_deref(), Some("ErrImagePull"));
-    assert!(ready.message.as_deref().unwrap().contains("volume root"));
-    assert!(reasons(&host).contains(&EventReason::ErrImagePull));
+    let message = waits_with_nothing_made(&host, "vm1", EventReason::ErrImagePull);
+    assert!(message.contains("volume root"), "{message}");
     // The other VM never noticed.
     assert_eq!(phase(&host, "vm2"), Some(Phase::Running));
 
@@ -735,23 +746,7 @@ async fn cluster_objects_are_read_at_start_and_a_missing_one_is_waited_for() {
         "{err}"
     );
     ctl.reconcile("default_vm2").await.unwrap();
-    let calls = host.take_calls();
-    assert!(
-        !calls
-            .iter()
-            .any(|c| c.contains("default_vm1") && !c.starts_with("save")),
-        "nothing of vm1 on the host: {calls:?}"
-    );
-    let st = host.state().statuses[&VmKey::new("default", "vm1").unwrap()].clone();
-    assert_eq!(st.status.phase, Some(Phase::Scheduled));
-    let ready = st
-        .status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Ready")
-        .unwrap();
-    assert_eq!(ready.reason.as_deref(), Some("FailedMount"));
-    assert!(reasons(&host).contains(&EventReason::FailedMount));
+    waits_with_nothing_made(&host, "vm1", EventReason::FailedMount);
     assert_eq!(phase(&host, "vm2"), Some(Phase::Running));
 
     // Created: the next pass reads each object once and writes its data.

@@ -617,6 +617,37 @@ fn efi_guests_boot_through_ovmf_and_secure_boot_refuses_an_unsigned_loader() {
     assert!(!vars.is_empty(), "no NVRAM file of the VM's own");
     shows("efi", "KVIRT-GUEST-READY");
     h.remove_vm_and_wait_gone("efi");
+    assert!(
+        h.succeeds("[ ! -e /var/lib/kvirt/efi-vars/default_efi ]"),
+        "variables kept for a VM that did not ask"
+    );
+
+    // Persistent variables: what the firmware wrote in one run (its boot
+    // entries) is kept when the VM goes and is there from the next start.
+    let template = "/usr/share/OVMF/OVMF_VARS_4M.fd";
+    let kept = "/var/lib/kvirt/efi-vars/default_efip/VARS.fd";
+    let nvram = "/var/lib/kvirt/vms/default_efip/config/libvirt/qemu/nvram/default_efip_VARS.fd";
+    let manifest = efi("efip", "{secureBoot: false, persistent: true}");
+    h.put_manifest("efip", "run", &manifest);
+    h.wait_phase("efip", "Running", BOOT);
+    shows("efip", "KVIRT-GUEST-READY");
+    h.remove_vm_and_wait_gone("efip");
+    assert!(
+        h.succeeds(&format!("! cmp -s {kept} {template}")),
+        "nothing kept"
+    );
+    let first = h.ok(&format!("sha256sum <{kept}"));
+    h.put_manifest("efip", "run", &manifest);
+    h.wait_phase("efip", "Running", BOOT);
+    // Never the template: it started from the kept copy.
+    assert!(h.succeeds(&format!("! cmp -s {nvram} {template}")));
+    assert!(h.succeeds(&format!(
+        "[ -f {kept} ] && [ \"$(stat -c %a {kept})\" = 600 ]"
+    )));
+    shows("efip", "KVIRT-GUEST-READY");
+    h.remove_vm_and_wait_gone("efip");
+    assert!(h.succeeds(&format!("[ -f {kept} ]")), "{first}");
+    h.ok("rm -r /var/lib/kvirt/efi-vars/default_efip");
 }
 
 /// Hugepages reserved on this machine's kernel (the test host shares it)

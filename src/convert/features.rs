@@ -213,10 +213,7 @@ mod tests {
         );
         assert_eq!(
             fields(efi("{smm: {enabled: false}}", "{persistent: true}")),
-            [
-                "spec.domain.firmware.bootloader.efi.persistent",
-                "spec.domain.features.smm"
-            ]
+            ["spec.domain.features.smm"]
         );
     }
 

@@ -18,6 +18,8 @@ pub(super) struct Needs {
     pub smm: bool,
     /// `kernelBoot` is set (see `kernelboot`).
     pub kernel_boot: bool,
+    /// `efi.persistent`: the variables outlive the VMI.
+    pub persistent_efi: bool,
 }
 
 pub(super) fn convert(
@@ -92,12 +94,7 @@ pub(super) fn convert(
                 if boot.bios.is_some() {
                     errs.add(&p, "set only one of bios and efi");
                 }
-                if e.persistent == Some(true) {
-                    errs.add(
-                        format!("{p}.persistent"),
-                        "persistent EFI variables are not supported yet (they last as long as the VM)",
-                    );
-                }
+                needs.persistent_efi = e.persistent == Some(true);
                 let secure = e.secure_boot.unwrap_or(true);
                 if secure && !machine.contains("q35") {
                     errs.add(
@@ -223,6 +220,53 @@ mod tests {
         assert!(x.contains("<type machine=\"pc-q35-7.2\">hvm</type>"), "{x}");
         assert!(x.contains("<bios useserial=\"yes\"/>"), "{x}");
         assert!(x.contains("<smbios mode=\"sysinfo\"/>"), "{x}");
+    }
+
+    #[test]
+    fn persistent_efi_variables_belong_to_the_virtual_machine() {
+        use super::super::DiskPrep;
+        let efi =
+            "domain: {memory: {guest: 64Mi}, firmware: {bootloader: {efi: {persistent: true}}}}";
+        let prep = |v: &VirtualMachineInstance| {
+            run(v, DomainType::Kvm)
+                .unwrap()
+                .disks
+                .into_iter()
+                .find(|d| matches!(d, DiskPrep::EfiVars { .. }))
+        };
+        let Some(DiskPrep::EfiVars {
+            owner,
+            nvram,
+            kept_dir,
+        }) = prep(&vmi(efi))
+        else {
+            panic!("no EfiVars prep")
+        };
+        assert_eq!(owner, "VirtualMachineInstance ns/vm");
+        assert_eq!(
+            nvram,
+            std::path::Path::new(
+                "/var/lib/kvirt/vms/ns_vm/config/libvirt/qemu/nvram/ns_vm_VARS.fd"
+            )
+        );
+        assert_eq!(
+            kept_dir,
+            std::path::Path::new("/var/lib/kvirt/efi-vars/ns_vm")
+        );
+        // A VMI of a VirtualMachine: the VM's, by its UID.
+        let mut v = vmi(efi);
+        v.metadata.owner_references = Some(vec![serde_json::from_value(serde_json::json!({
+            "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine",
+            "name": "myvm", "uid": "u-vm-1", "controller": true
+        }))
+        .unwrap()]);
+        let Some(DiskPrep::EfiVars { owner, .. }) = prep(&v) else {
+            panic!()
+        };
+        assert_eq!(owner, "VirtualMachine ns/myvm u-vm-1");
+        // Not asked for: nothing kept.
+        let plain = vmi("domain: {memory: {guest: 64Mi}, firmware: {bootloader: {efi: {}}}}");
+        assert!(prep(&plain).is_none());
     }
 
     #[test]

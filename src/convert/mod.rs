@@ -121,6 +121,14 @@ pub enum DiskPrep {
         path: PathBuf,
         backing: Backing,
     },
+    /// `efi.persistent`: the variables kept from this VM's last run (by
+    /// the same `owner`) are put back at `nvram` before it starts, and kept
+    /// again when it goes.
+    EfiVars {
+        owner: String,
+        nvram: PathBuf,
+        kept_dir: PathBuf,
+    },
     /// `memory.hugepages`: the VM's own directory on the host's hugetlbfs
     /// of that page size, which its libvirt is told to use in `qemu_conf`;
     /// the runtime checks first that enough pages are free.
@@ -211,11 +219,29 @@ impl DiskPrep {
             | DiskPrep::SeedIso { path, .. }
             | DiskPrep::Overlay { path, .. } => path,
             DiskPrep::Hugepages { qemu_conf, .. } => qemu_conf,
+            DiskPrep::EfiVars { nvram, .. } => nvram,
             DiskPrep::KernelBoot { kernel, initrd, .. } => kernel
                 .as_ref()
                 .or(initrd.as_ref())
                 .map_or(std::path::Path::new(""), |f| &f.dest),
         }
+    }
+}
+
+/// Whose kept EFI variables a VMI may have: its VirtualMachine's (KubeVirt
+/// ties the backend storage to the VM, which outlives its VMIs), else the
+/// VMI's own name. A VM deleted and made again under the same name is
+/// another owner, and starts from the firmware's template.
+fn efi_vars_owner(vmi: &VirtualMachineInstance, key: &VmKey) -> String {
+    let vm = vmi
+        .metadata
+        .owner_references
+        .iter()
+        .flatten()
+        .find(|o| o.kind == "VirtualMachine" && o.api_version.starts_with("kubevirt.io/"));
+    match vm {
+        Some(o) => format!("VirtualMachine {}/{} {}", key.namespace(), o.name, o.uid),
+        None => format!("VirtualMachineInstance {}/{}", key.namespace(), key.name()),
     }
 }
 
@@ -286,6 +312,13 @@ pub fn convert_all_errors(
     let features = features::convert(dom.features.as_ref(), needs, ctx.domain_type, &mut errs);
     let clock = clock::convert(dom.clock.as_ref(), &mut errs);
     let (disk_devs, controllers, mut preps) = disks::convert(spec, ctx, &uuid, &mut errs);
+    if needs.persistent_efi {
+        preps.push(DiskPrep::EfiVars {
+            owner: efi_vars_owner(vmi, ctx.key),
+            nvram: ctx.paths.nvram(),
+            kept_dir: ctx.paths.efi_vars_dir.clone(),
+        });
+    }
     if let Some(page_bytes) = hugepage {
         preps.push(DiskPrep::Hugepages {
             vm: ctx.key.id(),
