@@ -229,17 +229,10 @@ fn a_private_container_disk_is_pulled_with_its_pull_secret_only() {
     let _g = serial();
     // A registry that wants a password, on A's loopback.
     let hash = bcrypt::hash("s3cret-reg", 4).unwrap();
-    a.ok(&format!(
-        "mkdir -p /var/lib/test-private-registry
-         echo 'vmuser:{hash}' >/etc/test-private-registry.htpasswd
-         printf 'version: 0.1\\nlog: {{level: warn, accesslog: {{disabled: true}}}}\\nstorage: {{filesystem: {{rootdirectory: /var/lib/test-private-registry}}}}\\nhttp: {{addr: 127.0.0.1:5001}}\\nauth: {{htpasswd: {{realm: kvirt-test, path: /etc/test-private-registry.htpasswd}}}}\\n' >/etc/test-private-registry.yml
-         systemctl is-active -q test-private-registry || systemd-run -q --unit=test-private-registry docker-registry serve /etc/test-private-registry.yml"
-    ));
-    a.wait(
-        "the registry answering",
-        Duration::from_secs(30),
-        // wget fails on the 401 it is waiting for (and pipefail is on).
-        "{ busybox wget -S -O /dev/null http://127.0.0.1:5001/v2/ 2>&1 || true; } | grep -q 401",
+    a.start_registry(
+        "test-private-registry",
+        5001,
+        Some(&format!("vmuser:{hash}")),
     );
     let image = "127.0.0.1:5001/team/guest:1";
     a.ok(&format!(
@@ -252,16 +245,10 @@ fn a_private_container_disk_is_pulled_with_its_pull_secret_only() {
         "create secret docker-registry k-regcred --docker-server=127.0.0.1:5001 --docker-username=vmuser --docker-password=s3cret-reg",
     );
     let manifest = |name: &str, secret: &str| -> String {
-        support::vmi_manifest(name, "kubevirt.io/nodeName: node-a", "", "")
-            .lines()
-            .map(|l| {
-                if l.starts_with("    hostDisk:") {
-                    format!("    containerDisk: {{image: '{image}'{secret}}}\n")
-                } else {
-                    format!("{l}\n")
-                }
-            })
-            .collect()
+        support::with_boot_source(
+            &support::vmi_manifest(name, "kubevirt.io/nodeName: node-a", "", ""),
+            &format!("containerDisk: {{image: '{image}'{secret}}}"),
+        )
     };
     apply(&a, &manifest("k-private", ", imagePullSecret: k-regcred"));
     kubectl(

@@ -433,33 +433,18 @@ fn container_disks_kernel_boot_and_ephemeral_volumes_boot_over_read_only_bases()
     let Some(h) = host() else { return };
     let _g = serial();
     // A real registry (Debian's docker-registry) on the test host's loopback.
-    h.ok("mkdir -p /var/lib/test-registry
-          printf 'version: 0.1\\nlog: {level: warn}\\nstorage: {filesystem: {rootdirectory: /var/lib/test-registry}}\\nhttp: {addr: 127.0.0.1:5000}\\n' >/etc/test-registry.yml
-          systemctl is-active -q test-registry || systemd-run -q --unit=test-registry docker-registry serve /etc/test-registry.yml");
-    h.wait(
-        "the registry answering",
-        Duration::from_secs(30),
-        "busybox wget -q -O /dev/null http://127.0.0.1:5000/v2/",
-    );
+    h.start_registry("test-registry", 5000, None);
     // The test guest as a qcow2 containerDisk, pushed by kvirtctl.
     let image = "127.0.0.1:5000/kvirt/guest:1";
     h.ok(&format!(
         "qemu-img convert -O qcow2 /srv/guest/run.raw /tmp/guest.qcow2
          kvirtctl push-disk {image} /tmp/guest.qcow2"
     ));
-    let boot = "    hostDisk: {path: /var/lib/kvirt/images/";
     for vm in ["cd1", "cd2"] {
-        let manifest: String = support::vmi_manifest(vm, "", "", "")
-            .lines()
-            .map(|l| {
-                if l.starts_with(boot) {
-                    format!("    containerDisk: {{image: '{image}'}}\n")
-                } else {
-                    format!("{l}\n")
-                }
-            })
-            .collect();
-        assert!(manifest.contains("containerDisk"), "{manifest}");
+        let manifest = support::with_boot_source(
+            &support::vmi_manifest(vm, "", "", ""),
+            &format!("containerDisk: {{image: '{image}'}}"),
+        );
         h.put_manifest(vm, "", &manifest);
     }
     for vm in ["cd1", "cd2"] {
@@ -536,17 +521,10 @@ spec:
     h.ok("cp /srv/guest/run.raw /var/lib/kvirt/images/golden.raw
           chmod 0644 /var/lib/kvirt/images/golden.raw
           sha256sum /var/lib/kvirt/images/golden.raw >/tmp/golden.sum");
-    let manifest: String = support::vmi_manifest("eph1", "", "", "")
-        .lines()
-        .map(|l| {
-            if l.starts_with(boot) {
-                "    ephemeral: {hostDisk: {path: /var/lib/kvirt/images/golden.raw, type: Disk}}\n"
-                    .to_owned()
-            } else {
-                format!("{l}\n")
-            }
-        })
-        .collect();
+    let manifest = support::with_boot_source(
+        &support::vmi_manifest("eph1", "", "", ""),
+        "ephemeral: {hostDisk: {path: /var/lib/kvirt/images/golden.raw, type: Disk}}",
+    );
     h.put_manifest("eph1", "", &manifest);
     h.wait_phase("eph1", "Running", BOOT);
     h.serial_log_shows("eph1", "KVIRT-GUEST-READY");

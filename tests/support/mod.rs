@@ -41,6 +41,24 @@ spec:
     )
 }
 
+/// `manifest` (from `vmi_manifest`) with another source for its boot
+/// volume than its hostDisk: `source` is one YAML line such as
+/// `containerDisk: {image: ...}`.
+pub fn with_boot_source(manifest: &str, source: &str) -> String {
+    let out: String = manifest
+        .lines()
+        .map(|l| {
+            if l.starts_with("    hostDisk:") {
+                format!("    {source}\n")
+            } else {
+                format!("{l}\n")
+            }
+        })
+        .collect();
+    assert!(out.contains(source), "{out}");
+    out
+}
+
 /// The test host whose PID 1 is in the environment variable `var`, or
 /// `None` (the test then passes vacuously, saying so).
 pub fn host(var: &str) -> Option<Host> {
@@ -76,6 +94,31 @@ impl Host {
             .stdin(std::process::Stdio::null())
             .output()
             .expect("nsenter runs")
+    }
+
+    /// A registry (Debian's docker-registry) as unit `name` on this host's
+    /// loopback `port`, answering once this returns; with `htpasswd` (a
+    /// `user:bcrypt` line) it wants a login.
+    pub fn start_registry(&self, name: &str, port: u16, htpasswd: Option<&str>) {
+        let auth = match htpasswd {
+            Some(line) => {
+                self.ok(&format!("echo '{line}' >/etc/{name}.htpasswd"));
+                format!("auth: {{htpasswd: {{realm: kvirt-test, path: /etc/{name}.htpasswd}}}}\\n")
+            }
+            None => String::new(),
+        };
+        self.ok(&format!(
+            "mkdir -p /var/lib/{name}
+             printf 'version: 0.1\\nlog: {{level: warn, accesslog: {{disabled: true}}}}\\nstorage: {{filesystem: {{rootdirectory: /var/lib/{name}}}}}\\nhttp: {{addr: 127.0.0.1:{port}}}\\n{auth}' >/etc/{name}.yml
+             systemctl is-active -q {name} || systemd-run -q --unit={name} docker-registry serve /etc/{name}.yml"
+        ));
+        self.wait(
+            "the registry answering",
+            Duration::from_secs(30),
+            // 200, or the 401 of one that wants a login (wget fails on it,
+            // and pipefail is on).
+            &format!("{{ busybox wget -S -O /dev/null http://127.0.0.1:{port}/v2/ 2>&1 || true; }} | grep -q 'HTTP/1.1 [24]0[01]'"),
+        );
     }
 
     /// Runs it and returns stdout, failing the test with everything on error.
