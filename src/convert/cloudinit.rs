@@ -251,28 +251,45 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn nocloud_has_kubevirts_layout() {
+    const UUID: &str = "5b9b0f4e-0000-4000-8000-000000000001";
+
+    /// The seed of volume `v` (hostname `host1`) and the fields of its errors.
+    fn run(flavor: Flavor, yaml: &str, cluster: bool) -> (Option<Seed>, Vec<String>) {
         let mut errs = Errors::default();
         let s = seed(
-            Flavor::NoCloud,
-            &ci("{userData: \"#cloud-config\\npassword: x\\n\", networkData: \"version: 2\\n\"}"),
-            "spec.volumes[1].cloudInitNoCloud",
+            flavor,
+            &ci(yaml),
+            "v",
             &key(),
-            "vm1",
-            "u",
-            false,
+            "host1",
+            UUID,
+            cluster,
             &mut errs,
-        )
-        .unwrap();
-        assert!(errs.0.is_empty(), "{:?}", errs.0);
+        );
+        (s, errs.0.into_iter().map(|e| e.field).collect())
+    }
+
+    /// A seed that converts without errors.
+    fn ok(flavor: Flavor, yaml: &str, cluster: bool) -> Seed {
+        let (s, errs) = run(flavor, yaml, cluster);
+        assert!(errs.is_empty(), "{errs:?}");
+        s.unwrap()
+    }
+
+    #[test]
+    fn nocloud_has_kubevirts_layout() {
+        let s = ok(
+            Flavor::NoCloud,
+            "{userData: \"#cloud-config\\npassword: x\\n\", networkData: \"version: 2\\n\"}",
+            false,
+        );
         assert_eq!(s.label, "cidata");
         assert_eq!(
             files(&s),
             [
                 (
                     "meta-data",
-                    "instance-id: vm1.default\nlocal-hostname: vm1\n".into()
+                    "instance-id: vm1.default\nlocal-hostname: host1\n".into()
                 ),
                 ("user-data", "#cloud-config\npassword: x\n".into()),
                 ("network-config", "version: 2\n".into()),
@@ -282,25 +299,17 @@ mod tests {
 
     #[test]
     fn config_drive_has_the_openstack_layout() {
-        let mut errs = Errors::default();
         // "#!/bin/sh\necho hi\n"
-        let s = seed(
+        let s = ok(
             Flavor::ConfigDrive,
-            &ci("{userDataBase64: IyEvYmluL3NoCmVjaG8gaGkK}"),
-            "p",
-            &key(),
-            "host1",
-            "5b9b0f4e-0000-4000-8000-000000000001",
+            "{userDataBase64: IyEvYmluL3NoCmVjaG8gaGkK}",
             false,
-            &mut errs,
-        )
-        .unwrap();
-        assert!(errs.0.is_empty(), "{:?}", errs.0);
+        );
         assert_eq!(s.label, "config-2");
         let f = files(&s);
         assert_eq!(f[0].0, "openstack/latest/meta_data.json");
         let meta: serde_json::Value = serde_json::from_str(&f[0].1).unwrap();
-        assert_eq!(meta["uuid"], "5b9b0f4e-0000-4000-8000-000000000001");
+        assert_eq!(meta["uuid"], UUID);
         assert_eq!(meta["instance_id"], "vm1.default");
         assert_eq!(meta["local_hostname"], "host1");
         assert_eq!(
@@ -312,20 +321,7 @@ mod tests {
 
     #[test]
     fn mistakes_name_their_field() {
-        let check = |yaml: &str, cluster: bool| {
-            let mut errs = Errors::default();
-            seed(
-                Flavor::NoCloud,
-                &ci(yaml),
-                "v",
-                &key(),
-                "h",
-                "u",
-                cluster,
-                &mut errs,
-            );
-            errs.0.into_iter().map(|e| e.field).collect::<Vec<_>>()
-        };
+        let check = |yaml: &str, cluster: bool| run(Flavor::NoCloud, yaml, cluster).1;
         assert_eq!(check("{userData: a, userDataBase64: YQ==}", false), ["v"]);
         assert_eq!(
             check("{userDataBase64: '***'}", false),
@@ -349,19 +345,11 @@ mod tests {
 
     #[test]
     fn secret_refs_fill_the_user_and_network_data_files_at_start() {
-        let mut errs = Errors::default();
-        let s = seed(
+        let s = ok(
             Flavor::ConfigDrive,
-            &ci("{secretRef: {name: ud}, networkDataSecretRef: {name: nd}}"),
-            "v",
-            &key(),
-            "h",
-            "u",
+            "{secretRef: {name: ud}, networkDataSecretRef: {name: nd}}",
             true,
-            &mut errs,
-        )
-        .unwrap();
-        assert!(errs.0.is_empty(), "{:?}", errs.0);
+        );
         assert_eq!(s.files.len(), 1, "only meta_data.json until the start");
         let want = [
             (
@@ -390,17 +378,7 @@ mod tests {
             );
         }
         // NoCloud: user-data comes from the Secret, not as an empty file.
-        let s = seed(
-            Flavor::NoCloud,
-            &ci("{secretRef: {name: ud}}"),
-            "v",
-            &key(),
-            "h",
-            "u",
-            true,
-            &mut errs,
-        )
-        .unwrap();
+        let s = ok(Flavor::NoCloud, "{secretRef: {name: ud}}", true);
         assert_eq!(files(&s).len(), 1);
         assert_eq!(s.from_objects.len(), 1);
     }
