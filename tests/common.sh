@@ -12,6 +12,14 @@ kvirt_rust() {
     th_log "cargo not found: installing Debian's Rust toolchain"
     DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends cargo rustc >&2
   fi
+  # Incremental data would double the target directory, for a build that
+  # runs once (cargo's own default is kept when the caller sets it).
+  export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
+  local free
+  free=$(df --output=avail -BG "$top" | tail -n1 | tr -dc 0-9)
+  if ((free < 8)); then
+    th_log "warning: only ${free} GiB free under $top: the build takes about 3 GiB and the test-host cache up to 3 GiB more"
+  fi
   local v; v=$(rustc --version | awk '{print $2}')
   if [[ $(printf '%s\n1.85.0\n' "$v" | sort -V | head -n1) != 1.85.0 ]]; then
     th_die "Rust $v is too old: kvirt needs 1.85 or newer (rustup's stable)"

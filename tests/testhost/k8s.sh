@@ -13,7 +13,9 @@
 # v0.<minor>.<patch> of the same release.
 TH_K8S_VERSION=${TH_K8S_VERSION:-1.33.13}
 TH_GO=${TH_GO:-/usr/local/go/bin/go}
-# Go's caches (GOPATH, GOMODCACHE, GOCACHE): shared by all k8s builds, never pruned.
+# Go's caches (GOPATH, GOMODCACHE, GOCACHE): shared by all k8s builds. The
+# build cache (GOCACHE, 2.4 GB) is removed once the binaries are cached: only
+# a rebuild for another version would read it.
 TH_GO_CACHE=$TH_CACHE/go
 
 # ---------------------------------------------------------------- binaries
@@ -132,6 +134,7 @@ th_k8s_bins() {
     export -f th__build_k8s
     export TH_GO_CACHE
     th__cached k8s "$TH_K8S_VERSION-$(th__k8s_key)" th__build_k8s "$TH_K8S_VERSION" "$TH_GO"
+    rm -rf "$TH_GO_CACHE/build"
   )
 }
 

@@ -109,6 +109,19 @@ th_mirror() {
     th_die "no Debian mirror found in /etc/apt (set TH_MIRROR)"
 }
 
+# th__prune NAME KEEP: remove the other cached NAME-* entries (older recipes),
+# except those a running process still uses. A new entry replaces its
+# predecessors, so the cache does not grow with every recipe change.
+th__prune() {
+  local name=$1 keep=$2 d
+  for d in "$TH_CACHE/$name"-*; do
+    [[ -d $d && $d != "$keep" ]] || continue
+    if th__in_use "$d"; then th_log "keeping old $(basename "$d"): in use"; continue; fi
+    th_log "pruning old $(basename "$d")"
+    rm -rf "$d" "$TH_CACHE/.log/$(basename "$d").log" "$TH_CACHE/.lock/$(basename "$d")"
+  done
+}
+
 # th__cached NAME KEY BUILDER [ARGS...]: echo $TH_CACHE/NAME-KEY, building it first
 # with "BUILDER TMPDIR ARGS..." if absent. Built in a temp dir and renamed into place,
 # so an interrupted build is never reused; a lock serialises concurrent callers.
@@ -150,6 +163,7 @@ th__cached() {
     mv -T "$tmp" "$final"
     grep -a '^\[th ' "$log" >&2 || true
     th_log "built $name in $(th__since "$t"), size $(du -sh "$final" | cut -f1)"
+    [[ ${TH_PRUNE:-1} == 1 ]] && th__prune "$name" "$final"
   fi
   exec {lockfd}>&-
   echo "$final"
