@@ -18,7 +18,7 @@ kvirt_rust() {
   local free
   free=$(df --output=avail -BG "$top" | tail -n1 | tr -dc 0-9)
   if ((free < 8)); then
-    th_log "warning: only ${free} GiB free under $top: the build takes about 3 GiB and the test-host cache up to 3 GiB more"
+    th_log "warning: only ${free} GiB free under $top: the build takes about 3 GiB and a cold test-host cache up to 5 GiB more"
   fi
   local v; v=$(rustc --version | awk '{print $2}')
   if [[ $(printf '%s\n1.85.0\n' "$v" | sort -V | head -n1) != 1.85.0 ]]; then
