@@ -976,10 +976,7 @@ impl<
                     daemon_path: self.settings.daemon_path.clone(),
                     user: &self.settings.user,
                     slice: &self.settings.slice,
-                    memory_max_bytes: conv
-                        .resources
-                        .memory_limit_bytes
-                        .unwrap_or(conv.resources.memory_bytes)
+                    memory_max_bytes: conv.resources.cgroup_memory_bytes()
                         + self.settings.overhead_bytes,
                     cpu_weight: unit::cpu_weight(conv.resources.cpu_request_millis),
                     tasks_max: self.settings.tasks_max,

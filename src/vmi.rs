@@ -516,6 +516,8 @@ pub struct Volume {
     pub secret: Option<SecretVolume>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub service_account: Option<ServiceAccountVolume>,
+    #[serde(rename = "downwardAPI", skip_serializing_if = "Option::is_none")]
+    pub downward_api: Option<DownwardApiVolume>,
     /// Other volume sources (persistentVolumeClaim, ...).
     #[serde(flatten)]
     pub extra: Extra,
@@ -586,6 +588,49 @@ pub struct SecretVolume {
 pub struct ServiceAccountVolume {
     #[serde(default)]
     pub service_account_name: String,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+/// The VMI's own metadata as a disk: an ISO with a file per item.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DownwardApiVolume {
+    #[serde(default)]
+    pub fields: Vec<DownwardApiFile>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub volume_label: Option<String>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+/// One file of a downwardAPI volume (Kubernetes' `DownwardAPIVolumeFile`).
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DownwardApiFile {
+    #[serde(default)]
+    pub path: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub field_ref: Option<FieldRef>,
+    /// Kept to be refused by name: a VMI has no container's resources.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub resource_field_ref: Option<serde_json::Value>,
+    /// File mode, checked and then unused: ISO files are read-only. A
+    /// number, or YAML 1.1's octal `0444`, which YAML 1.2 reads as a string.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mode: Option<serde_json::Value>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+/// Kubernetes' `ObjectFieldSelector`.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct FieldRef {
+    #[serde(default)]
+    pub field_path: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub api_version: Option<String>,
     #[serde(flatten)]
     pub extra: Extra,
 }

@@ -405,15 +405,23 @@ fn the_test_manifests_convert() {
 }
 
 #[test]
-fn cloud_init_user_data_runs_in_the_guest_from_nocloud_and_config_drive() {
+fn cloud_init_and_downward_api_disks_reach_the_guest() {
     let Some(h) = host() else { return };
     let _g = serial();
     let seed_disk = "      - name: cloudinit\n        disk: {bus: virtio}\n";
     let nocloud = support::vmi_manifest("nocloud", "", "", seed_disk)
         + "  - name: cloudinit\n    cloudInitNoCloud:\n      userData: |\n        #!/bin/sh\n        echo KVIRT-CLOUDINIT-$((6 * 7))\n";
-    // "#!/bin/sh\necho KVIRT-CONFIGDRIVE-$((6 * 7))\n"
-    let config_drive = support::vmi_manifest("configdrive", "", "", seed_disk)
-        + "  - name: cloudinit\n    cloudInitConfigDrive:\n      userDataBase64: IyEvYmluL3NoCmVjaG8gS1ZJUlQtQ09ORklHRFJJVkUtJCgoNiAqIDcpKQo=\n";
+    // "#!/bin/sh\necho KVIRT-CONFIGDRIVE-$((6 * 7))\n", and the VMI's
+    // name and labels on a downwardAPI disk.
+    let config_drive = support::vmi_manifest(
+        "configdrive",
+        "team: blue",
+        "",
+        &format!("{seed_disk}      - name: podinfo\n        disk: {{}}\n"),
+    ) + "  - name: cloudinit\n    cloudInitConfigDrive:\n      userDataBase64: IyEvYmluL3NoCmVjaG8gS1ZJUlQtQ09ORklHRFJJVkUtJCgoNiAqIDcpKQo=\n"
+        + "  - name: podinfo\n    downwardAPI:\n      volumeLabel: PODINFO\n      fields:\n"
+        + "      - {path: name, fieldRef: {fieldPath: metadata.name}}\n"
+        + "      - {path: labels, fieldRef: {fieldPath: metadata.labels}}\n";
     h.put_manifest("nocloud", "run", &nocloud);
     h.put_manifest("configdrive", "run", &config_drive);
     h.wait_phase("nocloud", "Running", BOOT);
@@ -424,6 +432,11 @@ fn cloud_init_user_data_runs_in_the_guest_from_nocloud_and_config_drive() {
     h.serial_log_shows("nocloud", "KVIRT-CLOUDINIT-42");
     h.serial_log_shows("configdrive", "KVIRT-GUEST-SEED config-2 openstack");
     h.serial_log_shows("configdrive", "KVIRT-CONFIGDRIVE-42");
+    h.serial_log_shows("configdrive", "KVIRT-GUEST-FILE PODINFO/name configdrive");
+    h.serial_log_shows(
+        "configdrive",
+        "KVIRT-GUEST-FILE PODINFO/labels team=\"blue\"",
+    );
     h.remove_vm_and_wait_gone("nocloud");
     h.remove_vm_and_wait_gone("configdrive");
 }
@@ -696,6 +709,12 @@ fn hugepages_back_a_guest_and_a_vm_that_does_not_fit_fails_with_why() {
         available_2m(),
         available - 64,
         "the guest's pages are taken"
+    );
+    // Hugepages are not charged to the memory cgroup: the unit's limit is
+    // the overhead alone.
+    assert_eq!(
+        h.ok("systemctl show -p MemoryMax --value kvirt-vm@default_hp"),
+        (256u64 << 20).to_string()
     );
 
     // More than is left: the VM fails with the reason, nothing of it stays.

@@ -60,19 +60,7 @@ pub(super) fn seed(v: &Volume, path: &str, cluster: bool, errs: &mut Errors) -> 
         errs.add(format!("{p}.{name_field}"), "is required");
     }
     let label = label.unwrap_or(DEFAULT_LABEL);
-    // ISO 9660 volume ids: at most 32 characters, and what xorrisofs and
-    // blkid pass through unchanged.
-    if label.is_empty()
-        || label.len() > 32
-        || !label
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-    {
-        errs.add(
-            format!("{p}.volumeLabel"),
-            format!("{label:?} is not a volume label (1-32 of A-Z a-z 0-9 - _ .)"),
-        );
-    }
+    check_label(label, &format!("{p}.volumeLabel"), errs);
     if errs.len() != before {
         return None;
     }
@@ -83,6 +71,22 @@ pub(super) fn seed(v: &Volume, path: &str, cluster: bool, errs: &mut Errors) -> 
         take: Take::All { optional },
     });
     Some(seed)
+}
+
+/// ISO 9660 volume ids: at most 32 characters, and what xorrisofs and
+/// blkid pass through unchanged.
+pub(super) fn check_label(label: &str, field: &str, errs: &mut Errors) {
+    if label.is_empty()
+        || label.len() > 32
+        || !label
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    {
+        errs.add(
+            field,
+            format!("{label:?} is not a volume label (1-32 of A-Z a-z 0-9 - _ .)"),
+        );
+    }
 }
 
 #[cfg(test)]

@@ -4,9 +4,11 @@
 use super::cloudinit::{self, Flavor};
 use super::configdisk;
 use super::domain::{Alias, Boot, Controller, Disk, DiskDriver, DiskSource, DiskTarget, Present};
+use super::downwardapi;
 use super::{is_dns_label, Backing, ConvertContext, DiskPrep, Errors};
 use crate::image::{self, PullPolicy};
 use crate::vmi::{ContainerDisk, Ephemeral, HostDiskType, VmiSpec, Volume};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
@@ -22,6 +24,7 @@ struct Source {
 
 pub(super) fn convert(
     spec: &VmiSpec,
+    meta: &ObjectMeta,
     ctx: &ConvertContext,
     uuid: &str,
     errs: &mut Errors,
@@ -32,7 +35,7 @@ pub(super) fn convert(
         .get("hostname")
         .and_then(|h| h.as_str())
         .unwrap_or(ctx.key.name());
-    let (sources, preps) = volumes(&spec.volumes, ctx, hostname, uuid, errs);
+    let (sources, preps) = volumes(&spec.volumes, meta, ctx, hostname, uuid, errs);
     let mut used = BTreeSet::new();
     let mut names = BTreeSet::new();
     let mut boot_orders = BTreeSet::new();
@@ -245,6 +248,7 @@ pub(super) fn convert(
 /// Checks every volume; returns the usable ones by name and their preps.
 fn volumes<'v>(
     volumes: &'v [Volume],
+    meta: &ObjectMeta,
     ctx: &ConvertContext,
     hostname: &str,
     uuid: &str,
@@ -286,6 +290,7 @@ fn volumes<'v>(
             v.config_map.is_some(),
             v.secret.is_some(),
             v.service_account.is_some(),
+            v.downward_api.is_some(),
         ]
         .into_iter()
         .filter(|s| *s)
@@ -312,8 +317,15 @@ fn volumes<'v>(
             }
             continue;
         }
-        if v.config_map.is_some() || v.secret.is_some() || v.service_account.is_some() {
-            if let Some(seed) = configdisk::seed(v, &path, ctx.cluster, errs) {
+        let config_seed = if let Some(d) = &v.downward_api {
+            Some(downwardapi::seed(d, meta, &path, errs))
+        } else if v.config_map.is_some() || v.secret.is_some() || v.service_account.is_some() {
+            Some(configdisk::seed(v, &path, ctx.cluster, errs))
+        } else {
+            None
+        };
+        if let Some(seed) = config_seed {
+            if let Some(seed) = seed {
                 let file = ctx.paths.config_iso(&v.name);
                 preps.push(DiskPrep::SeedIso {
                     volume: v.name.clone(),

@@ -210,6 +210,23 @@ mod tests {
                 qemu_conf: "/var/lib/kvirt/vms/ns_vm/config/libvirt/qemu.conf".into(),
             }]
         );
+        // Hugepages are charged to the hugetlb controller: the memory cgroup
+        // sees none of the guest, only what a limit leaves above it.
+        assert_eq!(c.resources.cgroup_memory_bytes(), 0);
+        let limited = |y| {
+            run(&vmi(y), DomainType::Kvm)
+                .unwrap()
+                .resources
+                .cgroup_memory_bytes()
+        };
+        assert_eq!(
+            limited("domain: {memory: {guest: 128Mi, hugepages: {pageSize: 2Mi}}, resources: {limits: {memory: 192Mi}}}"),
+            64 << 20
+        );
+        assert_eq!(
+            limited("domain: {memory: {guest: 128Mi}, resources: {limits: {memory: 192Mi}}}"),
+            192 << 20
+        );
     }
 
     #[test]

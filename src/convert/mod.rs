@@ -19,6 +19,7 @@ mod cpu;
 mod devices;
 mod disks;
 pub mod domain;
+mod downwardapi;
 mod features;
 mod firmware;
 pub mod kernelboot;
@@ -269,6 +270,20 @@ pub struct Resources {
     pub memory_limit_bytes: Option<u64>,
     /// `resources.requests.cpu` (defaulting to `limits.cpu`, as Kubernetes does).
     pub cpu_request_millis: Option<u64>,
+    /// Guest RAM backed by hugepages, which the kernel charges to the hugetlb
+    /// controller, never to the memory cgroup.
+    pub hugepage_bytes: u64,
+}
+
+impl Resources {
+    /// What the memory cgroup of the VM's unit will see of the guest: its
+    /// limit (or guest RAM), less what hugepages back. QEMU's overhead is the
+    /// caller's to add.
+    pub fn cgroup_memory_bytes(&self) -> u64 {
+        self.memory_limit_bytes
+            .unwrap_or(self.memory_bytes)
+            .saturating_sub(self.hugepage_bytes)
+    }
 }
 
 /// One problem with a VMI, located by its field path.
@@ -311,7 +326,8 @@ pub fn convert_all_errors(
     let (uuid, os, sysinfo, needs) = firmware::convert(vmi, ctx.key, dom, &mut errs);
     let features = features::convert(dom.features.as_ref(), needs, ctx.domain_type, &mut errs);
     let clock = clock::convert(dom.clock.as_ref(), &mut errs);
-    let (disk_devs, controllers, mut preps) = disks::convert(spec, ctx, &uuid, &mut errs);
+    let (disk_devs, controllers, mut preps) =
+        disks::convert(spec, &vmi.metadata, ctx, &uuid, &mut errs);
     if needs.persistent_efi {
         preps.push(DiskPrep::EfiVars {
             owner: efi_vars_owner(vmi, ctx.key),
@@ -410,6 +426,7 @@ pub fn convert_all_errors(
             vcpus,
             memory_limit_bytes: res.memory_limit,
             cpu_request_millis: res.cpu_request.or(res.cpu_limit),
+            hugepage_bytes: if hugepage.is_some() { memory_bytes } else { 0 },
         },
     })
 }
@@ -552,7 +569,8 @@ mod tests {
                 memory_bytes: 64 << 20,
                 vcpus: 1,
                 memory_limit_bytes: None,
-                cpu_request_millis: None
+                cpu_request_millis: None,
+                hugepage_bytes: 0,
             }
         );
         assert!(c.disks.is_empty());
