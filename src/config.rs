@@ -103,6 +103,9 @@ pub struct KubernetesConfig {
     pub node_labels: std::collections::BTreeMap<String, String>,
     /// The heartbeat Lease's duration; renewed every quarter of it.
     pub lease_seconds: u64,
+    /// How often kept EFI variables are checked against their
+    /// VirtualMachine: those of a deleted VM are removed.
+    pub efi_vars_check_seconds: u64,
 }
 
 impl Default for KubernetesConfig {
@@ -112,6 +115,7 @@ impl Default for KubernetesConfig {
             claim: false,
             node_labels: Default::default(),
             lease_seconds: 40,
+            efi_vars_check_seconds: 600,
         }
     }
 }

@@ -4,6 +4,7 @@
 //! reports status; one VM's trouble never blocks another's.
 
 use crate::convert::{self, Backing, ConvertContext, Converted, DiskPrep, DomainType};
+use crate::efivars;
 use crate::image::{ImageDisk, ImageError, Images, Progress};
 use crate::journal;
 use crate::key::{self, VmKey};
@@ -166,6 +167,8 @@ pub enum Trigger {
     /// The watchdog asks whether the loop still turns: it answers by
     /// recording the number (see `Controller::heartbeat`).
     Heartbeat(u64),
+    /// Drop kept EFI variables whose VirtualMachine is gone.
+    EfiVars,
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -1072,7 +1075,10 @@ impl<
                 storage
                     .remove_dir(&paths.state_dir)
                     .await
-                    .map_err(storage_err)
+                    .map_err(storage_err)?;
+                // A VM deleted with its VMI leaves nobody to keep them for.
+                self.sweep_efi_vars(Some(id)).await;
+                Ok(())
             }
             Step::RemoveRuntimeDir => self
                 .deps
@@ -1113,6 +1119,60 @@ impl<
                 next_press = now + self.settings.shutdown_resend;
             }
             tokio::time::sleep(Duration::from_millis(200).min(deadline - now)).await;
+        }
+    }
+
+    /// Removes the kept EFI variables whose VirtualMachine is gone (or
+    /// only VM `only`'s), as KubeVirt's backend storage goes with its VM.
+    /// Variables a running VM uses, or kept for a VMI's name, stay; so does
+    /// everything when the cluster cannot be asked (the next sweep asks
+    /// again).
+    pub async fn sweep_efi_vars(&self, only: Option<&str>) {
+        let kept = match self.deps.storage.kept_efi_vars().await {
+            Ok(k) => k,
+            Err(e) => return warn!("kept EFI variables: {e}"),
+        };
+        for k in kept {
+            if k.active || only.is_some_and(|id| id != k.id) {
+                continue;
+            }
+            let Some(efivars::Owner::VirtualMachine {
+                namespace,
+                name,
+                uid,
+            }) = &k.owner
+            else {
+                continue;
+            };
+            let span = journal::vm_span(&k.id, None);
+            let id = k.id.as_str();
+            let result = async {
+                let status = &self.deps.status;
+                if status
+                    .virtual_machine_exists(namespace, name, uid)
+                    .await
+                    .map_err(status_err(id))?
+                {
+                    return Ok(false);
+                }
+                let storage = &self.deps.storage;
+                storage.remove_kept_efi_vars(id).await.map_err(|source| {
+                    ControllerError::Storage {
+                        id: id.into(),
+                        source,
+                    }
+                })?;
+                Ok::<_, ControllerError>(true)
+            }
+            .instrument(span.clone())
+            .await;
+            span.in_scope(|| match result {
+                Ok(true) => info!(
+                    "removed the EFI variables kept for VirtualMachine {namespace}/{name}: it is gone"
+                ),
+                Ok(false) => {}
+                Err(e) => warn!("kept EFI variables of VirtualMachine {namespace}/{name}: {e}"),
+            });
         }
     }
 
@@ -1189,6 +1249,10 @@ impl<
                         }
                     }
                     Some(Trigger::Heartbeat(n)) => self.heartbeat.store(n, Ordering::Relaxed),
+                    Some(Trigger::EfiVars) => {
+                        let this = self.clone();
+                        tokio::spawn(async move { this.sweep_efi_vars(None).await });
+                    }
                 },
                 Some((id, result)) = done_rx.recv() => {
                     running.remove(&id);

@@ -55,6 +55,11 @@ pub struct HostState {
     pub agents: BTreeMap<String, GuestAgent>,
     /// Cluster objects, by namespace and reference.
     pub objects: BTreeMap<(String, ObjectRef), ObjectData>,
+    /// Kept EFI variables, by VM id.
+    pub kept_efi_vars: BTreeMap<String, crate::efivars::Kept>,
+    /// VirtualMachines that exist, as `namespace/name uid`; `None`: there
+    /// is no cluster to ask.
+    pub virtual_machines: Option<BTreeSet<String>>,
 }
 
 #[derive(Clone, Default)]
@@ -366,8 +371,24 @@ impl Storage for FakeHost {
         Ok(())
     }
 
-    /// Nor are EFI variables.
+    /// Nor are EFI variables: tests plant them in `kept_efi_vars`.
     async fn keep_efi_vars(&self, _paths: &VmPaths) -> Result<(), StorageError> {
+        Ok(())
+    }
+
+    async fn kept_efi_vars(&self) -> Result<Vec<crate::efivars::Kept>, StorageError> {
+        Ok(self.state().kept_efi_vars.values().cloned().collect())
+    }
+
+    async fn remove_kept_efi_vars(&self, id: &str) -> Result<(), StorageError> {
+        let dir = PathBuf::from(format!("efi-vars/{id}"));
+        if self.call(format!("rmdir {}", dir.display())) {
+            return Err(StorageError::Disk {
+                path: dir,
+                message: injected("rmdir"),
+            });
+        }
+        self.state().kept_efi_vars.remove(id);
         Ok(())
     }
 
@@ -435,6 +456,27 @@ impl StatusStore for FakeHost {
         }
         let key = (namespace.to_owned(), object.clone());
         Ok(self.state().objects.get(&key).cloned())
+    }
+
+    async fn virtual_machine_exists(
+        &self,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+    ) -> Result<bool, SourceError> {
+        let vm = format!("{namespace}/{name} {uid}");
+        if self.call(format!("get vm {vm}")) {
+            return Err(SourceError::VirtualMachine {
+                namespace: namespace.into(),
+                name: name.into(),
+                message: injected("get vm"),
+            });
+        }
+        Ok(self
+            .state()
+            .virtual_machines
+            .as_ref()
+            .is_none_or(|vms| vms.contains(&vm)))
     }
 }
 

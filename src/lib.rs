@@ -11,6 +11,7 @@ pub mod config;
 pub mod controller;
 pub mod convert;
 pub mod dhcp;
+pub mod efivars;
 pub mod fake;
 pub mod hugepages;
 pub mod image;

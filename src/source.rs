@@ -27,6 +27,12 @@ pub enum SourceError {
         object: ObjectRef,
         message: String,
     },
+    #[error("reading VirtualMachine {namespace}/{name}: {message}")]
+    VirtualMachine {
+        namespace: String,
+        name: String,
+        message: String,
+    },
 }
 
 /// The VMIs this host should run, keyed by VM, and the manifests that
@@ -73,6 +79,17 @@ pub trait StatusStore: Send + Sync + 'static {
             message: "there is no cluster to read it from".into(),
         };
         async { Err(err) }
+    }
+    /// Whether the VirtualMachine `namespace/name` with this uid still
+    /// exists and is not being deleted. Without a cluster there is nobody
+    /// to ask, and the answer is yes: what it owns stays.
+    fn virtual_machine_exists(
+        &self,
+        _namespace: &str,
+        _name: &str,
+        _uid: &str,
+    ) -> impl Future<Output = Result<bool, SourceError>> + Send {
+        async { Ok(true) }
     }
 }
 

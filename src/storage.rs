@@ -2,6 +2,7 @@
 
 use crate::convert::seed::Seed;
 use crate::convert::{Backing, DiskPrep};
+use crate::efivars::{self, Kept};
 use crate::hugepages;
 use crate::image::ImageDisk;
 
@@ -82,6 +83,13 @@ pub trait Storage: Send + Sync + 'static {
     fn keep_efi_vars(
         &self,
         paths: &VmPaths,
+    ) -> impl Future<Output = Result<(), StorageError>> + Send;
+    /// Every VM's kept EFI variables, with their owner.
+    fn kept_efi_vars(&self) -> impl Future<Output = Result<Vec<Kept>, StorageError>> + Send;
+    /// Removes VM `id`'s kept EFI variables, once their owner is gone.
+    fn remove_kept_efi_vars(
+        &self,
+        id: &str,
     ) -> impl Future<Output = Result<(), StorageError>> + Send;
     fn exists(&self, dir: &Path) -> impl Future<Output = bool> + Send;
     /// Ids of VMs that have a state or runtime directory.
@@ -588,6 +596,38 @@ impl Storage for HostStorage {
         blocking(move || keep_efi_vars(&nvram, &kept)).await
     }
 
+    async fn kept_efi_vars(&self) -> Result<Vec<Kept>, StorageError> {
+        let dir = self.host.efi_vars_dir();
+        blocking(move || {
+            let entries = match std::fs::read_dir(&dir) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+                r => r.map_err(io(&dir, "read directory"))?,
+            };
+            let mut kept = Vec::new();
+            for e in entries {
+                let e = e.map_err(io(&dir, "read directory"))?;
+                let Ok(id) = e.file_name().into_string() else {
+                    continue;
+                };
+                let d = e.path();
+                kept.push(Kept {
+                    owner: std::fs::read_to_string(d.join(EFI_OWNER))
+                        .ok()
+                        .and_then(|o| efivars::Owner::parse(&o)),
+                    active: d.join(EFI_ACTIVE).exists(),
+                    id,
+                });
+            }
+            kept.sort_by(|a, b| a.id.cmp(&b.id));
+            Ok(kept)
+        })
+        .await
+    }
+
+    async fn remove_kept_efi_vars(&self, id: &str) -> Result<(), StorageError> {
+        self.remove_dir(&self.host.efi_vars_dir().join(id)).await
+    }
+
     async fn remove_hugepages(&self, id: &str) -> Result<(), StorageError> {
         for dir in hugepages::host_vm_dirs(id) {
             self.remove_dir(&dir).await?;
@@ -685,6 +725,32 @@ mod tests {
             .await
             .unwrap();
         assert!(!kept.exists() && !p.nvram().exists());
+    }
+
+    #[tokio::test]
+    async fn kept_efi_variables_are_listed_with_their_owner_and_removed() {
+        let (_tmp, s, p) = vm_dirs().await;
+        assert_eq!(s.kept_efi_vars().await.unwrap(), []);
+        let owner = "VirtualMachine ns/vm u1";
+        let prep = DiskPrep::EfiVars {
+            owner: owner.into(),
+            nvram: p.nvram(),
+            kept_dir: p.efi_vars_dir.clone(),
+        };
+        s.prepare_disk(&prep, &[], &Pulled::new()).await.unwrap();
+        let listed = |active| {
+            vec![Kept {
+                id: "ns_vm".into(),
+                owner: efivars::Owner::parse(owner),
+                active,
+            }]
+        };
+        assert_eq!(s.kept_efi_vars().await.unwrap(), listed(true));
+        s.keep_efi_vars(&p).await.unwrap();
+        assert_eq!(s.kept_efi_vars().await.unwrap(), listed(false));
+        s.remove_kept_efi_vars("ns_vm").await.unwrap();
+        assert!(!p.efi_vars_dir.exists());
+        assert_eq!(s.kept_efi_vars().await.unwrap(), []);
     }
 
     #[tokio::test]

@@ -478,6 +478,84 @@ fn the_lease_is_renewed_and_rbac_is_least_privilege() {
     assert!(can("create serviceaccounts --subresource=token"));
     assert!(!can("list secrets") && !can("watch secrets") && !can("create secrets"));
     assert!(!can("create serviceaccounts"));
+    // Whether a VirtualMachine with kept EFI variables still exists.
+    assert!(can("get virtualmachines.kubevirt.io"));
+    assert!(!can("list virtualmachines.kubevirt.io") && !can("delete virtualmachines.kubevirt.io"));
     // The shipped manifests are what kvirtd prints.
     a.ok("diff <(kvirtd --print-crd) /etc/kvirt/manifests/crd.yaml");
+}
+
+/// KubeVirt's VirtualMachine kind, as a cluster with KubeVirt has it
+/// (schema aside): nothing in the test cluster runs VMs from it.
+const VM_CRD: &str = "apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata:
+  name: virtualmachines.kubevirt.io
+spec:
+  group: kubevirt.io
+  scope: Namespaced
+  names: {kind: VirtualMachine, listKind: VirtualMachineList, plural: virtualmachines, singular: virtualmachine}
+  versions:
+  - name: v1
+    served: true
+    storage: true
+    schema:
+      openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}
+";
+
+#[test]
+fn efi_variables_are_kept_for_their_virtual_machine_and_go_with_it() {
+    let Some((a, _b)) = hosts() else { return };
+    let _g = serial();
+    apply(&a, VM_CRD);
+    kubectl(
+        &a,
+        "wait --for=condition=Established --timeout=60s crd/virtualmachines.kubevirt.io",
+    );
+    apply(
+        &a,
+        "apiVersion: kubevirt.io/v1\nkind: VirtualMachine\nmetadata: {name: k-efi, namespace: default}\nspec: {runStrategy: Manual}\n",
+    );
+    let uid = kubectl(
+        &a,
+        "get virtualmachines.kubevirt.io k-efi -o jsonpath='{.metadata.uid}'",
+    );
+    assert!(!uid.is_empty());
+    disk(&[&a], "k-efi", "run");
+    // The VMI as KubeVirt's VirtualMachine controller makes it: owned by
+    // its VM. OVMF's GRUB needs more than 128Mi.
+    let vmi = support::vmi_manifest("k-efi", "kubevirt.io/nodeName: node-a", "", "")
+        .replace(
+            "  namespace: default\n",
+            &format!(
+                "  namespace: default\n  ownerReferences:\n  - {{apiVersion: kubevirt.io/v1, kind: VirtualMachine, name: k-efi, uid: {uid}}}\n"
+            ),
+        )
+        .replace(
+            "    memory: {guest: 128Mi}\n",
+            "    memory: {guest: 256Mi}\n    firmware: {bootloader: {efi: {secureBoot: false, persistent: true}}}\n",
+        );
+    apply(&a, &vmi);
+    kubectl(
+        &a,
+        "wait vmi/k-efi --for=jsonpath='{.status.phase}'=Running --timeout=120s",
+    );
+    let kept = "/var/lib/kvirt/efi-vars/default_k-efi";
+    // The VMI goes (the VM is stopped): the variables stay for the VM's
+    // next VMI. The teardown asked before `kubectl delete` returned.
+    delete(&a, "k-efi");
+    assert!(host_clean(&a, "k-efi"));
+    a.ok(&format!("test -s {kept}/VARS.fd"));
+    assert_eq!(
+        a.ok(&format!("cat {kept}/owner")),
+        format!("VirtualMachine default/k-efi {uid}")
+    );
+    // The VM is deleted: the next check (every 2 s here) removes them.
+    kubectl(&a, "delete virtualmachines.kubevirt.io k-efi");
+    a.wait(
+        "the kept EFI variables removed",
+        WAIT,
+        &format!("[ ! -e {kept} ]"),
+    );
+    a.ok("journalctl -u kvirtd --no-pager | grep -q 'removed the EFI variables kept for VirtualMachine default/k-efi'");
 }

@@ -120,6 +120,7 @@ kubeconfig = \"/etc/kvirt/kubeconfig\"
 claim = true
 node_labels = { zone = \"z1\", \"kvirt.io/host\" = \"$node\" }
 lease_seconds = 8
+efi_vars_check_seconds = 2
 [network]
 subnet = \"$subnet\"
 EOF

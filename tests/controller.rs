@@ -827,3 +827,97 @@ async fn a_pull_secret_gives_the_pull_its_registry_credentials() {
         .contains(&"pull registry.example:5000/disks/guest:1 as vmuser".to_string()));
     assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
 }
+
+/// Plants kept EFI variables as the host would have them.
+fn keep(host: &FakeHost, id: &str, owner: &str, active: bool) {
+    let k = kvirt::efivars::Kept {
+        id: id.into(),
+        owner: kvirt::efivars::Owner::parse(owner),
+        active,
+    };
+    host.state().kept_efi_vars.insert(id.into(), k);
+}
+
+fn kept_ids(host: &FakeHost) -> Vec<String> {
+    host.state().kept_efi_vars.keys().cloned().collect()
+}
+
+#[tokio::test]
+async fn kept_efi_variables_go_once_their_virtual_machine_is_gone() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    host.state().virtual_machines = Some(["default/alive u1".to_string()].into());
+    keep(&host, "default_a", "VirtualMachine default/alive u1", false);
+    keep(&host, "default_b", "VirtualMachine default/alive u0", false);
+    keep(&host, "default_c", "VirtualMachine default/gone u2", false);
+    keep(&host, "default_d", "VirtualMachine default/gone u3", true);
+    keep(
+        &host,
+        "default_e",
+        "VirtualMachineInstance default/e",
+        false,
+    );
+    keep(&host, "default_f", "unreadable", false);
+    // The cluster cannot say for c: it stays until a sweep can ask.
+    host.fail("get vm default/gone u2");
+    ctl.sweep_efi_vars(None).await;
+    assert_eq!(
+        kept_ids(&host),
+        [
+            "default_a",
+            "default_c",
+            "default_d",
+            "default_e",
+            "default_f"
+        ],
+        "b's VirtualMachine was made anew; a runs; e is a VMI's; f unknown"
+    );
+    host.heal("get vm default/gone u2");
+
+    // The loop sweeps on its trigger.
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let task = tokio::spawn(ctl.clone().run(tx.clone(), rx));
+    tx.send(Trigger::EfiVars).unwrap();
+    wait_for(|| !host.state().kept_efi_vars.contains_key("default_c")).await;
+    assert_eq!(
+        kept_ids(&host),
+        ["default_a", "default_d", "default_e", "default_f"]
+    );
+    drop(tx);
+    task.abort();
+
+    // Without a cluster nobody can tell: everything stays.
+    host.state().virtual_machines = None;
+    keep(&host, "default_g", "VirtualMachine default/gone u4", false);
+    ctl.sweep_efi_vars(None).await;
+    assert!(kept_ids(&host).contains(&"default_g".to_string()));
+}
+
+#[tokio::test]
+async fn a_vm_torn_down_after_its_virtual_machine_went_leaves_no_efi_variables() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    host.state().virtual_machines = Some(Default::default());
+    let v = vmi("vm1", "u1", "");
+    ctl.set_vmis(set(std::slice::from_ref(&v))).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    // Kept at teardown for a VirtualMachine that is already gone; another
+    // VM's are left to the periodic sweep.
+    keep(&host, "default_vm1", "VirtualMachine default/vm u9", false);
+    keep(
+        &host,
+        "default_other",
+        "VirtualMachine default/other u8",
+        false,
+    );
+    ctl.set_vmis(BTreeMap::new()).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert!(host.state().dirs.is_empty());
+    assert_eq!(kept_ids(&host), ["default_other"]);
+    let calls = host.take_calls();
+    assert!(
+        calls.contains(&"get vm default/vm u9".to_string())
+            && calls.last().map(String::as_str) == Some("rmdir /run/kvirt/vms/default_vm1"),
+        "{calls:?}"
+    );
+}

@@ -342,6 +342,7 @@ async fn run(config: Config) -> Result<()> {
                 ready,
                 list,
                 resync,
+                efi_vars_check: None,
             };
             daemon.serve(status, LogRecorder, sources).await
         }
@@ -377,6 +378,7 @@ async fn run(config: Config) -> Result<()> {
                 ready,
                 list,
                 resync,
+                efi_vars_check: Some(Duration::from_secs(k.efi_vars_check_seconds.max(1))),
             };
             daemon.serve(status, events, sources).await
         }
@@ -432,6 +434,9 @@ struct Sources<Ready, List> {
     ready: Ready,
     list: List,
     resync: Duration,
+    /// How often to look for EFI variables whose VirtualMachine is gone;
+    /// only a cluster has VirtualMachines.
+    efi_vars_check: Option<Duration>,
 }
 
 /// Everything but the VMI source: the same for a directory or a cluster.
@@ -506,6 +511,19 @@ impl Daemon {
                 let _ = ticker_tx.send(Trigger::Resync);
             }
         });
+        if let Some(period) = sources.efi_vars_check {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                // The first tick is at once: VMs deleted while kvirtd was down.
+                let mut tick = tokio::time::interval(period);
+                loop {
+                    tick.tick().await;
+                    if tx.send(Trigger::EfiVars).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
         let (a, c) = (ctl.clone(), ctl.clone());
         tokio::spawn(keepalive(
             sd_notify::watchdog_enabled(),

@@ -63,6 +63,21 @@ async fn next(
     (method, path, ctype, body, send)
 }
 
+/// The API server's answer to a request it refuses: a `Status` object.
+fn fail(
+    send: tower_test::mock::SendResponse<Response<Body>>,
+    code: u16,
+    reason: Option<&str>,
+    message: &str,
+) {
+    let mut status = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+        "code": code, "message": message});
+    if let Some(r) = reason {
+        status["reason"] = r.into();
+    }
+    reply(send, code, status);
+}
+
 fn reply(send: tower_test::mock::SendResponse<Response<Body>>, code: u16, body: Value) {
     send.send_response(
         Response::builder()
@@ -157,11 +172,7 @@ async fn release_of_a_vanished_or_replaced_vmi_patches_nothing() {
     let (client, mut api) = client();
     let server = tokio::spawn(async move {
         let (_, _, _, _, send) = next(&mut api).await;
-        reply(
-            send,
-            404,
-            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "NotFound", "code": 404, "message": "gone"}),
-        );
+        fail(send, 404, Some("NotFound"), "gone");
         let (_, _, _, _, send) = next(&mut api).await;
         let mut replaced = object(&[FINALIZER]);
         replaced["metadata"]["uid"] = json!("another-uid");
@@ -184,11 +195,7 @@ async fn a_lost_claim_race_is_a_clean_no() {
         assert_eq!((method.as_str(), path.as_str()), ("PATCH", PATH));
         assert_eq!(body["metadata"]["resourceVersion"], "42");
         assert_eq!(body["metadata"]["labels"]["kubevirt.io/nodeName"], "node-1");
-        reply(
-            send,
-            409,
-            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Conflict", "code": 409, "message": "the object has been modified"}),
-        );
+        fail(send, 409, Some("Conflict"), "the object has been modified");
     });
     assert!(!claim(&client, &vmi(), "node-1").await.unwrap());
     server.await.unwrap();
@@ -199,11 +206,7 @@ async fn an_unreachable_api_is_an_error_to_retry() {
     let (client, mut api) = client();
     let server = tokio::spawn(async move {
         let (_, _, _, _, send) = next(&mut api).await;
-        reply(
-            send,
-            503,
-            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure", "code": 503, "message": "unavailable"}),
-        );
+        fail(send, 503, None, "unavailable");
     });
     let mut v = vmi();
     v.status.phase = Some(Phase::Running);
@@ -244,12 +247,7 @@ async fn objects_are_read_as_a_pod_volume_would_be() {
             "metadata": {"name": "c1"}, "data": {"a": "1"}, "binaryData": {"b": "Ag=="}}),
         );
         let (_, _, _, _, send) = next(&mut api).await;
-        reply(
-            send,
-            404,
-            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-            "reason": "NotFound", "code": 404, "message": "configmaps \"gone\" not found"}),
-        );
+        fail(send, 404, Some("NotFound"), "configmaps \"gone\" not found");
         let (method, path, _, body, send) = next(&mut api).await;
         assert_eq!(
             (method.as_str(), path.as_str()),
@@ -269,12 +267,7 @@ async fn objects_are_read_as_a_pod_volume_would_be() {
             "spec": {"audiences": []}, "status": {"token": "t0k3n", "expirationTimestamp": "2027-11-29T00:00:00Z"}}),
         );
         let (_, _, _, _, send) = next(&mut api).await;
-        reply(
-            send,
-            403,
-            json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
-            "reason": "Forbidden", "code": 403, "message": "forbidden"}),
-        );
+        fail(send, 403, Some("Forbidden"), "forbidden");
     });
     let store = KubeStatus {
         client,
@@ -320,6 +313,50 @@ async fn objects_are_read_as_a_pod_volume_would_be() {
     assert!(
         err.to_string()
             .contains("reading secret \"locked\" in namespace ns1"),
+        "{err}"
+    );
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_virtual_machine_exists_only_with_its_uid_and_until_deleted() {
+    let (client, mut api) = client();
+    let vm = |meta: Value| json!({"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine", "metadata": meta});
+    let server = tokio::spawn(async move {
+        let (method, path, _, _, send) = next(&mut api).await;
+        assert_eq!(
+            (method.as_str(), path.as_str()),
+            (
+                "GET",
+                "/apis/kubevirt.io/v1/namespaces/ns1/virtualmachines/vm1"
+            )
+        );
+        reply(send, 200, vm(json!({"name": "vm1", "uid": "u1"})));
+        let (_, _, _, _, send) = next(&mut api).await;
+        reply(send, 200, vm(json!({"name": "vm1", "uid": "u2"})));
+        let (_, _, _, _, send) = next(&mut api).await;
+        reply(
+            send,
+            200,
+            vm(json!({"name": "vm1", "uid": "u1", "deletionTimestamp": "2026-11-29T00:00:00Z"})),
+        );
+        let (_, _, _, _, send) = next(&mut api).await;
+        fail(send, 404, Some("NotFound"), "not found");
+        let (_, _, _, _, send) = next(&mut api).await;
+        fail(send, 403, Some("Forbidden"), "forbidden");
+    });
+    let store = KubeStatus {
+        client,
+        ca_pem: None,
+    };
+    let exists = || store.virtual_machine_exists("ns1", "vm1", "u1");
+    assert!(exists().await.unwrap(), "same uid");
+    assert!(!exists().await.unwrap(), "made anew under the same name");
+    assert!(!exists().await.unwrap(), "being deleted");
+    assert!(!exists().await.unwrap(), "gone");
+    let err = exists().await.unwrap_err();
+    assert!(
+        err.to_string().contains("reading VirtualMachine ns1/vm1"),
         "{err}"
     );
     server.await.unwrap();

@@ -7,7 +7,7 @@ use crate::source::{SourceError, StatusStore};
 use crate::vmi::VirtualMachineInstance;
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{ConfigMap, Secret, ServiceAccount};
-use kube::api::{Api, Patch, PatchParams};
+use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
 use serde_json::{json, Map, Value};
 
 /// The status fields kvirtd owns; everything else in `status` is someone
@@ -214,6 +214,29 @@ impl StatusStore for KubeStatus {
                 }
             }
         })
+    }
+
+    async fn virtual_machine_exists(
+        &self,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+    ) -> Result<bool, SourceError> {
+        let gvk = GroupVersionKind::gvk("kubevirt.io", "v1", "VirtualMachine");
+        let resource = ApiResource::from_gvk_with_plural(&gvk, "virtualmachines");
+        let api = Api::<DynamicObject>::namespaced_with(self.client.clone(), namespace, &resource);
+        // 404 also when the VirtualMachine kind itself is gone: so are its VMs.
+        let vm = api
+            .get_opt(name)
+            .await
+            .map_err(|e| SourceError::VirtualMachine {
+                namespace: namespace.into(),
+                name: name.into(),
+                message: e.to_string(),
+            })?;
+        Ok(vm.is_some_and(|vm| {
+            vm.metadata.uid.as_deref() == Some(uid) && vm.metadata.deletion_timestamp.is_none()
+        }))
     }
 }
 

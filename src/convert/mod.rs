@@ -229,23 +229,6 @@ impl DiskPrep {
     }
 }
 
-/// Whose kept EFI variables a VMI may have: its VirtualMachine's (KubeVirt
-/// ties the backend storage to the VM, which outlives its VMIs), else the
-/// VMI's own name. A VM deleted and made again under the same name is
-/// another owner, and starts from the firmware's template.
-fn efi_vars_owner(vmi: &VirtualMachineInstance, key: &VmKey) -> String {
-    let vm = vmi
-        .metadata
-        .owner_references
-        .iter()
-        .flatten()
-        .find(|o| o.kind == "VirtualMachine" && o.api_version.starts_with("kubevirt.io/"));
-    match vm {
-        Some(o) => format!("VirtualMachine {}/{} {}", key.namespace(), o.name, o.uid),
-        None => format!("VirtualMachineInstance {}/{}", key.namespace(), key.name()),
-    }
-}
-
 /// What an overlay is laid over.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Backing {
@@ -330,7 +313,7 @@ pub fn convert_all_errors(
         disks::convert(spec, &vmi.metadata, ctx, &uuid, &mut errs);
     if needs.persistent_efi {
         preps.push(DiskPrep::EfiVars {
-            owner: efi_vars_owner(vmi, ctx.key),
+            owner: crate::efivars::Owner::of(vmi, ctx.key).to_string(),
             nvram: ctx.paths.nvram(),
             kept_dir: ctx.paths.efi_vars_dir.clone(),
         });
