@@ -317,14 +317,15 @@ fn volumes<'v>(
             }
             continue;
         }
-        let config_seed = if let Some(d) = &v.downward_api {
-            Some(downwardapi::seed(d, meta, &path, errs))
-        } else if v.config_map.is_some() || v.secret.is_some() || v.service_account.is_some() {
-            Some(configdisk::seed(v, &path, ctx.cluster, errs))
-        } else {
-            None
-        };
-        if let Some(seed) = config_seed {
+        let config_disk = v.config_map.is_some()
+            || v.secret.is_some()
+            || v.service_account.is_some()
+            || v.downward_api.is_some();
+        if config_disk {
+            let seed = match &v.downward_api {
+                Some(d) => downwardapi::seed(d, meta, &path, errs),
+                None => configdisk::seed(v, &path, ctx.cluster, errs),
+            };
             if let Some(seed) = seed {
                 let file = ctx.paths.config_iso(&v.name);
                 preps.push(DiskPrep::SeedIso {
