@@ -1,39 +1,21 @@
 //! kvirt: KubeVirt VirtualMachineInstances on bare-metal hosts, without pods.
 //!
-//! The pure core (`vmi` → `convert`/`unit` → `plan` → `status`) is plain
-//! functions; each external system (`systemd`, `netns`, `libvirt`,
-//! `storage`, `source`) is one narrow trait with a thin real adapter, and
-//! `fake` has recording fakes of all of them for tests. `controller` is the
-//! level-triggered loop that ties them together, one key per VM.
+//! The tree is the architecture, and `tests/architecture.rs` checks that
+//! imports only point down:
+//!
+//! - [`core`]: everything pure. The VMI model, the converter to domain
+//!   XML, unit properties, nftables rules as data, `plan(desired,
+//!   observed) -> steps` and the status it reports. No I/O.
+//! - [`host`]: one adapter per external system (systemd, libvirt, the
+//!   kernel's namespaces and links, storage, registries, the journal),
+//!   each behind a narrow trait. Uses `core`.
+//! - [`sources`]: where VMIs come from and where their status and Events
+//!   go: a directory of manifests, or a Kubernetes API server. Uses `core`.
+//! - [`daemon`]: the level-triggered loop that composes them, one key per
+//!   VM, with its configuration, metrics and a recording fake of every
+//!   adapter for its tests.
 
-pub mod cluster;
-pub mod config;
-pub mod controller;
-pub mod convert;
-pub mod dhcp;
-pub mod efivars;
-pub mod fake;
-pub mod hugepages;
-pub mod image;
-pub mod ipam;
-pub mod journal;
-pub mod key;
-pub mod layout;
-pub mod libvirt;
-pub mod machined;
-pub mod metrics;
-pub mod netns;
-pub mod network;
-pub mod nft;
-pub mod objects;
-pub mod phase;
-pub mod plan;
-pub mod pullsecret;
-pub mod qemulog;
-pub mod quantity;
-pub mod source;
-pub mod status;
-pub mod storage;
-pub mod systemd;
-pub mod unit;
-pub mod vmi;
+pub mod core;
+pub mod daemon;
+pub mod host;
+pub mod sources;

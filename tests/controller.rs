@@ -1,16 +1,17 @@
 //! The loop on the recording fakes: the API conversation with the host,
 //! without root.
 
-use kvirt::controller::{Controller, Deps, EventReason, Settings, Trigger};
-use kvirt::convert::{DiskPrep, DomainType};
-use kvirt::fake::FakeHost;
-use kvirt::key::VmKey;
-use kvirt::layout::{DaemonKind, HostLayout};
-use kvirt::libvirt::GuestAgent;
-use kvirt::objects::ObjectRef;
-use kvirt::plan::DomainState;
-use kvirt::unit::Prop;
-use kvirt::vmi::{Phase, VirtualMachineInstance};
+use kvirt::core::convert::{DiskPrep, DomainType};
+use kvirt::core::key::VmKey;
+use kvirt::core::layout::{DaemonKind, HostLayout};
+use kvirt::core::objects::ObjectRef;
+use kvirt::core::plan::{DomainState, GuestAgent};
+use kvirt::core::trigger::Trigger;
+use kvirt::core::unit::Prop;
+use kvirt::core::vmi::{Phase, VirtualMachineInstance};
+use kvirt::daemon::controller::{Controller, Deps, Settings};
+use kvirt::daemon::fake::FakeHost;
+use kvirt::sources::EventReason;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
@@ -699,7 +700,7 @@ fn with_config_volumes(name: &str, uid: &str) -> VirtualMachineInstance {
     v
 }
 
-fn seed_of(host: &FakeHost, volume: &str) -> kvirt::convert::seed::Seed {
+fn seed_of(host: &FakeHost, volume: &str) -> kvirt::core::convert::seed::Seed {
     host.state()
         .disks
         .iter()
@@ -830,9 +831,9 @@ async fn a_pull_secret_gives_the_pull_its_registry_credentials() {
 
 /// Plants kept EFI variables as the host would have them.
 fn keep(host: &FakeHost, id: &str, owner: &str, active: bool) {
-    let k = kvirt::efivars::Kept {
+    let k = kvirt::core::efivars::Kept {
         id: id.into(),
-        owner: kvirt::efivars::Owner::parse(owner),
+        owner: kvirt::core::efivars::Owner::parse(owner),
         active,
     };
     host.state().kept_efi_vars.insert(id.into(), k);

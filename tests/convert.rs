@@ -12,9 +12,9 @@
 //! Update snapshots with `INSTA_UPDATE=always cargo test --test convert`
 //! (or `cargo insta review`) and review the diff.
 
-use kvirt::convert::{convert, convert_all_errors, ConvertContext, DomainType};
-use kvirt::layout::HostLayout;
-use kvirt::vmi::VirtualMachineInstance;
+use kvirt::core::convert::{convert, convert_all_errors, ConvertContext, DomainType};
+use kvirt::core::layout::HostLayout;
+use kvirt::core::vmi::VirtualMachineInstance;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -71,7 +71,7 @@ fn fixtures() -> Vec<Fixture> {
 
 fn convert_fixture(
     f: &Fixture,
-) -> Result<kvirt::convert::Converted, Vec<kvirt::convert::ConvertError>> {
+) -> Result<kvirt::core::convert::Converted, Vec<kvirt::core::convert::ConvertError>> {
     let vmi =
         VirtualMachineInstance::from_yaml(&f.yaml).unwrap_or_else(|e| panic!("{}: {e}", f.name));
     let key = vmi.key().unwrap();

@@ -2,7 +2,8 @@
 //! started here on a loopback port): push, shared pulls, resumed and
 //! corrupt downloads, and the pull policies.
 
-use kvirt::image::{Images, OciImages, Progress, PullPolicy};
+use kvirt::core::image::PullPolicy;
+use kvirt::host::image::{Images, OciImages, Progress};
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
@@ -103,7 +104,7 @@ async fn container_disks_from_a_real_registry() {
         .collect();
     std::fs::write(&disk, &bytes).unwrap();
     let image = format!("127.0.0.1:{}/kvirt/guest:1", registry.port);
-    let url = kvirt::image::push_disk(std::slice::from_ref(&disk), &image, &[], None)
+    let url = kvirt::host::image::push_disk(std::slice::from_ref(&disk), &image, &[], None)
         .await
         .unwrap();
     assert!(url.contains("/v2/kvirt/guest/manifests/"), "{url}");
@@ -209,7 +210,7 @@ async fn container_disks_from_a_real_registry() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn private_images_need_their_credentials_even_from_the_cache() {
-    use kvirt::pullsecret::Credentials;
+    use kvirt::core::pullsecret::Credentials;
     let tmp = tempfile::tempdir().unwrap();
     let htpasswd = tmp.path().join("htpasswd");
     let hash = bcrypt::hash("s3cret", 4).unwrap();
@@ -229,11 +230,11 @@ async fn private_images_need_their_credentials_even_from_the_cache() {
         password: password.into(),
     };
     let files = std::slice::from_ref(&disk);
-    let err = kvirt::image::push_disk(files, &image, &[], None)
+    let err = kvirt::host::image::push_disk(files, &image, &[], None)
         .await
         .unwrap_err();
     assert!(err.to_string().contains("registry"), "{err}");
-    kvirt::image::push_disk(files, &image, &[], Some(&user("s3cret")))
+    kvirt::host::image::push_disk(files, &image, &[], Some(&user("s3cret")))
         .await
         .unwrap();
 

@@ -369,8 +369,8 @@ fn twenty_vms_come_and_go_leaving_no_network_state() {
 /// The manifests the host tests write are VMIs kvirt converts (no host needed).
 #[test]
 fn the_test_manifests_convert() {
-    use kvirt::convert::{convert, ConvertContext, DomainType};
-    let layout = kvirt::layout::HostLayout::default();
+    use kvirt::core::convert::{convert, ConvertContext, DomainType};
+    let layout = kvirt::core::layout::HostLayout::default();
     let manifests = [
         support::vmi_manifest("plain", "", "", ""),
         support::vmi_manifest(
@@ -387,7 +387,7 @@ fn the_test_manifests_convert() {
         ),
     ];
     for m in manifests {
-        let mut vmi = kvirt::vmi::VirtualMachineInstance::from_yaml(&m)
+        let mut vmi = kvirt::core::vmi::VirtualMachineInstance::from_yaml(&m)
             .unwrap_or_else(|e| panic!("{e}\n{m}"));
         vmi.metadata.uid = Some("u".into());
         let key = vmi.key().unwrap();

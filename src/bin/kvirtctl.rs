@@ -2,12 +2,12 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use kvirt::config::{Config, DEFAULT_PATH};
-use kvirt::convert::{self, ConvertContext, DomainType};
-use kvirt::key::VmKey;
-use kvirt::layout::HostLayout;
-use kvirt::source::read_all_status;
-use kvirt::vmi::VirtualMachineInstance;
+use kvirt::core::convert::{self, ConvertContext, DomainType};
+use kvirt::core::key::VmKey;
+use kvirt::core::layout::HostLayout;
+use kvirt::core::vmi::VirtualMachineInstance;
+use kvirt::daemon::config::{Config, DEFAULT_PATH};
+use kvirt::sources::manifest::read_all_status;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -92,7 +92,7 @@ fn main() -> Result<()> {
                     std::io::stdin()
                         .read_line(&mut password)
                         .context("reading the password from standard input")?;
-                    Some(kvirt::pullsecret::Credentials {
+                    Some(kvirt::core::pullsecret::Credentials {
                         username,
                         password: password.trim_end_matches(['\r', '\n']).to_owned(),
                     })
@@ -101,7 +101,7 @@ fn main() -> Result<()> {
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;
-            let url = rt.block_on(kvirt::image::push_disk(
+            let url = rt.block_on(kvirt::host::image::push_disk(
                 &files,
                 &image,
                 &insecure,

@@ -3,23 +3,25 @@
 
 use anyhow::{Context, Result};
 use clap::Parser;
-use kvirt::cluster;
-use kvirt::config::{Config, Emulation, SourceKind, DEFAULT_PATH};
-use kvirt::controller::{Controller, Deps, LogRecorder, Recorder, Settings, Trigger};
-use kvirt::convert::DomainType;
-use kvirt::image::OciImages;
-use kvirt::journal::{self, Journal};
-use kvirt::key::VmKey;
-use kvirt::layout::HostLayout;
-use kvirt::libvirt::Libvirt;
-use kvirt::machined::Machined;
-use kvirt::netns::KernelNetns;
-use kvirt::network::{HostNetwork, NetworkSettings};
-use kvirt::qemulog::Forwarder;
-use kvirt::source::{scan_dir, FileStatusStore, Snapshot, StatusStore};
-use kvirt::storage::{HostStorage, Owner};
-use kvirt::systemd::SystemdBus;
-use kvirt::vmi::VirtualMachineInstance;
+use kvirt::core::convert::DomainType;
+use kvirt::core::key::VmKey;
+use kvirt::core::layout::HostLayout;
+use kvirt::core::trigger::Trigger;
+use kvirt::core::vmi::VirtualMachineInstance;
+use kvirt::daemon::config::{Config, Emulation, SourceKind, DEFAULT_PATH};
+use kvirt::daemon::controller::{Controller, Deps, LogRecorder, Settings};
+use kvirt::host::image::OciImages;
+use kvirt::host::journal::{self, Journal};
+use kvirt::host::libvirt::Libvirt;
+use kvirt::host::machined::Machined;
+use kvirt::host::netns::KernelNetns;
+use kvirt::host::network::{HostNetwork, NetworkSettings};
+use kvirt::host::qemulog::Forwarder;
+use kvirt::host::storage::{HostStorage, Owner};
+use kvirt::host::systemd::SystemdBus;
+use kvirt::sources::cluster;
+use kvirt::sources::manifest::{scan_dir, FileStatusStore, Snapshot};
+use kvirt::sources::{Recorder, StatusStore};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -196,7 +198,7 @@ fn settings(config: &Config) -> Result<Settings> {
         node_name: config.node_name.clone(),
         layout: config.layout(),
         host_disk_roots: config.storage.host_disk_roots.clone(),
-        cluster: config.source.kind == kvirt::config::SourceKind::Kubernetes,
+        cluster: config.source.kind == kvirt::daemon::config::SourceKind::Kubernetes,
         daemon,
         daemon_path,
         domain_type,
@@ -395,7 +397,7 @@ fn host_network(config: &Config, settings: &Settings, owner: Owner) -> Result<Ho
             .iter()
             .find_map(|p| std::fs::read_to_string(p).ok())
             .unwrap_or_default();
-        kvirt::dhcp::host_dns(&text)
+        kvirt::core::dhcp::host_dns(&text)
     } else {
         n.dns.clone()
     };
@@ -404,7 +406,7 @@ fn host_network(config: &Config, settings: &Settings, owner: Owner) -> Result<Ho
         mtu: n.mtu,
         dns,
         dhcp_lease_secs: n.dhcp_lease_seconds,
-        netns_dir: kvirt::netns::NETNS_DIR.into(),
+        netns_dir: kvirt::host::netns::NETNS_DIR.into(),
         tap_uid: owner.uid,
         tap_gid: owner.gid,
     };
@@ -495,7 +497,7 @@ impl Daemon {
         if let Some(listener) = metrics {
             info!("metrics on http://{}/metrics", listener.local_addr()?);
             let c = ctl.clone();
-            tokio::spawn(kvirt::metrics::serve(listener, move || {
+            tokio::spawn(kvirt::daemon::metrics::serve(listener, move || {
                 c.metrics().set_phases(&c.phase_counts());
                 c.metrics().encode()
             }));

@@ -1,0 +1,602 @@
+//! VMI → libvirt domain XML, as a pure function.
+//!
+//! One small configurator per area (CPU, memory, firmware, features, clock,
+//! disks, other devices), in the spirit of KubeVirt's virt-launcher
+//! converter. The converter does no I/O: files the runtime has to create or
+//! check before defining the domain are returned as [`DiskPrep`]s.
+//!
+//! Anything in the VMI that kvirt does not implement is an error naming the
+//! field, never silently ignored: every spec type keeps unknown fields in an
+//! `extra` map, and each configurator rejects what it finds there. The only
+//! exceptions are the scheduling-only fields in [`IGNORED_SPEC_FIELDS`],
+//! `ephemeral-storage` resources, and `hostDisk.shared` (a migration hint).
+//! `metadata` labels and annotations are not interpreted.
+
+mod clock;
+pub mod cloudinit;
+pub mod configdisk;
+mod cpu;
+mod devices;
+mod disks;
+pub mod domain;
+mod downwardapi;
+mod features;
+mod firmware;
+pub mod kernelboot;
+mod memory;
+pub mod network;
+pub mod seed;
+
+use crate::core::key::VmKey;
+use crate::core::layout::VmPaths;
+use crate::core::vmi::{Extra, VirtualMachineInstance};
+use std::fmt;
+use std::path::PathBuf;
+
+/// Top-level `spec` fields accepted without effect on the domain. They
+/// steer scheduling or live migration on a cluster, which a single host
+/// without pods has no use for; `hostname`/`subdomain` only reach the guest
+/// through DHCP, and there is no network yet. `architecture` is handled
+/// separately (only `amd64` is accepted).
+pub const IGNORED_SPEC_FIELDS: &[&str] = &[
+    "affinity",
+    "tolerations",
+    "topologySpreadConstraints",
+    "schedulerName",
+    "priorityClassName",
+    "evictionStrategy",
+    "hostname",
+    "subdomain",
+];
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DomainType {
+    /// Hardware virtualisation through `/dev/kvm`.
+    #[default]
+    Kvm,
+    /// TCG emulation, for hosts (and test containers) without KVM.
+    Qemu,
+}
+
+impl DomainType {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Kvm => "kvm",
+            Self::Qemu => "qemu",
+        }
+    }
+}
+
+pub struct ConvertContext<'a> {
+    pub key: &'a VmKey,
+    pub paths: &'a VmPaths,
+    pub domain_type: DomainType,
+    /// hostDisk paths must lie under one of these (lexically; the runtime
+    /// re-checks the real path).
+    pub host_disk_roots: &'a [PathBuf],
+    /// Whether the VMI comes from a cluster, whose Secrets, ConfigMaps and
+    /// ServiceAccounts its volumes may name.
+    pub cluster: bool,
+}
+
+#[derive(Clone, Debug, PartialEq)]
+pub struct Converted {
+    pub domain_xml: String,
+    /// Files the runtime must create or check before defining the domain.
+    pub disks: Vec<DiskPrep>,
+    /// The pod interface, when the VM has one.
+    pub network: Option<network::NetSpec>,
+    pub resources: Resources,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum DiskPrep {
+    /// emptyDisk: a qcow2 of this virtual size in the VM's state dir.
+    CreateQcow2 {
+        volume: String,
+        path: PathBuf,
+        size_bytes: u64,
+    },
+    /// hostDisk DiskOrCreate: a sparse raw file of `capacity` if missing.
+    CreateRawIfMissing {
+        volume: String,
+        path: PathBuf,
+        size_bytes: u64,
+    },
+    /// hostDisk Disk: must exist (the runtime checks, and re-checks the
+    /// real path under the roots).
+    RequireExisting { volume: String, path: PathBuf },
+    /// cloudInitNoCloud/ConfigDrive and configMap/secret/serviceAccount
+    /// volumes: an ISO of these files, remade on every start (the VMI and
+    /// its objects are the truth, the image only a copy of them).
+    SeedIso {
+        volume: String,
+        path: PathBuf,
+        seed: seed::Seed,
+    },
+    /// containerDisk / ephemeral: a fresh qcow2 overlay on a read-only
+    /// base, made on every start (KubeVirt's ephemeral write layer).
+    Overlay {
+        volume: String,
+        path: PathBuf,
+        backing: Backing,
+    },
+    /// `efi.persistent`: the variables kept from this VM's last run (by
+    /// the same `owner`) are put back at `nvram` before it starts, and kept
+    /// again when it goes.
+    EfiVars {
+        owner: String,
+        nvram: PathBuf,
+        kept_dir: PathBuf,
+    },
+    /// `memory.hugepages`: the VM's own directory on the host's hugetlbfs
+    /// of that page size, which its libvirt is told to use in `qemu_conf`;
+    /// the runtime checks first that enough pages are free.
+    Hugepages {
+        vm: String,
+        page_bytes: u64,
+        pages: u64,
+        qemu_conf: PathBuf,
+    },
+    /// `kernelBoot`: files of an image copied into the VM's directory.
+    KernelBoot {
+        image: String,
+        pull_policy: crate::core::image::PullPolicy,
+        pull_secret: Option<String>,
+        kernel: Option<ImageFile>,
+        initrd: Option<ImageFile>,
+    },
+}
+
+/// A file in a container image and where the VM gets its copy.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ImageFile {
+    pub path_in_image: String,
+    pub dest: PathBuf,
+}
+
+/// One file the runtime must find in a pulled image: `key` names it in
+/// the map of pulled files (a volume name, or `kernelboot::KERNEL`...).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ImageNeed<'a> {
+    pub key: &'a str,
+    pub image: &'a str,
+    pub pull_policy: crate::core::image::PullPolicy,
+    /// The Secret with the registry's credentials (cluster mode).
+    pub pull_secret: Option<&'a str>,
+    pub path: Option<&'a str>,
+}
+
+impl DiskPrep {
+    /// The files this prep needs from container images.
+    pub fn image_needs(&self) -> Vec<ImageNeed<'_>> {
+        match self {
+            DiskPrep::Overlay {
+                volume,
+                backing:
+                    Backing::Image {
+                        image,
+                        pull_policy,
+                        pull_secret,
+                        path,
+                    },
+                ..
+            } => vec![ImageNeed {
+                key: volume,
+                image,
+                pull_policy: *pull_policy,
+                pull_secret: pull_secret.as_deref(),
+                path: path.as_deref(),
+            }],
+            DiskPrep::KernelBoot {
+                image,
+                pull_policy,
+                pull_secret,
+                kernel,
+                initrd,
+            } => [(kernelboot::KERNEL, kernel), (kernelboot::INITRD, initrd)]
+                .into_iter()
+                .filter_map(|(key, f)| {
+                    Some(ImageNeed {
+                        key,
+                        image,
+                        pull_policy: *pull_policy,
+                        pull_secret: pull_secret.as_deref(),
+                        path: Some(f.as_ref()?.path_in_image.as_str()),
+                    })
+                })
+                .collect(),
+            _ => Vec::new(),
+        }
+    }
+
+    /// What the fake host and logs call it.
+    pub fn path(&self) -> &std::path::Path {
+        match self {
+            DiskPrep::CreateQcow2 { path, .. }
+            | DiskPrep::CreateRawIfMissing { path, .. }
+            | DiskPrep::RequireExisting { path, .. }
+            | DiskPrep::SeedIso { path, .. }
+            | DiskPrep::Overlay { path, .. } => path,
+            DiskPrep::Hugepages { qemu_conf, .. } => qemu_conf,
+            DiskPrep::EfiVars { nvram, .. } => nvram,
+            DiskPrep::KernelBoot { kernel, initrd, .. } => kernel
+                .as_ref()
+                .or(initrd.as_ref())
+                .map_or(std::path::Path::new(""), |f| &f.dest),
+        }
+    }
+}
+
+/// What an overlay is laid over.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Backing {
+    /// A containerDisk: the disk inside the image, found after the pull.
+    Image {
+        image: String,
+        pull_policy: crate::core::image::PullPolicy,
+        pull_secret: Option<String>,
+        path: Option<String>,
+    },
+    /// `ephemeral.hostDisk`: an existing file, only read.
+    HostDisk(PathBuf),
+}
+
+/// What the systemd unit needs to size the VM's cgroup.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Resources {
+    /// Guest RAM, without QEMU's overhead.
+    pub memory_bytes: u64,
+    pub vcpus: u32,
+    /// `resources.limits.memory`, if set.
+    pub memory_limit_bytes: Option<u64>,
+    /// `resources.requests.cpu` (defaulting to `limits.cpu`, as Kubernetes does).
+    pub cpu_request_millis: Option<u64>,
+    /// Guest RAM backed by hugepages, which the kernel charges to the hugetlb
+    /// controller, never to the memory cgroup.
+    pub hugepage_bytes: u64,
+}
+
+impl Resources {
+    /// What the memory cgroup of the VM's unit will see of the guest: its
+    /// limit (or guest RAM), less what hugepages back. QEMU's overhead is the
+    /// caller's to add.
+    pub fn cgroup_memory_bytes(&self) -> u64 {
+        self.memory_limit_bytes
+            .unwrap_or(self.memory_bytes)
+            .saturating_sub(self.hugepage_bytes)
+    }
+}
+
+/// One problem with a VMI, located by its field path.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("{field}: {message}")]
+pub struct ConvertError {
+    /// e.g. `spec.domain.devices.disks[1].lun`
+    pub field: String,
+    pub message: String,
+}
+
+/// Converts, or returns the first problem found.
+pub fn convert(
+    vmi: &VirtualMachineInstance,
+    ctx: &ConvertContext,
+) -> Result<Converted, ConvertError> {
+    convert_all_errors(vmi, ctx).map_err(|errs| {
+        errs.into_iter()
+            .next()
+            .expect("a failed conversion has at least one error")
+    })
+}
+
+/// Converts, or returns every problem found (for `kvirtctl domxml`).
+pub fn convert_all_errors(
+    vmi: &VirtualMachineInstance,
+    ctx: &ConvertContext,
+) -> Result<Converted, Vec<ConvertError>> {
+    let mut errs = Errors::default();
+    check_identity(vmi, ctx, &mut errs);
+    check_spec_fields(&vmi.spec.extra, &mut errs);
+
+    let spec = &vmi.spec;
+    let dom = &spec.domain;
+    errs.reject_extra("spec.domain", &dom.extra);
+    let res = memory::ResourceSpec::parse(dom.resources.as_ref(), &mut errs);
+    let memory_bytes = memory::guest_memory(dom.memory.as_ref(), &res, &mut errs);
+    let hugepage = memory::hugepage_size(dom.memory.as_ref(), memory_bytes, &mut errs);
+    let (cpu, vcpus) = cpu::convert(dom.cpu.as_ref(), &res, ctx.domain_type, &mut errs);
+    let (uuid, os, sysinfo, needs) = firmware::convert(vmi, ctx.key, dom, &mut errs);
+    let features = features::convert(dom.features.as_ref(), needs, ctx.domain_type, &mut errs);
+    let clock = clock::convert(dom.clock.as_ref(), &mut errs);
+    let (disk_devs, controllers, mut preps) =
+        disks::convert(spec, &vmi.metadata, ctx, &uuid, &mut errs);
+    if needs.persistent_efi {
+        preps.push(DiskPrep::EfiVars {
+            owner: crate::core::efivars::Owner::of(vmi, ctx.key).to_string(),
+            nvram: ctx.paths.nvram(),
+            kept_dir: ctx.paths.efi_vars_dir.clone(),
+        });
+    }
+    if let Some(page_bytes) = hugepage {
+        preps.push(DiskPrep::Hugepages {
+            vm: ctx.key.id(),
+            page_bytes,
+            pages: memory_bytes / page_bytes,
+            qemu_conf: ctx.paths.qemu_conf(),
+        });
+    }
+    let mut os = os;
+    if let Some(kb) = dom.firmware.as_ref().and_then(|f| f.kernel_boot.as_ref()) {
+        preps.extend(kernelboot::convert(
+            kb,
+            ctx.paths,
+            ctx.cluster,
+            &mut os,
+            &mut errs,
+        ));
+    }
+    let mut devices = devices::convert(spec, ctx.paths, &mut errs);
+    devices.disks = disk_devs;
+    devices.controllers = controllers;
+    let default_mac = network::guest_mac(&ctx.key.id());
+    let net = network::convert(spec, default_mac, &mut errs).map(|(iface, net)| {
+        if let Some(b) = &iface.boot {
+            if devices.disks.iter().any(|d| d.boot.as_ref() == Some(b)) {
+                errs.add(
+                    "spec.domain.devices.interfaces[0].bootOrder",
+                    format!("{} is used by a disk", b.order),
+                );
+            }
+        }
+        devices.interfaces.push(iface);
+        net
+    });
+
+    if !errs.0.is_empty() {
+        return Err(errs.0);
+    }
+    let domain = domain::Domain {
+        type_: ctx.domain_type.as_str(),
+        name: ctx.key.domain_name(),
+        uuid,
+        metadata: domain::Metadata {
+            vm: domain::KvirtMetadata {
+                xmlns: domain::KVIRT_XMLNS,
+                uid: vmi.uid().map(str::to_owned),
+                namespace: ctx.key.namespace().to_owned(),
+                name: ctx.key.name().to_owned(),
+            },
+        },
+        memory: domain::Memory {
+            unit: "b",
+            value: memory_bytes,
+        },
+        memory_backing: hugepage.map(|page| domain::MemoryBacking {
+            hugepages: domain::HugepagePages {
+                page: domain::HugepageSize {
+                    size: page >> 10,
+                    unit: "KiB",
+                },
+            },
+        }),
+        vcpu: domain::Vcpu {
+            placement: "static",
+            count: vcpus,
+        },
+        sysinfo,
+        os,
+        features,
+        cpu,
+        clock,
+        on_poweroff: "destroy",
+        on_reboot: "restart",
+        on_crash: "destroy",
+        devices,
+    };
+    let domain_xml = domain.to_xml().map_err(|e| {
+        vec![ConvertError {
+            field: "spec".into(),
+            message: format!("cannot serialise the domain XML: {e}"),
+        }]
+    })?;
+    Ok(Converted {
+        domain_xml,
+        disks: preps,
+        network: net,
+        resources: Resources {
+            memory_bytes,
+            vcpus,
+            memory_limit_bytes: res.memory_limit,
+            cpu_request_millis: res.cpu_request.or(res.cpu_limit),
+            hugepage_bytes: if hugepage.is_some() { memory_bytes } else { 0 },
+        },
+    })
+}
+
+/// The caller derives the key from the VMI; a mismatch would define the
+/// domain under another VM's name.
+fn check_identity(vmi: &VirtualMachineInstance, ctx: &ConvertContext, errs: &mut Errors) {
+    match vmi.key() {
+        Ok(key) if &key == ctx.key => {}
+        Ok(key) => errs.add(
+            "metadata",
+            format!("VMI is {key}, but the conversion is for {}", ctx.key),
+        ),
+        Err(e) => errs.add("metadata.name", e.to_string()),
+    }
+}
+
+fn check_spec_fields(extra: &Extra, errs: &mut Errors) {
+    for (k, v) in extra {
+        if IGNORED_SPEC_FIELDS.contains(&k.as_str()) {
+            continue;
+        }
+        if k == "architecture" {
+            if v.as_str() != Some("amd64") {
+                errs.add(
+                    "spec.architecture",
+                    format!("only amd64 is supported, not {v}"),
+                );
+            }
+            continue;
+        }
+        errs.add(format!("spec.{k}"), UNSUPPORTED);
+    }
+}
+
+const UNSUPPORTED: &str = "not supported by kvirt";
+
+/// Why a cluster object cannot be used in standalone mode.
+const NEEDS_CLUSTER: &str =
+    "needs a cluster: kvirtd reads this VMI from a manifest directory, which has no Secrets, ConfigMaps or ServiceAccounts";
+
+/// Collects every problem so a user can fix a manifest in one pass.
+#[derive(Debug, Default)]
+pub(crate) struct Errors(Vec<ConvertError>);
+
+impl Errors {
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    fn add(&mut self, field: impl Into<String>, message: impl fmt::Display) {
+        self.0.push(ConvertError {
+            field: field.into(),
+            message: message.to_string(),
+        });
+    }
+
+    /// Every unknown field of an object is an error: it would change the VM
+    /// on a real KubeVirt, so running without it would be a lie.
+    fn reject_extra(&mut self, path: &str, extra: &Extra) {
+        for k in extra.keys() {
+            self.add(format!("{path}.{k}"), UNSUPPORTED);
+        }
+    }
+}
+
+/// Kubernetes DNS-1123 label: volume and disk names become file names and
+/// device aliases, so they must not carry anything else.
+fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+#[cfg(test)]
+pub(crate) mod test_support {
+    use super::*;
+    use crate::core::layout::HostLayout;
+
+    pub fn vmi(spec_yaml: &str) -> VirtualMachineInstance {
+        let indented: String = spec_yaml.lines().map(|l| format!("  {l}\n")).collect();
+        VirtualMachineInstance::from_yaml(&format!(
+            "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\n\
+             metadata: {{name: vm, namespace: ns, uid: 0f2d3a9c-1111-4222-8333-444455556666}}\n\
+             spec:\n{indented}"
+        ))
+        .unwrap()
+    }
+
+    pub fn run(
+        vmi: &VirtualMachineInstance,
+        domain_type: DomainType,
+    ) -> Result<Converted, Vec<ConvertError>> {
+        let key = VmKey::new("ns", "vm").unwrap();
+        let paths = HostLayout::default().vm(&key);
+        let roots = [PathBuf::from("/srv/vms")];
+        convert_all_errors(
+            vmi,
+            &ConvertContext {
+                key: &key,
+                paths: &paths,
+                domain_type,
+                host_disk_roots: &roots,
+                cluster: false,
+            },
+        )
+    }
+
+    pub const MEM: &str = "domain: {memory: {guest: 64Mi}}";
+
+    /// The fields of all errors, for compact assertions.
+    pub fn fields(r: Result<Converted, Vec<ConvertError>>) -> Vec<String> {
+        r.expect_err("expected errors")
+            .into_iter()
+            .map(|e| e.field)
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::test_support::*;
+    use super::*;
+
+    #[test]
+    fn minimal_defaults() {
+        let c = run(&vmi(MEM), DomainType::Kvm).unwrap();
+        let x = &c.domain_xml;
+        assert!(x.starts_with("<domain type=\"kvm\">"), "{x}");
+        assert!(x.contains("<name>ns_vm</name>"));
+        assert!(x.contains("<uuid>0f2d3a9c-1111-4222-8333-444455556666</uuid>"));
+        assert!(x.contains("<kvirt:uid>0f2d3a9c-1111-4222-8333-444455556666</kvirt:uid>"));
+        assert!(x.contains("<on_crash>destroy</on_crash>"));
+        assert_eq!(
+            c.resources,
+            Resources {
+                memory_bytes: 64 << 20,
+                vcpus: 1,
+                memory_limit_bytes: None,
+                cpu_request_millis: None,
+                hugepage_bytes: 0,
+            }
+        );
+        assert!(c.disks.is_empty());
+    }
+
+    #[test]
+    fn scheduling_fields_are_ignored_others_rejected() {
+        let v = vmi(&format!(
+            "{MEM}\nnodeSelector: {{a: b}}\naffinity: {{}}\ntolerations: []\narchitecture: amd64\n\
+             startStrategy: Paused\nreadinessProbe: {{}}"
+        ));
+        assert_eq!(
+            fields(run(&v, DomainType::Kvm)),
+            ["spec.readinessProbe", "spec.startStrategy"]
+        );
+        let v = vmi(&format!("{MEM}\narchitecture: arm64"));
+        assert_eq!(fields(run(&v, DomainType::Kvm)), ["spec.architecture"]);
+    }
+
+    #[test]
+    fn key_must_match() {
+        let mut v = vmi(MEM);
+        v.metadata.name = Some("other".into());
+        let e = run(&v, DomainType::Kvm).unwrap_err();
+        assert_eq!(e[0].field, "metadata");
+        assert_eq!(
+            e[0].to_string(),
+            "metadata: VMI is ns/other, but the conversion is for ns/vm"
+        );
+    }
+
+    #[test]
+    fn all_errors_are_reported() {
+        let v = vmi("domain: {cpu: {cores: 0}, foo: 1}\nnetworks: [{name: default, pod: {}}]");
+        let f = fields(run(&v, DomainType::Kvm));
+        assert_eq!(
+            f,
+            [
+                "spec.domain.foo",
+                "spec.domain.memory.guest",
+                "spec.domain.cpu.cores",
+                "spec.domain.devices.interfaces"
+            ]
+        );
+    }
+}

@@ -1,0 +1,116 @@
+//! containerDisk images as the model sees them: a reference checked the way
+//! the registry client reads it, Kubernetes' pull policy, and which disk
+//! formats a VM may boot from. Fetching them is `host::image`'s job.
+
+use oci_client::Reference;
+
+/// Kubernetes' `imagePullPolicy`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PullPolicy {
+    Always,
+    IfNotPresent,
+    Never,
+}
+
+impl PullPolicy {
+    /// The policy as written, or Kubernetes' default: `Always` for a
+    /// `:latest` or untagged image, else `IfNotPresent`.
+    pub fn resolve(policy: Option<&str>, image: &str) -> Result<Self, String> {
+        match policy {
+            Some("Always") => Ok(Self::Always),
+            Some("IfNotPresent") => Ok(Self::IfNotPresent),
+            Some("Never") => Ok(Self::Never),
+            Some(other) => Err(format!("{other:?} is not Always, IfNotPresent or Never")),
+            None => {
+                let r = parse_reference(image)?;
+                let latest = r.digest().is_none() && r.tag().is_none_or(|t| t == "latest");
+                Ok(if latest {
+                    Self::Always
+                } else {
+                    Self::IfNotPresent
+                })
+            }
+        }
+    }
+}
+
+/// Checks an image reference the way the registry client will read it.
+pub fn parse_reference(image: &str) -> Result<Reference, String> {
+    if image.is_empty() || image.trim() != image {
+        return Err("must be an image reference such as quay.io/org/disk:tag".into());
+    }
+    image.parse::<Reference>().map_err(|e| e.to_string())
+}
+
+/// qcow2 or raw, from the file's first bytes. A qcow2 that names another
+/// file (a backing file or an external data file) is refused: QEMU would
+/// open that host path for the guest.
+pub fn disk_format(header: &[u8]) -> Result<&'static str, String> {
+    if !header.starts_with(b"QFI\xfb") {
+        return Ok("raw");
+    }
+    let be64 = |at: usize| {
+        header
+            .get(at..at + 8)
+            .map(|b| u64::from_be_bytes(b.try_into().expect("8 bytes")))
+    };
+    let version = header
+        .get(4..8)
+        .map(|b| u32::from_be_bytes(b.try_into().expect("4 bytes")));
+    match (version, be64(8)) {
+        (Some(2 | 3), Some(0)) => {}
+        (Some(2 | 3), Some(_)) => return Err("a qcow2 with a backing file is not allowed".into()),
+        _ => return Err("not a qcow2 image kvirt can read".into()),
+    }
+    // Version 3: incompatible feature bit 2 is an external data file.
+    if version == Some(3) && be64(72).is_none_or(|f| f & 0b100 != 0) {
+        return Err("a qcow2 with an external data file is not allowed".into());
+    }
+    Ok("qcow2")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn qcow2(version: u32, backing_offset: u64, incompatible: u64) -> Vec<u8> {
+        let mut h = vec![0u8; 104];
+        h[..4].copy_from_slice(b"QFI\xfb");
+        h[4..8].copy_from_slice(&version.to_be_bytes());
+        h[8..16].copy_from_slice(&backing_offset.to_be_bytes());
+        h[72..80].copy_from_slice(&incompatible.to_be_bytes());
+        h
+    }
+
+    #[test]
+    fn disk_formats_and_refused_qcow2s() {
+        assert_eq!(disk_format(b"\0\0\0\0whatever"), Ok("raw"));
+        assert_eq!(disk_format(&qcow2(3, 0, 0)), Ok("qcow2"));
+        assert_eq!(disk_format(&qcow2(2, 0, 0)), Ok("qcow2"));
+        assert!(disk_format(&qcow2(3, 512, 0))
+            .unwrap_err()
+            .contains("backing file"));
+        assert!(disk_format(&qcow2(3, 0, 4))
+            .unwrap_err()
+            .contains("data file"));
+        assert!(disk_format(&qcow2(9, 0, 0)).is_err());
+        assert!(disk_format(b"QFI\xfb\0").is_err());
+    }
+
+    #[test]
+    fn pull_policy_defaults_follow_kubernetes() {
+        let p = |pol, img| PullPolicy::resolve(pol, img);
+        assert_eq!(p(None, "quay.io/x/fedora"), Ok(PullPolicy::Always));
+        assert_eq!(p(None, "quay.io/x/fedora:latest"), Ok(PullPolicy::Always));
+        assert_eq!(p(None, "quay.io/x/fedora:41"), Ok(PullPolicy::IfNotPresent));
+        let pinned = format!("quay.io/x/fedora@sha256:{}", "a".repeat(64));
+        assert_eq!(p(None, &pinned), Ok(PullPolicy::IfNotPresent));
+        assert_eq!(p(Some("Never"), "x:1"), Ok(PullPolicy::Never));
+        assert!(p(Some("Sometimes"), "x:1")
+            .unwrap_err()
+            .contains("Sometimes"));
+        assert!(p(None, "quay.io/x/fe dora").is_err());
+        assert!(p(None, "quay.io/x/fedora:").is_err());
+        assert!(p(None, "").is_err());
+    }
+}

@@ -1,0 +1,215 @@
+//! Where a VM's files live on the host. Pure: paths only, nothing touched.
+
+use crate::core::key::VmKey;
+use std::path::{Path, PathBuf};
+
+/// Which libvirt daemon serves a VM; decides the socket name.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DaemonKind {
+    Virtqemud,
+    Libvirtd,
+}
+
+impl DaemonKind {
+    pub fn binary_name(self) -> &'static str {
+        match self {
+            Self::Virtqemud => "virtqemud",
+            Self::Libvirtd => "libvirtd",
+        }
+    }
+
+    fn socket_name(self) -> &'static str {
+        match self {
+            Self::Virtqemud => "virtqemud-sock",
+            Self::Libvirtd => "libvirt-sock",
+        }
+    }
+}
+
+/// The host-wide roots, from the config.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct HostLayout {
+    pub state_dir: PathBuf,
+    pub runtime_dir: PathBuf,
+    pub cache_dir: PathBuf,
+}
+
+impl Default for HostLayout {
+    fn default() -> Self {
+        Self {
+            state_dir: "/var/lib/kvirt".into(),
+            runtime_dir: "/run/kvirt".into(),
+            cache_dir: "/var/cache/kvirt".into(),
+        }
+    }
+}
+
+impl HostLayout {
+    pub fn vms_state_dir(&self) -> PathBuf {
+        self.state_dir.join("vms")
+    }
+
+    pub fn vms_runtime_dir(&self) -> PathBuf {
+        self.runtime_dir.join("vms")
+    }
+
+    /// containerDisk images, shared by every VM (see `image`).
+    pub fn images_dir(&self) -> PathBuf {
+        self.cache_dir.join("images")
+    }
+
+    /// QEMU capability cache shared by every VM's daemon: the first define on
+    /// a fresh daemon probes QEMU for ~0.5 s, later ones reuse this.
+    pub fn qemu_capabilities_dir(&self) -> PathBuf {
+        self.cache_dir.join("qemu-capabilities")
+    }
+
+    /// EFI variables kept for VMs that ask for them (`efi.persistent`),
+    /// by VM id: they outlive the VMI, as KubeVirt's backend storage does.
+    pub fn efi_vars_dir(&self) -> PathBuf {
+        self.state_dir.join("efi-vars")
+    }
+
+    pub fn vm(&self, key: &VmKey) -> VmPaths {
+        VmPaths::new(self, &key.id())
+    }
+
+    /// Paths of a VM known only by its id (found on the host, VMI gone).
+    pub fn vm_by_id(&self, id: &str) -> VmPaths {
+        VmPaths::new(self, id)
+    }
+}
+
+/// One VM's directories and sockets.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VmPaths {
+    /// `/var/lib/kvirt/vms/<id>`: disks kvirt creates, libvirt's config.
+    pub state_dir: PathBuf,
+    /// `/run/kvirt/vms/<id>`: sockets, logs, status.
+    pub runtime_dir: PathBuf,
+    /// `/var/lib/kvirt/efi-vars/<id>`: kept EFI variables, outside the
+    /// VM's own directories.
+    pub efi_vars_dir: PathBuf,
+    id: String,
+}
+
+impl VmPaths {
+    fn new(host: &HostLayout, id: &str) -> Self {
+        Self {
+            state_dir: host.vms_state_dir().join(id),
+            runtime_dir: host.vms_runtime_dir().join(id),
+            efi_vars_dir: host.efi_vars_dir().join(id),
+            id: id.to_owned(),
+        }
+    }
+
+    /// Where session libvirt keeps the domain's EFI variables (made from
+    /// the firmware's template when missing).
+    pub fn nvram(&self) -> PathBuf {
+        self.xdg_config_dir()
+            .join("libvirt/qemu/nvram")
+            .join(format!("{}_VARS.fd", self.id))
+    }
+
+    /// The daemon's `XDG_RUNTIME_DIR`; session libvirt puts its socket under it.
+    pub fn xdg_runtime_dir(&self) -> PathBuf {
+        self.runtime_dir.join("xdg")
+    }
+
+    pub fn xdg_config_dir(&self) -> PathBuf {
+        self.state_dir.join("config")
+    }
+
+    /// Session libvirt reads its QEMU driver config from here.
+    pub fn qemu_conf(&self) -> PathBuf {
+        self.xdg_config_dir().join("libvirt/qemu.conf")
+    }
+
+    pub fn xdg_cache_dir(&self) -> PathBuf {
+        self.state_dir.join("cache")
+    }
+
+    /// Where the shared capability cache is bound into this VM's cache
+    /// (session libvirt keeps it under `$XDG_CACHE_HOME/libvirt/qemu/cache`).
+    pub fn capabilities_mount(&self) -> PathBuf {
+        self.xdg_cache_dir().join("libvirt/qemu/cache/capabilities")
+    }
+
+    pub fn libvirt_socket(&self, daemon: DaemonKind) -> PathBuf {
+        self.xdg_runtime_dir()
+            .join("libvirt")
+            .join(daemon.socket_name())
+    }
+
+    pub fn libvirt_uri(&self, daemon: DaemonKind) -> String {
+        format!(
+            "qemu:///session?socket={}",
+            self.libvirt_socket(daemon).display()
+        )
+    }
+
+    /// Where session libvirt records QEMU's PID for a domain.
+    pub fn qemu_pid_file(&self, domain_name: &str) -> PathBuf {
+        self.xdg_runtime_dir()
+            .join("libvirt/qemu/run")
+            .join(format!("{domain_name}.pid"))
+    }
+
+    pub fn serial_socket(&self) -> PathBuf {
+        self.runtime_dir.join("serial.sock")
+    }
+
+    pub fn serial_log(&self) -> PathBuf {
+        self.runtime_dir.join("console.log")
+    }
+
+    /// The QEMU guest agent's virtio-serial channel.
+    pub fn guest_agent_socket(&self) -> PathBuf {
+        self.runtime_dir.join("qga.sock")
+    }
+
+    pub fn vnc_socket(&self) -> PathBuf {
+        self.runtime_dir.join("vnc.sock")
+    }
+
+    pub fn status_file(&self) -> PathBuf {
+        self.runtime_dir.join("status.json")
+    }
+
+    /// Disks kvirt creates for the VM (emptyDisk).
+    pub fn disk_dir(&self) -> PathBuf {
+        self.state_dir.join("disks")
+    }
+
+    pub fn cloud_init_iso(&self, volume: &str) -> PathBuf {
+        self.disk_dir().join(format!("{volume}.cloud-init.iso"))
+    }
+
+    /// A configMap/secret/serviceAccount volume's ISO.
+    pub fn config_iso(&self, volume: &str) -> PathBuf {
+        self.disk_dir().join(format!("{volume}.iso"))
+    }
+
+    pub fn empty_disk(&self, volume: &str) -> PathBuf {
+        self.disk_dir().join(format!("{volume}.qcow2"))
+    }
+
+    /// Direct kernel boot's copies of the image's kernel and initrd.
+    pub fn kernel_file(&self) -> PathBuf {
+        self.disk_dir().join("kernel")
+    }
+
+    pub fn initrd_file(&self) -> PathBuf {
+        self.disk_dir().join("initrd")
+    }
+
+    /// The VM's writable layer over a containerDisk or ephemeral base.
+    pub fn overlay(&self, volume: &str) -> PathBuf {
+        self.disk_dir().join(format!("{volume}.overlay.qcow2"))
+    }
+
+    pub fn is_under(&self, path: &Path) -> bool {
+        path.starts_with(&self.state_dir) || path.starts_with(&self.runtime_dir)
+    }
+}

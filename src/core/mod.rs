@@ -1,0 +1,26 @@
+//! Everything pure: what a VMI means, what the host should look like for
+//! it, and what to do about the difference. Plain functions and data,
+//! tested without root; nothing here does I/O (`tests/architecture.rs`
+//! keeps it so).
+//!
+//! `vmi` → `convert` (domain XML, disks, network) and `unit` (the VM's
+//! systemd unit) → `plan` (steps from desired and observed state) →
+//! `status` (what the VMI reports), with `phase` the transition table.
+
+pub mod convert;
+pub mod dhcp;
+pub mod efivars;
+pub mod image;
+pub mod ipam;
+pub mod key;
+pub mod layout;
+pub mod nft;
+pub mod objects;
+pub mod phase;
+pub mod plan;
+pub mod pullsecret;
+pub mod quantity;
+pub mod status;
+pub mod trigger;
+pub mod unit;
+pub mod vmi;

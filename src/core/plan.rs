@@ -1,0 +1,544 @@
+//! `plan(desired, observed) -> steps`: what to do for one VM, as a plain
+//! function of what the VMI asks for and what the host has now.
+//!
+//! Level-triggered: the plan never depends on what happened before except
+//! through the VMI's recorded phase, so running it again after any crash
+//! continues where things stand.
+
+use crate::core::layout::DaemonKind;
+use crate::core::phase::is_final;
+use crate::core::vmi::Phase;
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum UnitActivity {
+    Active,
+    Activating,
+    Deactivating,
+    Inactive,
+    Failed,
+}
+
+/// The VM's unit as systemd reports it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnitObs {
+    pub activity: UnitActivity,
+    /// `KVIRT_VMI_UID` from the unit's environment.
+    pub uid: Option<String>,
+    pub daemon: Option<DaemonKind>,
+    pub grace: Option<Duration>,
+    /// `<ns>_<name>` from the unit's environment: the domain to shut down
+    /// when only the unit is left to go by.
+    pub domain_name: Option<String>,
+    /// systemd's `Result` (e.g. `exit-code`) for a failed unit.
+    pub result: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DomainState {
+    Running,
+    Paused,
+    /// Powered off by the guest (or by us).
+    Shutdown,
+    Crashed,
+    /// Defined, never started or stopped by a destroy.
+    Shutoff,
+    Other,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DomainObs {
+    pub state: DomainState,
+    /// The VMI UID from the domain's kvirt metadata.
+    pub uid: Option<String>,
+}
+
+/// A connected guest agent and the guest OS it reports, with KubeVirt's
+/// `guestOSInfo` keys (`id`, `name`, `prettyName`, `version`, ...); empty
+/// when the agent cannot tell.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct GuestAgent {
+    pub os_info: BTreeMap<String, String>,
+}
+
+/// Everything the host has of one VM id.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Observed {
+    pub unit: Option<UnitObs>,
+    pub netns: bool,
+    pub state_dir: bool,
+    pub runtime_dir: bool,
+    /// An address is leased to this VM id.
+    pub network: bool,
+    pub domain: Option<DomainObs>,
+    /// Registered with systemd-machined; None where machined is absent.
+    pub machine: Option<bool>,
+}
+
+impl Observed {
+    pub fn is_empty(&self) -> bool {
+        self.unit.is_none()
+            && !self.netns
+            && !self.state_dir
+            && !self.runtime_dir
+            && !self.network
+            && self.domain.is_none()
+            && self.machine != Some(true)
+    }
+
+    fn uid(&self) -> Option<&str> {
+        self.unit
+            .as_ref()
+            .and_then(|u| u.uid.as_deref())
+            .or_else(|| self.domain.as_ref().and_then(|d| d.uid.as_deref()))
+    }
+
+    fn domain_up(&self) -> bool {
+        matches!(
+            self.domain.as_ref().map(|d| d.state),
+            Some(DomainState::Running | DomainState::Paused)
+        )
+    }
+}
+
+/// What the VMI asks for, as far as planning needs it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Desired {
+    pub uid: String,
+    pub grace: Duration,
+    /// The phase recorded in the VMI's status.
+    pub phase: Option<Phase>,
+    /// Why the VMI cannot run, if the converter refused it.
+    pub invalid: Option<String>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Step {
+    CreateDirs,
+    PrepareDisks,
+    CreateNetns,
+    /// The VM's address, veth, in-namespace bridge, tap, NAT and DHCP
+    /// (idempotent; nothing for a VM without an interface).
+    SetupNetwork,
+    StartUnit,
+    DefineDomain,
+    StartDomain,
+    /// Tell machined about the running VM (best effort: never fails it).
+    RegisterMachine,
+    UnregisterMachine,
+    /// ACPI power-off, re-sent, then destroy after `grace`.
+    ShutdownDomain {
+        grace: Duration,
+    },
+    StopUnit,
+    /// DHCP, veth and the leased address.
+    TeardownNetwork,
+    DeleteNetns,
+    RemoveStateDir,
+    RemoveRuntimeDir,
+}
+
+/// The phase the VMI should show after the steps, with the reason for a
+/// failure or a pending condition.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Outcome {
+    Phase(Phase),
+    /// The VMI cannot run: Failed with `Synchronized=False`.
+    Invalid(String),
+    Failed(String),
+    /// Nothing to report (the VMI is gone, or the host is still settling).
+    Unchanged,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Plan {
+    pub steps: Vec<Step>,
+    pub outcome: Outcome,
+    /// Look again soon: something is in motion (a unit starting or stopping,
+    /// an old instance being replaced).
+    pub requeue: bool,
+}
+
+impl Plan {
+    fn new(steps: Vec<Step>, outcome: Outcome) -> Self {
+        Self {
+            steps,
+            outcome,
+            requeue: false,
+        }
+    }
+}
+
+const DEFAULT_GRACE: Duration = Duration::from_secs(30);
+
+/// Everything needed to remove whatever the host has of this VM, in order.
+fn teardown(obs: &Observed, grace: Duration, keep_runtime: bool) -> Vec<Step> {
+    let mut steps = Vec::new();
+    if obs.machine == Some(true) {
+        steps.push(Step::UnregisterMachine);
+    }
+    if obs.domain_up() {
+        steps.push(Step::ShutdownDomain { grace });
+    }
+    if obs.unit.is_some() {
+        steps.push(Step::StopUnit);
+    }
+    if obs.network || obs.netns {
+        steps.push(Step::TeardownNetwork);
+    }
+    if obs.netns {
+        steps.push(Step::DeleteNetns);
+    }
+    if obs.state_dir {
+        steps.push(Step::RemoveStateDir);
+    }
+    if obs.runtime_dir && !keep_runtime {
+        steps.push(Step::RemoveRuntimeDir);
+    }
+    steps
+}
+
+/// A VM that runs (or is about to) and machined does not know yet.
+fn register(obs: &Observed) -> impl Iterator<Item = Step> {
+    (obs.machine == Some(false))
+        .then_some(Step::RegisterMachine)
+        .into_iter()
+}
+
+pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
+    let Some(d) = desired else {
+        let grace = obs
+            .unit
+            .as_ref()
+            .and_then(|u| u.grace)
+            .unwrap_or(DEFAULT_GRACE);
+        return Plan::new(teardown(obs, grace, false), Outcome::Unchanged);
+    };
+
+    // A different instance of the same name (the manifest was replaced):
+    // clear the old one out first, then come back for the new one.
+    if obs.uid().is_some_and(|uid| uid != d.uid) {
+        let mut p = Plan::new(teardown(obs, d.grace, true), Outcome::Unchanged);
+        p.requeue = true;
+        return p;
+    }
+
+    if let Some(reason) = &d.invalid {
+        return Plan::new(
+            teardown(obs, d.grace, true),
+            Outcome::Invalid(reason.clone()),
+        );
+    }
+
+    if d.phase.is_some_and(is_final) {
+        // Done: nothing of it runs any more, but its status stays readable.
+        return Plan::new(teardown(obs, d.grace, true), Outcome::Unchanged);
+    }
+
+    let was_running = d.phase == Some(Phase::Running);
+    let Some(unit) = &obs.unit else {
+        if was_running {
+            return Plan::new(
+                teardown(obs, d.grace, true),
+                Outcome::Failed("the VM's unit disappeared".into()),
+            );
+        }
+        let mut steps = vec![Step::CreateDirs, Step::PrepareDisks];
+        if !obs.netns {
+            steps.push(Step::CreateNetns);
+        }
+        steps.extend([
+            Step::SetupNetwork,
+            Step::StartUnit,
+            Step::DefineDomain,
+            Step::StartDomain,
+        ]);
+        steps.extend(register(obs));
+        return Plan::new(steps, Outcome::Phase(Phase::Running));
+    };
+
+    match unit.activity {
+        UnitActivity::Activating | UnitActivity::Deactivating => {
+            let mut p = Plan::new(vec![], Outcome::Unchanged);
+            p.requeue = true;
+            p
+        }
+        UnitActivity::Failed | UnitActivity::Inactive => Plan::new(
+            teardown(obs, d.grace, true),
+            Outcome::Failed(format!(
+                "the VM's libvirt daemon stopped (result: {})",
+                unit.result
+            )),
+        ),
+        UnitActivity::Active => match obs.domain.as_ref().map(|dom| dom.state) {
+            None => Plan::new(
+                [Step::SetupNetwork, Step::DefineDomain, Step::StartDomain]
+                    .into_iter()
+                    .chain(register(obs))
+                    .collect(),
+                Outcome::Phase(Phase::Running),
+            ),
+            Some(DomainState::Running | DomainState::Paused) => {
+                Plan::new(register(obs).collect(), Outcome::Phase(Phase::Running))
+            }
+            Some(DomainState::Shutoff | DomainState::Other) if !was_running => Plan::new(
+                std::iter::once(Step::StartDomain)
+                    .chain(register(obs))
+                    .collect(),
+                Outcome::Phase(Phase::Running),
+            ),
+            Some(DomainState::Shutdown) => Plan::new(
+                teardown(obs, d.grace, true),
+                Outcome::Phase(Phase::Succeeded),
+            ),
+            Some(DomainState::Crashed) => Plan::new(
+                teardown(obs, d.grace, true),
+                Outcome::Failed("the guest crashed".into()),
+            ),
+            Some(DomainState::Shutoff | DomainState::Other) => Plan::new(
+                teardown(obs, d.grace, true),
+                Outcome::Failed("the domain stopped unexpectedly".into()),
+            ),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use Step::*;
+
+    const G: Duration = Duration::from_secs(30);
+
+    fn desired(phase: Option<Phase>) -> Desired {
+        Desired {
+            uid: "u1".into(),
+            grace: G,
+            phase,
+            invalid: None,
+        }
+    }
+
+    fn unit(activity: UnitActivity, uid: &str) -> Option<UnitObs> {
+        Some(UnitObs {
+            activity,
+            uid: Some(uid.into()),
+            daemon: Some(DaemonKind::Virtqemud),
+            grace: Some(Duration::from_secs(5)),
+            domain_name: Some("ns_vm".into()),
+            result: "success".into(),
+        })
+    }
+
+    fn dom(state: DomainState) -> Option<DomainObs> {
+        Some(DomainObs {
+            state,
+            uid: Some("u1".into()),
+        })
+    }
+
+    fn running_host(state: DomainState) -> Observed {
+        Observed {
+            unit: unit(UnitActivity::Active, "u1"),
+            netns: true,
+            state_dir: true,
+            runtime_dir: true,
+            network: true,
+            domain: dom(state),
+            machine: None,
+        }
+    }
+
+    #[test]
+    fn table() {
+        use DomainState as D;
+        use Phase::*;
+        let full_teardown_keep = vec![
+            ShutdownDomain { grace: G },
+            StopUnit,
+            TeardownNetwork,
+            DeleteNetns,
+            RemoveStateDir,
+        ];
+        type Case = (&'static str, Option<Desired>, Observed, Vec<Step>, Outcome);
+        let cases: Vec<Case> = vec![
+            (
+                "new VMI, empty host: create everything",
+                Some(desired(None)),
+                Observed::default(),
+                vec![
+                    CreateDirs,
+                    PrepareDisks,
+                    CreateNetns,
+                    SetupNetwork,
+                    StartUnit,
+                    DefineDomain,
+                    StartDomain,
+                ],
+                Outcome::Phase(Running),
+            ),
+            (
+                "adopted: running VM is left alone",
+                Some(desired(Some(Running))),
+                running_host(D::Running),
+                vec![],
+                Outcome::Phase(Running),
+            ),
+            (
+                "daemon up but domain never defined (crash mid-create)",
+                Some(desired(Some(Scheduled))),
+                Observed {
+                    domain: None,
+                    ..running_host(D::Running)
+                },
+                vec![SetupNetwork, DefineDomain, StartDomain],
+                Outcome::Phase(Running),
+            ),
+            (
+                "defined but not started",
+                Some(desired(Some(Scheduled))),
+                running_host(D::Shutoff),
+                vec![StartDomain],
+                Outcome::Phase(Running),
+            ),
+            (
+                "guest powered off: Succeeded, unit collected, status kept",
+                Some(desired(Some(Running))),
+                running_host(D::Shutdown),
+                vec![StopUnit, TeardownNetwork, DeleteNetns, RemoveStateDir],
+                Outcome::Phase(Succeeded),
+            ),
+            (
+                "guest crashed",
+                Some(desired(Some(Running))),
+                running_host(D::Crashed),
+                vec![StopUnit, TeardownNetwork, DeleteNetns, RemoveStateDir],
+                Outcome::Failed("the guest crashed".into()),
+            ),
+            (
+                "unit vanished under a running VM",
+                Some(desired(Some(Running))),
+                Observed {
+                    unit: None,
+                    domain: None,
+                    ..running_host(D::Running)
+                },
+                vec![TeardownNetwork, DeleteNetns, RemoveStateDir],
+                Outcome::Failed("the VM's unit disappeared".into()),
+            ),
+            (
+                "VMI removed: graceful teardown with the unit's grace",
+                None,
+                running_host(D::Running),
+                vec![
+                    ShutdownDomain {
+                        grace: Duration::from_secs(5),
+                    },
+                    StopUnit,
+                    TeardownNetwork,
+                    DeleteNetns,
+                    RemoveStateDir,
+                    RemoveRuntimeDir,
+                ],
+                Outcome::Unchanged,
+            ),
+            (
+                "VMI removed, nothing on host",
+                None,
+                Observed::default(),
+                vec![],
+                Outcome::Unchanged,
+            ),
+            (
+                "invalid VMI touches nothing new",
+                Some(Desired {
+                    invalid: Some("spec.x: unsupported".into()),
+                    ..desired(None)
+                }),
+                Observed::default(),
+                vec![],
+                Outcome::Invalid("spec.x: unsupported".into()),
+            ),
+            (
+                "final VMI: leftovers cleaned, status kept",
+                Some(desired(Some(Succeeded))),
+                running_host(D::Running),
+                full_teardown_keep,
+                Outcome::Unchanged,
+            ),
+            (
+                "unit failed before the VM ran",
+                Some(desired(Some(Scheduled))),
+                Observed {
+                    unit: Some(UnitObs {
+                        activity: UnitActivity::Failed,
+                        result: "exit-code".into(),
+                        ..unit(UnitActivity::Failed, "u1").unwrap()
+                    }),
+                    domain: None,
+                    ..running_host(D::Running)
+                },
+                vec![StopUnit, TeardownNetwork, DeleteNetns, RemoveStateDir],
+                Outcome::Failed("the VM's libvirt daemon stopped (result: exit-code)".into()),
+            ),
+        ];
+        for (name, d, obs, steps, outcome) in cases {
+            let p = plan(d.as_ref(), &obs);
+            assert_eq!(p.steps, steps, "{name}");
+            assert_eq!(p.outcome, outcome, "{name}");
+        }
+    }
+
+    #[test]
+    fn replaced_instance_is_torn_down_first_and_requeued() {
+        let mut obs = running_host(DomainState::Running);
+        obs.unit = unit(UnitActivity::Active, "old");
+        obs.domain = None;
+        let p = plan(Some(&desired(None)), &obs);
+        assert_eq!(
+            p.steps,
+            vec![StopUnit, TeardownNetwork, DeleteNetns, RemoveStateDir]
+        );
+        assert!(p.requeue);
+    }
+
+    #[test]
+    fn settling_unit_waits() {
+        let mut obs = running_host(DomainState::Running);
+        obs.unit = unit(UnitActivity::Activating, "u1");
+        let p = plan(Some(&desired(Some(Phase::Scheduled))), &obs);
+        assert!(p.steps.is_empty());
+        assert!(p.requeue);
+    }
+
+    #[test]
+    fn running_vms_are_registered_with_machined_where_it_exists() {
+        let d = desired(Some(Phase::Running));
+        let unregistered = Observed {
+            machine: Some(false),
+            ..running_host(DomainState::Running)
+        };
+        assert_eq!(plan(Some(&d), &unregistered).steps, vec![RegisterMachine]);
+        let registered = Observed {
+            machine: Some(true),
+            ..unregistered.clone()
+        };
+        assert!(plan(Some(&d), &registered).steps.is_empty());
+        // A fresh VM is registered once it runs.
+        let fresh = Observed {
+            machine: Some(false),
+            ..Observed::default()
+        };
+        assert_eq!(
+            plan(Some(&desired(None)), &fresh).steps.last(),
+            Some(&RegisterMachine)
+        );
+        // Deleting forgets the machine before anything stops.
+        assert_eq!(plan(None, &registered).steps[0], UnregisterMachine);
+        // A host without machined is never asked.
+        assert!(!plan(None, &running_host(DomainState::Running))
+            .steps
+            .contains(&UnregisterMachine));
+    }
+}

@@ -1,0 +1,270 @@
+//! The VMI status kvirtd owns, computed from a plan's outcome: phase,
+//! nodeName, transition timestamps and the `Ready`/`Synchronized` conditions.
+//! Pure; writing it somewhere is the source's job.
+
+use crate::core::phase;
+use crate::core::plan::{GuestAgent, Outcome};
+use crate::core::vmi::{
+    Condition, Phase, PhaseTransitionTimestamp, ResourceRequirements, VmiStatus,
+};
+
+pub const READY: &str = "Ready";
+pub const SYNCHRONIZED: &str = "Synchronized";
+
+/// Applies an outcome to the previous status. Returns the new status, or
+/// `None` when nothing changes (so nothing is written and no timestamp moves).
+pub fn next_status(
+    prev: &VmiStatus,
+    outcome: &Outcome,
+    node_name: &str,
+    now: &str,
+) -> Result<Option<VmiStatus>, phase::TransitionError> {
+    let (phase, failure) = match outcome {
+        Outcome::Unchanged => return Ok(None),
+        Outcome::Phase(p) => (*p, None),
+        Outcome::Failed(reason) => (Phase::Failed, Some(("Failed", reason.as_str(), false))),
+        Outcome::Invalid(reason) => (Phase::Failed, Some(("SyncFailed", reason.as_str(), true))),
+    };
+    phase::check(prev.phase, phase)?;
+
+    let mut next = prev.clone();
+    if next.phase != Some(phase) {
+        next.phase = Some(phase);
+        next.phase_transition_timestamps
+            .push(PhaseTransitionTimestamp {
+                phase,
+                phase_transition_timestamp: Some(now.to_owned()),
+                extra: Default::default(),
+            });
+    }
+    next.node_name = Some(node_name.to_owned());
+
+    let ready = phase == Phase::Running;
+    set_condition(
+        &mut next.conditions,
+        READY,
+        ready,
+        if ready {
+            None
+        } else {
+            failure.map(|f| f.0).or(Some("NotRunning"))
+        },
+        if ready { None } else { failure.map(|f| f.1) },
+        now,
+    );
+    match failure {
+        Some((reason, message, true)) => set_condition(
+            &mut next.conditions,
+            SYNCHRONIZED,
+            false,
+            Some(reason),
+            Some(message),
+            now,
+        ),
+        // KubeVirt drops Synchronized once things are in sync again.
+        _ => next.conditions.retain(|c| c.type_ != SYNCHRONIZED),
+    }
+    if let Some((_, message, _)) = failure {
+        next.reason = Some(message.to_owned());
+    }
+
+    Ok((next != *prev).then_some(next))
+}
+
+/// KubeVirt's `AgentConnected` condition and `guestOSInfo`: present while
+/// a guest agent is connected, gone when it is not.
+pub fn set_guest_agent(status: &mut VmiStatus, agent: Option<&GuestAgent>, now: &str) {
+    match agent {
+        Some(a) => {
+            set_condition(
+                &mut status.conditions,
+                AGENT_CONNECTED,
+                true,
+                None,
+                None,
+                now,
+            );
+            let info = a
+                .os_info
+                .iter()
+                .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+                .collect();
+            status
+                .extra
+                .insert(GUEST_OS_INFO.into(), serde_json::Value::Object(info));
+        }
+        None => {
+            status.conditions.retain(|c| c.type_ != AGENT_CONNECTED);
+            status.extra.remove(GUEST_OS_INFO);
+        }
+    }
+}
+
+const AGENT_CONNECTED: &str = "AgentConnected";
+const GUEST_OS_INFO: &str = "guestOSInfo";
+
+/// A VM that is not running yet says why in its Ready condition (a
+/// containerDisk being pulled, or failing to be); the phase stays.
+pub fn waiting(prev: &VmiStatus, reason: &str, message: &str, now: &str) -> Option<VmiStatus> {
+    if prev.phase == Some(Phase::Running) {
+        return None;
+    }
+    let mut next = prev.clone();
+    set_condition(
+        &mut next.conditions,
+        READY,
+        false,
+        Some(reason),
+        Some(message),
+        now,
+    );
+    (next != *prev).then_some(next)
+}
+
+/// Kubernetes' QoS class for the VM's resources, as KubeVirt reports the
+/// pod's: Guaranteed when CPU and memory limits are set and requests (where
+/// given) equal them, BestEffort with no resources at all, else Burstable.
+pub fn qos_class(resources: Option<&ResourceRequirements>) -> &'static str {
+    let Some(r) = resources.filter(|r| !r.requests.is_empty() || !r.limits.is_empty()) else {
+        return "BestEffort";
+    };
+    let guaranteed = ["cpu", "memory"].iter().all(|k| {
+        r.limits
+            .get(*k)
+            .is_some_and(|l| r.requests.get(*k).is_none_or(|q| q.as_str() == l.as_str()))
+    });
+    if guaranteed {
+        "Guaranteed"
+    } else {
+        "Burstable"
+    }
+}
+
+/// Sets one condition, moving its transition time only when its status flips.
+fn set_condition(
+    conditions: &mut Vec<Condition>,
+    type_: &str,
+    ok: bool,
+    reason: Option<&str>,
+    message: Option<&str>,
+    now: &str,
+) {
+    let status = if ok { "True" } else { "False" };
+    let existing = conditions.iter_mut().find(|c| c.type_ == type_);
+    let transition = match &existing {
+        Some(c) if c.status == status => c.last_transition_time.clone(),
+        _ => Some(now.to_owned()),
+    };
+    let cond = Condition {
+        type_: type_.to_owned(),
+        status: status.to_owned(),
+        reason: reason.map(str::to_owned),
+        message: message.map(str::to_owned),
+        last_probe_time: None,
+        last_transition_time: transition,
+        ..Default::default()
+    };
+    match existing {
+        Some(c) => *c = cond,
+        None => conditions.push(cond),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cond<'a>(s: &'a VmiStatus, t: &str) -> Option<&'a Condition> {
+        s.conditions.iter().find(|c| c.type_ == t)
+    }
+
+    #[test]
+    fn running_is_ready_with_one_timestamp() {
+        let s0 = VmiStatus::default();
+        let s1 = next_status(&s0, &Outcome::Phase(Phase::Scheduled), "n1", "t1")
+            .unwrap()
+            .unwrap();
+        let s2 = next_status(&s1, &Outcome::Phase(Phase::Running), "n1", "t2")
+            .unwrap()
+            .unwrap();
+        assert_eq!(s2.phase, Some(Phase::Running));
+        assert_eq!(s2.node_name.as_deref(), Some("n1"));
+        assert_eq!(cond(&s2, READY).unwrap().status, "True");
+        assert_eq!(s2.phase_transition_timestamps.len(), 2);
+        // Level-triggered re-runs change nothing: no write, no flapping.
+        assert_eq!(
+            next_status(&s2, &Outcome::Phase(Phase::Running), "n1", "t3").unwrap(),
+            None
+        );
+    }
+
+    #[test]
+    fn invalid_vmi_is_failed_and_not_synchronized() {
+        let s = next_status(
+            &VmiStatus::default(),
+            &Outcome::Invalid("spec.domain.devices.disks[0].lun: not supported".into()),
+            "n1",
+            "t1",
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(s.phase, Some(Phase::Failed));
+        let c = cond(&s, SYNCHRONIZED).unwrap();
+        assert_eq!(c.status, "False");
+        assert!(c.message.as_deref().unwrap().contains("disks[0].lun"));
+        assert_eq!(cond(&s, READY).unwrap().status, "False");
+    }
+
+    #[test]
+    fn qos_classes() {
+        let r = |y: &str| serde_norway::from_str::<ResourceRequirements>(y).unwrap();
+        assert_eq!(qos_class(None), "BestEffort");
+        assert_eq!(qos_class(Some(&r("requests: {memory: 64Mi}"))), "Burstable");
+        assert_eq!(
+            qos_class(Some(&r("limits: {memory: 64Mi, cpu: '1'}"))),
+            "Guaranteed"
+        );
+        assert_eq!(
+            qos_class(Some(&r(
+                "limits: {memory: 64Mi, cpu: '1'}\nrequests: {cpu: 500m}"
+            ))),
+            "Burstable"
+        );
+    }
+
+    #[test]
+    fn final_phases_do_not_move() {
+        let done = VmiStatus {
+            phase: Some(Phase::Succeeded),
+            ..Default::default()
+        };
+        assert!(next_status(&done, &Outcome::Phase(Phase::Running), "n1", "t").is_err());
+    }
+
+    #[test]
+    fn failure_keeps_reason() {
+        let running = next_status(
+            &VmiStatus::default(),
+            &Outcome::Phase(Phase::Running),
+            "n",
+            "t",
+        )
+        .unwrap()
+        .unwrap();
+        let failed = next_status(
+            &running,
+            &Outcome::Failed("the guest crashed".into()),
+            "n",
+            "t2",
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(failed.phase, Some(Phase::Failed));
+        assert_eq!(failed.reason.as_deref(), Some("the guest crashed"));
+        assert_eq!(
+            cond(&failed, READY).unwrap().message.as_deref(),
+            Some("the guest crashed")
+        );
+        assert!(cond(&failed, SYNCHRONIZED).is_none());
+    }
+}

@@ -1,0 +1,326 @@
+//! The per-VM transient service as data: VM → systemd properties, pure.
+//!
+//! youki's libcgroups is the model: limits and sandboxing become a list of
+//! properties here, and only the systemd adapter knows about D-Bus.
+
+use crate::core::key::VmKey;
+use crate::core::layout::{DaemonKind, HostLayout, VmPaths};
+use std::path::PathBuf;
+
+/// Environment keys recorded on the unit so adoption can match it to a VMI
+/// without trusting the (possibly shortened) unit name.
+pub const ENV_UID: &str = "KVIRT_VMI_UID";
+pub const ENV_NAMESPACE: &str = "KVIRT_VMI_NAMESPACE";
+pub const ENV_NAME: &str = "KVIRT_VMI_NAME";
+pub const ENV_DAEMON: &str = "KVIRT_DAEMON";
+pub const ENV_GRACE: &str = "KVIRT_GRACE_SECONDS";
+
+/// One systemd unit property, typed so the adapter can map each to its
+/// D-Bus signature without guessing.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Prop {
+    Str(&'static str, String),
+    Bool(&'static str, bool),
+    U32(&'static str, u32),
+    U64(&'static str, u64),
+    I32(&'static str, i32),
+    Strs(&'static str, Vec<String>),
+    /// `ExecStart`: argv, argv[0] included.
+    Exec(&'static str, Vec<String>),
+    /// `BindPaths`: (source, destination), neither optional.
+    Binds(&'static str, Vec<(String, String)>),
+    /// `TemporaryFileSystem`: (path, options).
+    TmpFs(&'static str, Vec<(String, String)>),
+    /// `DeviceAllow`: (device, rwm).
+    Devices(&'static str, Vec<(String, String)>),
+    /// `RestrictAddressFamilies`, `SystemCallFilter`: only these are allowed.
+    AllowList(&'static str, Vec<String>),
+}
+
+impl Prop {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Prop::Str(n, _)
+            | Prop::Bool(n, _)
+            | Prop::U32(n, _)
+            | Prop::U64(n, _)
+            | Prop::I32(n, _)
+            | Prop::Strs(n, _)
+            | Prop::Exec(n, _)
+            | Prop::Binds(n, _)
+            | Prop::TmpFs(n, _)
+            | Prop::Devices(n, _)
+            | Prop::AllowList(n, _) => n,
+        }
+    }
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnitSpec {
+    pub name: String,
+    pub properties: Vec<Prop>,
+}
+
+/// What the unit needs to know about one VM.
+#[derive(Clone, Debug)]
+pub struct UnitInput<'a> {
+    pub key: &'a VmKey,
+    pub uid: &'a str,
+    pub paths: &'a VmPaths,
+    pub host: &'a HostLayout,
+    pub daemon: DaemonKind,
+    pub daemon_path: PathBuf,
+    pub user: &'a str,
+    pub slice: &'a str,
+    pub memory_max_bytes: u64,
+    pub cpu_weight: u64,
+    pub tasks_max: u64,
+    pub grace_seconds: u64,
+    /// Files outside the VM's own directories QEMU must write (hostDisks).
+    pub extra_rw_paths: Vec<PathBuf>,
+    /// Files and directories QEMU only reads: containerDisk images in the
+    /// image cache, ephemeral bases.
+    pub extra_ro_paths: Vec<PathBuf>,
+}
+
+/// systemd's CPUWeight for a Kubernetes CPU request: 1 CPU = the default
+/// weight 100, clamped to systemd's range.
+pub fn cpu_weight(cpu_request_millis: Option<u64>) -> u64 {
+    cpu_request_millis.map_or(100, |m| (m / 10).clamp(1, 10_000))
+}
+
+pub fn unit_spec(i: &UnitInput) -> UnitSpec {
+    let p = i.paths;
+    let s = |v: &std::path::Path| v.display().to_string();
+    let env = vec![
+        format!("XDG_RUNTIME_DIR={}", s(&p.xdg_runtime_dir())),
+        format!("XDG_CONFIG_HOME={}", s(&p.xdg_config_dir())),
+        format!("XDG_CACHE_HOME={}", s(&p.xdg_cache_dir())),
+        format!("HOME={}", s(&p.state_dir)),
+        format!("{ENV_UID}={}", i.uid),
+        format!("{ENV_NAMESPACE}={}", i.key.namespace()),
+        format!("{ENV_NAME}={}", i.key.name()),
+        format!("{ENV_DAEMON}={}", i.daemon.binary_name()),
+        format!("{ENV_GRACE}={}", i.grace_seconds),
+    ];
+    let mut rw = vec![s(&p.state_dir), s(&p.runtime_dir)];
+    rw.extend(i.extra_rw_paths.iter().map(|x| s(x)));
+
+    let mut properties = vec![
+        Prop::Str("Description", format!("kvirt VM {}", i.key)),
+        Prop::Exec(
+            "ExecStart",
+            vec![s(&i.daemon_path), "--timeout".into(), "0".into()],
+        ),
+        // Both daemons notify readiness once their socket listens, so the
+        // start job completing means the socket is there.
+        Prop::Str("Type", "notify".into()),
+        Prop::Str("NotifyAccess", "main".into()),
+        Prop::Str("User", i.user.into()),
+        Prop::Str("Group", i.user.into()),
+        Prop::Strs("Environment", env),
+        Prop::Str(
+            "NetworkNamespacePath",
+            format!("/run/netns/{}", i.key.netns_name()),
+        ),
+        Prop::Str("Slice", i.slice.into()),
+        Prop::Str("CollectMode", "inactive-or-failed".into()),
+        Prop::U64("MemoryMax", i.memory_max_bytes),
+        Prop::U64("CPUWeight", i.cpu_weight),
+        Prop::U64("TasksMax", i.tasks_max),
+        Prop::U32("UMask", 0o007),
+        // kvirtd shuts the guest down first; this only bounds a stuck daemon.
+        Prop::U64("TimeoutStopUSec", 30_000_000),
+        // Sandboxing: the VM sees its own directories and nothing of other
+        // VMs; the daemon and QEMU need no privileges at all.
+        Prop::Bool("NoNewPrivileges", true),
+        Prop::U64("CapabilityBoundingSet", 0),
+        Prop::Str("ProtectSystem", "strict".into()),
+        Prop::Str("ProtectHome", "yes".into()),
+        Prop::Bool("PrivateTmp", true),
+        Prop::Bool("ProtectKernelTunables", true),
+        Prop::Bool("ProtectKernelModules", true),
+        Prop::Bool("ProtectKernelLogs", true),
+        Prop::Bool("ProtectControlGroups", true),
+        Prop::Bool("ProtectClock", true),
+        Prop::Bool("ProtectHostname", true),
+        Prop::Bool("RestrictSUIDSGID", true),
+        Prop::Bool("RestrictRealtime", true),
+        Prop::Bool("LockPersonality", true),
+        // No namespaces of its own (session libvirt makes none), no foreign
+        // ABIs, only the sockets libvirt and QEMU use. Not here:
+        // MemoryDenyWriteExecute (QEMU's TCG writes the code it runs) and
+        // ProtectProc=invisible (libvirt reads its client's /proc entry to
+        // identify kvirtd).
+        Prop::U64("RestrictNamespaces", 0),
+        Prop::Strs("SystemCallArchitectures", vec!["native".into()]),
+        Prop::AllowList(
+            "RestrictAddressFamilies",
+            ["AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"]
+                .map(String::from)
+                .to_vec(),
+        ),
+        Prop::Bool("RemoveIPC", true),
+        // What a service normally needs: no mounts, module loading, raw I/O,
+        // clock or reboot. Anything else fails with EPERM instead of
+        // killing the VM.
+        Prop::AllowList("SystemCallFilter", vec!["@system-service".into()]),
+        Prop::I32("SystemCallErrorNumber", libc::EPERM),
+        Prop::Str("DevicePolicy", "closed".into()),
+        Prop::Devices(
+            "DeviceAllow",
+            vec![
+                ("/dev/kvm".into(), "rw".into()),
+                ("/dev/net/tun".into(), "rw".into()),
+            ],
+        ),
+        Prop::TmpFs(
+            "TemporaryFileSystem",
+            vec![
+                (s(&i.host.vms_state_dir()), "ro".into()),
+                (s(&i.host.vms_runtime_dir()), "ro".into()),
+                (s(&i.host.cache_dir), "ro".into()),
+            ],
+        ),
+        Prop::Binds(
+            "BindPaths",
+            vec![
+                (s(&p.state_dir), s(&p.state_dir)),
+                (s(&p.runtime_dir), s(&p.runtime_dir)),
+                (
+                    s(&i.host.qemu_capabilities_dir()),
+                    s(&p.capabilities_mount()),
+                ),
+            ],
+        ),
+        Prop::Strs("ReadWritePaths", rw),
+    ];
+    if !i.extra_ro_paths.is_empty() {
+        // Bound over the tmpfs that hides the image cache: the VM sees its
+        // own images and no others.
+        properties.push(Prop::Binds(
+            "BindReadOnlyPaths",
+            i.extra_ro_paths.iter().map(|x| (s(x), s(x))).collect(),
+        ));
+    }
+    UnitSpec {
+        name: i.key.unit_name(),
+        properties,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn input<'a>(key: &'a VmKey, paths: &'a VmPaths, host: &'a HostLayout) -> UnitInput<'a> {
+        UnitInput {
+            key,
+            uid: "u-1",
+            paths,
+            host,
+            daemon: DaemonKind::Virtqemud,
+            daemon_path: "/usr/sbin/virtqemud".into(),
+            user: "kvirt",
+            slice: "machine-kvirt.slice",
+            memory_max_bytes: 1 << 30,
+            cpu_weight: 100,
+            tasks_max: 1024,
+            grace_seconds: 30,
+            extra_rw_paths: vec!["/var/lib/kvirt/images/a.img".into()],
+            extra_ro_paths: vec![],
+        }
+    }
+
+    fn find<'a>(u: &'a UnitSpec, name: &str) -> &'a Prop {
+        u.properties
+            .iter()
+            .find(|p| p.name() == name)
+            .unwrap_or_else(|| panic!("{name} missing"))
+    }
+
+    #[test]
+    fn unit_runs_the_daemon_unprivileged_in_the_vm_netns() {
+        let host = HostLayout::default();
+        let key = VmKey::new("default", "vm1").unwrap();
+        let paths = host.vm(&key);
+        let u = unit_spec(&input(&key, &paths, &host));
+        assert_eq!(u.name, "kvirt-vm@default_vm1.service");
+        assert_eq!(
+            find(&u, "ExecStart"),
+            &Prop::Exec(
+                "ExecStart",
+                vec!["/usr/sbin/virtqemud".into(), "--timeout".into(), "0".into()]
+            )
+        );
+        assert_eq!(find(&u, "User"), &Prop::Str("User", "kvirt".into()));
+        assert_eq!(
+            find(&u, "NetworkNamespacePath"),
+            &Prop::Str(
+                "NetworkNamespacePath",
+                "/run/netns/kvirt-default_vm1".into()
+            )
+        );
+        assert_eq!(find(&u, "MemoryMax"), &Prop::U64("MemoryMax", 1 << 30));
+        let Prop::Strs(_, env) = find(&u, "Environment") else {
+            panic!()
+        };
+        assert!(env.contains(&"KVIRT_VMI_UID=u-1".to_string()));
+        assert!(env.contains(&"XDG_RUNTIME_DIR=/run/kvirt/vms/default_vm1/xdg".to_string()));
+    }
+
+    #[test]
+    fn unit_sees_only_its_own_directories() {
+        let host = HostLayout::default();
+        let key = VmKey::new("default", "vm1").unwrap();
+        let paths = host.vm(&key);
+        let u = unit_spec(&input(&key, &paths, &host));
+        let Prop::TmpFs(_, hidden) = find(&u, "TemporaryFileSystem") else {
+            panic!()
+        };
+        assert!(hidden.contains(&("/var/lib/kvirt/vms".into(), "ro".into())));
+        assert!(hidden.contains(&("/run/kvirt/vms".into(), "ro".into())));
+        let Prop::Binds(_, binds) = find(&u, "BindPaths") else {
+            panic!()
+        };
+        assert!(binds.iter().all(|(src, _)| !src.contains("vm2")));
+        assert!(binds.contains(&(
+            "/var/cache/kvirt/qemu-capabilities".into(),
+            "/var/lib/kvirt/vms/default_vm1/cache/libvirt/qemu/cache/capabilities".into()
+        )));
+        assert_eq!(
+            find(&u, "CapabilityBoundingSet"),
+            &Prop::U64("CapabilityBoundingSet", 0)
+        );
+        assert!(u.properties.iter().all(|p| p.name() != "BindReadOnlyPaths"));
+    }
+
+    #[test]
+    fn unit_reads_its_own_images_and_no_others() {
+        let host = HostLayout::default();
+        let key = VmKey::new("default", "vm1").unwrap();
+        let paths = host.vm(&key);
+        let image = "/var/cache/kvirt/images/sha256/ab12";
+        let u = unit_spec(&UnitInput {
+            extra_ro_paths: vec![image.into()],
+            ..input(&key, &paths, &host)
+        });
+        // The cache as a whole stays hidden; only this image is bound in.
+        let Prop::TmpFs(_, hidden) = find(&u, "TemporaryFileSystem") else {
+            panic!()
+        };
+        assert!(hidden.contains(&("/var/cache/kvirt".into(), "ro".into())));
+        assert_eq!(
+            find(&u, "BindReadOnlyPaths"),
+            &Prop::Binds("BindReadOnlyPaths", vec![(image.into(), image.into())])
+        );
+    }
+
+    #[test]
+    fn cpu_weight_follows_requests() {
+        assert_eq!(cpu_weight(None), 100);
+        assert_eq!(cpu_weight(Some(1000)), 100);
+        assert_eq!(cpu_weight(Some(2500)), 250);
+        assert_eq!(cpu_weight(Some(1)), 1);
+    }
+}

@@ -1,0 +1,482 @@
+//! kvirtd's configuration: `/etc/kvirt/kvirtd.toml`, every field optional,
+//! defaults that run on one host with nothing else installed.
+
+use crate::core::layout::{DaemonKind, HostLayout};
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+pub const DEFAULT_PATH: &str = "/etc/kvirt/kvirtd.toml";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("invalid config {path}: {source}")]
+    Parse {
+        path: PathBuf,
+        source: Box<toml::de::Error>,
+    },
+    #[error("invalid config {path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// This host's node name (`status.nodeName`); the hostname when empty.
+    pub node_name: String,
+    pub source: SourceConfig,
+    pub paths: PathsConfig,
+    pub vm: VmConfig,
+    pub storage: StorageConfig,
+    pub kubernetes: KubernetesConfig,
+    pub network: NetworkConfig,
+    pub metrics: MetricsConfig,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsConfig {
+    /// Address of the Prometheus endpoint (`/metrics`); empty: none.
+    pub listen: String,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        Self {
+            listen: "127.0.0.1:9477".into(),
+        }
+    }
+}
+
+impl MetricsConfig {
+    pub fn address(&self) -> Option<std::net::SocketAddr> {
+        self.listen.parse().ok()
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct NetworkConfig {
+    /// The node's VM subnet on the bridge `kvirt0` (gateway: its first
+    /// address). The default avoids Docker's 172.17/16, Podman's 10.88/16
+    /// and the common pod CIDRs 10.42/16, 10.244/16.
+    pub subnet: String,
+    pub mtu: u32,
+    /// DNS servers handed to guests; empty: the host's own resolvers.
+    pub dns: Vec<std::net::Ipv4Addr>,
+    pub dhcp_lease_seconds: u32,
+}
+
+impl Default for NetworkConfig {
+    fn default() -> Self {
+        Self {
+            subnet: "10.213.0.0/24".into(),
+            mtu: 1500,
+            dns: vec![],
+            dhcp_lease_seconds: 86_400,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum SourceKind {
+    /// Manifests in `source.directory`; status in each VM's runtime dir.
+    #[default]
+    Directory,
+    /// The VMIs of a Kubernetes API server labelled for this node.
+    Kubernetes,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct KubernetesConfig {
+    /// kubeconfig kvirtd connects with (a host daemon, not a pod).
+    pub kubeconfig: PathBuf,
+    /// Claim unassigned VMIs whose nodeSelector these labels satisfy.
+    pub claim: bool,
+    /// This host's labels, for `claim`.
+    pub node_labels: std::collections::BTreeMap<String, String>,
+    /// The heartbeat Lease's duration; renewed every quarter of it.
+    pub lease_seconds: u64,
+    /// How often kept EFI variables are checked against their
+    /// VirtualMachine: those of a deleted VM are removed.
+    pub efi_vars_check_seconds: u64,
+}
+
+impl Default for KubernetesConfig {
+    fn default() -> Self {
+        Self {
+            kubeconfig: "/etc/kvirt/kubeconfig".into(),
+            claim: false,
+            node_labels: Default::default(),
+            lease_seconds: 40,
+            efi_vars_check_seconds: 600,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct SourceConfig {
+    pub kind: SourceKind,
+    /// Directory of VMI manifests (YAML or JSON), kubelet-static-pod style.
+    pub directory: PathBuf,
+    /// Seconds between full resyncs of every VM (the safety net under events).
+    pub resync_seconds: u64,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct PathsConfig {
+    pub state_dir: PathBuf,
+    pub runtime_dir: PathBuf,
+    pub cache_dir: PathBuf,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Emulation {
+    /// Use KVM when `/dev/kvm` answers, TCG otherwise.
+    Auto,
+    /// Always TCG (`<domain type='qemu'>`).
+    Always,
+    /// Always KVM.
+    Never,
+}
+
+#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DaemonChoice {
+    /// virtqemud when installed, else libvirtd.
+    Auto,
+    Virtqemud,
+    Libvirtd,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct VmConfig {
+    /// Unprivileged user (and group) every VM's daemon and QEMU run as.
+    pub user: String,
+    pub slice: String,
+    pub daemon: DaemonChoice,
+    pub emulation: Emulation,
+    /// Memory the unit may use beyond the guest's (daemon, QEMU, TCG cache).
+    pub overhead_mib: u64,
+    pub tasks_max: u64,
+}
+
+#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct StorageConfig {
+    /// hostDisk paths must lie under one of these.
+    pub host_disk_roots: Vec<PathBuf>,
+    /// containerDisk registries (`host:port`) spoken to over plain HTTP;
+    /// loopback registries always are.
+    pub insecure_registries: Vec<String>,
+}
+
+impl Default for SourceConfig {
+    fn default() -> Self {
+        Self {
+            kind: SourceKind::Directory,
+            directory: "/etc/kvirt/vmis.d".into(),
+            resync_seconds: 30,
+        }
+    }
+}
+
+impl Default for PathsConfig {
+    fn default() -> Self {
+        let l = HostLayout::default();
+        Self {
+            state_dir: l.state_dir,
+            runtime_dir: l.runtime_dir,
+            cache_dir: l.cache_dir,
+        }
+    }
+}
+
+impl Default for VmConfig {
+    fn default() -> Self {
+        Self {
+            user: "kvirt".into(),
+            slice: "machine-kvirt.slice".into(),
+            daemon: DaemonChoice::Auto,
+            emulation: Emulation::Auto,
+            overhead_mib: 256,
+            tasks_max: 1024,
+        }
+    }
+}
+
+impl Default for StorageConfig {
+    fn default() -> Self {
+        Self {
+            host_disk_roots: vec!["/var/lib/kvirt/images".into()],
+            insecure_registries: Vec::new(),
+        }
+    }
+}
+
+impl Config {
+    /// Reads the file; a missing file at the default path means defaults,
+    /// a missing file given explicitly is an error.
+    pub fn load(path: &Path, explicit: bool) -> Result<Self, ConfigError> {
+        let mut merged = toml::Table::new();
+        match std::fs::read_to_string(path) {
+            Ok(text) => merge(&mut merged, table(&text, path)?),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound && !explicit => {}
+            Err(source) => {
+                return Err(ConfigError::Read {
+                    path: path.into(),
+                    source,
+                })
+            }
+        }
+        // Drop-ins (`kvirtd.toml.d/*.toml`, in name order) override the
+        // main file key by key, so local settings never edit the packaged
+        // conffile.
+        let dropins = drop_in_dir(path);
+        let mut files: Vec<PathBuf> = match std::fs::read_dir(&dropins) {
+            Ok(entries) => entries
+                .flatten()
+                .map(|e| e.path())
+                .filter(|p| p.extension().is_some_and(|x| x == "toml"))
+                .collect(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(source) => {
+                return Err(ConfigError::Read {
+                    path: dropins,
+                    source,
+                })
+            }
+        };
+        files.sort();
+        for f in &files {
+            let text = std::fs::read_to_string(f).map_err(|source| ConfigError::Read {
+                path: f.clone(),
+                source,
+            })?;
+            let t = table(&text, f)?;
+            merge(&mut merged, t);
+        }
+        let cfg = Config::deserialize(merged).map_err(|e| ConfigError::Parse {
+            path: path.into(),
+            source: Box::new(e),
+        })?;
+        cfg.validated(path)
+    }
+
+    pub fn parse(text: &str, path: &Path) -> Result<Self, ConfigError> {
+        let cfg: Config = toml::from_str(text).map_err(|e| ConfigError::Parse {
+            path: path.into(),
+            source: Box::new(e),
+        })?;
+        cfg.validated(path)
+    }
+
+    fn validated(mut self, path: &Path) -> Result<Self, ConfigError> {
+        let invalid = |message: String| ConfigError::Invalid {
+            path: path.into(),
+            message,
+        };
+        if self.node_name.is_empty() {
+            self.node_name = nix::unistd::gethostname()
+                .ok()
+                .and_then(|h| h.into_string().ok())
+                .unwrap_or_else(|| "localhost".into());
+        }
+        if !self.metrics.listen.is_empty() && self.metrics.address().is_none() {
+            return Err(invalid(format!(
+                "metrics.listen: {:?} is not an address:port",
+                self.metrics.listen
+            )));
+        }
+        for root in &self.storage.host_disk_roots {
+            if !root.is_absolute() {
+                return Err(invalid(format!(
+                    "storage.host_disk_roots: {} is not absolute",
+                    root.display()
+                )));
+            }
+        }
+        for (name, p) in [
+            ("paths.state_dir", &self.paths.state_dir),
+            ("paths.runtime_dir", &self.paths.runtime_dir),
+            ("paths.cache_dir", &self.paths.cache_dir),
+            ("source.directory", &self.source.directory),
+        ] {
+            if !p.is_absolute() {
+                return Err(invalid(format!("{name}: {} is not absolute", p.display())));
+            }
+        }
+        if !self.vm.slice.ends_with(".slice") {
+            return Err(invalid(format!(
+                "vm.slice: {:?} must end in .slice",
+                self.vm.slice
+            )));
+        }
+        if let Err(e) = self.network.subnet.parse::<crate::core::ipam::Subnet>() {
+            return Err(invalid(format!("network.subnet: {e}")));
+        }
+        if !(576..=9000).contains(&self.network.mtu) {
+            return Err(invalid("network.mtu must be 576..9000".into()));
+        }
+        if self.network.dhcp_lease_seconds < 10 {
+            return Err(invalid(
+                "network.dhcp_lease_seconds must be at least 10".into(),
+            ));
+        }
+        if self.kubernetes.lease_seconds < 4 {
+            return Err(invalid(
+                "kubernetes.lease_seconds must be at least 4".into(),
+            ));
+        }
+        if self.source.kind == SourceKind::Kubernetes && !self.kubernetes.kubeconfig.is_absolute() {
+            return Err(invalid(format!(
+                "kubernetes.kubeconfig: {} is not absolute",
+                self.kubernetes.kubeconfig.display()
+            )));
+        }
+        if self.source.resync_seconds == 0 {
+            return Err(invalid("source.resync_seconds must be > 0".into()));
+        }
+        Ok(self)
+    }
+
+    pub fn layout(&self) -> HostLayout {
+        HostLayout {
+            state_dir: self.paths.state_dir.clone(),
+            runtime_dir: self.paths.runtime_dir.clone(),
+            cache_dir: self.paths.cache_dir.clone(),
+        }
+    }
+
+    /// The daemon to run new VMs with, looking at what is installed.
+    pub fn daemon_kind(&self, installed: impl Fn(&str) -> bool) -> DaemonKind {
+        match self.vm.daemon {
+            DaemonChoice::Virtqemud => DaemonKind::Virtqemud,
+            DaemonChoice::Libvirtd => DaemonKind::Libvirtd,
+            DaemonChoice::Auto if installed("virtqemud") => DaemonKind::Virtqemud,
+            DaemonChoice::Auto => DaemonKind::Libvirtd,
+        }
+    }
+}
+
+/// `/etc/kvirt/kvirtd.toml` → `/etc/kvirt/kvirtd.toml.d`.
+pub fn drop_in_dir(path: &Path) -> PathBuf {
+    let mut name = path.file_name().unwrap_or_default().to_os_string();
+    name.push(".d");
+    path.with_file_name(name)
+}
+
+/// One file as a table, checked on its own so an unknown key or a wrong
+/// type is reported with the file it is in.
+fn table(text: &str, path: &Path) -> Result<toml::Table, ConfigError> {
+    let err = |e| ConfigError::Parse {
+        path: path.into(),
+        source: Box::new(e),
+    };
+    let t: toml::Table = toml::from_str(text).map_err(err)?;
+    Config::deserialize(t.clone()).map_err(err)?;
+    Ok(t)
+}
+
+/// Tables merge key by key; anything else is replaced.
+fn merge(base: &mut toml::Table, over: toml::Table) {
+    for (k, v) in over {
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_file_is_all_defaults() {
+        let c = Config::parse("node_name = \"n1\"", Path::new("x")).unwrap();
+        assert_eq!(c.node_name, "n1");
+        assert_eq!(c.source.directory, PathBuf::from("/etc/kvirt/vmis.d"));
+        assert_eq!(c.vm.slice, "machine-kvirt.slice");
+    }
+
+    #[test]
+    fn unknown_keys_and_bad_values_are_clear_errors() {
+        let e = Config::parse("nod_name = 1", Path::new("/etc/x.toml")).unwrap_err();
+        assert!(e.to_string().contains("/etc/x.toml"), "{e}");
+        assert!(e.to_string().contains("nod_name"), "{e}");
+        let e = Config::parse("[storage]\nhost_disk_roots=[\"rel\"]", Path::new("x")).unwrap_err();
+        assert!(e.to_string().contains("host_disk_roots"), "{e}");
+        let e = Config::parse("[vm]\nemulation=\"maybe\"", Path::new("x")).unwrap_err();
+        assert!(e.to_string().contains("emulation"), "{e}");
+        let e = Config::parse("[metrics]\nlisten=\"localhost\"", Path::new("x")).unwrap_err();
+        assert!(e.to_string().contains("metrics.listen"), "{e}");
+        let off = Config::parse("[metrics]\nlisten=\"\"", Path::new("x")).unwrap();
+        assert_eq!(off.metrics.address(), None);
+    }
+
+    #[test]
+    fn drop_ins_override_key_by_key_in_name_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let main = dir.path().join("kvirtd.toml");
+        std::fs::write(
+            &main,
+            "node_name = \"n1\"\n[vm]\nuser = \"u\"\ntasks_max = 7\n",
+        )
+        .unwrap();
+        let d = drop_in_dir(&main);
+        std::fs::create_dir(&d).unwrap();
+        std::fs::write(d.join("20-b.toml"), "[vm]\ntasks_max = 9\n").unwrap();
+        std::fs::write(
+            d.join("10-a.toml"),
+            "[vm]\ntasks_max = 8\nemulation = \"always\"\n",
+        )
+        .unwrap();
+        std::fs::write(d.join("README"), "not toml, ignored").unwrap();
+        let c = Config::load(&main, true).unwrap();
+        assert_eq!(c.node_name, "n1");
+        assert_eq!(c.vm.user, "u");
+        assert_eq!(c.vm.tasks_max, 9);
+        assert_eq!(c.vm.emulation, Emulation::Always);
+        // A mistake in a drop-in names the drop-in.
+        std::fs::write(d.join("30-bad.toml"), "[vm]\ntask_max = 1\n").unwrap();
+        let e = Config::load(&main, true).unwrap_err().to_string();
+        assert!(e.contains("30-bad.toml") && e.contains("task_max"), "{e}");
+        // No main file at the default path: drop-ins still apply.
+        std::fs::remove_file(d.join("30-bad.toml")).unwrap();
+        std::fs::remove_file(&main).unwrap();
+        assert_eq!(Config::load(&main, false).unwrap().vm.tasks_max, 9);
+    }
+
+    #[test]
+    fn daemon_auto_prefers_virtqemud() {
+        let c = Config::default();
+        assert_eq!(c.daemon_kind(|_| true), DaemonKind::Virtqemud);
+        assert_eq!(c.daemon_kind(|_| false), DaemonKind::Libvirtd);
+    }
+}
+
+#[cfg(test)]
+mod shipped {
+    use super::*;
+
+    #[test]
+    fn the_shipped_config_is_the_defaults() {
+        let text = include_str!("../../systemd/kvirtd.toml");
+        let parsed = Config::parse(text, Path::new("systemd/kvirtd.toml")).unwrap();
+        let defaults = Config::parse("", Path::new("x")).unwrap();
+        assert_eq!(parsed, defaults);
+    }
+}

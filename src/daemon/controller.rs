@@ -1,0 +1,1288 @@
+//! The level-triggered loop: one key per VM (its id), fed by manifest
+//! changes, unit state changes, libvirt domain events and a slow resync.
+//! Each reconcile observes the host, plans, carries the plan out and
+//! reports status; one VM's trouble never blocks another's.
+
+use crate::core::convert::{self, Backing, ConvertContext, Converted, DiskPrep, DomainType};
+use crate::core::efivars;
+use crate::core::key::{self, VmKey};
+use crate::core::layout::{DaemonKind, HostLayout, VmPaths};
+use crate::core::objects::{ObjectRef, Objects};
+use crate::core::plan::{
+    self, Desired, DomainState, GuestAgent, Observed, Outcome, Step, UnitActivity,
+};
+use crate::core::pullsecret::{self, Credentials};
+use crate::core::status;
+use crate::core::trigger::Trigger;
+use crate::core::unit::{self, UnitInput};
+use crate::core::vmi::{Phase, VirtualMachineInstance};
+use crate::daemon::metrics::{Adoption, Metrics};
+use crate::host::image::{ImageDisk, ImageError, Images, Progress};
+use crate::host::journal;
+use crate::host::libvirt::{DomainRef, Hypervisor, LibvirtError};
+use crate::host::machined::{MachineSpec, Machines};
+use crate::host::netns::{Netns, NetnsError};
+use crate::host::network::{Network, NetworkError};
+use crate::host::storage::{Storage, StorageError};
+use crate::host::systemd::{SystemdError, Units};
+use crate::sources::{EventReason, Recorder, SourceError, StatusStore};
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tracing::{info, warn, Instrument};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ControllerError {
+    #[error("VM {id}: {source}")]
+    Systemd { id: String, source: SystemdError },
+    #[error("VM {id}: {source}")]
+    Netns { id: String, source: NetnsError },
+    #[error("{source}")]
+    Libvirt { source: LibvirtError },
+    #[error("VM {id}: {source}")]
+    Storage { id: String, source: StorageError },
+    #[error("{source}")]
+    Network { source: NetworkError },
+    #[error("VM {id}: status: {source}")]
+    Status { id: String, source: SourceError },
+    #[error("{source}")]
+    Machined {
+        source: crate::host::machined::MachinedError,
+    },
+    #[error("VM {id}: {source}")]
+    Image { id: String, source: ImageError },
+    #[error("VM {id}: {message}")]
+    Objects { id: String, message: String },
+    #[error("VM {id}: teardown incomplete: {}", errors.join("; "))]
+    Teardown { id: String, errors: Vec<String> },
+}
+
+impl ControllerError {
+    /// The metric label: which system the failure came from.
+    pub fn reason(&self) -> &'static str {
+        match self {
+            ControllerError::Systemd { .. } => "systemd",
+            ControllerError::Netns { .. } => "netns",
+            ControllerError::Libvirt { .. } => "libvirt",
+            ControllerError::Storage { .. } => "storage",
+            ControllerError::Network { .. } => "network",
+            ControllerError::Status { .. } => "status",
+            ControllerError::Machined { .. } => "machined",
+            ControllerError::Image { .. } => "image",
+            ControllerError::Objects { .. } => "objects",
+            ControllerError::Teardown { .. } => "teardown",
+        }
+    }
+}
+
+/// Standalone mode: Events are log lines carrying the VM key.
+pub struct LogRecorder;
+
+impl Recorder for LogRecorder {
+    fn record(
+        &self,
+        vmi: &VirtualMachineInstance,
+        reason: EventReason,
+        message: &str,
+        warning: bool,
+    ) {
+        let span = vmi.key().ok().map(|k| journal::vm_span(&k.id(), Some(&k)));
+        let _in_vm = span.as_ref().map(|s| s.enter());
+        if warning {
+            warn!(reason = ?reason, "{message}");
+        } else {
+            info!(reason = ?reason, "{message}");
+        }
+    }
+}
+
+/// Host-wide facts every reconcile needs, fixed at start.
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub node_name: String,
+    pub layout: HostLayout,
+    pub host_disk_roots: Vec<PathBuf>,
+    /// VMIs come from a cluster (their volumes may name its objects).
+    pub cluster: bool,
+    pub daemon: DaemonKind,
+    pub daemon_path: PathBuf,
+    pub domain_type: DomainType,
+    pub user: String,
+    pub slice: String,
+    pub overhead_bytes: u64,
+    pub tasks_max: u64,
+    /// How often the graceful shutdown re-sends the ACPI power button.
+    pub shutdown_resend: Duration,
+}
+
+pub struct Deps<U, N, H, S, St, R, W, M, I> {
+    pub units: U,
+    pub netns: N,
+    pub network: W,
+    pub hypervisor: H,
+    pub storage: S,
+    pub status: St,
+    pub recorder: R,
+    pub machines: M,
+    pub images: I,
+}
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct Reconciled {
+    pub requeue_after: Option<Duration>,
+    /// What this pass found of a VM that was already on the host (what
+    /// adoption means on the first pass after a start).
+    pub found: Option<Adoption>,
+}
+
+pub struct Controller<U, N, H, S, St, R, W, M, I> {
+    deps: Deps<U, N, H, S, St, R, W, M, I>,
+    settings: Settings,
+    /// The VMIs this host should run, by id, with the status kvirtd owns.
+    vmis: Mutex<HashMap<String, VirtualMachineInstance>>,
+    /// Ids whose status changed but could not be written yet.
+    unsaved: Mutex<HashSet<String>>,
+    metrics: Metrics,
+    /// The last heartbeat the loop answered.
+    heartbeat: AtomicU64,
+}
+
+type Phases = BTreeMap<String, usize>;
+
+impl<
+        U: Units,
+        N: Netns,
+        H: Hypervisor,
+        S: Storage,
+        St: StatusStore,
+        R: Recorder,
+        W: Network,
+        M: Machines,
+        I: Images,
+    > Controller<U, N, H, S, St, R, W, M, I>
+{
+    pub fn new(deps: Deps<U, N, H, S, St, R, W, M, I>, settings: Settings) -> Arc<Self> {
+        Arc::new(Self {
+            deps,
+            settings,
+            vmis: Mutex::default(),
+            unsaved: Mutex::default(),
+            metrics: Metrics::default(),
+            heartbeat: AtomicU64::new(0),
+        })
+    }
+
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    pub fn heartbeat(&self) -> u64 {
+        self.heartbeat.load(Ordering::Relaxed)
+    }
+
+    fn vmis(&self) -> std::sync::MutexGuard<'_, HashMap<String, VirtualMachineInstance>> {
+        self.vmis.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// VM counts per phase, for `STATUS=` and `kvirtctl`.
+    pub fn phase_counts(&self) -> Phases {
+        let mut counts = Phases::new();
+        for vmi in self.vmis().values() {
+            let phase = vmi.status.phase.unwrap_or(Phase::Pending);
+            *counts.entry(format!("{phase:?}")).or_default() += 1;
+        }
+        counts
+    }
+
+    /// Takes a new set of VMIs; returns the ids whose VMI appeared, went
+    /// away or changed identity. Known statuses carry over (from memory, or
+    /// from the status store after a restart) when the UID matches.
+    pub async fn set_vmis(&self, new: BTreeMap<VmKey, VirtualMachineInstance>) -> Vec<String> {
+        let mut incoming = HashMap::new();
+        for (key, mut vmi) in new {
+            let id = key.id();
+            let known = self.vmis().get(&id).cloned();
+            let prev = match known {
+                Some(k) => Some(k),
+                None => self.deps.status.load(&key).await,
+            };
+            if let Some(prev) = prev.filter(|p| p.uid() == vmi.uid()) {
+                vmi.status = prev.status;
+            }
+            incoming.insert(id, vmi);
+        }
+        let mut vmis = self.vmis();
+        let mut changed: Vec<String> = incoming
+            .iter()
+            .filter(|(id, v)| vmis.get(*id).map(|o| o.uid()) != Some(v.uid()))
+            .map(|(id, _)| id.clone())
+            .collect();
+        changed.extend(
+            vmis.keys()
+                .filter(|id| !incoming.contains_key(*id))
+                .cloned(),
+        );
+        *vmis = incoming;
+        changed.sort();
+        changed
+    }
+
+    /// Every id the host or the source knows of.
+    pub async fn all_ids(&self) -> Vec<String> {
+        let mut ids: HashSet<String> = self.vmis().keys().cloned().collect();
+        match self.deps.units.list_ids().await {
+            Ok(u) => ids.extend(u),
+            Err(e) => warn!("listing units: {e}"),
+        }
+        match self.deps.netns.list().await {
+            Ok(n) => ids.extend(
+                n.iter()
+                    .filter_map(|n| key::id_from_netns(n).map(str::to_owned)),
+            ),
+            Err(e) => warn!("listing namespaces: {e}"),
+        }
+        ids.extend(self.deps.storage.list_ids().await);
+        ids.extend(self.deps.network.ids());
+        let mut ids: Vec<String> = ids.into_iter().collect();
+        ids.sort();
+        ids
+    }
+
+    fn paths(&self, id: &str) -> VmPaths {
+        self.settings.layout.vm_by_id(id)
+    }
+
+    fn convert(&self, vmi: &VirtualMachineInstance, key: &VmKey) -> Result<Converted, String> {
+        if vmi.uid().is_none() {
+            return Err("metadata.uid: the VMI has no UID".into());
+        }
+        let paths = self.settings.layout.vm(key);
+        convert::convert(
+            vmi,
+            &ConvertContext {
+                key,
+                paths: &paths,
+                domain_type: self.settings.domain_type,
+                host_disk_roots: &self.settings.host_disk_roots,
+                cluster: self.settings.cluster,
+            },
+        )
+        .map_err(|e| e.to_string())
+    }
+
+    async fn observe(
+        &self,
+        id: &str,
+        dom: Option<&DomainRef>,
+    ) -> Result<Observed, ControllerError> {
+        let unit = self
+            .deps
+            .units
+            .get(&key::unit_name_of(id))
+            .await
+            .map_err(|source| ControllerError::Systemd {
+                id: id.into(),
+                source,
+            })?;
+        let netns = self
+            .deps
+            .netns
+            .exists(&key::netns_name_of(id))
+            .await
+            .map_err(|source| ControllerError::Netns {
+                id: id.into(),
+                source,
+            })?;
+        let paths = self.paths(id);
+        // machined only mirrors what runs: trouble asking it never stops a VM.
+        let machine = self
+            .deps
+            .machines
+            .registered(&key::machine_name_of(id))
+            .await
+            .unwrap_or_else(|e| {
+                warn!("{e}");
+                None
+            });
+        let mut obs = Observed {
+            machine,
+            netns,
+            network: self.deps.network.address(id).is_some(),
+            state_dir: self.deps.storage.exists(&paths.state_dir).await,
+            runtime_dir: self.deps.storage.exists(&paths.runtime_dir).await,
+            domain: None,
+            unit,
+        };
+        if let Some(u) = obs
+            .unit
+            .as_ref()
+            .filter(|u| u.activity == UnitActivity::Active)
+        {
+            let dom = match dom {
+                Some(d) => Some(self.domain_ref(id, u.daemon, &d.name)),
+                None => u
+                    .domain_name
+                    .as_ref()
+                    .map(|n| self.domain_ref(id, u.daemon, n)),
+            };
+            if let Some(d) = dom {
+                obs.domain = self
+                    .deps
+                    .hypervisor
+                    .observe(&d)
+                    .await
+                    .map_err(|source| ControllerError::Libvirt { source })?;
+            }
+        }
+        Ok(obs)
+    }
+
+    fn domain_ref(&self, id: &str, daemon: Option<DaemonKind>, name: &str) -> DomainRef {
+        DomainRef {
+            id: id.into(),
+            uri: self
+                .paths(id)
+                .libvirt_uri(daemon.unwrap_or(self.settings.daemon)),
+            name: name.into(),
+        }
+    }
+
+    /// One pass for one VM: observe, plan, act, report.
+    pub async fn reconcile(&self, id: &str) -> Result<Reconciled, ControllerError> {
+        let vmi = self.vmis().get(id).cloned();
+        let key = vmi.as_ref().and_then(|v| v.key().ok());
+        let span = journal::vm_span(id, key.as_ref());
+        self.reconcile_inner(id, vmi, key).instrument(span).await
+    }
+
+    async fn reconcile_inner(
+        &self,
+        id: &str,
+        vmi: Option<VirtualMachineInstance>,
+        key: Option<VmKey>,
+    ) -> Result<Reconciled, ControllerError> {
+        let converted = match (&vmi, &key) {
+            (Some(v), Some(k)) => Some(self.convert(v, k)),
+            _ => None,
+        };
+        let dom = key
+            .as_ref()
+            .map(|k| self.domain_ref(id, None, &k.domain_name()));
+        let obs = self.observe(id, dom.as_ref()).await?;
+        // A VMI being deleted is wanted no more: tear down, then let it go.
+        let deleting = vmi
+            .as_ref()
+            .is_some_and(|v| v.metadata.deletion_timestamp.is_some());
+        let desired = vmi.as_ref().filter(|_| !deleting).map(|v| Desired {
+            uid: v.uid().unwrap_or_default().to_owned(),
+            grace: v.termination_grace_period(),
+            phase: v.status.phase,
+            invalid: converted.as_ref().and_then(|c| c.as_ref().err().cloned()),
+        });
+        let started = tokio::time::Instant::now();
+        let plan = plan::plan(desired.as_ref(), &obs);
+        let mut outcome = plan.outcome.clone();
+        if !plan.steps.is_empty() {
+            info!(steps = ?plan.steps, "acting");
+        }
+
+        let creating =
+            plan.steps.contains(&Step::StartUnit) || plan.steps.contains(&Step::DefineDomain);
+        if let (Some(v), Some(k), true) = (&vmi, &key, creating) {
+            // Nothing is made on the host before the VMI is held for cleanup.
+            self.deps.status.hold(v).await.map_err(status_err(id))?;
+            if matches!(
+                v.status.phase,
+                None | Some(Phase::Pending | Phase::Scheduling)
+            ) {
+                self.report(k, &Outcome::Phase(Phase::Scheduled), None)
+                    .await?;
+                self.deps
+                    .recorder
+                    .record(v, EventReason::Created, "VM is being created", false);
+            }
+        }
+
+        let (mut disks, mut images) = (Vec::new(), BTreeMap::new());
+        if let (Some(v), Some(k), Some(Ok(conv)), true) = (&vmi, &key, &converted, creating) {
+            disks = self.read_objects(v, k, conv).await?;
+            images = self.pull_images(v, k, conv).await?;
+        }
+        let ctx = StepCtx {
+            id,
+            disks: &disks,
+            images: &images,
+            obs: &obs,
+            vmi: vmi.as_ref(),
+            key: key.as_ref(),
+            converted: converted.as_ref().and_then(|c| c.as_ref().ok()),
+            dom: dom.as_ref(),
+        };
+        let mut teardown_errors = Vec::new();
+        for step in &plan.steps {
+            let is_create = matches!(
+                step,
+                Step::CreateDirs
+                    | Step::PrepareDisks
+                    | Step::CreateNetns
+                    | Step::SetupNetwork
+                    | Step::StartUnit
+                    | Step::DefineDomain
+                    | Step::StartDomain
+            );
+            if let Err(e) = self.run_step(step, &ctx).await {
+                if matches!(step, Step::RegisterMachine | Step::UnregisterMachine) {
+                    warn!("{e}");
+                    continue;
+                }
+                if is_create {
+                    // Roll back what this attempt made; the VMI fails with why.
+                    warn!("cannot start: {e}");
+                    self.metrics.error(e.reason());
+                    self.rollback(id, dom.as_ref()).await;
+                    outcome = Outcome::Failed(format!("cannot start: {e}"));
+                    break;
+                }
+                // Teardown continues past errors, and reports every one.
+                warn!("{e}");
+                teardown_errors.push(e.to_string());
+            }
+        }
+
+        if !teardown_errors.is_empty() {
+            return Err(ControllerError::Teardown {
+                id: id.into(),
+                errors: teardown_errors,
+            });
+        }
+        // A running VM's DHCP lives in kvirtd: after a restart it is
+        // attached again here (idempotent), the VM untouched.
+        if let (Outcome::Phase(Phase::Running), Some(v), Some(Ok(conv))) =
+            (&outcome, &vmi, &converted)
+        {
+            if let Some(net) = &conv.network {
+                if let Err(e) = self.deps.network.attach(id, &hostname(v), net).await {
+                    warn!("re-attaching the network: {e}");
+                }
+            }
+        }
+        if creating && outcome == Outcome::Phase(Phase::Running) {
+            self.metrics.started(started.elapsed());
+        }
+        let on_host = obs.unit.is_some() || obs.domain.is_some();
+        let found = match (&outcome, &desired) {
+            _ if !on_host => None,
+            (Outcome::Phase(Phase::Running), Some(_)) if !creating => Some(Adoption::Adopted),
+            (Outcome::Failed(_), Some(_)) => Some(Adoption::Failed),
+            (_, None) | (Outcome::Unchanged, _) => Some(Adoption::Cleaned),
+            _ => None,
+        };
+        match (&vmi, &key) {
+            (Some(v), _) if deleting => {
+                // Everything of it is gone from the host: let the object go.
+                self.deps.status.release(v).await.map_err(status_err(id))?;
+            }
+            (_, Some(k)) => {
+                let agent = match (&outcome, &dom) {
+                    (Outcome::Phase(Phase::Running), Some(d)) => self
+                        .deps
+                        .hypervisor
+                        .guest_agent(d)
+                        .await
+                        .unwrap_or_else(|e| {
+                            warn!("asking the guest agent: {e}");
+                            None
+                        }),
+                    _ => None,
+                };
+                self.report(k, &outcome, agent.as_ref()).await?
+            }
+            _ => {}
+        }
+        Ok(Reconciled {
+            requeue_after: plan.requeue.then_some(Duration::from_millis(500)),
+            found,
+        })
+    }
+
+    /// The Secrets, ConfigMaps and ServiceAccount tokens the seed images
+    /// name are read once per start, before anything is made on the host;
+    /// the disks come back with their data. A missing object is waited for
+    /// (backoff, `Ready=False FailedMount`, an Event), as kubelet waits to
+    /// mount a pod's volume; a running VM never rereads them.
+    async fn read_objects(
+        &self,
+        vmi: &VirtualMachineInstance,
+        key: &VmKey,
+        conv: &Converted,
+    ) -> Result<Vec<DiskPrep>, ControllerError> {
+        let mut objects = Objects::new();
+        let refs = conv.disks.iter().flat_map(|d| match d {
+            DiskPrep::SeedIso { seed, .. } => seed.object_refs().collect(),
+            _ => Vec::new(),
+        });
+        let mut result = Ok(());
+        for r in refs {
+            if objects.contains_key(r) {
+                continue;
+            }
+            match self.deps.status.object(key.namespace(), r).await {
+                Ok(data) => {
+                    objects.insert(r.clone(), data);
+                }
+                Err(e) => {
+                    result = Err(e.to_string());
+                    break;
+                }
+            }
+        }
+        let disks = result.and_then(|()| {
+            conv.disks
+                .iter()
+                .map(|d| match d {
+                    DiskPrep::SeedIso { volume, path, seed } if !seed.from_objects.is_empty() => {
+                        Ok(DiskPrep::SeedIso {
+                            volume: volume.clone(),
+                            path: path.clone(),
+                            seed: seed.resolve(&objects)?,
+                        })
+                    }
+                    other => Ok(other.clone()),
+                })
+                .collect::<Result<Vec<_>, String>>()
+        });
+        match disks {
+            Ok(d) => Ok(d),
+            Err(message) => {
+                self.wait_for(vmi, key, EventReason::FailedMount, &message)
+                    .await;
+                Err(ControllerError::Objects {
+                    id: key.id(),
+                    message,
+                })
+            }
+        }
+    }
+
+    /// A start that cannot go on yet: a warning Event, and the same reason
+    /// in the Ready condition while the VMI waits (the loop retries).
+    async fn wait_for(
+        &self,
+        vmi: &VirtualMachineInstance,
+        key: &VmKey,
+        reason: EventReason,
+        message: &str,
+    ) {
+        self.deps.recorder.record(vmi, reason, message, true);
+        self.set_waiting(key, &format!("{reason:?}"), message).await;
+    }
+
+    /// containerDisks (and kernelBoot images) are pulled before anything is
+    /// made on the host, so a registry outage leaves nothing behind: the
+    /// error goes to the loop's backoff and the VMI waits in Scheduled, as a
+    /// pod waits in ImagePullBackOff. Progress shows in the Ready condition
+    /// and the log.
+    async fn pull_images(
+        &self,
+        vmi: &VirtualMachineInstance,
+        key: &VmKey,
+        conv: &Converted,
+    ) -> Result<BTreeMap<String, ImageDisk>, ControllerError> {
+        let mut disks = BTreeMap::new();
+        for need in conv.disks.iter().flat_map(DiskPrep::image_needs) {
+            let (volume, image) = (need.key, need.image);
+            let failed = |e: ImageError| async move {
+                let msg = format!("volume {volume}: {e}");
+                self.wait_for(vmi, key, EventReason::ErrImagePull, &msg)
+                    .await;
+                ControllerError::Image {
+                    id: key.id(),
+                    source: e,
+                }
+            };
+            let auth = match need.pull_secret {
+                None => None,
+                Some(secret) => match self.credentials(key, image, secret).await {
+                    Ok(c) => c,
+                    Err(e) => return Err(failed(e).await),
+                },
+            };
+            let started = tokio::time::Instant::now();
+            let latest = Mutex::new(None::<Progress>);
+            let downloaded = std::sync::atomic::AtomicBool::new(false);
+            let report = |p: Progress| {
+                downloaded.store(true, Ordering::Relaxed);
+                *latest.lock().unwrap_or_else(|e| e.into_inner()) = Some(p);
+            };
+            let pull =
+                self.deps
+                    .images
+                    .disk(image, need.pull_policy, need.path, auth.as_ref(), &report);
+            tokio::pin!(pull);
+            let mut tick = tokio::time::interval(Duration::from_secs(2));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+            let result = loop {
+                tokio::select! {
+                    r = &mut pull => break r,
+                    _ = tick.tick() => {
+                        let p = latest.lock().unwrap_or_else(|e| e.into_inner()).take();
+                        if let Some(p) = p {
+                            let msg = format!("pulling {image}: {}", mib_of(p));
+                            info!(volume = %volume, "{msg}");
+                            self.set_waiting(key, "PullingContainerDisk", &msg).await;
+                        }
+                    }
+                }
+            };
+            match result {
+                Ok(d) => {
+                    let msg = if downloaded.load(Ordering::Relaxed) {
+                        format!(
+                            "pulled {image} ({}) in {:.1} s",
+                            d.digest,
+                            started.elapsed().as_secs_f64()
+                        )
+                    } else {
+                        format!("{image} ({}) is already on the host", d.digest)
+                    };
+                    info!(volume = %volume, "{msg}");
+                    self.deps
+                        .recorder
+                        .record(vmi, EventReason::Pulled, &msg, false);
+                    disks.insert(volume.to_owned(), d);
+                }
+                Err(e) => return Err(failed(e).await),
+            }
+        }
+        Ok(disks)
+    }
+
+    /// The registry credentials for `image` in its pull secret; `None`
+    /// when the secret has none for that registry (then the pull is
+    /// anonymous, as kubelet's).
+    async fn credentials(
+        &self,
+        key: &VmKey,
+        image: &str,
+        secret: &str,
+    ) -> Result<Option<Credentials>, ImageError> {
+        let err = |message: String| ImageError::PullSecret {
+            image: image.to_owned(),
+            secret: secret.to_owned(),
+            message,
+        };
+        let r = crate::core::image::parse_reference(image).map_err(err)?;
+        let data = self
+            .deps
+            .status
+            .object(key.namespace(), &ObjectRef::Secret(secret.to_owned()))
+            .await
+            .map_err(|e| err(e.to_string()))?
+            .ok_or_else(|| err("not found".into()))?;
+        pullsecret::credentials(&data, r.resolve_registry(), r.repository()).map_err(err)
+    }
+
+    /// Why a VM that is not running yet is waiting (the Ready condition),
+    /// saved at once; a failed save is retried by the next report.
+    async fn set_waiting(&self, key: &VmKey, reason: &str, message: &str) {
+        let id = key.id();
+        let vmi = {
+            let mut vmis = self.vmis();
+            let Some(vmi) = vmis.get_mut(&id) else { return };
+            let Some(next) = status::waiting(&vmi.status, reason, message, &now_rfc3339()) else {
+                return;
+            };
+            vmi.status = next;
+            vmi.clone()
+        };
+        self.unsaved().insert(id.clone());
+        match self.deps.status.save(&vmi).await {
+            Ok(()) => {
+                self.unsaved().remove(&id);
+            }
+            Err(e) => warn!("status: {e}"),
+        }
+    }
+
+    async fn rollback(&self, id: &str, dom: Option<&DomainRef>) {
+        let obs = match self.observe(id, dom).await {
+            Ok(o) => o,
+            Err(e) => {
+                warn!("rollback: cannot observe: {e}");
+                Observed {
+                    unit: None,
+                    netns: true,
+                    network: true,
+                    state_dir: true,
+                    runtime_dir: false,
+                    domain: None,
+                    machine: None,
+                }
+            }
+        };
+        let p = plan::plan(
+            None,
+            &Observed {
+                runtime_dir: false,
+                ..obs
+            },
+        );
+        let ctx = StepCtx {
+            id,
+            disks: &[],
+            images: &BTreeMap::new(),
+            obs: &Observed::default(),
+            vmi: None,
+            key: None,
+            converted: None,
+            dom,
+        };
+        for step in p.steps {
+            // A VM that never started needs no grace.
+            let step = match step {
+                Step::ShutdownDomain { .. } => Step::ShutdownDomain {
+                    grace: Duration::ZERO,
+                },
+                s => s,
+            };
+            if let Err(e) = self.run_step(&step, &ctx).await {
+                warn!("rollback: {e}");
+            }
+        }
+    }
+
+    /// Applies the outcome to the VMI's status. The new status is the
+    /// truth at once (the next plan relies on it); writing it out is retried
+    /// until it succeeds, so an outage of the status store loses nothing.
+    async fn report(
+        &self,
+        key: &VmKey,
+        outcome: &Outcome,
+        agent: Option<&GuestAgent>,
+    ) -> Result<(), ControllerError> {
+        let id = key.id();
+        let now = now_rfc3339();
+        let interfaces = self.interfaces(&id, outcome);
+        let changed = {
+            let mut vmis = self.vmis();
+            let Some(vmi) = vmis.get_mut(&id) else {
+                return Ok(());
+            };
+            let next =
+                match status::next_status(&vmi.status, outcome, &self.settings.node_name, &now) {
+                    Ok(Some(mut next)) => {
+                        let qos = status::qos_class(vmi.spec.domain.resources.as_ref());
+                        next.extra.insert("qosClass".into(), qos.into());
+                        Some(next)
+                    }
+                    Ok(None) => Some(vmi.status.clone()),
+                    Err(e) => {
+                        warn!("not reporting: {e}");
+                        None
+                    }
+                };
+            next.and_then(|mut next| {
+                // A pass that saw nothing settled says nothing about these.
+                if *outcome != Outcome::Unchanged {
+                    next.interfaces = interfaces;
+                    status::set_guest_agent(&mut next, agent, &now);
+                }
+                let old = vmi.status.phase;
+                (next != vmi.status).then(|| {
+                    vmi.status = next;
+                    (old, vmi.status.phase)
+                })
+            })
+        };
+        let current = self.vmis().get(&id).cloned();
+        if let (Some((old, new)), Some(vmi)) = (changed, &current) {
+            self.unsaved().insert(id.clone());
+            if old != new {
+                info!(phase = ?new, "phase changed");
+                let r = &self.deps.recorder;
+                match (outcome, new) {
+                    (Outcome::Invalid(m), _) => r.record(vmi, EventReason::SyncFailed, m, true),
+                    (_, Some(Phase::Running)) => {
+                        r.record(vmi, EventReason::Started, "VM started", false)
+                    }
+                    (Outcome::Failed(m), _) => r.record(vmi, EventReason::Stopped, m, true),
+                    (_, Some(Phase::Succeeded)) => {
+                        r.record(vmi, EventReason::Stopped, "the guest powered off", false)
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if !self.unsaved().contains(&id) {
+            return Ok(());
+        }
+        let Some(vmi) = current else {
+            return Ok(());
+        };
+        self.deps.status.save(&vmi).await.map_err(status_err(&id))?;
+        self.unsaved().remove(&id);
+        Ok(())
+    }
+
+    /// `status.interfaces` while the VM runs: the namespace's `eth0`
+    /// address, as KubeVirt reports the pod IP.
+    fn interfaces(&self, id: &str, outcome: &Outcome) -> Vec<serde_json::Value> {
+        if *outcome != Outcome::Phase(Phase::Running) {
+            return vec![];
+        }
+        let Some(vmi) = self.vmis().get(id).cloned() else {
+            return vec![];
+        };
+        let Ok(key) = vmi.key() else { return vec![] };
+        let Ok(conv) = self.convert(&vmi, &key) else {
+            return vec![];
+        };
+        let (Some(net), Some(ip)) = (conv.network, self.deps.network.address(id)) else {
+            return vec![];
+        };
+        vec![serde_json::json!({
+            "name": net.name,
+            "mac": net.mac_string(),
+            "ipAddress": ip.to_string(),
+            "ipAddresses": [ip.to_string()],
+            "infoSource": "domain",
+        })]
+    }
+
+    fn unsaved(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.unsaved.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    async fn run_step(&self, step: &Step, c: &StepCtx<'_>) -> Result<(), ControllerError> {
+        let id = c.id;
+        let paths = self.paths(id);
+        let storage_err = |source| ControllerError::Storage {
+            id: id.into(),
+            source,
+        };
+        let netns_err = |source| ControllerError::Netns {
+            id: id.into(),
+            source,
+        };
+        let sd_err = |source| ControllerError::Systemd {
+            id: id.into(),
+            source,
+        };
+        let lv_err = |source| ControllerError::Libvirt { source };
+        let conv = || {
+            c.converted
+                .expect("create steps only run for a converted VMI")
+        };
+        let dom = || {
+            c.dom.cloned().unwrap_or_else(|| {
+                let unit = c.obs.unit.as_ref();
+                self.domain_ref(
+                    id,
+                    unit.and_then(|u| u.daemon),
+                    unit.and_then(|u| u.domain_name.as_deref()).unwrap_or(id),
+                )
+            })
+        };
+        match step {
+            Step::CreateDirs => self
+                .deps
+                .storage
+                .create_dirs(&paths)
+                .await
+                .map_err(storage_err),
+            Step::PrepareDisks => {
+                for d in c.disks {
+                    self.deps
+                        .storage
+                        .prepare_disk(d, &self.settings.host_disk_roots, c.images)
+                        .await
+                        .map_err(storage_err)?;
+                }
+                Ok(())
+            }
+            Step::CreateNetns => self
+                .deps
+                .netns
+                .create(&key::netns_name_of(id))
+                .await
+                .map_err(netns_err),
+            Step::SetupNetwork => {
+                let (Some(net), Some(v)) = (&conv().network, c.vmi) else {
+                    return Ok(());
+                };
+                self.deps
+                    .network
+                    .setup(id, v.uid().unwrap_or_default(), &hostname(v), net)
+                    .await
+                    .map(|_| ())
+                    .map_err(|source| ControllerError::Network { source })
+            }
+            Step::TeardownNetwork => self
+                .deps
+                .network
+                .teardown(id)
+                .await
+                .map_err(|source| ControllerError::Network { source }),
+            Step::StartUnit => {
+                let conv = conv();
+                let key = c.key.expect("a converted VMI has a key");
+                let spec = unit::unit_spec(&UnitInput {
+                    key,
+                    uid: c.vmi.and_then(|v| v.uid()).unwrap_or_default(),
+                    paths: &paths,
+                    host: &self.settings.layout,
+                    daemon: self.settings.daemon,
+                    daemon_path: self.settings.daemon_path.clone(),
+                    user: &self.settings.user,
+                    slice: &self.settings.slice,
+                    memory_max_bytes: conv.resources.cgroup_memory_bytes()
+                        + self.settings.overhead_bytes,
+                    cpu_weight: unit::cpu_weight(conv.resources.cpu_request_millis),
+                    tasks_max: self.settings.tasks_max,
+                    grace_seconds: self
+                        .vmis()
+                        .get(id)
+                        .map_or(30, |v| v.termination_grace_period().as_secs()),
+                    extra_rw_paths: conv
+                        .disks
+                        .iter()
+                        .filter_map(|d| match d {
+                            DiskPrep::CreateRawIfMissing { path, .. }
+                            | DiskPrep::RequireExisting { path, .. } => Some(path.clone()),
+                            _ => None,
+                        })
+                        .collect(),
+                    extra_ro_paths: conv
+                        .disks
+                        .iter()
+                        .filter_map(|d| match d {
+                            DiskPrep::Overlay {
+                                backing: Backing::HostDisk(base),
+                                ..
+                            } => Some(base.clone()),
+                            _ => None,
+                        })
+                        // Kernels are copied; only overlays read the cache.
+                        .chain(conv.disks.iter().filter_map(|d| match d {
+                            DiskPrep::Overlay { volume, .. } => {
+                                c.images.get(volume).map(|i| i.root.clone())
+                            }
+                            _ => None,
+                        }))
+                        .collect(),
+                });
+                self.deps.units.start(&spec).await.map_err(sd_err)
+            }
+            Step::DefineDomain => self
+                .deps
+                .hypervisor
+                .define(&dom(), &conv().domain_xml)
+                .await
+                .map_err(lv_err),
+            Step::StartDomain => self.deps.hypervisor.start(&dom()).await.map_err(lv_err),
+            Step::RegisterMachine => {
+                let uid = c
+                    .vmi
+                    .and_then(|v| v.uid())
+                    .or_else(|| c.obs.unit.as_ref().and_then(|u| u.uid.as_deref()))
+                    .unwrap_or_default();
+                let spec = MachineSpec::new(id, uid, paths.qemu_pid_file(&dom().name));
+                self.deps
+                    .machines
+                    .register(&spec)
+                    .await
+                    .map_err(|source| ControllerError::Machined { source })
+            }
+            Step::UnregisterMachine => self
+                .deps
+                .machines
+                .unregister(&key::machine_name_of(id))
+                .await
+                .map_err(|source| ControllerError::Machined { source }),
+            Step::ShutdownDomain { grace } => {
+                if let Some(v) = c.vmi {
+                    self.deps.recorder.record(
+                        v,
+                        EventReason::ShuttingDown,
+                        "shutting the guest down",
+                        false,
+                    );
+                }
+                self.shutdown(&dom(), *grace).await
+            }
+            Step::StopUnit => {
+                self.deps.hypervisor.forget(id).await;
+                self.deps
+                    .units
+                    .stop(&key::unit_name_of(id))
+                    .await
+                    .map_err(sd_err)
+            }
+            Step::DeleteNetns => self
+                .deps
+                .netns
+                .delete(&key::netns_name_of(id))
+                .await
+                .map_err(netns_err),
+            Step::RemoveStateDir => {
+                let storage = &self.deps.storage;
+                storage.keep_efi_vars(&paths).await.map_err(storage_err)?;
+                storage.remove_hugepages(id).await.map_err(storage_err)?;
+                storage
+                    .remove_dir(&paths.state_dir)
+                    .await
+                    .map_err(storage_err)?;
+                // A VM deleted with its VMI leaves nobody to keep them for.
+                self.sweep_efi_vars(Some(id)).await;
+                Ok(())
+            }
+            Step::RemoveRuntimeDir => self
+                .deps
+                .storage
+                .remove_dir(&paths.runtime_dir)
+                .await
+                .map_err(storage_err),
+        }
+    }
+
+    /// ACPI power button, re-sent, then destroy once the grace period is up
+    /// (KubeVirt's terminationGracePeriodSeconds behaviour).
+    async fn shutdown(&self, d: &DomainRef, grace: Duration) -> Result<(), ControllerError> {
+        let hv = &self.deps.hypervisor;
+        let deadline = tokio::time::Instant::now() + grace;
+        let mut next_press = tokio::time::Instant::now();
+        loop {
+            let state = hv
+                .observe(d)
+                .await
+                .map_err(|source| ControllerError::Libvirt { source })?
+                .map(|o| o.state);
+            if !matches!(state, Some(DomainState::Running | DomainState::Paused)) {
+                return Ok(());
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                info!("grace period over, destroying");
+                return hv
+                    .destroy(d)
+                    .await
+                    .map_err(|source| ControllerError::Libvirt { source });
+            }
+            if now >= next_press {
+                if let Err(e) = hv.shutdown(d).await {
+                    warn!("ACPI shutdown: {e}");
+                }
+                next_press = now + self.settings.shutdown_resend;
+            }
+            tokio::time::sleep(Duration::from_millis(200).min(deadline - now)).await;
+        }
+    }
+
+    /// Removes the kept EFI variables whose VirtualMachine is gone (or
+    /// only VM `only`'s), as KubeVirt's backend storage goes with its VM.
+    /// Variables a running VM uses, or kept for a VMI's name, stay; so does
+    /// everything when the cluster cannot be asked (the next sweep asks
+    /// again).
+    pub async fn sweep_efi_vars(&self, only: Option<&str>) {
+        let kept = match self.deps.storage.kept_efi_vars().await {
+            Ok(k) => k,
+            Err(e) => return warn!("kept EFI variables: {e}"),
+        };
+        for k in kept {
+            if k.active || only.is_some_and(|id| id != k.id) {
+                continue;
+            }
+            let Some(efivars::Owner::VirtualMachine {
+                namespace,
+                name,
+                uid,
+            }) = &k.owner
+            else {
+                continue;
+            };
+            let span = journal::vm_span(&k.id, None);
+            let id = k.id.as_str();
+            let result = async {
+                let status = &self.deps.status;
+                if status
+                    .virtual_machine_exists(namespace, name, uid)
+                    .await
+                    .map_err(status_err(id))?
+                {
+                    return Ok(false);
+                }
+                let storage = &self.deps.storage;
+                storage.remove_kept_efi_vars(id).await.map_err(|source| {
+                    ControllerError::Storage {
+                        id: id.into(),
+                        source,
+                    }
+                })?;
+                Ok::<_, ControllerError>(true)
+            }
+            .instrument(span.clone())
+            .await;
+            span.in_scope(|| match result {
+                Ok(true) => info!(
+                    "removed the EFI variables kept for VirtualMachine {namespace}/{name}: it is gone"
+                ),
+                Ok(false) => {}
+                Err(e) => warn!("kept EFI variables of VirtualMachine {namespace}/{name}: {e}"),
+            });
+        }
+    }
+
+    /// Reconciles every id once, concurrently: adoption before serving.
+    pub async fn reconcile_all(self: &Arc<Self>) -> Vec<(String, ControllerError)> {
+        let ids = self.all_ids().await;
+        let tasks: Vec<_> = ids
+            .into_iter()
+            .map(|id| {
+                let this = self.clone();
+                tokio::spawn(async move {
+                    let r = this.reconcile(&id).await;
+                    (id, r)
+                })
+            })
+            .collect();
+        let mut errors = Vec::new();
+        for t in tasks {
+            match t.await {
+                Ok((_, Ok(r))) => {
+                    if let Some(a) = r.found {
+                        self.metrics.adoption(a);
+                    }
+                }
+                Ok((id, Err(e))) => {
+                    self.metrics.error(e.reason());
+                    errors.push((id, e));
+                }
+                Err(_) => {}
+            }
+        }
+        errors
+    }
+
+    /// The loop: runs until `triggers` closes. At most one reconcile per id
+    /// at a time; a trigger during one marks it to run again.
+    pub async fn run(
+        self: Arc<Self>,
+        triggers: UnboundedSender<Trigger>,
+        mut rx: UnboundedReceiver<Trigger>,
+    ) {
+        let (done_tx, mut done_rx) = unbounded_channel::<(String, Result<Reconciled, String>)>();
+        let mut running: HashSet<String> = HashSet::new();
+        let mut dirty: HashSet<String> = HashSet::new();
+        let mut failures: HashMap<String, u32> = HashMap::new();
+        let spawn = |id: String, running: &mut HashSet<String>, dirty: &mut HashSet<String>| {
+            if !running.insert(id.clone()) {
+                dirty.insert(id);
+                return;
+            }
+            let this = self.clone();
+            let done = done_tx.clone();
+            tokio::spawn(async move {
+                let r = this.reconcile(&id).await.map_err(|e| {
+                    this.metrics.error(e.reason());
+                    e.to_string()
+                });
+                let _ = done.send((id, r));
+            });
+        };
+        loop {
+            tokio::select! {
+                t = rx.recv() => match t {
+                    None => break,
+                    Some(Trigger::Vm(id)) => spawn(id, &mut running, &mut dirty),
+                    Some(Trigger::Vmis(vmis)) => {
+                        for id in self.set_vmis(vmis).await {
+                            spawn(id, &mut running, &mut dirty);
+                        }
+                    }
+                    Some(Trigger::Resync) => {
+                        for id in self.all_ids().await {
+                            spawn(id, &mut running, &mut dirty);
+                        }
+                    }
+                    Some(Trigger::Heartbeat(n)) => self.heartbeat.store(n, Ordering::Relaxed),
+                    Some(Trigger::EfiVars) => {
+                        let this = self.clone();
+                        tokio::spawn(async move { this.sweep_efi_vars(None).await });
+                    }
+                },
+                Some((id, result)) = done_rx.recv() => {
+                    running.remove(&id);
+                    let delay = match result {
+                        Ok(r) => {
+                            failures.remove(&id);
+                            r.requeue_after
+                        }
+                        Err(e) => {
+                            let n = failures.entry(id.clone()).or_default();
+                            *n += 1;
+                            let delay = Duration::from_secs(1 << (*n).min(6));
+                            journal::vm_span(&id, None).in_scope(|| {
+                                warn!(retry_in = ?delay, "reconcile failed: {e}")
+                            });
+                            Some(delay)
+                        }
+                    };
+                    if dirty.remove(&id) {
+                        spawn(id, &mut running, &mut dirty);
+                    } else if let Some(d) = delay {
+                        let tx = triggers.clone();
+                        tokio::spawn(async move {
+                            tokio::time::sleep(d).await;
+                            let _ = tx.send(Trigger::Vm(id));
+                        });
+                    }
+                }
+            }
+        }
+    }
+}
+
+struct StepCtx<'a> {
+    id: &'a str,
+    /// The converted disks with their cluster objects' data, for this start.
+    disks: &'a [DiskPrep],
+    /// containerDisks pulled for this start, by volume.
+    images: &'a BTreeMap<String, ImageDisk>,
+    obs: &'a Observed,
+    vmi: Option<&'a VirtualMachineInstance>,
+    key: Option<&'a VmKey>,
+    converted: Option<&'a Converted>,
+    dom: Option<&'a DomainRef>,
+}
+
+fn status_err(id: &str) -> impl FnOnce(SourceError) -> ControllerError + '_ {
+    move |source| ControllerError::Status {
+        id: id.into(),
+        source,
+    }
+}
+
+/// The guest's DHCP hostname: the VMI's name, as KubeVirt hands out.
+fn hostname(vmi: &VirtualMachineInstance) -> String {
+    vmi.metadata.name.clone().unwrap_or_default()
+}
+
+/// Kubernetes' timestamp form: RFC 3339, UTC, whole seconds.
+pub fn now_rfc3339() -> String {
+    let now = jiff::Timestamp::now();
+    jiff::Timestamp::from_second(now.as_second())
+        .unwrap_or(now)
+        .to_string()
+}
+
+fn mib_of(p: Progress) -> String {
+    const MIB: f64 = 1024.0 * 1024.0;
+    format!(
+        "{:.1} of {:.1} MiB",
+        p.done as f64 / MIB,
+        p.total as f64 / MIB
+    )
+}

@@ -1,0 +1,544 @@
+//! Recording fakes of every external system, sharing one simulated host so
+//! tests can check what the loop did, in order, across systems.
+
+use crate::core::convert::DiskPrep;
+use crate::core::image::PullPolicy;
+use crate::core::key::{self, VmKey};
+use crate::core::layout::VmPaths;
+use crate::core::objects::{ObjectData, ObjectRef};
+use crate::core::plan::{DomainObs, DomainState, GuestAgent, UnitActivity, UnitObs};
+use crate::core::pullsecret::Credentials;
+use crate::core::unit::{Prop, UnitSpec, ENV_GRACE, ENV_NAME, ENV_NAMESPACE, ENV_UID};
+use crate::core::vmi::VirtualMachineInstance;
+use crate::host::image::{ImageDisk, ImageError, Images, Progress};
+use crate::host::libvirt::{DomainRef, Hypervisor, LibvirtError};
+use crate::host::machined::{MachineSpec, MachinedError, Machines};
+use crate::host::netns::{Netns, NetnsError};
+use crate::host::storage::{Storage, StorageError};
+use crate::host::systemd::{SystemdError, Units};
+use crate::sources::{EventReason, Recorder, SourceError, StatusStore};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+#[derive(Debug, Default)]
+pub struct HostState {
+    pub units: BTreeMap<String, UnitObs>,
+    pub unit_specs: BTreeMap<String, UnitSpec>,
+    pub netns: BTreeSet<String>,
+    pub dirs: BTreeSet<PathBuf>,
+    pub disks: Vec<DiskPrep>,
+    /// Domains by VM id.
+    pub domains: BTreeMap<String, DomainObs>,
+    pub statuses: BTreeMap<VmKey, VirtualMachineInstance>,
+    pub events: Vec<(VmKey, EventReason, String)>,
+    /// VMIs held (finalizer added) and released, by key.
+    pub held: BTreeSet<VmKey>,
+    /// Addresses leased, by VM id; and VM ids whose DHCP server runs.
+    pub addresses: BTreeMap<String, std::net::Ipv4Addr>,
+    pub dhcp: BTreeSet<String>,
+    pub released: Vec<VmKey>,
+    /// Every call, in order: `start kvirt-vm@ns_vm.service`, `define ns_vm`...
+    pub calls: Vec<String>,
+    /// Calls (by their recorded text prefix) that fail.
+    pub fail: BTreeSet<String>,
+    /// Whether guests power off when the ACPI button is pressed.
+    pub guests_ignore_acpi: bool,
+    /// Machines machined knows, by name.
+    pub machines: BTreeMap<String, MachineSpec>,
+    /// A host without systemd-machined.
+    pub no_machined: bool,
+    /// Images in the (pretend) image cache.
+    pub pulled: BTreeSet<String>,
+    /// Guest agents connected, by VM id.
+    pub agents: BTreeMap<String, GuestAgent>,
+    /// Cluster objects, by namespace and reference.
+    pub objects: BTreeMap<(String, ObjectRef), ObjectData>,
+    /// Kept EFI variables, by VM id.
+    pub kept_efi_vars: BTreeMap<String, crate::core::efivars::Kept>,
+    /// VirtualMachines that exist, as `namespace/name uid`; `None`: there
+    /// is no cluster to ask.
+    pub virtual_machines: Option<BTreeSet<String>>,
+}
+
+#[derive(Clone, Default)]
+pub struct FakeHost(Arc<Mutex<HostState>>);
+
+impl FakeHost {
+    pub fn state(&self) -> MutexGuard<'_, HostState> {
+        self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub fn take_calls(&self) -> Vec<String> {
+        std::mem::take(&mut self.state().calls)
+    }
+
+    /// Records a call; returns true when the test asked it to fail.
+    fn call(&self, what: String) -> bool {
+        let mut s = self.state();
+        let fail = s.fail.iter().any(|f| what.starts_with(f.as_str()));
+        s.calls.push(what);
+        fail
+    }
+
+    /// The guest powers itself off, as a real one would.
+    pub fn guest_poweroff(&self, id: &str) {
+        if let Some(d) = self.state().domains.get_mut(id) {
+            d.state = DomainState::Shutdown;
+        }
+    }
+
+    pub fn fail(&self, prefix: &str) {
+        self.state().fail.insert(prefix.into());
+    }
+
+    pub fn heal(&self, prefix: &str) {
+        self.state().fail.remove(prefix);
+    }
+}
+
+fn env_of(spec: &UnitSpec, k: &str) -> Option<String> {
+    spec.properties.iter().find_map(|p| match p {
+        Prop::Strs("Environment", env) => env
+            .iter()
+            .find_map(|e| e.strip_prefix(k)?.strip_prefix('=').map(str::to_owned)),
+        _ => None,
+    })
+}
+
+fn injected(what: &str) -> String {
+    format!("injected failure: {what}")
+}
+
+impl Units for FakeHost {
+    async fn start(&self, spec: &UnitSpec) -> Result<(), SystemdError> {
+        if self.call(format!("start {}", spec.name)) {
+            return Err(SystemdError::Job {
+                unit: spec.name.clone(),
+                verb: "start",
+                result: injected("start"),
+            });
+        }
+        let obs = UnitObs {
+            activity: UnitActivity::Active,
+            uid: env_of(spec, ENV_UID),
+            daemon: None,
+            grace: env_of(spec, ENV_GRACE)
+                .and_then(|g| g.parse().ok())
+                .map(Duration::from_secs),
+            domain_name: env_of(spec, ENV_NAMESPACE)
+                .zip(env_of(spec, ENV_NAME))
+                .map(|(a, b)| format!("{a}_{b}")),
+            result: "success".into(),
+        };
+        let mut s = self.state();
+        s.units.insert(spec.name.clone(), obs);
+        s.unit_specs.insert(spec.name.clone(), spec.clone());
+        Ok(())
+    }
+
+    async fn stop(&self, unit: &str) -> Result<(), SystemdError> {
+        if self.call(format!("stop {unit}")) {
+            return Err(SystemdError::Job {
+                unit: unit.into(),
+                verb: "stop",
+                result: injected("stop"),
+            });
+        }
+        let mut s = self.state();
+        s.units.remove(unit);
+        // machined forgets a machine whose unit is gone.
+        s.machines.retain(|_, m| m.unit != unit);
+        // Stopping the unit kills its daemon and QEMU with it.
+        if let Some(id) = key::id_from_unit(unit) {
+            s.domains.remove(id);
+        }
+        Ok(())
+    }
+
+    async fn get(&self, unit: &str) -> Result<Option<UnitObs>, SystemdError> {
+        Ok(self.state().units.get(unit).cloned())
+    }
+
+    async fn list_ids(&self) -> Result<Vec<String>, SystemdError> {
+        Ok(self
+            .state()
+            .units
+            .keys()
+            .filter_map(|u| key::id_from_unit(u).map(str::to_owned))
+            .collect())
+    }
+}
+
+/// Images are "pulled" into a cache that only exists in memory: half a
+/// progress report, then the whole, as a real pull reports.
+impl Images for FakeHost {
+    async fn disk(
+        &self,
+        image: &str,
+        _policy: PullPolicy,
+        path: Option<&str>,
+        auth: Option<&Credentials>,
+        progress: &(dyn Fn(Progress) + Send + Sync),
+    ) -> Result<ImageDisk, ImageError> {
+        let who = auth.map_or(String::new(), |c| format!(" as {}", c.username));
+        if self.call(format!("pull {image}{who}")) {
+            return Err(ImageError::Content {
+                image: image.into(),
+                message: injected("pull"),
+            });
+        }
+        progress(Progress { done: 1, total: 2 });
+        progress(Progress { done: 2, total: 2 });
+        let hex: String = image.bytes().map(|b| format!("{b:02x}")).take(32).collect();
+        let root = PathBuf::from("/var/cache/kvirt/images/sha256").join(&hex);
+        self.state().pulled.insert(image.into());
+        Ok(ImageDisk {
+            path: root.join(path.unwrap_or("disk/disk.qcow2").trim_start_matches('/')),
+            format: "qcow2",
+            root,
+            digest: format!("sha256:{hex}"),
+        })
+    }
+}
+
+impl Machines for FakeHost {
+    async fn registered(&self, name: &str) -> Result<Option<bool>, MachinedError> {
+        let s = self.state();
+        Ok((!s.no_machined).then(|| s.machines.contains_key(name)))
+    }
+
+    async fn register(&self, spec: &MachineSpec) -> Result<(), MachinedError> {
+        if self.call(format!("register-machine {}", spec.name)) {
+            return Err(MachinedError::Leader {
+                name: spec.name.clone(),
+                path: spec.pid_file.clone(),
+                message: injected("register-machine"),
+            });
+        }
+        self.state()
+            .machines
+            .insert(spec.name.clone(), spec.clone());
+        Ok(())
+    }
+
+    async fn unregister(&self, name: &str) -> Result<(), MachinedError> {
+        self.call(format!("unregister-machine {name}"));
+        self.state().machines.remove(name);
+        Ok(())
+    }
+}
+
+impl Netns for FakeHost {
+    async fn create(&self, name: &str) -> Result<(), NetnsError> {
+        if self.call(format!("netns add {name}")) {
+            return Err(NetnsError::Loopback {
+                name: name.into(),
+                message: injected("netns"),
+            });
+        }
+        self.state().netns.insert(name.into());
+        Ok(())
+    }
+
+    async fn delete(&self, name: &str) -> Result<(), NetnsError> {
+        if self.call(format!("netns del {name}")) {
+            return Err(NetnsError::Loopback {
+                name: name.into(),
+                message: injected("netns del"),
+            });
+        }
+        self.state().netns.remove(name);
+        Ok(())
+    }
+
+    async fn exists(&self, name: &str) -> Result<bool, NetnsError> {
+        Ok(self.state().netns.contains(name))
+    }
+
+    async fn list(&self) -> Result<Vec<String>, NetnsError> {
+        Ok(self.state().netns.iter().cloned().collect())
+    }
+}
+
+impl Hypervisor for FakeHost {
+    async fn observe(&self, d: &DomainRef) -> Result<Option<DomainObs>, LibvirtError> {
+        Ok(self.state().domains.get(&d.id).cloned())
+    }
+
+    async fn define(&self, d: &DomainRef, xml: &str) -> Result<(), LibvirtError> {
+        if self.call(format!("define {}", d.name)) {
+            return Err(LibvirtError::Call {
+                id: d.id.clone(),
+                op: "define",
+                message: injected("define"),
+            });
+        }
+        let uid = xml
+            .find(":uid>")
+            .map(|i| &xml[i + 5..])
+            .and_then(|r| r.split('<').next())
+            .map(str::to_owned);
+        self.state().domains.insert(
+            d.id.clone(),
+            DomainObs {
+                state: DomainState::Shutoff,
+                uid,
+            },
+        );
+        Ok(())
+    }
+
+    async fn start(&self, d: &DomainRef) -> Result<(), LibvirtError> {
+        if self.call(format!("start-domain {}", d.name)) {
+            return Err(LibvirtError::Call {
+                id: d.id.clone(),
+                op: "start",
+                message: injected("start"),
+            });
+        }
+        if let Some(dom) = self.state().domains.get_mut(&d.id) {
+            dom.state = DomainState::Running;
+        }
+        Ok(())
+    }
+
+    async fn shutdown(&self, d: &DomainRef) -> Result<(), LibvirtError> {
+        self.call(format!("shutdown {}", d.name));
+        let mut s = self.state();
+        let ignore = s.guests_ignore_acpi;
+        if let Some(dom) = s.domains.get_mut(&d.id).filter(|_| !ignore) {
+            dom.state = DomainState::Shutdown;
+        }
+        Ok(())
+    }
+
+    async fn destroy(&self, d: &DomainRef) -> Result<(), LibvirtError> {
+        self.call(format!("destroy {}", d.name));
+        if let Some(dom) = self.state().domains.get_mut(&d.id) {
+            dom.state = DomainState::Shutoff;
+        }
+        Ok(())
+    }
+
+    async fn forget(&self, _id: &str) {}
+
+    async fn guest_agent(&self, d: &DomainRef) -> Result<Option<GuestAgent>, LibvirtError> {
+        let s = self.state();
+        let running = s
+            .domains
+            .get(&d.id)
+            .is_some_and(|dom| dom.state == DomainState::Running);
+        Ok(s.agents.get(&d.id).filter(|_| running).cloned())
+    }
+}
+
+impl Storage for FakeHost {
+    async fn create_dirs(&self, paths: &VmPaths) -> Result<(), StorageError> {
+        self.call(format!("mkdir {}", paths.state_dir.display()));
+        let mut s = self.state();
+        s.dirs.insert(paths.state_dir.clone());
+        s.dirs.insert(paths.runtime_dir.clone());
+        Ok(())
+    }
+
+    async fn prepare_disk(
+        &self,
+        disk: &DiskPrep,
+        _roots: &[PathBuf],
+        _images: &crate::host::storage::Pulled,
+    ) -> Result<(), StorageError> {
+        let path = disk.path().to_owned();
+        if self.call(format!("disk {}", path.display())) {
+            return Err(StorageError::Disk {
+                path,
+                message: injected("disk"),
+            });
+        }
+        self.state().disks.push(disk.clone());
+        Ok(())
+    }
+
+    async fn remove_dir(&self, dir: &Path) -> Result<(), StorageError> {
+        self.call(format!("rmdir {}", dir.display()));
+        self.state().dirs.remove(dir);
+        Ok(())
+    }
+
+    /// Hugepage directories are never made by the fake host.
+    async fn remove_hugepages(&self, _id: &str) -> Result<(), StorageError> {
+        Ok(())
+    }
+
+    /// Nor are EFI variables: tests plant them in `kept_efi_vars`.
+    async fn keep_efi_vars(&self, _paths: &VmPaths) -> Result<(), StorageError> {
+        Ok(())
+    }
+
+    async fn kept_efi_vars(&self) -> Result<Vec<crate::core::efivars::Kept>, StorageError> {
+        Ok(self.state().kept_efi_vars.values().cloned().collect())
+    }
+
+    async fn remove_kept_efi_vars(&self, id: &str) -> Result<(), StorageError> {
+        let dir = PathBuf::from(format!("efi-vars/{id}"));
+        if self.call(format!("rmdir {}", dir.display())) {
+            return Err(StorageError::Disk {
+                path: dir,
+                message: injected("rmdir"),
+            });
+        }
+        self.state().kept_efi_vars.remove(id);
+        Ok(())
+    }
+
+    async fn exists(&self, dir: &Path) -> bool {
+        self.state().dirs.contains(dir)
+    }
+
+    async fn list_ids(&self) -> Vec<String> {
+        let s = self.state();
+        let mut ids: Vec<String> = s
+            .dirs
+            .iter()
+            .filter_map(|d| d.file_name()?.to_str().map(str::to_owned))
+            .collect();
+        ids.sort();
+        ids.dedup();
+        ids
+    }
+}
+
+impl StatusStore for FakeHost {
+    async fn load(&self, key: &VmKey) -> Option<VirtualMachineInstance> {
+        self.state().statuses.get(key).cloned()
+    }
+
+    async fn save(&self, vmi: &VirtualMachineInstance) -> Result<(), SourceError> {
+        let key = vmi.key().expect("saved VMIs have keys");
+        if self.call(format!("save {key}")) {
+            return Err(SourceError::Manifest {
+                path: "fake".into(),
+                message: injected("save"),
+            });
+        }
+        self.state().statuses.insert(key, vmi.clone());
+        Ok(())
+    }
+
+    async fn hold(&self, vmi: &VirtualMachineInstance) -> Result<(), SourceError> {
+        let key = vmi.key().expect("held VMIs have keys");
+        self.call(format!("hold {key}"));
+        self.state().held.insert(key);
+        Ok(())
+    }
+
+    async fn release(&self, vmi: &VirtualMachineInstance) -> Result<(), SourceError> {
+        let key = vmi.key().expect("released VMIs have keys");
+        self.call(format!("release {key}"));
+        let mut s = self.state();
+        s.held.remove(&key);
+        s.released.push(key);
+        Ok(())
+    }
+
+    async fn object(
+        &self,
+        namespace: &str,
+        object: &ObjectRef,
+    ) -> Result<Option<ObjectData>, SourceError> {
+        if self.call(format!("read {namespace}/{object}")) {
+            return Err(SourceError::Object {
+                namespace: namespace.into(),
+                object: object.clone(),
+                message: injected("read"),
+            });
+        }
+        let key = (namespace.to_owned(), object.clone());
+        Ok(self.state().objects.get(&key).cloned())
+    }
+
+    async fn virtual_machine_exists(
+        &self,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+    ) -> Result<bool, SourceError> {
+        let vm = format!("{namespace}/{name} {uid}");
+        if self.call(format!("get vm {vm}")) {
+            return Err(SourceError::VirtualMachine {
+                namespace: namespace.into(),
+                name: name.into(),
+                message: injected("get vm"),
+            });
+        }
+        Ok(self
+            .state()
+            .virtual_machines
+            .as_ref()
+            .is_none_or(|vms| vms.contains(&vm)))
+    }
+}
+
+impl Recorder for FakeHost {
+    fn record(
+        &self,
+        vmi: &VirtualMachineInstance,
+        reason: EventReason,
+        message: &str,
+        _warning: bool,
+    ) {
+        let key = vmi.key().expect("recorded VMIs have keys");
+        self.state().events.push((key, reason, message.to_owned()));
+    }
+}
+
+impl crate::host::network::Network for FakeHost {
+    async fn setup(
+        &self,
+        id: &str,
+        _uid: &str,
+        _hostname: &str,
+        _net: &crate::core::convert::network::NetSpec,
+    ) -> Result<std::net::Ipv4Addr, crate::host::network::NetworkError> {
+        if self.call(format!("net setup {id}")) {
+            return Err(crate::host::network::NetworkError::Vm {
+                id: id.into(),
+                message: injected("net setup"),
+            });
+        }
+        let mut s = self.state();
+        let next = std::net::Ipv4Addr::new(10, 213, 0, 2 + s.addresses.len() as u8);
+        let ip = *s.addresses.entry(id.into()).or_insert(next);
+        s.dhcp.insert(id.into());
+        Ok(ip)
+    }
+
+    async fn attach(
+        &self,
+        id: &str,
+        _hostname: &str,
+        _net: &crate::core::convert::network::NetSpec,
+    ) -> Result<(), crate::host::network::NetworkError> {
+        if self.state().dhcp.insert(id.into()) {
+            self.call(format!("net attach {id}"));
+        }
+        Ok(())
+    }
+
+    async fn teardown(&self, id: &str) -> Result<(), crate::host::network::NetworkError> {
+        self.call(format!("net teardown {id}"));
+        let mut s = self.state();
+        s.addresses.remove(id);
+        s.dhcp.remove(id);
+        Ok(())
+    }
+
+    fn address(&self, id: &str) -> Option<std::net::Ipv4Addr> {
+        self.state().addresses.get(id).copied()
+    }
+
+    fn ids(&self) -> Vec<String> {
+        self.state().addresses.keys().cloned().collect()
+    }
+}

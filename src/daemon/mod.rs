@@ -1,0 +1,8 @@
+//! What composes the rest: the controller (the level-triggered loop over
+//! `host` adapters and a `sources` status store), its configuration and
+//! metrics, and a recording fake of every adapter for the loop's tests.
+
+pub mod config;
+pub mod controller;
+pub mod fake;
+pub mod metrics;

@@ -1,0 +1,867 @@
+//! containerDisk images: pulled from their registry once per manifest
+//! digest into a shared, read-only cache that every VM of that image uses as
+//! the backing file of its own overlay.
+//!
+//! Cache layout under `/var/cache/kvirt/images`:
+//! - `sha256/<manifest digest>/`: the image's files, complete (made in
+//!   `.tmp/` and renamed into place, so a directory here is never partial);
+//! - `blobs/<digest>[.partial]`: layers being downloaded; a `.partial` left
+//!   by a restart is resumed with a range request, and checked against its
+//!   digest before use;
+//! - `refs/<sha256 of the reference>`: the digest a tag resolved to, for
+//!   `IfNotPresent`.
+
+use crate::core::image::{disk_format, parse_reference, PullPolicy};
+use crate::core::pullsecret::Credentials;
+use oci_client::client::{BlobResponse, ClientConfig, ClientProtocol};
+use oci_client::manifest::OciDescriptor;
+use oci_client::secrets::RegistryAuth;
+use oci_client::{Client, Reference};
+use sha2::{Digest, Sha256};
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::future::Future;
+use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Component, Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use tokio::io::AsyncWriteExt;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ImageError {
+    #[error("{image}: not an image reference: {message}")]
+    Reference { image: String, message: String },
+    #[error("{image}: not in the cache, and imagePullPolicy is Never")]
+    NeverPull { image: String },
+    #[error("{image}: registry: {source}")]
+    Registry {
+        image: String,
+        source: oci_client::errors::OciDistributionError,
+    },
+    #[error("{image}: {path}: {op}: {source}")]
+    Io {
+        image: String,
+        path: PathBuf,
+        op: &'static str,
+        source: std::io::Error,
+    },
+    #[error("{image}: {message}")]
+    Content { image: String, message: String },
+    #[error("{image}: imagePullSecret {secret:?}: {message}")]
+    PullSecret {
+        image: String,
+        secret: String,
+        message: String,
+    },
+}
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Progress {
+    pub done: u64,
+    pub total: u64,
+}
+
+/// An image in the cache: its files under `root`, never written again.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct CachedImage {
+    pub image: String,
+    /// The manifest digest (`sha256:…`).
+    pub digest: String,
+    pub root: PathBuf,
+}
+
+/// The disk file a containerDisk boots from.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ImageDisk {
+    pub path: PathBuf,
+    pub format: &'static str,
+    /// The image's directory in the cache (what the VM's unit may read).
+    pub root: PathBuf,
+    pub digest: String,
+}
+
+impl CachedImage {
+    /// The disk in the image: `path` if given, else the first file in
+    /// `/disk/` (KubeVirt's rule).
+    pub fn disk(&self, path: Option<&str>) -> Result<ImageDisk, ImageError> {
+        let content = |message: String| ImageError::Content {
+            image: self.image.clone(),
+            message,
+        };
+        let file = match path {
+            Some(p) => {
+                let rel = relative(Path::new(p))
+                    .ok_or_else(|| content(format!("path {p:?} is not a plain path")))?;
+                self.root.join(rel)
+            }
+            None => {
+                let dir = self.root.join("disk");
+                let mut files: Vec<PathBuf> = std::fs::read_dir(&dir)
+                    .map_err(|_| content("has no /disk/ directory".into()))?
+                    .filter_map(|e| e.ok())
+                    .filter(|e| e.file_type().is_ok_and(|t| t.is_file()))
+                    .map(|e| e.path())
+                    .collect();
+                files.sort();
+                files
+                    .into_iter()
+                    .next()
+                    .ok_or_else(|| content("has no file in /disk/".into()))?
+            }
+        };
+        let shown = file.strip_prefix(&self.root).unwrap_or(&file).to_owned();
+        match std::fs::symlink_metadata(&file) {
+            Ok(m) if m.is_file() => {}
+            _ => return Err(content(format!("/{} is not a file", shown.display()))),
+        }
+        let mut header = [0u8; 104];
+        let n = std::fs::File::open(&file)
+            .and_then(|mut f| read_up_to(&mut f, &mut header))
+            .map_err(|source| ImageError::Io {
+                image: self.image.clone(),
+                path: file.clone(),
+                op: "read",
+                source,
+            })?;
+        let format =
+            disk_format(&header[..n]).map_err(|m| content(format!("/{}: {m}", shown.display())))?;
+        Ok(ImageDisk {
+            path: file,
+            format,
+            root: self.root.clone(),
+            digest: self.digest.clone(),
+        })
+    }
+}
+
+fn read_up_to(f: &mut std::fs::File, buf: &mut [u8]) -> std::io::Result<usize> {
+    let mut n = 0;
+    while n < buf.len() {
+        match f.read(&mut buf[n..])? {
+            0 => break,
+            k => n += k,
+        }
+    }
+    Ok(n)
+}
+
+/// A tar entry's path made relative and checked: `None` for anything that
+/// could leave the directory it is extracted to.
+fn relative(p: &Path) -> Option<PathBuf> {
+    let mut out = PathBuf::new();
+    for c in p.components() {
+        match c {
+            Component::Normal(n) => out.push(n),
+            Component::CurDir | Component::RootDir => {}
+            Component::ParentDir | Component::Prefix(_) => return None,
+        }
+    }
+    (!out.as_os_str().is_empty()).then_some(out)
+}
+
+pub trait Images: Send + Sync + 'static {
+    /// The disk of a containerDisk (`path` in the image, or the file in
+    /// `/disk/`), pulled into the cache first if the policy says so.
+    /// Concurrent calls for one image share one download.
+    fn disk(
+        &self,
+        image: &str,
+        policy: PullPolicy,
+        path: Option<&str>,
+        auth: Option<&Credentials>,
+        progress: &(dyn Fn(Progress) + Send + Sync),
+    ) -> impl Future<Output = Result<ImageDisk, ImageError>> + Send;
+}
+
+/// Images from OCI registries, with the cache on the host.
+pub struct OciImages {
+    dir: PathBuf,
+    https: Client,
+    http: Client,
+    insecure: Vec<String>,
+    /// One lock per image reference: the second VM waits for the first
+    /// one's pull and then finds the image cached.
+    locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// Registries spoken to over plain HTTP: loopback ones (as Docker and
+/// containerd do) and those configured as insecure.
+pub fn is_plain_http(registry: &str, insecure: &[String]) -> bool {
+    let host = match registry.rsplit_once(':') {
+        Some((h, port)) if port.bytes().all(|b| b.is_ascii_digit()) => h,
+        _ => registry,
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+        || insecure.iter().any(|i| i == registry)
+}
+
+fn client(protocol: ClientProtocol) -> Client {
+    // reqwest is built without a TLS provider of its own: use ring, as kube does.
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    Client::new(ClientConfig {
+        protocol,
+        connect_timeout: Some(std::time::Duration::from_secs(30)),
+        read_timeout: Some(std::time::Duration::from_secs(60)),
+        ..Default::default()
+    })
+}
+
+impl OciImages {
+    /// One per kvirtd: unpacking a crashed predecessor left behind in
+    /// `.tmp/` is dropped (its `.partial` downloads are kept and resumed).
+    pub fn new(dir: PathBuf, insecure: Vec<String>) -> Self {
+        let _ = std::fs::remove_dir_all(dir.join(".tmp"));
+        Self {
+            dir,
+            https: client(ClientProtocol::Https),
+            http: client(ClientProtocol::Http),
+            insecure,
+            locks: Mutex::default(),
+        }
+    }
+
+    fn lock_for(&self, image: &str) -> Arc<tokio::sync::Mutex<()>> {
+        let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
+        locks.entry(image.to_owned()).or_default().clone()
+    }
+
+    fn entry(&self, image: &str, digest: &str) -> Option<CachedImage> {
+        let root = self.dir.join("sha256").join(hex_of(digest)?);
+        root.is_dir().then(|| CachedImage {
+            image: image.to_owned(),
+            digest: digest.to_owned(),
+            root,
+        })
+    }
+
+    fn ref_file(&self, image: &str) -> PathBuf {
+        let h = Sha256::digest(image.as_bytes());
+        let name: String = h.iter().map(|b| format!("{b:02x}")).collect();
+        self.dir.join("refs").join(name)
+    }
+
+    /// What the cache holds for `image` without asking the registry.
+    fn cached(&self, image: &str, r: &Reference) -> Option<CachedImage> {
+        let digest = match r.digest() {
+            Some(d) => d.to_owned(),
+            None => std::fs::read_to_string(self.ref_file(image)).ok()?,
+        };
+        self.entry(image, digest.trim())
+    }
+
+    fn remember(&self, image: &str, digest: &str) -> Result<(), ImageError> {
+        let f = self.ref_file(image);
+        let dir = f.parent().expect("refs/ has a parent");
+        mkdir(dir).map_err(io_err(image, dir, "create directory"))?;
+        let tmp = f.with_extension("tmp");
+        std::fs::write(&tmp, digest)
+            .and_then(|_| std::fs::rename(&tmp, &f))
+            .map_err(io_err(image, &f, "write"))
+    }
+
+    async fn pull(
+        &self,
+        image: &str,
+        r: &Reference,
+        auth: Option<&Credentials>,
+        progress: &(dyn Fn(Progress) + Send + Sync),
+    ) -> Result<CachedImage, ImageError> {
+        let (client, registry_auth) = self.client_for(r, auth);
+        let client = client.as_ref();
+        let registry = |source| ImageError::Registry {
+            image: image.to_owned(),
+            source,
+        };
+        let (manifest, digest) = client
+            .pull_image_manifest(r, &registry_auth)
+            .await
+            .map_err(registry)?;
+        if auth.is_some() {
+            // Marked before the first byte lands in the cache, so a crash
+            // can never leave a private image looking public.
+            if let Some(m) = self.private_marker(&digest) {
+                let dir = m.parent().expect("private/ has a parent");
+                mkdir(dir).map_err(io_err(image, dir, "create directory"))?;
+                std::fs::write(&m, b"").map_err(io_err(image, &m, "write"))?;
+            }
+        }
+        if let Some(c) = self.entry(image, &digest) {
+            self.remember(image, &digest)?;
+            return Ok(c);
+        }
+        let content = |message: String| ImageError::Content {
+            image: image.to_owned(),
+            message,
+        };
+        let hex = hex_of(&digest).ok_or_else(|| content(format!("manifest digest {digest:?}")))?;
+        let total = manifest.layers.iter().map(|l| l.size.max(0) as u64).sum();
+        let mut done = 0;
+        let mut blobs = Vec::new();
+        for layer in &manifest.layers {
+            let blob = self
+                .blob(client, image, r, layer, |n| {
+                    progress(Progress {
+                        done: done + n,
+                        total,
+                    })
+                })
+                .await?;
+            done += layer.size.max(0) as u64;
+            blobs.push(blob);
+        }
+        let (dir, img) = (self.dir.clone(), image.to_owned());
+        let layers = blobs.clone();
+        let root = tokio::task::spawn_blocking(move || unpack(&dir, &img, &hex, &layers))
+            .await
+            .map_err(|_| content("unpacking: worker thread died".into()))??;
+        self.remember(image, &digest)?;
+        for b in blobs {
+            let _ = std::fs::remove_file(b);
+        }
+        Ok(CachedImage {
+            image: image.to_owned(),
+            digest,
+            root,
+        })
+    }
+
+    /// Downloads one layer into `blobs/`, resuming a partial download.
+    async fn blob(
+        &self,
+        client: &Client,
+        image: &str,
+        r: &Reference,
+        layer: &OciDescriptor,
+        progress: impl Fn(u64),
+    ) -> Result<PathBuf, ImageError> {
+        let content = |message: String| ImageError::Content {
+            image: image.to_owned(),
+            message,
+        };
+        let hex = hex_of(&layer.digest)
+            .ok_or_else(|| content(format!("layer digest {:?}", layer.digest)))?;
+        let dir = self.dir.join("blobs");
+        mkdir(&dir).map_err(io_err(image, &dir, "create directory"))?;
+        let done = dir.join(&hex);
+        if done.is_file() {
+            return Ok(done);
+        }
+        let partial = dir.join(format!("{hex}.partial"));
+        let have = std::fs::metadata(&partial).map_or(0, |m| m.len());
+        let size = layer.size.max(0) as u64;
+        if have < size {
+            let response = client
+                .pull_blob_stream_partial(r, layer, have, None)
+                .await
+                .map_err(|source| ImageError::Registry {
+                    image: image.to_owned(),
+                    source,
+                })?;
+            let (mut stream, mut at, file) = match response {
+                BlobResponse::Partial(s) => {
+                    let f = tokio::fs::OpenOptions::new()
+                        .create(true)
+                        .append(true)
+                        .open(&partial)
+                        .await;
+                    (s, have, f)
+                }
+                // The registry sent it all again: start over.
+                BlobResponse::Full(s) => (s, 0, tokio::fs::File::create(&partial).await),
+            };
+            let mut file = file.map_err(io_err(image, &partial, "open"))?;
+            use futures::StreamExt;
+            while let Some(chunk) = stream.next().await {
+                let chunk = chunk.map_err(io_err(image, &partial, "download"))?;
+                file.write_all(&chunk)
+                    .await
+                    .map_err(io_err(image, &partial, "write"))?;
+                at += chunk.len() as u64;
+                progress(at);
+            }
+            file.flush()
+                .await
+                .map_err(io_err(image, &partial, "write"))?;
+        }
+        let check = partial.clone();
+        let sum = tokio::task::spawn_blocking(move || sha256_file(&check))
+            .await
+            .map_err(|_| content("hashing: worker thread died".into()))?
+            .map_err(io_err(image, &partial, "read"))?;
+        if sum != hex {
+            let _ = std::fs::remove_file(&partial);
+            return Err(content(format!(
+                "layer {} arrived with digest sha256:{sum}",
+                layer.digest
+            )));
+        }
+        std::fs::rename(&partial, &done).map_err(io_err(image, &done, "rename"))?;
+        Ok(done)
+    }
+}
+
+impl Images for OciImages {
+    async fn disk(
+        &self,
+        image: &str,
+        policy: PullPolicy,
+        path: Option<&str>,
+        auth: Option<&Credentials>,
+        progress: &(dyn Fn(Progress) + Send + Sync),
+    ) -> Result<ImageDisk, ImageError> {
+        self.ensure(image, policy, auth, progress).await?.disk(path)
+    }
+}
+
+impl OciImages {
+    /// The image in the cache, pulled first if the policy says so.
+    pub async fn ensure(
+        &self,
+        image: &str,
+        policy: PullPolicy,
+        auth: Option<&Credentials>,
+        progress: &(dyn Fn(Progress) + Send + Sync),
+    ) -> Result<CachedImage, ImageError> {
+        let r = parse_reference(image).map_err(|message| ImageError::Reference {
+            image: image.to_owned(),
+            message,
+        })?;
+        let lock = self.lock_for(image);
+        let _one_pull = lock.lock().await;
+        if policy != PullPolicy::Always {
+            if let Some(c) = self.cached(image, &r) {
+                if self.is_private(&c.digest) {
+                    // A private image in the cache is not a licence to use
+                    // it: the registry must say these credentials may.
+                    let (client, registry_auth) = self.client_for(&r, auth);
+                    client
+                        .fetch_manifest_digest(&r, &registry_auth)
+                        .await
+                        .map_err(|source| ImageError::Registry {
+                            image: image.to_owned(),
+                            source,
+                        })?;
+                }
+                return Ok(c);
+            }
+        }
+        if policy == PullPolicy::Never {
+            return Err(ImageError::NeverPull {
+                image: image.to_owned(),
+            });
+        }
+        self.pull(image, &r, auth, progress).await
+    }
+
+    /// The client and credentials for a registry. A pull with credentials
+    /// gets a client of its own: oci-client keeps the tokens it is given
+    /// per repository, and one VM's must never serve another's pull.
+    fn client_for(
+        &self,
+        r: &Reference,
+        auth: Option<&Credentials>,
+    ) -> (Cow<'_, Client>, RegistryAuth) {
+        let protocol = if is_plain_http(r.resolve_registry(), &self.insecure) {
+            ClientProtocol::Http
+        } else {
+            ClientProtocol::Https
+        };
+        match auth {
+            None => {
+                let shared = match protocol {
+                    ClientProtocol::Http => &self.http,
+                    _ => &self.https,
+                };
+                (Cow::Borrowed(shared), RegistryAuth::Anonymous)
+            }
+            Some(c) => (
+                Cow::Owned(client(protocol)),
+                RegistryAuth::Basic(c.username.clone(), c.password.clone()),
+            ),
+        }
+    }
+
+    /// Images pulled with credentials are marked, by digest.
+    fn private_marker(&self, digest: &str) -> Option<PathBuf> {
+        Some(self.dir.join("private").join(hex_of(digest)?))
+    }
+
+    fn is_private(&self, digest: &str) -> bool {
+        self.private_marker(digest).is_some_and(|m| m.exists())
+    }
+}
+
+fn io_err(image: &str, path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> ImageError {
+    let (image, path) = (image.to_owned(), path.to_owned());
+    move |source| ImageError::Io {
+        image,
+        path,
+        op,
+        source,
+    }
+}
+
+/// `sha256:<64 hex>` → the hex; anything else (which could steer a path) → None.
+fn hex_of(digest: &str) -> Option<String> {
+    let hex = digest.strip_prefix("sha256:")?;
+    (hex.len() == 64
+        && hex
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()))
+    .then(|| hex.to_owned())
+}
+
+fn mkdir(dir: &Path) -> std::io::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
+}
+
+fn sha256_file(path: &Path) -> std::io::Result<String> {
+    let mut f = std::fs::File::open(path)?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        match f.read(&mut buf)? {
+            0 => break,
+            n => h.update(&buf[..n]),
+        }
+    }
+    Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
+}
+
+/// Applies the layers in order into `.tmp/` and renames the result to
+/// `sha256/<hex>`. Only directories and regular files are made (root's,
+/// world-readable): links, devices and paths leaving the tree are skipped.
+fn unpack(dir: &Path, image: &str, hex: &str, layers: &[PathBuf]) -> Result<PathBuf, ImageError> {
+    let io = |path: &Path, op| io_err(image, path, op);
+    let tmp_parent = dir.join(".tmp");
+    mkdir(&tmp_parent).map_err(io(&tmp_parent, "create directory"))?;
+    let tmp = tmp_parent.join(format!("{hex}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&tmp);
+    mkdir(&tmp).map_err(io(&tmp, "create directory"))?;
+    let result = (|| {
+        for layer in layers {
+            let f = std::fs::File::open(layer).map_err(io(layer, "open"))?;
+            unpack_layer(f, &tmp).map_err(io(layer, "unpack"))?;
+        }
+        let root = dir.join("sha256").join(hex);
+        let parent = root.parent().expect("sha256/ has a parent");
+        mkdir(parent).map_err(io(parent, "create directory"))?;
+        std::fs::rename(&tmp, &root).map_err(io(&root, "rename"))?;
+        Ok(root)
+    })();
+    let _ = std::fs::remove_dir_all(&tmp);
+    result
+}
+
+fn unpack_layer(mut f: std::fs::File, into: &Path) -> std::io::Result<()> {
+    use std::io::{Seek, SeekFrom};
+    let mut magic = [0u8; 4];
+    let n = read_up_to(&mut f, &mut magic)?;
+    f.seek(SeekFrom::Start(0))?;
+    let reader: Box<dyn Read> = match &magic[..n] {
+        [0x1f, 0x8b, ..] => Box::new(flate2::read::GzDecoder::new(f)),
+        [0x28, 0xb5, 0x2f, 0xfd] => {
+            return Err(std::io::Error::other(
+                "zstd layers are not supported (use gzip or plain tar)",
+            ))
+        }
+        _ => Box::new(f),
+    };
+    let mut archive = tar::Archive::new(reader);
+    for entry in archive.entries()? {
+        let mut entry = entry?;
+        let Some(rel) = relative(&entry.path()?) else {
+            continue;
+        };
+        let name = rel.file_name().and_then(|n| n.to_str()).unwrap_or("");
+        let parent = into.join(rel.parent().unwrap_or(Path::new("")));
+        // Whiteouts: a later layer deleting what an earlier one made.
+        if name == ".wh..wh..opq" {
+            if let Ok(children) = std::fs::read_dir(&parent) {
+                for c in children.flatten() {
+                    remove_any(&c.path())?;
+                }
+            }
+            continue;
+        }
+        if let Some(gone) = name.strip_prefix(".wh.") {
+            remove_any(&parent.join(gone))?;
+            continue;
+        }
+        let target = into.join(&rel);
+        match entry.header().entry_type() {
+            tar::EntryType::Directory => {
+                if !target.is_dir() {
+                    remove_any(&target)?;
+                }
+                mkdir(&target)?;
+            }
+            tar::EntryType::Regular | tar::EntryType::Continuous => {
+                mkdir(&parent)?;
+                remove_any(&target)?;
+                let mut out = std::fs::File::create_new(&target)?;
+                std::io::copy(&mut entry, &mut out)?;
+                out.set_permissions(std::fs::Permissions::from_mode(0o644))?;
+            }
+            _ => {}
+        }
+    }
+    Ok(())
+}
+
+fn remove_any(p: &Path) -> std::io::Result<()> {
+    match std::fs::symlink_metadata(p) {
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(p),
+        Ok(_) => std::fs::remove_file(p),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Builds a containerDisk image (one layer with the files under `/disk/`,
+/// by their file names) and pushes it: what `kvirtctl push-disk` does.
+pub async fn push_disk(
+    files: &[PathBuf],
+    image: &str,
+    insecure: &[String],
+    auth: Option<&Credentials>,
+) -> Result<String, ImageError> {
+    use oci_client::client::{Config, ImageLayer};
+    let r = parse_reference(image).map_err(|message| ImageError::Reference {
+        image: image.to_owned(),
+        message,
+    })?;
+    let mut entries = Vec::new();
+    for f in files {
+        let name = f.file_name().ok_or_else(|| ImageError::Content {
+            image: image.to_owned(),
+            message: format!("{}: not a file name", f.display()),
+        })?;
+        entries.push((f.clone(), Path::new("disk").join(name)));
+    }
+    let layer = tokio::task::spawn_blocking(move || -> std::io::Result<Vec<u8>> {
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        {
+            let mut tar = tar::Builder::new(&mut gz);
+            let mut dir = tar::Header::new_gnu();
+            dir.set_entry_type(tar::EntryType::Directory);
+            dir.set_mode(0o555);
+            dir.set_size(0);
+            // KubeVirt's containerDisks belong to QEMU's user in the image.
+            dir.set_uid(107);
+            dir.set_gid(107);
+            tar.append_data(&mut dir, "disk/", std::io::empty())?;
+            for (from, to) in &entries {
+                let mut f = std::fs::File::open(from).map_err(|e| {
+                    std::io::Error::new(e.kind(), format!("{}: {e}", from.display()))
+                })?;
+                let mut h = tar::Header::new_gnu();
+                h.set_size(f.metadata()?.len());
+                h.set_mode(0o440);
+                h.set_uid(107);
+                h.set_gid(107);
+                tar.append_data(&mut h, to, &mut f)?;
+            }
+            tar.finish()?;
+        }
+        gz.finish()
+    })
+    .await
+    .map_err(|_| ImageError::Content {
+        image: image.to_owned(),
+        message: "worker thread died".into(),
+    })?
+    .map_err(|e| ImageError::Content {
+        image: image.to_owned(),
+        message: e.to_string(),
+    })?;
+    let config = serde_json::json!({
+        "architecture": "amd64",
+        "os": "linux",
+        "rootfs": {"type": "layers", "diff_ids": []},
+        "config": {},
+    });
+    let client = client(if is_plain_http(r.resolve_registry(), insecure) {
+        ClientProtocol::Http
+    } else {
+        ClientProtocol::Https
+    });
+    let layers = [ImageLayer::oci_v1_gzip(layer, None)];
+    let config = Config::oci_v1(config.to_string().into_bytes(), None);
+    let registry_auth = auth.map_or(RegistryAuth::Anonymous, |c| {
+        RegistryAuth::Basic(c.username.clone(), c.password.clone())
+    });
+    let pushed = client
+        .push(&r, &layers, config, &registry_auth, None)
+        .await
+        .map_err(|source| ImageError::Registry {
+            image: image.to_owned(),
+            source,
+        })?;
+    Ok(pushed.manifest_url)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_http_only_for_loopback_and_configured_registries() {
+        assert!(is_plain_http("127.0.0.1:5000", &[]));
+        assert!(is_plain_http("localhost:5000", &[]));
+        assert!(is_plain_http("[::1]:5000", &[]));
+        assert!(!is_plain_http("quay.io", &[]));
+        assert!(!is_plain_http("10.0.0.1:5000", &[]));
+        assert!(is_plain_http("10.0.0.1:5000", &["10.0.0.1:5000".into()]));
+    }
+
+    #[test]
+    fn digests_never_become_paths_outside_the_cache() {
+        let good = format!("sha256:{}", "0123456789abcdef".repeat(4));
+        assert_eq!(hex_of(&good).unwrap().len(), 64);
+        assert_eq!(hex_of("sha256:../../etc"), None);
+        assert_eq!(hex_of(&good.to_uppercase()), None);
+        assert_eq!(hex_of(&format!("sha512:{}", "0".repeat(64))), None);
+        assert_eq!(
+            relative(Path::new("./disk/a.img")),
+            Some("disk/a.img".into())
+        );
+        assert_eq!(
+            relative(Path::new("/disk/a.img")),
+            Some("disk/a.img".into())
+        );
+        assert_eq!(relative(Path::new("disk/../../x")), None);
+        assert_eq!(relative(Path::new("/")), None);
+    }
+
+    fn tar_of(entries: &[(&str, Option<&[u8]>)], gzip: bool) -> Vec<u8> {
+        let mut b = tar::Builder::new(Vec::new());
+        for (path, data) in entries {
+            let mut h = tar::Header::new_gnu();
+            match data {
+                Some(d) => {
+                    h.set_entry_type(tar::EntryType::Regular);
+                    h.set_size(d.len() as u64);
+                    h.set_mode(0o400);
+                    b.append_data(&mut h, path, *d).unwrap();
+                }
+                None => {
+                    h.set_entry_type(tar::EntryType::Directory);
+                    h.set_size(0);
+                    h.set_mode(0o700);
+                    b.append_data(&mut h, path, std::io::empty()).unwrap();
+                }
+            }
+        }
+        let raw = b.into_inner().unwrap();
+        if !gzip {
+            return raw;
+        }
+        let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+        std::io::Write::write_all(&mut gz, &raw).unwrap();
+        gz.finish().unwrap()
+    }
+
+    #[test]
+    fn layers_unpack_in_order_with_whiteouts_and_nothing_escapes() {
+        let t = tempfile::tempdir().unwrap();
+        let l1 = t.path().join("l1");
+        let l2 = t.path().join("l2");
+        std::fs::write(
+            &l1,
+            tar_of(
+                &[
+                    ("disk/", None),
+                    ("disk/old.img", Some(b"old")),
+                    ("etc/", None),
+                    ("etc/junk", Some(b"j")),
+                ],
+                true,
+            ),
+        )
+        .unwrap();
+        // A symlink out of the tree, then a file "through" it.
+        let mut b = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::Symlink);
+        h.set_size(0);
+        b.append_link(&mut h, "disk/escape", "/etc").unwrap();
+        for (p, d) in [
+            ("disk/.wh.old.img", &b""[..]),
+            ("etc/.wh..wh..opq", b""),
+            ("disk/new.img", b"QFI\xfb"),
+        ] {
+            let mut h = tar::Header::new_gnu();
+            h.set_size(d.len() as u64);
+            h.set_mode(0o644);
+            b.append_data(&mut h, p, d).unwrap();
+        }
+        std::fs::write(&l2, b.into_inner().unwrap()).unwrap();
+
+        let cache = t.path().join("cache");
+        let hex = "ab".repeat(32);
+        let root = unpack(&cache, "img", &hex, &[l1, l2]).unwrap();
+        assert_eq!(root, cache.join("sha256").join(&hex));
+        let mut files: Vec<_> = walk(&root);
+        files.sort();
+        assert_eq!(files, ["disk", "disk/new.img", "etc"]);
+        let mode = std::fs::metadata(root.join("disk/new.img"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o644);
+        assert_eq!(
+            std::fs::metadata(root.join("disk"))
+                .unwrap()
+                .permissions()
+                .mode()
+                & 0o777,
+            0o755
+        );
+        assert_eq!(std::fs::read_dir(cache.join(".tmp")).unwrap().count(), 0);
+
+        let img = CachedImage {
+            image: "img".into(),
+            digest: format!("sha256:{hex}"),
+            root: root.clone(),
+        };
+        let err = img.disk(None).unwrap_err().to_string();
+        assert!(err.contains("not a qcow2"), "{err}");
+        std::fs::write(root.join("disk/new.img"), [0u8; 512]).unwrap();
+        assert_eq!(img.disk(None).unwrap().format, "raw");
+        assert_eq!(
+            img.disk(Some("/disk/new.img")).unwrap().path,
+            root.join("disk/new.img")
+        );
+        assert!(img
+            .disk(Some("../x"))
+            .unwrap_err()
+            .to_string()
+            .contains("plain path"));
+        assert!(img
+            .disk(Some("etc"))
+            .unwrap_err()
+            .to_string()
+            .contains("not a file"));
+    }
+
+    fn walk(root: &Path) -> Vec<String> {
+        let mut out = Vec::new();
+        let mut stack = vec![root.to_owned()];
+        while let Some(d) = stack.pop() {
+            for e in std::fs::read_dir(&d).unwrap().flatten() {
+                let p = e.path();
+                out.push(p.strip_prefix(root).unwrap().display().to_string());
+                if e.file_type().unwrap().is_dir() {
+                    stack.push(p);
+                }
+            }
+        }
+        out
+    }
+}

@@ -1,0 +1,530 @@
+//! libvirt: each VM's own session daemon, reached over its socket.
+//!
+//! Every libvirt call is a blocking RPC, so the adapter runs them on
+//! tokio's blocking pool; domain events arrive on libvirt's own event-loop
+//! thread and are forwarded as VM ids to the controller's queue.
+
+use crate::core::plan::{DomainObs, DomainState, GuestAgent};
+use std::collections::HashMap;
+use std::future::Future;
+use std::sync::{Arc, Mutex, Once};
+use tokio::sync::mpsc::UnboundedSender;
+use virt::connect::Connect;
+use virt::domain::Domain;
+use virt::sys;
+
+#[derive(Debug, thiserror::Error)]
+pub enum LibvirtError {
+    #[error("VM {id}: {op}: {message}")]
+    Call {
+        id: String,
+        op: &'static str,
+        message: String,
+    },
+    #[error("VM {id}: worker thread died")]
+    Thread { id: String },
+}
+
+/// Which VM's daemon, and which domain in it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct DomainRef {
+    pub id: String,
+    pub uri: String,
+    pub name: String,
+}
+
+pub trait Hypervisor: Send + Sync + 'static {
+    /// The domain's state, or `None` when the daemon has no such domain.
+    fn observe(
+        &self,
+        d: &DomainRef,
+    ) -> impl Future<Output = Result<Option<DomainObs>, LibvirtError>> + Send;
+    fn define(
+        &self,
+        d: &DomainRef,
+        xml: &str,
+    ) -> impl Future<Output = Result<(), LibvirtError>> + Send;
+    fn start(&self, d: &DomainRef) -> impl Future<Output = Result<(), LibvirtError>> + Send;
+    /// Asks the guest to power off (ACPI power button).
+    fn shutdown(&self, d: &DomainRef) -> impl Future<Output = Result<(), LibvirtError>> + Send;
+    fn destroy(&self, d: &DomainRef) -> impl Future<Output = Result<(), LibvirtError>> + Send;
+    /// Drops any connection to this VM's daemon (it is going away).
+    fn forget(&self, id: &str) -> impl Future<Output = ()> + Send;
+    /// What the QEMU guest agent says, or `None` while no agent is
+    /// connected (or the domain does not run).
+    fn guest_agent(
+        &self,
+        d: &DomainRef,
+    ) -> impl Future<Output = Result<Option<GuestAgent>, LibvirtError>> + Send;
+}
+
+/// The agent's channel is connected: the guest opened its end.
+fn agent_connected(live_xml: &str) -> bool {
+    live_xml.lines().any(|l| {
+        l.contains("org.qemu.guest_agent.0")
+            && (l.contains("state='connected'") || l.contains("state=\"connected\""))
+    })
+}
+
+/// libvirt's `os.*` guest info key → KubeVirt's `guestOSInfo` key.
+fn guest_os_key(libvirt_key: &str) -> Option<&'static str> {
+    Some(match libvirt_key.strip_prefix("os.")? {
+        "id" => "id",
+        "name" => "name",
+        "pretty-name" => "prettyName",
+        "version" => "version",
+        "version-id" => "versionId",
+        "kernel-release" => "kernelRelease",
+        "kernel-version" => "kernelVersion",
+        "machine" => "machine",
+        _ => return None,
+    })
+}
+
+/// The agent's `guest-get-osinfo` through `virDomainGetGuestInfo` (which,
+/// unlike a raw agent command, does not taint the domain).
+fn guest_os_info(dom: &Domain) -> Result<std::collections::BTreeMap<String, String>, String> {
+    let mut params: sys::virTypedParameterPtr = std::ptr::null_mut();
+    let mut n: libc::c_int = 0;
+    // SAFETY: dom is a live domain; libvirt allocates params, freed below.
+    let r = unsafe {
+        sys::virDomainGetGuestInfo(
+            dom.as_ptr(),
+            sys::VIR_DOMAIN_GUEST_INFO_OS,
+            &mut params,
+            &mut n,
+            0,
+        )
+    };
+    if r < 0 {
+        return Err(virt::error::Error::last_error().to_string());
+    }
+    let mut out = std::collections::BTreeMap::new();
+    for i in 0..usize::try_from(n).unwrap_or(0) {
+        // SAFETY: libvirt returned n parameters at params.
+        let p = unsafe { &*params.add(i) };
+        // SAFETY: field is NUL-terminated within its 80 bytes.
+        let field = unsafe { std::ffi::CStr::from_ptr(p.field.as_ptr()) }.to_string_lossy();
+        let Some(key) = guest_os_key(&field) else {
+            continue;
+        };
+        if p.type_ == sys::VIR_TYPED_PARAM_STRING as i32 {
+            // SAFETY: a string parameter's value is a C string.
+            let v = unsafe { std::ffi::CStr::from_ptr(p.value.s) };
+            out.insert(key.to_owned(), v.to_string_lossy().into_owned());
+        }
+    }
+    // SAFETY: params and n came from virDomainGetGuestInfo.
+    unsafe { sys::virTypedParamsFree(params, n) };
+    Ok(out)
+}
+
+/// Seconds a guest agent gets to answer before the pass moves on.
+const AGENT_TIMEOUT_S: i32 = 2;
+
+struct Conn {
+    conn: Connect,
+    callback_ids: Vec<i32>,
+}
+
+/// One reference to a cached connection; libvirt counts references, so each
+/// use closes its own.
+struct ConnRef(Connect);
+
+impl Drop for ConnRef {
+    fn drop(&mut self) {
+        let _ = self.0.close();
+    }
+}
+
+/// Context handed to libvirt's callbacks; freed by libvirt through `free_ctx`.
+struct EventCtx {
+    id: String,
+    tx: UnboundedSender<String>,
+}
+
+#[derive(Clone)]
+pub struct Libvirt {
+    conns: Arc<Mutex<HashMap<String, Conn>>>,
+    events: UnboundedSender<String>,
+}
+
+static EVENT_LOOP: Once = Once::new();
+
+impl Libvirt {
+    /// Starts libvirt's event loop thread (once per process); events of
+    /// every VM's domain become that VM's id on `events`.
+    pub fn new(events: UnboundedSender<String>) -> Self {
+        EVENT_LOOP.call_once(|| {
+            // Errors come back as values; libvirt's default handler would
+            // also print each one to stderr.
+            virt::error::clear_error_callback();
+            // SAFETY: called once, before any connection is opened.
+            unsafe { sys::virEventRegisterDefaultImpl() };
+            std::thread::Builder::new()
+                .name("libvirt-events".into())
+                .spawn(|| loop {
+                    // SAFETY: the default impl was registered above.
+                    if unsafe { sys::virEventRunDefaultImpl() } < 0 {
+                        std::thread::sleep(std::time::Duration::from_millis(100));
+                    }
+                })
+                .expect("spawn libvirt event thread");
+        });
+        Self {
+            conns: Arc::default(),
+            events,
+        }
+    }
+
+    fn err<'a>(
+        id: &'a str,
+        op: &'static str,
+    ) -> impl FnOnce(virt::error::Error) -> LibvirtError + 'a {
+        move |e| LibvirtError::Call {
+            id: id.into(),
+            op,
+            message: e.to_string(),
+        }
+    }
+
+    /// A live connection to the VM's daemon, opened (with event callbacks)
+    /// on first use and reopened when the old one died.
+    fn connect(&self, d: &DomainRef) -> Result<ConnRef, LibvirtError> {
+        let mut conns = self.conns.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = conns.get(&d.id) {
+            if c.conn.is_alive().unwrap_or(false) {
+                return Ok(ConnRef(c.conn.clone()));
+            }
+        }
+        if let Some(old) = conns.remove(&d.id) {
+            close(old);
+        }
+        let conn = Connect::open(Some(&d.uri)).map_err(Self::err(&d.id, "connect"))?;
+        // Notices a daemon that died without closing the socket.
+        let _ = conn.set_keep_alive(5, 3);
+        // Lifecycle changes, and the guest agent (dis)connecting, wake the VM.
+        let callback_ids = [
+            sys::VIR_DOMAIN_EVENT_ID_LIFECYCLE,
+            sys::VIR_DOMAIN_EVENT_ID_AGENT_LIFECYCLE,
+        ]
+        .into_iter()
+        .map(|event| self.register(&conn, &d.id, event as i32))
+        .filter(|id| *id >= 0)
+        .collect();
+        let c = ConnRef(conn.clone());
+        conns.insert(d.id.clone(), Conn { conn, callback_ids });
+        Ok(c)
+    }
+
+    /// Registers `on_event` for one event of every domain on `conn`; both
+    /// events used pass (state, reason) ints, so one callback serves them.
+    fn register(&self, conn: &Connect, id: &str, event: i32) -> i32 {
+        let ctx = Box::into_raw(Box::new(EventCtx {
+            id: id.to_owned(),
+            tx: self.events.clone(),
+        }));
+        // SAFETY: the callback matches libvirt's signature for these events;
+        // ctx is owned by libvirt from here and freed through `free_ctx`.
+        let callback_id = unsafe {
+            let cb: unsafe extern "C" fn(
+                sys::virConnectPtr,
+                sys::virDomainPtr,
+                i32,
+                i32,
+                *mut libc::c_void,
+            ) -> i32 = on_event;
+            sys::virConnectDomainEventRegisterAny(
+                conn.as_ptr(),
+                std::ptr::null_mut(),
+                event,
+                Some(std::mem::transmute::<
+                    unsafe extern "C" fn(
+                        sys::virConnectPtr,
+                        sys::virDomainPtr,
+                        i32,
+                        i32,
+                        *mut libc::c_void,
+                    ) -> i32,
+                    unsafe extern "C" fn(sys::virConnectPtr, sys::virDomainPtr, *mut libc::c_void),
+                >(cb)),
+                ctx.cast(),
+                Some(free_ctx),
+            )
+        };
+        if callback_id < 0 {
+            // SAFETY: registration failed, so libvirt did not take ctx.
+            drop(unsafe { Box::from_raw(ctx) });
+        }
+        callback_id
+    }
+
+    async fn blocking<T: Send + 'static>(
+        &self,
+        d: &DomainRef,
+        f: impl FnOnce(&Self, &DomainRef) -> Result<T, LibvirtError> + Send + 'static,
+    ) -> Result<T, LibvirtError> {
+        let this = self.clone();
+        let d = d.clone();
+        let id = d.id.clone();
+        tokio::task::spawn_blocking(move || f(&this, &d))
+            .await
+            .map_err(|_| LibvirtError::Thread { id })?
+    }
+
+    fn lookup(&self, d: &DomainRef) -> Result<(ConnRef, Option<Domain>), LibvirtError> {
+        let conn = self.connect(d)?;
+        match Domain::lookup_by_name(&conn.0, &d.name) {
+            Ok(dom) => Ok((conn, Some(dom))),
+            Err(e) if e.code() == virt::error::ErrorNumber::NoDomain => Ok((conn, None)),
+            Err(e) => Err(Self::err(&d.id, "lookup domain")(e)),
+        }
+    }
+}
+
+fn close(mut c: Conn) {
+    for id in c.callback_ids {
+        // SAFETY: the id came from this connection's registration.
+        unsafe { sys::virConnectDomainEventDeregisterAny(c.conn.as_ptr(), id) };
+    }
+    let _ = c.conn.close();
+}
+
+unsafe extern "C" fn on_event(
+    _conn: sys::virConnectPtr,
+    _dom: sys::virDomainPtr,
+    _event: i32,
+    _detail: i32,
+    opaque: *mut libc::c_void,
+) -> i32 {
+    // SAFETY: opaque is the EventCtx registered with this callback.
+    let ctx = unsafe { &*(opaque as *const EventCtx) };
+    let _ = ctx.tx.send(ctx.id.clone());
+    0
+}
+
+unsafe extern "C" fn free_ctx(opaque: *mut libc::c_void) {
+    // SAFETY: libvirt frees each registration's ctx exactly once.
+    drop(unsafe { Box::from_raw(opaque as *mut EventCtx) });
+}
+
+fn domain_state(state: sys::virDomainState, reason: i32) -> DomainState {
+    match state {
+        sys::VIR_DOMAIN_RUNNING | sys::VIR_DOMAIN_BLOCKED | sys::VIR_DOMAIN_SHUTDOWN => {
+            DomainState::Running
+        }
+        sys::VIR_DOMAIN_PAUSED | sys::VIR_DOMAIN_PMSUSPENDED => DomainState::Paused,
+        sys::VIR_DOMAIN_CRASHED => DomainState::Crashed,
+        sys::VIR_DOMAIN_SHUTOFF => match reason as u32 {
+            sys::VIR_DOMAIN_SHUTOFF_SHUTDOWN => DomainState::Shutdown,
+            sys::VIR_DOMAIN_SHUTOFF_CRASHED | sys::VIR_DOMAIN_SHUTOFF_FAILED => {
+                DomainState::Crashed
+            }
+            _ => DomainState::Shutoff,
+        },
+        _ => DomainState::Other,
+    }
+}
+
+/// The VMI UID from the domain's kvirt metadata element.
+fn metadata_uid(xml: &str) -> Option<String> {
+    let start = xml.find(":uid>").map(|i| i + 5).or_else(|| {
+        let i = xml.find("<uid>")?;
+        Some(i + 5)
+    })?;
+    let rest = &xml[start..];
+    Some(rest[..rest.find('<')?].trim().to_owned()).filter(|s| !s.is_empty())
+}
+
+impl Hypervisor for Libvirt {
+    async fn observe(&self, d: &DomainRef) -> Result<Option<DomainObs>, LibvirtError> {
+        self.blocking(d, |this, d| {
+            let (_conn, dom) = this.lookup(d)?;
+            let Some(dom) = dom else { return Ok(None) };
+            let (state, reason) = dom
+                .get_state()
+                .map_err(Libvirt::err(&d.id, "domain state"))?;
+            let xml = dom
+                .get_xml_desc(0)
+                .map_err(Libvirt::err(&d.id, "domain XML"))?;
+            Ok(Some(DomainObs {
+                state: domain_state(state, reason),
+                uid: metadata_uid(&xml),
+            }))
+        })
+        .await
+    }
+
+    async fn define(&self, d: &DomainRef, xml: &str) -> Result<(), LibvirtError> {
+        let xml = xml.to_owned();
+        self.blocking(d, move |this, d| {
+            let conn = this.connect(d)?;
+            Domain::define_xml(&conn.0, &xml).map_err(Libvirt::err(&d.id, "define"))?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn start(&self, d: &DomainRef) -> Result<(), LibvirtError> {
+        self.blocking(d, |this, d| {
+            let (_c, dom) = this.lookup(d)?;
+            let dom = dom.ok_or_else(|| LibvirtError::Call {
+                id: d.id.clone(),
+                op: "start",
+                message: "domain is not defined".into(),
+            })?;
+            dom.create().map_err(Libvirt::err(&d.id, "start"))?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn shutdown(&self, d: &DomainRef) -> Result<(), LibvirtError> {
+        self.blocking(d, |this, d| {
+            if let (_c, Some(dom)) = this.lookup(d)? {
+                dom.shutdown_flags(sys::VIR_DOMAIN_SHUTDOWN_ACPI_POWER_BTN)
+                    .map_err(Libvirt::err(&d.id, "shutdown"))?;
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn destroy(&self, d: &DomainRef) -> Result<(), LibvirtError> {
+        self.blocking(d, |this, d| {
+            if let (_c, Some(dom)) = this.lookup(d)? {
+                if dom.is_active().unwrap_or(false) {
+                    dom.destroy().map_err(Libvirt::err(&d.id, "destroy"))?;
+                }
+            }
+            Ok(())
+        })
+        .await
+    }
+
+    async fn guest_agent(&self, d: &DomainRef) -> Result<Option<GuestAgent>, LibvirtError> {
+        self.blocking(d, |this, d| {
+            let (_conn, Some(dom)) = this.lookup(d)? else {
+                return Ok(None);
+            };
+            if !dom.is_active().unwrap_or(false) {
+                return Ok(None);
+            }
+            let xml = dom
+                .get_xml_desc(0)
+                .map_err(Libvirt::err(&d.id, "domain XML"))?;
+            if !agent_connected(&xml) {
+                return Ok(None);
+            }
+            // A slow agent is asked again at the next pass, and one
+            // without guest-get-osinfo is still an agent.
+            // SAFETY: dom is a live domain.
+            unsafe { sys::virDomainAgentSetResponseTimeout(dom.as_ptr(), AGENT_TIMEOUT_S, 0) };
+            let os_info = guest_os_info(&dom).unwrap_or_else(|e| {
+                tracing::debug!("guest OS info: {e}");
+                Default::default()
+            });
+            Ok(Some(GuestAgent { os_info }))
+        })
+        .await
+    }
+
+    async fn forget(&self, id: &str) {
+        let this = self.clone();
+        let id = id.to_owned();
+        let _ = tokio::task::spawn_blocking(move || {
+            let old = this
+                .conns
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(&id);
+            if let Some(c) = old {
+                close(c);
+            }
+        })
+        .await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shutoff_reasons_map_to_outcomes() {
+        assert_eq!(
+            domain_state(
+                sys::VIR_DOMAIN_SHUTOFF,
+                sys::VIR_DOMAIN_SHUTOFF_SHUTDOWN as i32
+            ),
+            DomainState::Shutdown
+        );
+        assert_eq!(
+            domain_state(
+                sys::VIR_DOMAIN_SHUTOFF,
+                sys::VIR_DOMAIN_SHUTOFF_CRASHED as i32
+            ),
+            DomainState::Crashed
+        );
+        assert_eq!(
+            domain_state(
+                sys::VIR_DOMAIN_SHUTOFF,
+                sys::VIR_DOMAIN_SHUTOFF_UNKNOWN as i32
+            ),
+            DomainState::Shutoff
+        );
+        assert_eq!(
+            domain_state(sys::VIR_DOMAIN_RUNNING, 1),
+            DomainState::Running
+        );
+    }
+
+    #[test]
+    fn the_agent_is_connected_when_its_channel_says_so() {
+        let live = "<channel type='unix'>\n  <target type='virtio' name='org.qemu.guest_agent.0' state='connected'/>\n</channel>";
+        assert!(agent_connected(live));
+        assert!(!agent_connected(
+            &live.replace("'connected'", "'disconnected'")
+        ));
+        assert!(!agent_connected("<domain/>"));
+    }
+
+    #[test]
+    fn guest_os_info_has_kubevirts_keys() {
+        assert_eq!(guest_os_key("os.pretty-name"), Some("prettyName"));
+        assert_eq!(guest_os_key("os.version-id"), Some("versionId"));
+        assert_eq!(guest_os_key("os.kernel-release"), Some("kernelRelease"));
+        assert_eq!(guest_os_key("os.variant"), None);
+        assert_eq!(guest_os_key("timezone.name"), None);
+    }
+
+    #[test]
+    fn uid_comes_from_metadata() {
+        let xml = r#"<domain><metadata><kvirt:vm xmlns:kvirt="x"><kvirt:uid>abc-1</kvirt:uid></kvirt:vm></metadata></domain>"#;
+        assert_eq!(metadata_uid(xml).as_deref(), Some("abc-1"));
+        assert_eq!(metadata_uid("<domain/>"), None);
+    }
+
+    /// libvirt's own test driver: a real libvirt connection with no daemon.
+    #[tokio::test]
+    async fn observes_domains_through_real_libvirt() {
+        let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+        let lv = Libvirt::new(tx);
+        let d = DomainRef {
+            id: "test".into(),
+            uri: "test:///default".into(),
+            name: "test".into(),
+        };
+        let obs = lv.observe(&d).await.unwrap().unwrap();
+        assert_eq!(obs.state, DomainState::Running);
+        lv.destroy(&d).await.unwrap();
+        let obs = lv.observe(&d).await.unwrap().unwrap();
+        assert_eq!(obs.state, DomainState::Shutoff);
+        let missing = DomainRef {
+            name: "nope".into(),
+            ..d.clone()
+        };
+        assert_eq!(lv.observe(&missing).await.unwrap(), None);
+        lv.forget("test").await;
+    }
+}

@@ -1,0 +1,19 @@
+//! One adapter per external system, each behind its own narrow trait (a
+//! thin real implementation; `daemon::fake` records calls for tests):
+//! systemd units and machined, network namespaces, links, nftables and
+//! DHCP, address leases, libvirt, VM files, container images, the journal.
+//! Everything here touches the host; what it decides comes from `core`.
+
+pub mod dhcp;
+pub mod hugepages;
+pub mod image;
+pub mod ipam;
+pub mod journal;
+pub mod libvirt;
+pub mod machined;
+pub mod netns;
+pub mod network;
+pub mod nft;
+pub mod qemulog;
+pub mod storage;
+pub mod systemd;

@@ -1,0 +1,709 @@
+//! The pod-like network of each VM, without a pod or CNI: a veth from the
+//! host bridge `kvirt0` into the VM's namespace (`eth0`), and inside it
+//! KubeVirt's masquerade layout — bridge `k6t-eth0`, `tap0` for QEMU, the
+//! guest at 10.0.2.2.
+//!
+//! Netlink sockets belong to the namespace they are opened in, so all work
+//! inside a VM's namespace happens on a short-lived thread that entered it;
+//! never on an async worker.
+
+use crate::core::convert::network::{NetSpec, TAP};
+use nix::sched::{setns, CloneFlags};
+use sha2::{Digest, Sha256};
+use std::net::{IpAddr, Ipv4Addr};
+use std::os::fd::{AsFd, AsRawFd};
+use std::path::{Path, PathBuf};
+
+pub const HOST_BRIDGE: &str = "kvirt0";
+pub const POD_IFACE: &str = "eth0";
+pub const VM_BRIDGE: &str = "k6t-eth0";
+/// KubeVirt's masquerade defaults.
+pub const VM_BRIDGE_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0];
+pub const VM_GATEWAY: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 1);
+pub const VM_PREFIX: u8 = 24;
+
+#[derive(Debug, thiserror::Error)]
+pub enum NetworkError {
+    #[error("VM {id}: {message}")]
+    Vm { id: String, message: String },
+    #[error("{what}: {message}")]
+    Netlink { what: String, message: String },
+    #[error("{what}: {source}")]
+    Sys {
+        what: String,
+        source: std::io::Error,
+    },
+    #[error("network worker thread died")]
+    Thread,
+}
+
+/// Everything that makes one VM's network, decided before any of it is made.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VmNetwork {
+    pub netns_path: PathBuf,
+    /// Host end of the veth (≤ 15 bytes, derived from the VM id).
+    pub host_veth: String,
+    pub pod_ip: Ipv4Addr,
+    pub pod_prefix: u8,
+    pub pod_gateway: Ipv4Addr,
+    pub mtu: u32,
+    /// `k6t-eth0`'s address: the guest's router (KubeVirt: 10.0.2.1/24).
+    pub vm_gateway: Ipv4Addr,
+    pub vm_prefix: u8,
+    /// Owner of `tap0`: the VM's unprivileged user.
+    pub tap_uid: u32,
+    pub tap_gid: u32,
+}
+
+/// Interface names are limited to 15 bytes: a hash of the id keeps them
+/// unique and deterministic.
+pub fn host_veth_name(id: &str) -> String {
+    let h = Sha256::digest(id.as_bytes());
+    let hex: String = h.iter().take(6).map(|b| format!("{b:02x}")).collect();
+    format!("kv{hex}")
+}
+
+fn nl(what: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> NetworkError {
+    let what = what.into();
+    move |e| NetworkError::Netlink {
+        what,
+        message: e.to_string(),
+    }
+}
+
+/// Runs `f` with a netlink handle on a fresh thread, inside `netns` when
+/// given, and waits for it.
+fn in_netns<T: Send + 'static>(
+    netns: Option<PathBuf>,
+    f: impl FnOnce(
+            rtnetlink::Handle,
+        )
+            -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<T, NetworkError>>>>
+        + Send
+        + 'static,
+) -> Result<T, NetworkError> {
+    std::thread::spawn(move || {
+        if let Some(path) = netns {
+            let file = std::fs::File::open(&path).map_err(|source| NetworkError::Sys {
+                what: format!("open {}", path.display()),
+                source,
+            })?;
+            setns(file.as_fd(), CloneFlags::CLONE_NEWNET).map_err(|e| NetworkError::Sys {
+                what: format!("setns {}", path.display()),
+                source: e.into(),
+            })?;
+        }
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|source| NetworkError::Sys {
+                what: "runtime".into(),
+                source,
+            })?;
+        rt.block_on(async move {
+            let (conn, handle, _) =
+                rtnetlink::new_connection().map_err(|source| NetworkError::Sys {
+                    what: "netlink socket".into(),
+                    source,
+                })?;
+            tokio::spawn(conn);
+            f(handle).await
+        })
+    })
+    .join()
+    .map_err(|_| NetworkError::Thread)?
+}
+
+async fn index_of(h: &rtnetlink::Handle, name: &str) -> Result<Option<u32>, NetworkError> {
+    use futures::TryStreamExt;
+    let mut links = h.link().get().match_name(name.to_owned()).execute();
+    match links.try_next().await {
+        Ok(Some(l)) => Ok(Some(l.header.index)),
+        Ok(None) => Ok(None),
+        Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENODEV => Ok(None),
+        Err(e) => Err(nl(format!("find {name}"))(e)),
+    }
+}
+
+async fn add_addr(
+    h: &rtnetlink::Handle,
+    index: u32,
+    ip: Ipv4Addr,
+    prefix: u8,
+    what: &str,
+) -> Result<(), NetworkError> {
+    match h
+        .address()
+        .add(index, IpAddr::V4(ip), prefix)
+        .execute()
+        .await
+    {
+        Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::EEXIST => Ok(()),
+        r => r.map_err(nl(format!("address {ip}/{prefix} on {what}"))),
+    }
+}
+
+async fn ensure_bridge(
+    h: &rtnetlink::Handle,
+    name: &str,
+    mac: Option<[u8; 6]>,
+    mtu: Option<u32>,
+) -> Result<u32, NetworkError> {
+    if let Some(i) = index_of(h, name).await? {
+        return Ok(i);
+    }
+    let mut b = rtnetlink::LinkBridge::new(name);
+    if let Some(m) = mac {
+        b = b.address(m.to_vec());
+    }
+    if let Some(m) = mtu {
+        b = b.mtu(m);
+    }
+    h.link()
+        .add(b.up().build())
+        .execute()
+        .await
+        .map_err(nl(format!("create bridge {name}")))?;
+    index_of(h, name)
+        .await?
+        .ok_or_else(|| NetworkError::Netlink {
+            what: name.into(),
+            message: "bridge vanished after creation".into(),
+        })
+}
+
+/// Writes only when the value differs: forwarding may already be on (and
+/// /proc/sys read-only, as in a container sharing another's network).
+fn write_sysctl(path: &str, value: &str) -> Result<(), NetworkError> {
+    if std::fs::read_to_string(path).is_ok_and(|v| v.trim() == value) {
+        return Ok(());
+    }
+    std::fs::write(path, value).map_err(|source| NetworkError::Sys {
+        what: format!("write {path}"),
+        source,
+    })
+}
+
+/// The host side, once per host: the bridge with the VM subnet's gateway
+/// address, and forwarding (which VMs need to reach beyond the host).
+pub fn setup_host(gateway: Ipv4Addr, prefix: u8) -> Result<(), NetworkError> {
+    in_netns(None, move |h| {
+        Box::pin(async move {
+            let i = ensure_bridge(&h, HOST_BRIDGE, None, None).await?;
+            add_addr(&h, i, gateway, prefix, HOST_BRIDGE).await?;
+            h.link()
+                .set(rtnetlink::LinkUnspec::new_with_index(i).up().build())
+                .execute()
+                .await
+                .map_err(nl("bring up kvirt0"))?;
+            Ok(())
+        })
+    })?;
+    write_sysctl("/proc/sys/net/ipv4/ip_forward", "1")
+}
+
+/// One VM's network in its (existing) namespace. Idempotent: what exists is
+/// kept, so a half-done attempt can be completed.
+pub fn setup_vm(n: &VmNetwork) -> Result<(), NetworkError> {
+    let plan = n.clone();
+    let peer = format!("{}p", &n.host_veth);
+    // Host side: the veth pair, host end on kvirt0, peer moved in.
+    let (host_veth, peer_name, netns, mtu) = (
+        n.host_veth.clone(),
+        peer.clone(),
+        n.netns_path.clone(),
+        n.mtu,
+    );
+    in_netns(None, move |h| {
+        Box::pin(async move {
+            if index_of(&h, &host_veth).await?.is_none() {
+                h.link()
+                    .add(
+                        rtnetlink::LinkVeth::new(&host_veth, &peer_name)
+                            .mtu(mtu)
+                            .build(),
+                    )
+                    .execute()
+                    .await
+                    .map_err(nl(format!("create veth {host_veth}")))?;
+            }
+            let bridge = index_of(&h, HOST_BRIDGE)
+                .await?
+                .ok_or_else(|| NetworkError::Netlink {
+                    what: HOST_BRIDGE.into(),
+                    message: "host bridge missing".into(),
+                })?;
+            let host_i = index_of(&h, &host_veth).await?.unwrap_or_default();
+            h.link()
+                .set(
+                    rtnetlink::LinkUnspec::new_with_index(host_i)
+                        .controller(bridge)
+                        .up()
+                        .build(),
+                )
+                .execute()
+                .await
+                .map_err(nl(format!("attach {host_veth} to kvirt0")))?;
+            if let Some(p) = index_of(&h, &peer_name).await? {
+                let ns = std::fs::File::open(&netns).map_err(|source| NetworkError::Sys {
+                    what: format!("open {}", netns.display()),
+                    source,
+                })?;
+                h.link()
+                    .set(
+                        rtnetlink::LinkUnspec::new_with_index(p)
+                            .setns_by_fd(ns.as_raw_fd())
+                            .build(),
+                    )
+                    .execute()
+                    .await
+                    .map_err(nl(format!("move {peer_name} into the VM namespace")))?;
+            }
+            Ok(())
+        })
+    })?;
+
+    // Inside: eth0 with the pod address, k6t-eth0, tap0, forwarding.
+    in_netns(Some(n.netns_path.clone()), move |h| {
+        Box::pin(async move {
+            let n = plan;
+            if let Some(p) = index_of(&h, &peer).await? {
+                h.link()
+                    .set(
+                        rtnetlink::LinkUnspec::new_with_index(p)
+                            .name(POD_IFACE.to_owned())
+                            .build(),
+                    )
+                    .execute()
+                    .await
+                    .map_err(nl("rename to eth0"))?;
+            }
+            let eth0 = index_of(&h, POD_IFACE)
+                .await?
+                .ok_or_else(|| NetworkError::Netlink {
+                    what: POD_IFACE.into(),
+                    message: "missing in the VM namespace".into(),
+                })?;
+            add_addr(&h, eth0, n.pod_ip, n.pod_prefix, POD_IFACE).await?;
+            h.link()
+                .set(rtnetlink::LinkUnspec::new_with_index(eth0).up().build())
+                .execute()
+                .await
+                .map_err(nl("bring up eth0"))?;
+            let route = rtnetlink::RouteMessageBuilder::<Ipv4Addr>::new()
+                .gateway(n.pod_gateway)
+                .build();
+            match h.route().add(route).execute().await {
+                Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::EEXIST => {}
+                r => r.map_err(nl("default route"))?,
+            }
+            let br = ensure_bridge(&h, VM_BRIDGE, Some(VM_BRIDGE_MAC), Some(n.mtu)).await?;
+            add_addr(&h, br, n.vm_gateway, n.vm_prefix, VM_BRIDGE).await?;
+            if index_of(&h, TAP).await?.is_none() {
+                create_tap(TAP, n.tap_uid, n.tap_gid)?;
+            }
+            let tap = index_of(&h, TAP).await?.unwrap_or_default();
+            h.link()
+                .set(
+                    rtnetlink::LinkUnspec::new_with_index(tap)
+                        .controller(br)
+                        .mtu(n.mtu)
+                        .up()
+                        .build(),
+                )
+                .execute()
+                .await
+                .map_err(nl("attach tap0"))?;
+            write_sysctl("/proc/sys/net/ipv4/ip_forward", "1")?;
+            Ok(())
+        })
+    })
+}
+
+/// Removes the host end of the veth (its peer goes with it); a missing one
+/// is fine. The namespace itself is removed by the netns module.
+pub fn teardown_vm(host_veth: &str) -> Result<(), NetworkError> {
+    let name = host_veth.to_owned();
+    in_netns(None, move |h| {
+        Box::pin(async move {
+            if let Some(i) = index_of(&h, &name).await? {
+                h.link()
+                    .del(i)
+                    .execute()
+                    .await
+                    .map_err(nl(format!("delete {name}")))?;
+            }
+            Ok(())
+        })
+    })
+}
+
+/// Whether the host end of a VM's veth exists (observation for adoption).
+pub fn veth_exists(host_veth: &str) -> bool {
+    Path::new("/sys/class/net").join(host_veth).exists()
+}
+
+/// A VM's network as the loop sees it: made, re-attached after a restart,
+/// removed. The real adapter is [`HostNetwork`]; `fake` has a recording one.
+pub trait Network: Send + Sync + 'static {
+    /// Leases the VM's address and makes its network (idempotent); returns
+    /// the address (the VMI's `ipAddress`, as KubeVirt reports the pod IP).
+    fn setup(
+        &self,
+        id: &str,
+        uid: &str,
+        hostname: &str,
+        net: &NetSpec,
+    ) -> impl std::future::Future<Output = Result<Ipv4Addr, NetworkError>> + Send;
+    /// Re-attaches what lives in kvirtd itself (the DHCP server) to a
+    /// running VM, e.g. after a restart; a no-op when attached.
+    fn attach(
+        &self,
+        id: &str,
+        hostname: &str,
+        net: &NetSpec,
+    ) -> impl std::future::Future<Output = Result<(), NetworkError>> + Send;
+    /// Removes everything of the VM's network and releases its address;
+    /// continues past errors and reports them all.
+    fn teardown(
+        &self,
+        id: &str,
+    ) -> impl std::future::Future<Output = Result<(), NetworkError>> + Send;
+    fn address(&self, id: &str) -> Option<Ipv4Addr>;
+    /// Ids holding an address (for cleaning up after VMIs that are gone).
+    fn ids(&self) -> Vec<String>;
+}
+
+/// Host-wide network settings, from the config.
+#[derive(Clone, Debug)]
+pub struct NetworkSettings {
+    pub subnet: crate::core::ipam::Subnet,
+    pub mtu: u32,
+    pub dns: Vec<Ipv4Addr>,
+    pub dhcp_lease_secs: u32,
+    pub netns_dir: PathBuf,
+    pub tap_uid: u32,
+    pub tap_gid: u32,
+}
+
+pub struct HostNetwork {
+    settings: NetworkSettings,
+    ipam: std::sync::Arc<crate::host::ipam::Ipam>,
+    dhcp: crate::host::dhcp::DhcpServers,
+}
+
+fn vm_err(id: &str) -> impl FnOnce(String) -> NetworkError + '_ {
+    move |message| NetworkError::Vm {
+        id: id.into(),
+        message,
+    }
+}
+
+async fn blocking<T: Send + 'static>(
+    id: &str,
+    f: impl FnOnce() -> Result<T, String> + Send + 'static,
+) -> Result<T, NetworkError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|_| NetworkError::Thread)?
+        .map_err(vm_err(id))
+}
+
+impl HostNetwork {
+    /// Opens the lease store and makes the host side (bridge, forwarding,
+    /// egress NAT); leases the store had to drop are returned for logging.
+    pub fn start(
+        settings: NetworkSettings,
+        lease_file: PathBuf,
+    ) -> Result<(Self, Vec<String>), NetworkError> {
+        let err = |message: String| NetworkError::Vm {
+            id: "host".into(),
+            message,
+        };
+        if let Some(dir) = lease_file.parent() {
+            std::fs::create_dir_all(dir).map_err(|e| err(e.to_string()))?;
+        }
+        let (ipam, dropped) = crate::host::ipam::Ipam::open(
+            crate::host::ipam::LeaseFile::new(lease_file),
+            settings.subnet,
+        )
+        .map_err(|e| err(e.to_string()))?;
+        setup_host(settings.subnet.gateway(), settings.subnet.prefix())?;
+        crate::host::nft::apply(
+            &crate::core::nft::host_ruleset(&settings.subnet, HOST_BRIDGE),
+            None,
+        )
+        .map_err(|e| err(e.to_string()))?;
+        Ok((
+            Self {
+                settings,
+                ipam: std::sync::Arc::new(ipam),
+                dhcp: crate::host::dhcp::DhcpServers::new(),
+            },
+            dropped.iter().map(|d| d.to_string()).collect(),
+        ))
+    }
+
+    fn netns_path(&self, id: &str) -> PathBuf {
+        self.settings
+            .netns_dir
+            .join(crate::core::key::netns_name_of(id))
+    }
+
+    fn lease_config(&self, hostname: &str, net: &NetSpec) -> crate::core::dhcp::LeaseConfig {
+        let mut l = crate::core::dhcp::LeaseConfig::masquerade(
+            net.mac,
+            self.settings.dns.clone(),
+            self.settings.mtu as u16,
+        );
+        l.ip = net.guest_ip();
+        l.router = net.vm_gateway();
+        l.server_id = net.vm_gateway();
+        l.netmask = Ipv4Addr::from(u32::MAX << (32 - net.vm_cidr.1));
+        l.lease_secs = self.settings.dhcp_lease_secs;
+        l.hostname = Some(hostname.chars().take(63).collect());
+        l
+    }
+}
+
+impl Network for HostNetwork {
+    async fn setup(
+        &self,
+        id: &str,
+        uid: &str,
+        hostname: &str,
+        net: &NetSpec,
+    ) -> Result<Ipv4Addr, NetworkError> {
+        let ipam = self.ipam.clone();
+        let (i, u) = (id.to_owned(), uid.to_owned());
+        let ip = blocking(id, move || ipam.lease(&i, &u).map_err(|e| e.to_string())).await?;
+        let vm = VmNetwork {
+            netns_path: self.netns_path(id),
+            host_veth: host_veth_name(id),
+            pod_ip: ip,
+            pod_prefix: self.settings.subnet.prefix(),
+            pod_gateway: self.settings.subnet.gateway(),
+            mtu: self.settings.mtu,
+            vm_gateway: net.vm_gateway(),
+            vm_prefix: net.vm_cidr.1,
+            tap_uid: self.settings.tap_uid,
+            tap_gid: self.settings.tap_gid,
+        };
+        blocking(id, move || setup_vm(&vm).map_err(|e| e.to_string())).await?;
+        let rules = crate::core::nft::vm_ruleset(net.guest_ip(), net.vm_cidr, &net.ports);
+        let netns = crate::core::key::netns_name_of(id);
+        if self.settings.netns_dir == Path::new(crate::host::netns::NETNS_DIR) {
+            blocking(id, move || {
+                crate::host::nft::apply(&rules, Some(&netns)).map_err(|e| e.to_string())
+            })
+            .await?;
+        }
+        self.attach(id, hostname, net).await?;
+        Ok(ip)
+    }
+
+    async fn attach(&self, id: &str, hostname: &str, net: &NetSpec) -> Result<(), NetworkError> {
+        if self.dhcp.ids().iter().any(|i| i == id) {
+            return Ok(());
+        }
+        let lease = self.lease_config(hostname, net);
+        self.dhcp
+            .start(id, &self.netns_path(id), VM_BRIDGE, lease)
+            .await
+            .map_err(|e| vm_err(id)(e.to_string()))
+    }
+
+    async fn teardown(&self, id: &str) -> Result<(), NetworkError> {
+        let mut errors = Vec::new();
+        self.dhcp.stop(id).await;
+        let veth = host_veth_name(id);
+        if let Err(e) = blocking(id, move || teardown_vm(&veth).map_err(|e| e.to_string())).await {
+            errors.push(e.to_string());
+        }
+        let ipam = self.ipam.clone();
+        let i = id.to_owned();
+        if let Err(e) = blocking(id, move || {
+            ipam.release(&i).map(|_| ()).map_err(|e| e.to_string())
+        })
+        .await
+        {
+            errors.push(e.to_string());
+        }
+        if errors.is_empty() {
+            Ok(())
+        } else {
+            Err(vm_err(id)(errors.join("; ")))
+        }
+    }
+
+    fn address(&self, id: &str) -> Option<Ipv4Addr> {
+        self.ipam.get(id).map(|l| l.ip)
+    }
+
+    fn ids(&self) -> Vec<String> {
+        self.ipam.snapshot().ids().map(str::to_owned).collect()
+    }
+}
+
+// rtnetlink cannot create taps (EOPNOTSUPP): the tun driver's ioctls can.
+nix::ioctl_write_int!(tunsetiff, b'T', 202);
+nix::ioctl_write_int!(tunsetpersist, b'T', 203);
+nix::ioctl_write_int!(tunsetowner, b'T', 204);
+nix::ioctl_write_int!(tunsetgroup, b'T', 206);
+
+#[repr(C)]
+struct IfReq {
+    name: [u8; libc::IFNAMSIZ],
+    flags: libc::c_short,
+    _pad: [u8; 22],
+}
+
+/// A persistent tap owned by the VM's user, so its unprivileged QEMU can
+/// open it (`managed='no'`).
+fn create_tap(name: &str, uid: u32, gid: u32) -> Result<(), NetworkError> {
+    let sys = |what: &str| {
+        let what = format!("{what} {name}");
+        move |e: nix::Error| NetworkError::Sys {
+            what,
+            source: e.into(),
+        }
+    };
+    let tun = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/net/tun")
+        .map_err(|source| NetworkError::Sys {
+            what: "open /dev/net/tun".into(),
+            source,
+        })?;
+    let mut req = IfReq {
+        name: [0; libc::IFNAMSIZ],
+        flags: (libc::IFF_TAP | libc::IFF_NO_PI | libc::IFF_VNET_HDR) as libc::c_short,
+        _pad: [0; 22],
+    };
+    req.name[..name.len()].copy_from_slice(name.as_bytes());
+    let fd = tun.as_raw_fd();
+    // SAFETY: the ioctls get the fd of /dev/net/tun and a valid ifreq or int.
+    unsafe {
+        tunsetiff(fd, &req as *const IfReq as u64).map_err(sys("TUNSETIFF"))?;
+        tunsetowner(fd, uid as u64).map_err(sys("TUNSETOWNER"))?;
+        tunsetgroup(fd, gid as u64).map_err(sys("TUNSETGROUP"))?;
+        tunsetpersist(fd, 1).map_err(sys("TUNSETPERSIST"))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::netns::{KernelNetns, Netns};
+
+    fn ip_json(netns: &Path, args: &str) -> serde_json::Value {
+        let out = std::process::Command::new("nsenter")
+            .arg(format!("--net={}", netns.display()))
+            .args(["ip", "-j"])
+            .args(args.split(' '))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+
+    fn has_addr(v: &serde_json::Value, ifname: &str, ip: &str) -> bool {
+        v.as_array().unwrap().iter().any(|l| {
+            l["ifname"] == ifname
+                && l["addr_info"]
+                    .as_array()
+                    .is_some_and(|a| a.iter().any(|x| x["local"] == ip))
+        })
+    }
+
+    /// Tier 2: the whole plumbing for real, in two throwaway namespaces (one
+    /// standing in for the host), twice to show it is idempotent.
+    #[tokio::test]
+    async fn plumbs_a_vm_network_in_throwaway_namespaces() {
+        if !nix::unistd::Uid::effective().is_root() {
+            eprintln!("skipped: needs root");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let ns = KernelNetns::at(dir.path());
+        let (host, vm) = ("kvirt-t-host", "kvirt-t-vm");
+        ns.create(host).await.unwrap();
+        ns.create(vm).await.unwrap();
+        let (hp, vp) = (dir.path().join(host), dir.path().join(vm));
+        let n = VmNetwork {
+            netns_path: vp.clone(),
+            host_veth: host_veth_name("t_vm"),
+            pod_ip: Ipv4Addr::new(10, 213, 0, 2),
+            pod_prefix: 24,
+            pod_gateway: Ipv4Addr::new(10, 213, 0, 1),
+            mtu: 1500,
+            vm_gateway: VM_GATEWAY,
+            vm_prefix: VM_PREFIX,
+            tap_uid: 65534,
+            tap_gid: 65534,
+        };
+        let hp2 = hp.clone();
+        let n2 = n.clone();
+        let result = std::thread::spawn(move || {
+            // Threads spawned from here inherit this stand-in host namespace.
+            let f = std::fs::File::open(&hp2).unwrap();
+            setns(f.as_fd(), CloneFlags::CLONE_NEWNET).unwrap();
+            for _ in 0..2 {
+                setup_host(n2.pod_gateway, n2.pod_prefix)?;
+                setup_vm(&n2)?;
+            }
+            Ok::<_, NetworkError>(())
+        })
+        .join()
+        .unwrap();
+        let inside = ip_json(&vp, "addr");
+        let host_side = ip_json(&hp, "addr");
+        let routes = ip_json(&vp, "route");
+        let tap = ip_json(&vp, "-d link show tap0");
+        ns.delete(vm).await.unwrap();
+        ns.delete(host).await.unwrap();
+        result.unwrap();
+        assert!(has_addr(&inside, "eth0", "10.213.0.2"), "{inside}");
+        assert!(has_addr(&inside, "k6t-eth0", "10.0.2.1"), "{inside}");
+        assert!(has_addr(&host_side, "kvirt0", "10.213.0.1"), "{host_side}");
+        assert!(
+            routes
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|r| r["dst"] == "default" && r["gateway"] == "10.213.0.1"),
+            "{routes}"
+        );
+        assert_eq!(tap[0]["master"], "k6t-eth0", "{tap}");
+        // QEMU, running as the VM's user, opens the persistent tap it owns.
+        let tun = &tap[0]["linkinfo"]["info_data"];
+        assert_eq!(tun["type"], "tap", "{tap}");
+        // `ip` names the owner when the user database has it.
+        assert!(
+            matches!(tun["user"].as_str(), Some("nobody")) || tun["user"] == 65534,
+            "{tap}"
+        );
+        assert!(
+            tun["group"]
+                .as_str()
+                .is_some_and(|g| g == "nogroup" || g == "nobody")
+                || tun["group"] == 65534,
+            "{tap}"
+        );
+    }
+
+    #[test]
+    fn veth_names_fit_and_are_stable() {
+        let v = host_veth_name(&"x".repeat(250));
+        assert!(v.len() <= 15, "{v}");
+        assert!(format!("{v}p").len() <= 15);
+        assert_eq!(v, host_veth_name(&"x".repeat(250)));
+        assert_ne!(host_veth_name("a_b"), host_veth_name("a_c"));
+    }
+}

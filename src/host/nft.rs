@@ -1,0 +1,266 @@
+//! Applies kvirt's nftables rulesets (`core::nft`, rules as data) with
+//! `nft -j`, on the host or inside a VM's network namespace, in one
+//! transaction each.
+
+use nftables::schema::Nftables;
+use std::io::Write;
+use std::process::{Command, Stdio};
+
+#[derive(Debug, thiserror::Error)]
+pub enum NftError {
+    #[error("nft{}: cannot run {program}: {source}", in_netns(.netns))]
+    Spawn {
+        program: &'static str,
+        netns: Option<String>,
+        source: std::io::Error,
+    },
+    #[error("nft{}: applying ruleset failed ({status}): {stderr}", in_netns(.netns))]
+    Failed {
+        netns: Option<String>,
+        status: std::process::ExitStatus,
+        stderr: String,
+    },
+    #[error("invalid netns name {0:?}")]
+    InvalidNetns(String),
+}
+
+fn in_netns(netns: &Option<String>) -> String {
+    netns
+        .as_ref()
+        .map(|n| format!(" in netns {n}"))
+        .unwrap_or_default()
+}
+
+/// Runs `nft -j -f -` with the batch on stdin, in the namespace `netns`
+/// (via `ip netns exec`, so it must be a name under `/run/netns`) or in
+/// kvirtd's own. Blocking: call it from a blocking thread.
+///
+/// Spawned here rather than through `nftables::helper`, whose apply does
+/// not capture `nft`'s stderr: its errors would carry no message.
+pub fn apply(batch: &Nftables, netns: Option<&str>) -> Result<(), NftError> {
+    let payload = serde_json::to_vec(batch).expect("an nftables batch serializes to JSON");
+    let (program, mut cmd) = match netns {
+        None => ("nft", Command::new("nft")),
+        Some(name) => {
+            if name.is_empty() || name.contains('/') || name.starts_with('.') {
+                return Err(NftError::InvalidNetns(name.into()));
+            }
+            let mut cmd = Command::new("ip");
+            cmd.args(["netns", "exec", name, "nft"]);
+            ("ip", cmd)
+        }
+    };
+    let netns = netns.map(str::to_owned);
+    let spawn_err = |source| NftError::Spawn {
+        program,
+        netns: netns.clone(),
+        source,
+    };
+    let mut child = cmd
+        .args(["-j", "-f", "-"])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(spawn_err)?;
+    let mut stdin = child.stdin.take().expect("stdin is piped");
+    // nft reads its whole input before it reports anything; if it exits
+    // early the write fails with EPIPE and the exit status says why.
+    let written = stdin.write_all(&payload);
+    drop(stdin);
+    let output = child.wait_with_output().map_err(spawn_err)?;
+    if !output.status.success() {
+        return Err(NftError::Failed {
+            netns,
+            status: output.status,
+            stderr: String::from_utf8_lossy(&output.stderr).trim().to_owned(),
+        });
+    }
+    written.map_err(spawn_err)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::nft::tests::*;
+    use crate::core::nft::{host_teardown, vm_ruleset, PortRule, Proto, TABLE};
+    use serde_json::Value;
+
+    #[test]
+    fn apply_rejects_path_like_netns_names() {
+        for bad in ["", "../x", "a/b", "."] {
+            assert!(matches!(
+                apply(&host_teardown(), Some(bad)),
+                Err(NftError::InvalidNetns(_))
+            ));
+        }
+    }
+
+    /// Tier 2: real `nft` in a throwaway namespace; needs root and nft.
+    mod kernel {
+        use super::*;
+
+        fn usable() -> bool {
+            let root = nix::unistd::Uid::effective().is_root();
+            let nft = Command::new("nft").arg("--version").output().is_ok();
+            if !(root && nft) {
+                eprintln!("skipping: needs root and nft (root={root}, nft={nft})");
+            }
+            root && nft
+        }
+
+        struct TestNetns(String);
+
+        impl TestNetns {
+            fn new(tag: &str) -> Self {
+                let name = format!("kvirt-nfttest-{}-{tag}", std::process::id());
+                let st = Command::new("ip")
+                    .args(["netns", "add", &name])
+                    .status()
+                    .unwrap();
+                assert!(st.success(), "ip netns add {name}");
+                Self(name)
+            }
+
+            /// `nft -j list table ip kvirt`, or None when there is no table.
+            fn list(&self) -> Option<Value> {
+                let out = Command::new("ip")
+                    .args(["netns", "exec", &self.0, "nft", "-j", "list", "table", "ip"])
+                    .arg(TABLE)
+                    .output()
+                    .unwrap();
+                out.status
+                    .success()
+                    .then(|| serde_json::from_slice(&out.stdout).unwrap())
+            }
+
+            /// (chain names, rule count) of the kvirt table.
+            fn summary(&self) -> (Vec<String>, usize) {
+                let listed = self.list().expect("table exists");
+                let items = listed["nftables"].as_array().unwrap();
+                let mut chains: Vec<String> = items
+                    .iter()
+                    .filter_map(|i| i["chain"]["name"].as_str().map(String::from))
+                    .collect();
+                chains.sort();
+                let rules = items.iter().filter(|i| i.get("rule").is_some()).count();
+                (chains, rules)
+            }
+        }
+
+        impl Drop for TestNetns {
+            fn drop(&mut self) {
+                let _ = Command::new("ip").args(["netns", "del", &self.0]).status();
+            }
+        }
+
+        #[test]
+        fn host_ruleset_applies_idempotently_and_tears_down() {
+            if !usable() {
+                return;
+            }
+            let ns = TestNetns::new("host");
+            let name = Some(ns.0.as_str());
+            // Teardown of nothing is fine.
+            apply(&host_teardown(), name).unwrap();
+            assert!(ns.list().is_none());
+
+            let batch = host();
+            apply(&batch, name).unwrap();
+            let first = ns.summary();
+            assert_eq!(first, (vec!["forward".into(), "postrouting".into()], 4));
+            apply(&batch, name).unwrap();
+            assert_eq!(ns.summary(), first);
+
+            let text = Command::new("ip")
+                .args([
+                    "netns", "exec", &ns.0, "nft", "list", "table", "ip", "kvirt",
+                ])
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&text.stdout);
+            assert!(
+                text.contains("ip saddr 10.213.0.0/24 oifname != \"kvirt0\" masquerade"),
+                "{text}"
+            );
+            assert!(
+                text.contains("ct state { established, related } accept")
+                    || text.contains("ct state established,related accept"),
+                "{text}"
+            );
+
+            apply(&host_teardown(), name).unwrap();
+            assert!(ns.list().is_none());
+        }
+
+        #[test]
+        fn vm_ruleset_applies_idempotently_and_replaces_old_ports() {
+            if !usable() {
+                return;
+            }
+            let ns = TestNetns::new("vm");
+            let name = Some(ns.0.as_str());
+            let all = vm_ruleset(GUEST, GUEST_NET, &[]);
+            apply(&all, name).unwrap();
+            apply(&all, name).unwrap();
+            assert_eq!(
+                ns.summary(),
+                (vec!["postrouting".into(), "prerouting".into()], 3)
+            );
+
+            let some = vm_ruleset(
+                GUEST,
+                GUEST_NET,
+                &[
+                    PortRule {
+                        proto: Proto::Tcp,
+                        port: 8080,
+                    },
+                    PortRule {
+                        proto: Proto::Tcp,
+                        port: 22,
+                    },
+                    PortRule {
+                        proto: Proto::Udp,
+                        port: 53,
+                    },
+                ],
+            );
+            apply(&some, name).unwrap();
+            assert_eq!(ns.summary().1, 4);
+            let text = Command::new("ip")
+                .args([
+                    "netns", "exec", &ns.0, "nft", "list", "table", "ip", "kvirt",
+                ])
+                .output()
+                .unwrap();
+            let text = String::from_utf8_lossy(&text.stdout);
+            assert!(
+                text.contains("iifname \"eth0\" tcp dport 8080 dnat to 10.0.2.2"),
+                "{text}"
+            );
+            assert!(!text.contains("l4proto"), "old rules left: {text}");
+
+            apply(&host_teardown(), name).unwrap();
+            assert!(ns.list().is_none());
+        }
+
+        #[test]
+        fn nft_errors_carry_its_message() {
+            if !usable() {
+                return;
+            }
+            let ns = TestNetns::new("err");
+            let err = apply(&rule_in_missing_chain(), Some(&ns.0)).unwrap_err();
+            assert!(matches!(err, NftError::Failed { .. }), "{err}");
+            assert!(err.to_string().contains(&ns.0), "{err}");
+            assert!(
+                err.to_string().to_lowercase().contains("no such file"),
+                "{err}"
+            );
+
+            let err = apply(&host_teardown(), Some("kvirt-nfttest-missing")).unwrap_err();
+            assert!(matches!(err, NftError::Failed { .. }), "{err}");
+        }
+    }
+}

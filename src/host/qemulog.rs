@@ -1,0 +1,223 @@
+//! Each VM's QEMU log, forwarded line by line into the journal under the
+//! VM's unit. The VM runs without virtlogd (it costs more per VM than the
+//! rest of kvirt's overhead), so libvirt writes QEMU's log to a file in the
+//! VM's cache; kvirtd, as root, forwards it with `OBJECT_SYSTEMD_UNIT=`.
+//!
+//! Where each file was read up to is kept under the runtime directory, so a
+//! restarted kvirtd continues without repeating or losing lines.
+
+use crate::core::key::{self, VmKey};
+use crate::core::layout::HostLayout;
+use crate::host::journal::{Sink, VM_FIELD};
+use std::fs::File;
+use std::io::{self, Read, Seek, SeekFrom};
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+#[error("QEMU log {path}: {source}")]
+pub struct QemuLogError {
+    pub path: PathBuf,
+    pub source: io::Error,
+}
+
+/// At most this much of one log per pass, so one chatty VM cannot hold up
+/// the others.
+const CHUNK: u64 = 1 << 20;
+
+pub struct Forwarder<K: Sink> {
+    sink: K,
+    layout: HostLayout,
+}
+
+impl<K: Sink> Forwarder<K> {
+    pub fn new(sink: K, layout: HostLayout) -> Self {
+        Self { sink, layout }
+    }
+
+    fn offsets_dir(&self) -> PathBuf {
+        self.layout.runtime_dir.join("qemu-log")
+    }
+
+    /// One pass over every VM's log; errors are per file, the rest go on.
+    pub fn pass(&self) -> Vec<QemuLogError> {
+        let mut errors = Vec::new();
+        let mut ids = Vec::new();
+        for entry in std::fs::read_dir(self.layout.vms_state_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let id = entry.file_name().to_string_lossy().into_owned();
+            let logs = self
+                .layout
+                .vm_by_id(&id)
+                .xdg_cache_dir()
+                .join("libvirt/qemu/log");
+            for log in std::fs::read_dir(&logs).into_iter().flatten().flatten() {
+                let path = log.path();
+                if path.extension().is_some_and(|e| e == "log") {
+                    if let Err(source) = self.forward(&id, &path) {
+                        errors.push(QemuLogError { path, source });
+                    }
+                }
+            }
+            ids.push(id);
+        }
+        // Positions of VMs that are gone.
+        for entry in std::fs::read_dir(self.offsets_dir())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if !ids.iter().any(|id| name.starts_with(&format!("{id}."))) {
+                let _ = std::fs::remove_file(entry.path());
+            }
+        }
+        errors
+    }
+
+    fn forward(&self, id: &str, path: &Path) -> io::Result<()> {
+        let file_name = path.file_name().unwrap_or_default().to_string_lossy();
+        let pos_file = self.offsets_dir().join(format!("{id}.{file_name}.pos"));
+        let mut file = File::open(path)?;
+        let meta = file.metadata()?;
+        // "<inode> <offset>": a new file (the VM was recreated) starts over.
+        let mut offset = std::fs::read_to_string(&pos_file)
+            .ok()
+            .and_then(|s| {
+                let (ino, off) = s.trim().split_once(' ')?;
+                (ino.parse::<u64>().ok()? == meta.ino()).then(|| off.parse::<u64>().ok())?
+            })
+            .unwrap_or(0);
+        if offset > meta.len() {
+            offset = 0;
+        }
+        if offset == meta.len() {
+            return Ok(());
+        }
+        file.seek(SeekFrom::Start(offset))?;
+        let mut buf = Vec::new();
+        file.take(CHUNK).read_to_end(&mut buf)?;
+        // Only whole lines; the rest waits for its newline (unless a line
+        // is longer than a whole chunk).
+        let upto = match buf.iter().rposition(|b| *b == b'\n') {
+            Some(i) => i + 1,
+            None if buf.len() as u64 == CHUNK => buf.len(),
+            None => return Ok(()),
+        };
+        let unit = key::unit_name_of(id);
+        let vm = VmKey::parse(id).map_or_else(|_| id.to_owned(), |k| k.to_string());
+        // Shown as qemu[<pid>]: QEMU's own, from libvirt's pid file.
+        let domain = path.file_stem().unwrap_or_default().to_string_lossy();
+        let pid = std::fs::read_to_string(self.layout.vm_by_id(id).qemu_pid_file(&domain))
+            .ok()
+            .filter(|p| p.trim().parse::<u32>().is_ok());
+        for line in String::from_utf8_lossy(&buf[..upto]).lines() {
+            if line.is_empty() {
+                continue;
+            }
+            let mut fields = vec![
+                ("PRIORITY", "6"),
+                ("SYSLOG_IDENTIFIER", "qemu"),
+                ("OBJECT_SYSTEMD_UNIT", unit.as_str()),
+                (VM_FIELD, vm.as_str()),
+                ("MESSAGE", line),
+            ];
+            if let Some(p) = &pid {
+                fields.push(("SYSLOG_PID", p.trim()));
+            }
+            self.sink.send(&fields)?;
+        }
+        std::fs::create_dir_all(self.offsets_dir())?;
+        let tmp = pos_file.with_extension("tmp");
+        std::fs::write(&tmp, format!("{} {}\n", meta.ino(), offset + upto as u64))?;
+        std::fs::rename(&tmp, &pos_file)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::host::journal::tests::{field, Recording};
+    use std::io::Write;
+
+    fn host(dir: &Path) -> HostLayout {
+        HostLayout {
+            state_dir: dir.join("lib"),
+            runtime_dir: dir.join("run"),
+            cache_dir: dir.join("cache"),
+        }
+    }
+
+    fn log_path(layout: &HostLayout, id: &str) -> PathBuf {
+        let p = layout
+            .vm_by_id(id)
+            .xdg_cache_dir()
+            .join(format!("libvirt/qemu/log/{id}.log"));
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        p
+    }
+
+    fn messages(rec: &Recording) -> Vec<String> {
+        rec.0
+            .lock()
+            .unwrap()
+            .drain(..)
+            .map(|e| field(&e, "MESSAGE").unwrap().to_owned())
+            .collect()
+    }
+
+    #[test]
+    fn lines_go_once_whole_and_under_the_vm_unit() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = host(dir.path());
+        let path = log_path(&layout, "default_vm1");
+        let rec = Recording::default();
+        let fwd = Forwarder::new(rec.clone(), layout.clone());
+
+        let pid_file = layout.vm_by_id("default_vm1").qemu_pid_file("default_vm1");
+        std::fs::create_dir_all(pid_file.parent().unwrap()).unwrap();
+        std::fs::write(&pid_file, "4242\n").unwrap();
+        std::fs::write(&path, "qemu starting\nhalf a li").unwrap();
+        assert!(fwd.pass().is_empty());
+        let e = rec.0.lock().unwrap()[0].clone();
+        assert_eq!(field(&e, "SYSLOG_PID"), Some("4242"));
+        assert_eq!(
+            field(&e, "OBJECT_SYSTEMD_UNIT"),
+            Some("kvirt-vm@default_vm1.service")
+        );
+        assert_eq!(field(&e, VM_FIELD), Some("default/vm1"));
+        assert_eq!(messages(&rec), ["qemu starting"]);
+
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(&path)
+            .unwrap();
+        f.write_all(b"ne\nnext\n").unwrap();
+        fwd.pass();
+        assert_eq!(messages(&rec), ["half a line", "next"]);
+
+        // A restarted forwarder continues where the last one stopped.
+        let again = Forwarder::new(rec.clone(), layout.clone());
+        again.pass();
+        assert!(messages(&rec).is_empty());
+
+        // The VM recreated: a new file is read from its start.
+        std::fs::remove_file(&path).unwrap();
+        std::fs::write(&path, "fresh\n").unwrap();
+        again.pass();
+        assert_eq!(messages(&rec), ["fresh"]);
+
+        // The VM gone: its position goes too.
+        std::fs::remove_dir_all(layout.vm_by_id("default_vm1").state_dir).unwrap();
+        again.pass();
+        assert_eq!(
+            std::fs::read_dir(layout.runtime_dir.join("qemu-log"))
+                .unwrap()
+                .count(),
+            0
+        );
+    }
+}

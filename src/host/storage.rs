@@ -1,0 +1,1041 @@
+//! A VM's directories and disk files on the host.
+
+use crate::core::convert::seed::Seed;
+use crate::core::convert::{Backing, DiskPrep};
+use crate::core::efivars::{self, Kept};
+use crate::host::hugepages;
+use crate::host::image::ImageDisk;
+
+/// Files pulled from container images for one VM, by `ImageNeed` key.
+pub type Pulled = std::collections::BTreeMap<String, ImageDisk>;
+
+fn kernel_dest(d: &DiskPrep) -> Option<&Path> {
+    match d {
+        DiskPrep::KernelBoot { kernel, .. } => kernel.as_ref().map(|f| f.dest.as_path()),
+        _ => None,
+    }
+}
+
+fn initrd_dest(d: &DiskPrep) -> Option<&Path> {
+    match d {
+        DiskPrep::KernelBoot { initrd, .. } => initrd.as_ref().map(|f| f.dest.as_path()),
+        _ => None,
+    }
+}
+use crate::core::layout::{HostLayout, VmPaths};
+use nix::unistd::{chown, Gid, Uid};
+use std::future::Future;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StorageError {
+    #[error("{path}: {op}: {source}")]
+    Io {
+        path: PathBuf,
+        op: &'static str,
+        source: std::io::Error,
+    },
+    #[error("{path}: {message}")]
+    Disk { path: PathBuf, message: String },
+    #[error("user {0:?} does not exist")]
+    NoUser(String),
+    #[error("worker thread died")]
+    Thread,
+}
+
+/// Who owns the VM's files: the unprivileged user its daemon runs as.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Owner {
+    pub uid: u32,
+    pub gid: u32,
+}
+
+impl Owner {
+    pub fn lookup(user: &str) -> Result<Self, StorageError> {
+        let u = nix::unistd::User::from_name(user)
+            .ok()
+            .flatten()
+            .ok_or_else(|| StorageError::NoUser(user.into()))?;
+        Ok(Self {
+            uid: u.uid.as_raw(),
+            gid: u.gid.as_raw(),
+        })
+    }
+}
+
+pub trait Storage: Send + Sync + 'static {
+    fn create_dirs(&self, paths: &VmPaths)
+        -> impl Future<Output = Result<(), StorageError>> + Send;
+    /// Creates or checks one disk; `roots` re-checks hostDisks after
+    /// symlinks; `images` has the files pulled for it, by `ImageNeed` key.
+    fn prepare_disk(
+        &self,
+        disk: &DiskPrep,
+        roots: &[PathBuf],
+        images: &Pulled,
+    ) -> impl Future<Output = Result<(), StorageError>> + Send;
+    fn remove_dir(&self, dir: &Path) -> impl Future<Output = Result<(), StorageError>> + Send;
+    /// Removes VM `id`'s directories on the host's hugetlbfs mounts.
+    fn remove_hugepages(&self, id: &str) -> impl Future<Output = Result<(), StorageError>> + Send;
+    /// Keeps the EFI variables of a VM that asked for it (`efi.persistent`)
+    /// before its state directory goes; an error keeps the directory too.
+    fn keep_efi_vars(
+        &self,
+        paths: &VmPaths,
+    ) -> impl Future<Output = Result<(), StorageError>> + Send;
+    /// Every VM's kept EFI variables, with their owner.
+    fn kept_efi_vars(&self) -> impl Future<Output = Result<Vec<Kept>, StorageError>> + Send;
+    /// Removes VM `id`'s kept EFI variables, once their owner is gone.
+    fn remove_kept_efi_vars(
+        &self,
+        id: &str,
+    ) -> impl Future<Output = Result<(), StorageError>> + Send;
+    fn exists(&self, dir: &Path) -> impl Future<Output = bool> + Send;
+    /// Ids of VMs that have a state or runtime directory.
+    fn list_ids(&self) -> impl Future<Output = Vec<String>> + Send;
+}
+
+/// In a VM's kept EFI variables directory (root's, out of the VM's reach):
+/// the variables, whose they are, and a mark that a VM using them runs.
+const EFI_VARS: &str = "VARS.fd";
+const EFI_OWNER: &str = "owner";
+const EFI_ACTIVE: &str = "active";
+/// Far above any OVMF variable store (540 KiB), far below harm.
+const MAX_EFI_VARS: u64 = 16 << 20;
+
+/// The VM's QEMU driver settings. QEMU writes its own log and the serial
+/// log straight to files: a virtlogd per VM would cost ~5 MiB PSS each.
+const QEMU_CONF: &str = "# Written by kvirtd for this VM only.\nstdio_handler = \"file\"\n";
+
+#[derive(Clone, Debug)]
+pub struct HostStorage {
+    pub host: HostLayout,
+    /// `None` keeps files owned by the caller (tests without root).
+    pub owner: Option<Owner>,
+}
+
+fn io(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> StorageError {
+    let path = path.to_owned();
+    move |source| StorageError::Io { path, op, source }
+}
+
+impl HostStorage {
+    fn own(&self, path: &Path) -> Result<(), StorageError> {
+        if let Some(o) = self.owner {
+            chown(path, Some(Uid::from_raw(o.uid)), Some(Gid::from_raw(o.gid)))
+                .map_err(|e| io(path, "chown")(e.into()))?;
+        }
+        Ok(())
+    }
+
+    fn mkdir(&self, dir: &Path, mode: u32, owned: bool) -> Result<(), StorageError> {
+        std::fs::create_dir_all(dir).map_err(io(dir, "create directory"))?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
+            .map_err(io(dir, "chmod"))?;
+        if owned {
+            self.own(dir)?;
+        }
+        Ok(())
+    }
+
+    fn create_dirs_blocking(&self, p: &VmPaths) -> Result<(), StorageError> {
+        // Parents belong to root and only let owners of a VM's own directory in.
+        for parent in [self.host.vms_state_dir(), self.host.vms_runtime_dir()] {
+            self.mkdir(&parent, 0o711, false)?;
+        }
+        self.mkdir(&self.host.qemu_capabilities_dir(), 0o700, true)?;
+        for dir in [&p.state_dir, &p.runtime_dir] {
+            self.mkdir(dir, 0o700, true)?;
+        }
+        for dir in [
+            p.xdg_runtime_dir(),
+            p.xdg_config_dir(),
+            p.xdg_cache_dir(),
+            p.capabilities_mount(),
+            p.disk_dir(),
+        ] {
+            self.mkdir(&dir, 0o700, true)?;
+        }
+        // libvirt creates these itself but as parents of the mount point above.
+        let mut d = p.capabilities_mount();
+        while d.pop() && d != p.xdg_cache_dir() {
+            self.own(&d)?;
+        }
+        let conf = p.qemu_conf();
+        let dir = conf.parent().expect("qemu.conf has a parent");
+        self.mkdir(dir, 0o700, true)?;
+        std::fs::write(&conf, QEMU_CONF).map_err(io(&conf, "write"))?;
+        self.own(&conf)
+    }
+
+    fn prepare_disk_blocking(
+        &self,
+        disk: &DiskPrep,
+        roots: &[PathBuf],
+        images: &Pulled,
+    ) -> Result<(), StorageError> {
+        match disk {
+            DiskPrep::CreateQcow2 {
+                path, size_bytes, ..
+            } => {
+                if path.exists() {
+                    return Ok(());
+                }
+                qemu_img_create(path, &[], Some(*size_bytes))?;
+                self.own(path)
+            }
+            DiskPrep::KernelBoot { image, .. } => {
+                for need in disk.image_needs() {
+                    let Some(pulled) = images.get(need.key) else {
+                        return Err(StorageError::Disk {
+                            path: disk.path().to_owned(),
+                            message: format!("{image} is not in the image cache"),
+                        });
+                    };
+                    let dest = match need.key {
+                        crate::core::convert::kernelboot::KERNEL => kernel_dest(disk),
+                        _ => initrd_dest(disk),
+                    };
+                    if let Some(dest) = dest {
+                        self.place_copy(&pulled.path, dest)?;
+                    }
+                }
+                Ok(())
+            }
+            DiskPrep::Overlay {
+                volume,
+                path,
+                backing,
+            } => {
+                let (base, format) = match (backing, images.get(volume)) {
+                    (Backing::Image { image, .. }, None) => {
+                        return Err(StorageError::Disk {
+                            path: path.clone(),
+                            message: format!("{image} is not in the image cache"),
+                        })
+                    }
+                    (Backing::Image { .. }, Some(d)) => (d.path.clone(), d.format),
+                    (Backing::HostDisk(base), _) => self.ephemeral_base(base, roots)?,
+                };
+                // A fresh write layer on every start, as KubeVirt's is.
+                match std::fs::remove_file(path) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                        return Err(io(path, "remove old overlay")(e))
+                    }
+                    _ => {}
+                }
+                let base = base.to_string_lossy();
+                qemu_img_create(path, &["-F", format, "-b", &base], None)?;
+                self.own(path)
+            }
+            DiskPrep::CreateRawIfMissing {
+                path, size_bytes, ..
+            } => {
+                check_under_roots(path, roots, true)?;
+                if !path.exists() {
+                    if let Some(parent) = path.parent() {
+                        std::fs::create_dir_all(parent).map_err(io(parent, "create directory"))?;
+                    }
+                    let f = std::fs::File::create_new(path).map_err(io(path, "create disk"))?;
+                    f.set_len(*size_bytes).map_err(io(path, "size disk"))?;
+                }
+                check_under_roots(path, roots, false)?;
+                self.own(path)
+            }
+            DiskPrep::SeedIso { path, seed, .. } => self.seed_iso(path, seed),
+            DiskPrep::EfiVars {
+                owner,
+                nvram,
+                kept_dir,
+            } => self.restore_efi_vars(owner, nvram, kept_dir),
+            DiskPrep::Hugepages {
+                vm,
+                page_bytes,
+                pages,
+                qemu_conf,
+            } => self.hugepages(vm, *page_bytes, *pages, qemu_conf),
+            DiskPrep::RequireExisting { path, .. } => {
+                if !path.is_file() {
+                    return Err(StorageError::Disk {
+                        path: path.clone(),
+                        message: "hostDisk does not exist (type Disk needs an existing file)"
+                            .into(),
+                    });
+                }
+                check_under_roots(path, roots, false)?;
+                self.own(path)
+            }
+        }
+    }
+}
+
+/// The VM's variables into its kept directory, when a VM that keeps them
+/// ran. The file is the VM user's: it is opened without following links,
+/// must be a regular file of a sane size, and replaces the kept copy only
+/// once whole.
+fn keep_efi_vars(nvram: &Path, kept: &Path) -> Result<(), StorageError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let active = kept.join(EFI_ACTIVE);
+    if !active.exists() {
+        return Ok(());
+    }
+    let refuse = |message: String| StorageError::Disk {
+        path: nvram.to_owned(),
+        message,
+    };
+    match std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(nvram)
+    {
+        // Never started: nothing new to keep.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io(nvram, "open")(e)),
+        Ok(f) => {
+            let meta = f.metadata().map_err(io(nvram, "stat"))?;
+            if !meta.is_file() || meta.len() > MAX_EFI_VARS {
+                return Err(refuse(format!(
+                    "not a regular file of at most {MAX_EFI_VARS} bytes: EFI variables not kept"
+                )));
+            }
+            let tmp = kept.join(format!("{EFI_VARS}.tmp"));
+            let mut out = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .mode(0o600)
+                .open(&tmp)
+                .map_err(io(&tmp, "create"))?;
+            std::io::copy(&mut std::io::Read::take(&f, MAX_EFI_VARS), &mut out)
+                .and_then(|_| out.sync_all())
+                .map_err(io(&tmp, "write"))?;
+            let vars = kept.join(EFI_VARS);
+            std::fs::rename(&tmp, &vars).map_err(io(&vars, "rename into place"))?;
+        }
+    }
+    std::fs::remove_file(&active).map_err(io(&active, "remove"))
+}
+
+/// A qcow2 at `path`: empty of `size` bytes, or over a backing file.
+fn qemu_img_create(path: &Path, options: &[&str], size: Option<u64>) -> Result<(), StorageError> {
+    let out = std::process::Command::new("qemu-img")
+        .args(["create", "-q", "-f", "qcow2"])
+        .args(options)
+        .arg(path)
+        .args(size.map(|s| s.to_string()))
+        .output()
+        .map_err(io(path, "run qemu-img"))?;
+    if !out.status.success() {
+        return Err(StorageError::Disk {
+            path: path.to_owned(),
+            message: format!(
+                "qemu-img create failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        });
+    }
+    Ok(())
+}
+
+impl HostStorage {
+    /// An ephemeral volume's base: an existing file under the roots, only
+    /// read, which must not itself lead QEMU to other files.
+    fn ephemeral_base(
+        &self,
+        base: &Path,
+        roots: &[PathBuf],
+    ) -> Result<(PathBuf, &'static str), StorageError> {
+        let disk_err = |message: String| StorageError::Disk {
+            path: base.to_owned(),
+            message,
+        };
+        if !base.is_file() {
+            return Err(disk_err(
+                "the ephemeral base (hostDisk) does not exist".into(),
+            ));
+        }
+        check_under_roots(base, roots, false)?;
+        let real = std::fs::canonicalize(base).map_err(io(base, "resolve"))?;
+        let mut header = Vec::with_capacity(104);
+        std::fs::File::open(&real)
+            .and_then(|f| std::io::Read::read_to_end(&mut std::io::Read::take(f, 104), &mut header))
+            .map_err(io(&real, "read"))?;
+        let format = crate::core::image::disk_format(&header).map_err(disk_err)?;
+        let meta = std::fs::metadata(&real).map_err(io(&real, "stat"))?;
+        let readable = meta.permissions().mode() & 0o004 != 0
+            || self.owner.is_none_or(|o| {
+                use std::os::unix::fs::MetadataExt;
+                (meta.uid() == o.uid && meta.mode() & 0o400 != 0)
+                    || (meta.gid() == o.gid && meta.mode() & 0o040 != 0)
+            });
+        if !readable {
+            return Err(disk_err(
+                "the VM's user cannot read the ephemeral base (make it readable, it is never written)"
+                    .into(),
+            ));
+        }
+        Ok((real, format))
+    }
+
+    /// Files for the VM's disk directory are made in a root-only staging
+    /// directory on the same file system and renamed into place, so nothing
+    /// the VM's user can write there (a planted symlink) steers root.
+    fn staged(
+        &self,
+        what: &str,
+        make: impl FnOnce(&Path) -> Result<(), StorageError>,
+    ) -> Result<(), StorageError> {
+        let staging = self.host.state_dir.join(".staging");
+        self.mkdir(&staging, 0o700, false)?;
+        let work = nix::unistd::mkdtemp(&staging.join(format!("{what}-XXXXXX")))
+            .map_err(|e| io(&staging, "create staging directory")(e.into()))?;
+        let result = make(&work);
+        let _ = std::fs::remove_dir_all(&work);
+        result
+    }
+
+    /// Puts the EFI variables this owner's VM left back where libvirt
+    /// looks for them, and marks the VM as one whose variables are kept
+    /// when it goes. Variables of another owner (a VM of the same name
+    /// made anew) are dropped: the firmware starts from its template.
+    fn restore_efi_vars(&self, owner: &str, nvram: &Path, kept: &Path) -> Result<(), StorageError> {
+        let parent = kept.parent().expect("efi-vars/ has a parent");
+        self.mkdir(parent, 0o700, false)?;
+        self.mkdir(kept, 0o700, false)?;
+        let (owner_file, vars) = (kept.join(EFI_OWNER), kept.join(EFI_VARS));
+        if std::fs::read_to_string(&owner_file).ok().as_deref() != Some(owner) {
+            match std::fs::remove_file(&vars) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(io(&vars, "remove")(e))
+                }
+                _ => {}
+            }
+            std::fs::write(&owner_file, owner).map_err(io(&owner_file, "write"))?;
+        }
+        if vars.is_file() {
+            let dir = nvram.parent().expect("nvram/ has a parent");
+            let mut d = dir.to_owned();
+            let mut made = Vec::new();
+            while !d.exists() {
+                made.push(d.clone());
+                d.pop();
+            }
+            for d in made.iter().rev() {
+                self.mkdir(d, 0o700, true)?;
+            }
+            self.place_copy(&vars, nvram)?;
+        }
+        let active = kept.join(EFI_ACTIVE);
+        std::fs::write(&active, b"").map_err(io(&active, "write"))
+    }
+
+    /// The VM's own directory on the hugetlbfs of its page size, named in
+    /// its libvirt's qemu.conf, once enough pages are known to be free
+    /// (QEMU's own error would only say it could not allocate memory).
+    fn hugepages(
+        &self,
+        vm: &str,
+        page_bytes: u64,
+        pages: u64,
+        qemu_conf: &Path,
+    ) -> Result<(), StorageError> {
+        let refuse = |message: String| StorageError::Disk {
+            path: qemu_conf.to_owned(),
+            message,
+        };
+        let mount = hugepages::host_mount(page_bytes).map_err(refuse)?;
+        let free = hugepages::available_pages(page_bytes).map_err(refuse)?;
+        if free < pages {
+            return Err(refuse(format!(
+                "{pages} hugepages of {} are needed and {free} are free",
+                hugepages::human(page_bytes)
+            )));
+        }
+        let dir = hugepages::vm_dir(&mount, vm);
+        self.mkdir(dir.parent().expect("kvirt/ has a parent"), 0o711, false)?;
+        self.mkdir(&dir, 0o700, true)?;
+        let line = format!("hugetlbfs_mount = {:?}\n", dir.display().to_string());
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .open(qemu_conf)
+            .map_err(io(qemu_conf, "open"))?;
+        std::io::Write::write_all(&mut f, line.as_bytes()).map_err(io(qemu_conf, "write"))
+    }
+
+    fn seed_iso(&self, path: &Path, seed: &Seed) -> Result<(), StorageError> {
+        self.staged("seed", |work| self.seed_iso_in(work, path, seed))
+    }
+
+    /// A private copy of a file from the image cache (the VM's user may
+    /// read it; nobody changes the cached original).
+    fn place_copy(&self, from: &Path, to: &Path) -> Result<(), StorageError> {
+        self.staged("copy", |work| {
+            let tmp = work.join("file");
+            std::fs::copy(from, &tmp).map_err(io(from, "copy"))?;
+            std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o640))
+                .map_err(io(&tmp, "chmod"))?;
+            self.own(&tmp)?;
+            std::fs::rename(&tmp, to).map_err(io(to, "rename into place"))
+        })
+    }
+
+    fn seed_iso_in(&self, work: &Path, path: &Path, seed: &Seed) -> Result<(), StorageError> {
+        let refuse = |message: String| StorageError::Disk {
+            path: path.to_owned(),
+            message,
+        };
+        if let Some(o) = seed.from_objects.first() {
+            return Err(refuse(format!("{}: {} was not read", o.field, o.object)));
+        }
+        let files = work.join("files");
+        for (rel, bytes) in &seed.files {
+            let safe = Path::new(rel)
+                .components()
+                .all(|c| matches!(c, std::path::Component::Normal(_)));
+            if !safe {
+                return Err(refuse(format!("{rel:?} is not a path inside the image")));
+            }
+            let f = files.join(rel);
+            if let Some(parent) = f.parent() {
+                std::fs::create_dir_all(parent).map_err(io(parent, "create directory"))?;
+            }
+            std::fs::write(&f, bytes).map_err(io(&f, "write"))?;
+        }
+        let iso = work.join("seed.iso");
+        let out = std::process::Command::new("xorrisofs")
+            .args(["-quiet", "-input-charset", "utf-8", "-joliet", "-rock"])
+            .args(["-volid", &seed.label, "-output"])
+            .arg(&iso)
+            .arg(&files)
+            .output()
+            .map_err(io(path, "run xorrisofs"))?;
+        if !out.status.success() {
+            return Err(StorageError::Disk {
+                path: path.to_owned(),
+                message: format!(
+                    "xorrisofs failed: {}",
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+            });
+        }
+        std::fs::set_permissions(&iso, std::fs::Permissions::from_mode(0o640))
+            .map_err(io(&iso, "chmod"))?;
+        self.own(&iso)?;
+        std::fs::rename(&iso, path).map_err(io(path, "rename into place"))
+    }
+}
+
+/// The converter checked the path as written; this checks where it really
+/// leads, so a symlink cannot take a hostDisk out of the allowed roots.
+fn check_under_roots(
+    path: &Path,
+    roots: &[PathBuf],
+    parent_only: bool,
+) -> Result<(), StorageError> {
+    let target = if parent_only {
+        match path.parent().map(std::fs::canonicalize) {
+            Some(Ok(p)) => p,
+            _ => return Ok(()), // parent created later, checked again then
+        }
+    } else {
+        std::fs::canonicalize(path).map_err(io(path, "resolve"))?
+    };
+    let roots: Vec<PathBuf> = roots
+        .iter()
+        .map(|r| std::fs::canonicalize(r).unwrap_or_else(|_| r.clone()))
+        .collect();
+    if roots.iter().any(|r| target.starts_with(r)) {
+        Ok(())
+    } else {
+        Err(StorageError::Disk {
+            path: path.into(),
+            message: format!(
+                "resolves to {}, outside the allowed hostDisk roots",
+                target.display()
+            ),
+        })
+    }
+}
+
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, StorageError> + Send + 'static,
+) -> Result<T, StorageError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|_| StorageError::Thread)?
+}
+
+impl Storage for HostStorage {
+    async fn create_dirs(&self, paths: &VmPaths) -> Result<(), StorageError> {
+        let (this, p) = (self.clone(), paths.clone());
+        blocking(move || this.create_dirs_blocking(&p)).await
+    }
+
+    async fn prepare_disk(
+        &self,
+        disk: &DiskPrep,
+        roots: &[PathBuf],
+        images: &Pulled,
+    ) -> Result<(), StorageError> {
+        let (this, d, r, i) = (self.clone(), disk.clone(), roots.to_vec(), images.clone());
+        blocking(move || this.prepare_disk_blocking(&d, &r, &i)).await
+    }
+
+    async fn remove_dir(&self, dir: &Path) -> Result<(), StorageError> {
+        let dir = dir.to_owned();
+        blocking(move || match std::fs::remove_dir_all(&dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&dir, "remove")(e)),
+            _ => Ok(()),
+        })
+        .await
+    }
+
+    async fn keep_efi_vars(&self, paths: &VmPaths) -> Result<(), StorageError> {
+        let (nvram, kept) = (paths.nvram(), paths.efi_vars_dir.clone());
+        blocking(move || keep_efi_vars(&nvram, &kept)).await
+    }
+
+    async fn kept_efi_vars(&self) -> Result<Vec<Kept>, StorageError> {
+        let dir = self.host.efi_vars_dir();
+        blocking(move || {
+            let entries = match std::fs::read_dir(&dir) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+                r => r.map_err(io(&dir, "read directory"))?,
+            };
+            let mut kept = Vec::new();
+            for e in entries {
+                let e = e.map_err(io(&dir, "read directory"))?;
+                let Ok(id) = e.file_name().into_string() else {
+                    continue;
+                };
+                let d = e.path();
+                kept.push(Kept {
+                    owner: std::fs::read_to_string(d.join(EFI_OWNER))
+                        .ok()
+                        .and_then(|o| efivars::Owner::parse(&o)),
+                    active: d.join(EFI_ACTIVE).exists(),
+                    id,
+                });
+            }
+            kept.sort_by(|a, b| a.id.cmp(&b.id));
+            Ok(kept)
+        })
+        .await
+    }
+
+    async fn remove_kept_efi_vars(&self, id: &str) -> Result<(), StorageError> {
+        self.remove_dir(&self.host.efi_vars_dir().join(id)).await
+    }
+
+    async fn remove_hugepages(&self, id: &str) -> Result<(), StorageError> {
+        for dir in hugepages::host_vm_dirs(id) {
+            self.remove_dir(&dir).await?;
+        }
+        Ok(())
+    }
+
+    async fn exists(&self, dir: &Path) -> bool {
+        dir.exists()
+    }
+
+    async fn list_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = [self.host.vms_state_dir(), self.host.vms_runtime_dir()]
+            .iter()
+            .filter_map(|d| std::fs::read_dir(d).ok())
+            .flatten()
+            .filter_map(|e| e.ok()?.file_name().into_string().ok())
+            .collect();
+        ids.sort();
+        ids.dedup();
+        ids
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::key::VmKey;
+
+    /// Storage in a temporary root with one VM's directories made.
+    async fn vm_dirs() -> (tempfile::TempDir, HostStorage, VmPaths) {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = storage(tmp.path());
+        let p = s.host.vm(&VmKey::new("ns", "vm").unwrap());
+        s.create_dirs(&p).await.unwrap();
+        (tmp, s, p)
+    }
+
+    fn storage(root: &Path) -> HostStorage {
+        HostStorage {
+            host: HostLayout {
+                state_dir: root.join("lib"),
+                runtime_dir: root.join("run"),
+                cache_dir: root.join("cache"),
+            },
+            owner: None,
+        }
+    }
+
+    #[tokio::test]
+    async fn efi_variables_are_kept_for_their_owner_and_never_through_links() {
+        let (tmp, s, p) = vm_dirs().await;
+        let prep = |owner: &str| DiskPrep::EfiVars {
+            owner: owner.into(),
+            nvram: p.nvram(),
+            kept_dir: p.efi_vars_dir.clone(),
+        };
+        let kept = p.efi_vars_dir.join(EFI_VARS);
+        // First run: nothing kept yet, libvirt makes the file from its template.
+        s.prepare_disk(&prep("vm A"), &[], &Pulled::new())
+            .await
+            .unwrap();
+        assert!(!p.nvram().exists());
+        std::fs::create_dir_all(p.nvram().parent().unwrap()).unwrap();
+        std::fs::write(p.nvram(), b"vars of run 1").unwrap();
+        s.keep_efi_vars(&p).await.unwrap();
+        assert_eq!(std::fs::read(&kept).unwrap(), b"vars of run 1");
+        // Kept once: a second teardown (no run in between) changes nothing.
+        std::fs::write(p.nvram(), b"stale").unwrap();
+        s.keep_efi_vars(&p).await.unwrap();
+        assert_eq!(std::fs::read(&kept).unwrap(), b"vars of run 1");
+
+        // Next run of the same VM: they come back, over whatever is there.
+        let victim = tmp.path().join("victim");
+        std::fs::write(&victim, b"untouched").unwrap();
+        std::fs::remove_file(p.nvram()).unwrap();
+        std::os::unix::fs::symlink(&victim, p.nvram()).unwrap();
+        s.prepare_disk(&prep("vm A"), &[], &Pulled::new())
+            .await
+            .unwrap();
+        assert_eq!(std::fs::read(p.nvram()).unwrap(), b"vars of run 1");
+        assert_eq!(std::fs::read(&victim).unwrap(), b"untouched");
+
+        // The VM's user makes the file a link: it is refused, not read, and
+        // the kept copy stays as it was.
+        std::fs::remove_file(p.nvram()).unwrap();
+        std::fs::write(tmp.path().join("secret"), b"host secret").unwrap();
+        std::os::unix::fs::symlink(tmp.path().join("secret"), p.nvram()).unwrap();
+        assert!(s.keep_efi_vars(&p).await.is_err());
+        assert_eq!(std::fs::read(&kept).unwrap(), b"vars of run 1");
+
+        // Another owner (the VM made anew): the firmware starts afresh.
+        std::fs::remove_file(p.nvram()).unwrap();
+        s.prepare_disk(&prep("vm B"), &[], &Pulled::new())
+            .await
+            .unwrap();
+        assert!(!kept.exists() && !p.nvram().exists());
+    }
+
+    #[tokio::test]
+    async fn kept_efi_variables_are_listed_with_their_owner_and_removed() {
+        let (_tmp, s, p) = vm_dirs().await;
+        assert_eq!(s.kept_efi_vars().await.unwrap(), []);
+        let owner = "VirtualMachine ns/vm u1";
+        let prep = DiskPrep::EfiVars {
+            owner: owner.into(),
+            nvram: p.nvram(),
+            kept_dir: p.efi_vars_dir.clone(),
+        };
+        s.prepare_disk(&prep, &[], &Pulled::new()).await.unwrap();
+        let listed = |active| {
+            vec![Kept {
+                id: "ns_vm".into(),
+                owner: efivars::Owner::parse(owner),
+                active,
+            }]
+        };
+        assert_eq!(s.kept_efi_vars().await.unwrap(), listed(true));
+        s.keep_efi_vars(&p).await.unwrap();
+        assert_eq!(s.kept_efi_vars().await.unwrap(), listed(false));
+        s.remove_kept_efi_vars("ns_vm").await.unwrap();
+        assert!(!p.efi_vars_dir.exists());
+        assert_eq!(s.kept_efi_vars().await.unwrap(), []);
+    }
+
+    #[tokio::test]
+    async fn creates_and_removes_a_vms_directories() {
+        let (_tmp, s, p) = vm_dirs().await;
+        assert!(p.capabilities_mount().is_dir());
+        assert!(p.xdg_runtime_dir().is_dir());
+        let conf = std::fs::read_to_string(p.qemu_conf()).unwrap();
+        assert!(conf.contains("stdio_handler = \"file\""), "{conf}");
+        assert_eq!(s.list_ids().await, vec!["ns_vm".to_string()]);
+        s.remove_dir(&p.state_dir).await.unwrap();
+        s.remove_dir(&p.state_dir).await.unwrap();
+        assert!(!p.state_dir.exists());
+    }
+
+    #[tokio::test]
+    async fn cloud_init_seeds_are_isos_with_their_label_and_files() {
+        if std::process::Command::new("xorrisofs")
+            .arg("-version")
+            .output()
+            .is_err()
+        {
+            eprintln!("skipped: no xorrisofs (tests/run-all installs it)");
+            return;
+        }
+        let (tmp, s, p) = vm_dirs().await;
+        let iso = p.cloud_init_iso("ci");
+        // Whatever the VM's user planted there is replaced, never followed.
+        let victim = tmp.path().join("victim");
+        std::fs::write(&victim, b"untouched").unwrap();
+        std::os::unix::fs::symlink(&victim, &iso).unwrap();
+        let mut seed = Seed::new("cidata");
+        seed.files = vec![
+            ("meta-data".into(), b"instance-id: vm.ns\n".to_vec()),
+            ("user-data".into(), b"#!/bin/sh\necho KVIRT-SEED\n".to_vec()),
+        ];
+        let prep = DiskPrep::SeedIso {
+            volume: "ci".into(),
+            path: iso.clone(),
+            seed,
+        };
+        s.prepare_disk(&prep, &[], &Pulled::new()).await.unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"untouched");
+        let bytes = std::fs::read(&iso).unwrap();
+        // ISO 9660: the primary volume descriptor at sector 16 names it.
+        assert_eq!(&bytes[32769..32774], b"CD001");
+        assert_eq!(&bytes[32808..32814], b"cidata");
+        let text = String::from_utf8_lossy(&bytes);
+        assert!(text.contains("echo KVIRT-SEED"));
+        assert!(text.contains("user-data"), "Rock Ridge/Joliet long names");
+        // Again (a restart): replaced in place, no staging left behind.
+        s.prepare_disk(&prep, &[], &Pulled::new()).await.unwrap();
+        let staging = s.host.state_dir.join(".staging");
+        assert_eq!(std::fs::read_dir(staging).unwrap().count(), 0);
+    }
+
+    #[tokio::test]
+    async fn host_disks_stay_under_their_roots_even_through_symlinks() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = storage(tmp.path());
+        let root = tmp.path().join("images");
+        let outside = tmp.path().join("outside");
+        std::fs::create_dir_all(&root).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        std::fs::write(outside.join("secret.img"), b"x").unwrap();
+        std::os::unix::fs::symlink(outside.join("secret.img"), root.join("link.img")).unwrap();
+        let roots = vec![root.clone()];
+        let err = s
+            .prepare_disk(
+                &DiskPrep::RequireExisting {
+                    volume: "v".into(),
+                    path: root.join("link.img"),
+                },
+                &roots,
+                &Pulled::new(),
+            )
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("outside the allowed"), "{err}");
+
+        let new = root.join("sub/new.img");
+        s.prepare_disk(
+            &DiskPrep::CreateRawIfMissing {
+                volume: "v".into(),
+                path: new.clone(),
+                size_bytes: 1 << 20,
+            },
+            &roots,
+            &Pulled::new(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(std::fs::metadata(&new).unwrap().len(), 1 << 20);
+
+        let missing = s
+            .prepare_disk(
+                &DiskPrep::RequireExisting {
+                    volume: "v".into(),
+                    path: root.join("none.img"),
+                },
+                &roots,
+                &Pulled::new(),
+            )
+            .await
+            .unwrap_err();
+        assert!(missing.to_string().contains("does not exist"), "{missing}");
+    }
+
+    fn qemu_img() -> bool {
+        let ok = std::process::Command::new("qemu-img")
+            .arg("--version")
+            .output()
+            .is_ok();
+        if !ok {
+            eprintln!("skipped: no qemu-img (tests/run-all installs it)");
+        }
+        ok
+    }
+
+    fn root_pulled(d: &ImageDisk) -> Pulled {
+        [("root".to_owned(), d.clone())].into_iter().collect()
+    }
+
+    fn backing_of(overlay: &Path) -> (String, String) {
+        let out = std::process::Command::new("qemu-img")
+            .args(["info", "--output=json", "-U"])
+            .arg(overlay)
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        (
+            v["full-backing-filename"].as_str().unwrap_or("").to_owned(),
+            v["backing-filename-format"]
+                .as_str()
+                .unwrap_or("")
+                .to_owned(),
+        )
+    }
+
+    #[tokio::test]
+    async fn overlays_are_fresh_qcow2s_over_their_base() {
+        if !qemu_img() {
+            return;
+        }
+        let (tmp, s, p) = vm_dirs().await;
+        let base = tmp.path().join("cache/disk.raw");
+        std::fs::create_dir_all(base.parent().unwrap()).unwrap();
+        std::fs::write(&base, vec![0u8; 1 << 20]).unwrap();
+        let overlay = p.overlay("root");
+        let prep = DiskPrep::Overlay {
+            volume: "root".into(),
+            path: overlay.clone(),
+            backing: Backing::Image {
+                image: "example.org/disk:1".into(),
+                pull_policy: crate::core::image::PullPolicy::IfNotPresent,
+                pull_secret: None,
+                path: None,
+            },
+        };
+        let err = s
+            .prepare_disk(&prep, &[], &Pulled::new())
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("not in the image cache"), "{err}");
+        let disk = ImageDisk {
+            path: base.clone(),
+            format: "raw",
+            root: base.parent().unwrap().to_owned(),
+            digest: "sha256:0".into(),
+        };
+        s.prepare_disk(&prep, &[], &root_pulled(&disk))
+            .await
+            .unwrap();
+        assert_eq!(
+            backing_of(&overlay),
+            (base.display().to_string(), "raw".to_owned())
+        );
+        // What the guest wrote is gone at the next start.
+        std::fs::write(&overlay, b"guest data").unwrap();
+        s.prepare_disk(&prep, &[], &root_pulled(&disk))
+            .await
+            .unwrap();
+        assert_eq!(backing_of(&overlay).1, "raw");
+        assert_eq!(std::fs::read(&base).unwrap(), vec![0u8; 1 << 20]);
+    }
+
+    #[tokio::test]
+    async fn ephemeral_bases_are_checked_before_use() {
+        if !qemu_img() {
+            return;
+        }
+        let (tmp, s, p) = vm_dirs().await;
+        let root = tmp.path().join("images");
+        std::fs::create_dir_all(&root).unwrap();
+        let prep = |base: &Path| DiskPrep::Overlay {
+            volume: "e".into(),
+            path: p.overlay("e"),
+            backing: Backing::HostDisk(base.to_owned()),
+        };
+        let roots = vec![root.clone()];
+        let missing = s
+            .prepare_disk(&prep(&root.join("none.img")), &roots, &Pulled::new())
+            .await
+            .unwrap_err();
+        assert!(missing.to_string().contains("does not exist"), "{missing}");
+
+        // A qcow2 base that points QEMU at another host file is refused.
+        let sneaky = root.join("sneaky.qcow2");
+        let out = std::process::Command::new("qemu-img")
+            .args([
+                "create",
+                "-q",
+                "-f",
+                "qcow2",
+                "-F",
+                "raw",
+                "-b",
+                "/etc/shadow",
+                "-u",
+            ])
+            .arg(&sneaky)
+            .arg("1M")
+            .status()
+            .unwrap();
+        assert!(out.success());
+        let err = s
+            .prepare_disk(&prep(&sneaky), &roots, &Pulled::new())
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("backing file"), "{err}");
+
+        let good = root.join("base.qcow2");
+        qemu_img_create(&good, &[], Some(1 << 20)).unwrap();
+        s.prepare_disk(&prep(&good), &roots, &Pulled::new())
+            .await
+            .unwrap();
+        assert_eq!(
+            backing_of(&p.overlay("e")),
+            (good.display().to_string(), "qcow2".to_owned())
+        );
+    }
+
+    #[tokio::test]
+    async fn kernel_boot_files_are_private_copies_placed_safely() {
+        let (tmp, s, p) = vm_dirs().await;
+        let cached = tmp.path().join("cache/vmlinuz");
+        std::fs::create_dir_all(cached.parent().unwrap()).unwrap();
+        std::fs::write(&cached, b"kernel bytes").unwrap();
+        // Whatever the VM's user planted there is replaced, never followed.
+        let victim = tmp.path().join("victim");
+        std::fs::write(&victim, b"untouched").unwrap();
+        std::os::unix::fs::symlink(&victim, p.kernel_file()).unwrap();
+        let prep = DiskPrep::KernelBoot {
+            image: "example.org/k:1".into(),
+            pull_policy: crate::core::image::PullPolicy::IfNotPresent,
+            pull_secret: None,
+            kernel: Some(crate::core::convert::ImageFile {
+                path_in_image: "/disk/vmlinuz".into(),
+                dest: p.kernel_file(),
+            }),
+            initrd: None,
+        };
+        let err = s
+            .prepare_disk(&prep, &[], &Pulled::new())
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("not in the image cache"), "{err}");
+        let pulled: Pulled = [(
+            crate::core::convert::kernelboot::KERNEL.to_owned(),
+            ImageDisk {
+                path: cached.clone(),
+                format: "raw",
+                root: cached.parent().unwrap().to_owned(),
+                digest: "sha256:0".into(),
+            },
+        )]
+        .into_iter()
+        .collect();
+        s.prepare_disk(&prep, &[], &pulled).await.unwrap();
+        assert_eq!(std::fs::read(&victim).unwrap(), b"untouched");
+        assert_eq!(std::fs::read(p.kernel_file()).unwrap(), b"kernel bytes");
+        let mode = std::fs::symlink_metadata(p.kernel_file())
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o640);
+    }
+}

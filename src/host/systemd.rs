@@ -1,0 +1,361 @@
+//! systemd, the one place VMs run: start/stop/list `kvirt-vm@` units.
+
+use crate::core::key::{self, UNIT_PREFIX};
+use crate::core::layout::DaemonKind;
+use crate::core::plan::{UnitActivity, UnitObs};
+use crate::core::unit::{Prop, UnitSpec, ENV_DAEMON, ENV_GRACE, ENV_NAME, ENV_NAMESPACE, ENV_UID};
+use futures::StreamExt;
+use std::future::Future;
+use std::time::Duration;
+use tokio::sync::mpsc::UnboundedSender;
+use zbus::zvariant::{OwnedObjectPath, OwnedValue, Value};
+use zbus_systemd::systemd1::{ManagerProxy, ServiceProxy};
+
+#[derive(Debug, thiserror::Error)]
+pub enum SystemdError {
+    #[error("D-Bus: {0}")]
+    Bus(#[from] zbus::Error),
+    #[error("unit {unit}: job {verb} finished with {result}")]
+    Job {
+        unit: String,
+        verb: &'static str,
+        result: String,
+    },
+    #[error("unit {unit}: job {verb} did not finish within {timeout:?}")]
+    Timeout {
+        unit: String,
+        verb: &'static str,
+        timeout: Duration,
+    },
+    #[error("unit {unit}: property {property}: {message}")]
+    Property {
+        unit: String,
+        property: &'static str,
+        message: String,
+    },
+}
+
+/// The units kvirtd manages, as far as it needs them.
+pub trait Units: Send + Sync + 'static {
+    /// Starts the unit and waits for its start job; fails with the job's result.
+    fn start(&self, spec: &UnitSpec) -> impl Future<Output = Result<(), SystemdError>> + Send;
+    /// Stops the unit (if loaded) and waits; a failed unit is reset so it is collected.
+    fn stop(&self, unit: &str) -> impl Future<Output = Result<(), SystemdError>> + Send;
+    fn get(&self, unit: &str)
+        -> impl Future<Output = Result<Option<UnitObs>, SystemdError>> + Send;
+    /// Ids (`<ns>_<name>` form) of every loaded `kvirt-vm@` unit.
+    fn list_ids(&self) -> impl Future<Output = Result<Vec<String>, SystemdError>> + Send;
+}
+
+const JOB_TIMEOUT: Duration = Duration::from_secs(90);
+
+#[derive(Clone)]
+pub struct SystemdBus {
+    conn: zbus::Connection,
+}
+
+impl SystemdBus {
+    pub async fn connect() -> Result<Self, SystemdError> {
+        let conn = zbus::Connection::system().await?;
+        ManagerProxy::new(&conn).await?.subscribe().await?;
+        Ok(Self { conn })
+    }
+
+    /// The bus connection, for the other systemd services (machined).
+    pub fn connection(&self) -> zbus::Connection {
+        self.conn.clone()
+    }
+
+    async fn manager(&self) -> Result<ManagerProxy<'static>, SystemdError> {
+        Ok(ManagerProxy::new(&self.conn).await?)
+    }
+
+    /// Runs one job call and waits for its `JobRemoved`. The signal stream
+    /// is opened before the call so a fast job cannot be missed.
+    async fn run_job<F, Fut>(
+        &self,
+        unit: &str,
+        verb: &'static str,
+        call: F,
+    ) -> Result<(), SystemdError>
+    where
+        F: FnOnce(ManagerProxy<'static>) -> Fut,
+        Fut: Future<Output = zbus::Result<OwnedObjectPath>>,
+    {
+        let manager = self.manager().await?;
+        let mut removed = manager.receive_job_removed().await?;
+        let job = call(manager).await?;
+        let wait = async {
+            while let Some(sig) = removed.next().await {
+                let Ok(args) = sig.args() else { continue };
+                if args.job == job {
+                    return Some(args.result.clone());
+                }
+            }
+            None
+        };
+        match tokio::time::timeout(JOB_TIMEOUT, wait).await {
+            Ok(Some(result)) if result == "done" => Ok(()),
+            Ok(Some(result)) => Err(SystemdError::Job {
+                unit: unit.into(),
+                verb,
+                result,
+            }),
+            Ok(None) => Err(SystemdError::Job {
+                unit: unit.into(),
+                verb,
+                result: "signal stream ended".into(),
+            }),
+            Err(_) => Err(SystemdError::Timeout {
+                unit: unit.into(),
+                verb,
+                timeout: JOB_TIMEOUT,
+            }),
+        }
+    }
+
+    /// Sends every `kvirt-vm@` unit's id to `tx` whenever its state changes
+    /// or it goes away: the loop's view of VMs stopping on their own.
+    pub async fn watch(&self, tx: UnboundedSender<String>) -> Result<(), SystemdError> {
+        let rule = zbus::MatchRule::builder()
+            .msg_type(zbus::message::Type::Signal)
+            .sender("org.freedesktop.systemd1")?
+            .interface("org.freedesktop.DBus.Properties")?
+            .member("PropertiesChanged")?
+            .path_namespace("/org/freedesktop/systemd1/unit")?
+            .build();
+        let mut changes = zbus::MessageStream::for_match_rule(rule, &self.conn, None).await?;
+        let mut removed = self.manager().await?.receive_unit_removed().await?;
+        tokio::spawn(async move {
+            loop {
+                let id = tokio::select! {
+                    Some(Ok(msg)) = changes.next() => msg
+                        .header()
+                        .path()
+                        .and_then(|p| unit_from_object_path(p.as_str()))
+                        .and_then(|u| key::id_from_unit(&u).map(str::to_owned)),
+                    Some(sig) = removed.next() => sig
+                        .args()
+                        .ok()
+                        .and_then(|a| key::id_from_unit(&a.id).map(str::to_owned)),
+                    else => break,
+                };
+                if let Some(id) = id {
+                    if tx.send(id).is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        Ok(())
+    }
+}
+
+impl Units for SystemdBus {
+    async fn start(&self, spec: &UnitSpec) -> Result<(), SystemdError> {
+        let props = spec
+            .properties
+            .iter()
+            .map(|p| to_dbus(&spec.name, p))
+            .collect::<Result<Vec<_>, _>>()?;
+        let name = spec.name.clone();
+        self.run_job(&spec.name, "start", |m| async move {
+            m.start_transient_unit(name, "fail".into(), props, vec![])
+                .await
+        })
+        .await
+    }
+
+    async fn stop(&self, unit: &str) -> Result<(), SystemdError> {
+        let Some(obs) = self.get(unit).await? else {
+            return Ok(());
+        };
+        if obs.activity == UnitActivity::Failed {
+            // A failed unit is already stopped; resetting lets it be collected.
+            return Ok(self.manager().await?.reset_failed_unit(unit.into()).await?);
+        }
+        let name = unit.to_owned();
+        let res = self
+            .run_job(unit, "stop", |m| async move {
+                m.stop_unit(name, "replace".into()).await
+            })
+            .await;
+        // Stopping can leave it failed (e.g. killed by the stop timeout).
+        if let Ok(Some(o)) = self.get(unit).await {
+            if o.activity == UnitActivity::Failed {
+                let _ = self.manager().await?.reset_failed_unit(unit.into()).await;
+            }
+        }
+        res
+    }
+
+    async fn get(&self, unit: &str) -> Result<Option<UnitObs>, SystemdError> {
+        let manager = self.manager().await?;
+        let path = match manager.get_unit(unit.into()).await {
+            Ok(p) => p,
+            Err(zbus::Error::MethodError(name, _, _))
+                if name.as_str() == "org.freedesktop.systemd1.NoSuchUnit" =>
+            {
+                return Ok(None)
+            }
+            Err(e) => return Err(e.into()),
+        };
+        let svc = ServiceProxy::builder(&self.conn)
+            .path(path)?
+            .cache_properties(zbus::proxy::CacheProperties::No)
+            .build()
+            .await?;
+        let unit_iface = zbus_systemd::systemd1::UnitProxy::builder(&self.conn)
+            .path(svc.inner().path().to_owned())?
+            .cache_properties(zbus::proxy::CacheProperties::No)
+            .build()
+            .await?;
+        let active = unit_iface.active_state().await?;
+        let load = unit_iface.load_state().await?;
+        if load == "not-found" {
+            return Ok(None);
+        }
+        let env = svc.environment().await.unwrap_or_default();
+        let result = svc.result().await.unwrap_or_default();
+        let var = |k: &str| {
+            env.iter()
+                .find_map(|e| e.strip_prefix(k).and_then(|r| r.strip_prefix('=')))
+                .map(str::to_owned)
+        };
+        Ok(Some(UnitObs {
+            activity: activity(&active),
+            uid: var(ENV_UID),
+            daemon: var(ENV_DAEMON).and_then(|d| match d.as_str() {
+                "virtqemud" => Some(DaemonKind::Virtqemud),
+                "libvirtd" => Some(DaemonKind::Libvirtd),
+                _ => None,
+            }),
+            grace: var(ENV_GRACE)
+                .and_then(|g| g.parse().ok())
+                .map(Duration::from_secs),
+            domain_name: var(ENV_NAMESPACE)
+                .zip(var(ENV_NAME))
+                .map(|(ns, n)| format!("{ns}_{n}")),
+            result,
+        }))
+    }
+
+    async fn list_ids(&self) -> Result<Vec<String>, SystemdError> {
+        let units = self
+            .manager()
+            .await?
+            .list_units_by_patterns(vec![], vec![format!("{UNIT_PREFIX}*")])
+            .await?;
+        Ok(units
+            .into_iter()
+            .filter_map(|u| key::id_from_unit(&u.0).map(str::to_owned))
+            .collect())
+    }
+}
+
+fn activity(s: &str) -> UnitActivity {
+    match s {
+        "active" | "reloading" | "refreshing" => UnitActivity::Active,
+        "activating" => UnitActivity::Activating,
+        "deactivating" => UnitActivity::Deactivating,
+        "failed" => UnitActivity::Failed,
+        _ => UnitActivity::Inactive,
+    }
+}
+
+/// `/org/freedesktop/systemd1/unit/kvirt_2dvm_40a_5fb_2eservice` →
+/// `kvirt-vm@a_b.service` (systemd's bus path escaping: `_xx` is a byte).
+fn unit_from_object_path(path: &str) -> Option<String> {
+    let tail = path.strip_prefix("/org/freedesktop/systemd1/unit/")?;
+    let bytes = tail.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'_' && i + 2 < bytes.len() {
+            let hex = std::str::from_utf8(&bytes[i + 1..i + 3]).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
+}
+
+fn to_dbus(unit: &str, p: &Prop) -> Result<(String, OwnedValue), SystemdError> {
+    let (name, value): (&str, Value) = match p {
+        Prop::Str(n, v) => (n, Value::from(v.clone())),
+        Prop::Bool(n, v) => (n, Value::from(*v)),
+        Prop::U32(n, v) => (n, Value::from(*v)),
+        Prop::U64(n, v) => (n, Value::from(*v)),
+        Prop::I32(n, v) => (n, Value::from(*v)),
+        Prop::Strs(n, v) => (n, Value::from(v.clone())),
+        Prop::Exec(n, argv) => {
+            let path = argv.first().cloned().unwrap_or_default();
+            (n, Value::from(vec![(path, argv.clone(), false)]))
+        }
+        Prop::Binds(n, v) => {
+            const MS_REC: u64 = libc::MS_REC;
+            let v: Vec<(String, String, bool, u64)> = v
+                .iter()
+                .map(|(s, d)| (s.clone(), d.clone(), false, MS_REC))
+                .collect();
+            (n, Value::from(v))
+        }
+        Prop::TmpFs(n, v) | Prop::Devices(n, v) => (n, Value::from(v.clone())),
+        Prop::AllowList(n, v) => (n, Value::from((true, v.clone()))),
+    };
+    let owned = OwnedValue::try_from(value).map_err(|e| SystemdError::Property {
+        unit: unit.into(),
+        property: p.name(),
+        message: e.to_string(),
+    })?;
+    Ok((name.to_owned(), owned))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn object_paths_unescape_to_unit_names() {
+        assert_eq!(
+            unit_from_object_path(
+                "/org/freedesktop/systemd1/unit/kvirt_2dvm_40default_5fmy_2dvm_2eservice"
+            )
+            .as_deref(),
+            Some("kvirt-vm@default_my-vm.service")
+        );
+        assert_eq!(unit_from_object_path("/org/other"), None);
+    }
+
+    #[test]
+    fn properties_have_systemds_signatures() {
+        let sig = |p: Prop| to_dbus("u", &p).unwrap().1.value_signature().to_string();
+        assert_eq!(
+            sig(Prop::Exec("ExecStart", vec!["/bin/x".into(), "-a".into()])),
+            "a(sasb)"
+        );
+        assert_eq!(
+            sig(Prop::Binds("BindPaths", vec![("a".into(), "b".into())])),
+            "a(ssbt)"
+        );
+        assert_eq!(
+            sig(Prop::TmpFs(
+                "TemporaryFileSystem",
+                vec![("a".into(), "ro".into())]
+            )),
+            "a(ss)"
+        );
+        assert_eq!(sig(Prop::U32("UMask", 7)), "u");
+        assert_eq!(
+            sig(Prop::AllowList(
+                "RestrictAddressFamilies",
+                vec!["AF_UNIX".into()]
+            )),
+            "(bas)"
+        );
+        assert_eq!(sig(Prop::Strs("Environment", vec!["A=b".into()])), "as");
+    }
+}

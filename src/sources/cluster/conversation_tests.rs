@@ -1,0 +1,363 @@
+//! The API conversation, scripted: each test plays the API server's side
+//! of the exchange over a mock transport and checks every request kvirtd
+//! makes (method, path, patch type, body). No cluster, no root.
+
+use super::source::claim;
+use super::status::KubeStatus;
+use super::{FINALIZER, KUBEVIRT_FINALIZER};
+use crate::core::vmi::{Phase, VirtualMachineInstance};
+use crate::sources::StatusStore;
+use http::{Request, Response};
+use kube::client::Body;
+use serde_json::{json, Value};
+
+type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
+
+fn client() -> (kube::Client, Handle) {
+    let (svc, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
+    (kube::Client::new(svc, "default"), handle)
+}
+
+const PATH: &str = "/apis/kubevirt.io/v1/namespaces/default/virtualmachineinstances/vm1";
+
+fn object(finalizers: &[&str]) -> Value {
+    json!({
+        "apiVersion": "kubevirt.io/v1",
+        "kind": "VirtualMachineInstance",
+        "metadata": {
+            "name": "vm1", "namespace": "default", "uid": "u1",
+            "resourceVersion": "42", "finalizers": finalizers,
+        },
+        "spec": {"domain": {"devices": {}}},
+    })
+}
+
+fn vmi() -> VirtualMachineInstance {
+    serde_json::from_value(object(&[])).unwrap()
+}
+
+/// Expects one request; returns (method, path, content-type, JSON body).
+async fn next(
+    handle: &mut Handle,
+) -> (
+    String,
+    String,
+    String,
+    Value,
+    tower_test::mock::SendResponse<Response<Body>>,
+) {
+    let (req, send) = handle.next_request().await.expect("a request");
+    let method = req.method().to_string();
+    let path = req.uri().path().to_owned();
+    let ctype = req
+        .headers()
+        .get("content-type")
+        .map(|v| v.to_str().unwrap().to_owned())
+        .unwrap_or_default();
+    let bytes = req.into_body().collect_bytes().await.unwrap();
+    let body = if bytes.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&bytes).unwrap()
+    };
+    (method, path, ctype, body, send)
+}
+
+/// The API server's answer to a request it refuses: a `Status` object.
+fn fail(
+    send: tower_test::mock::SendResponse<Response<Body>>,
+    code: u16,
+    reason: Option<&str>,
+    message: &str,
+) {
+    let mut status = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+        "code": code, "message": message});
+    if let Some(r) = reason {
+        status["reason"] = r.into();
+    }
+    reply(send, code, status);
+}
+
+fn reply(send: tower_test::mock::SendResponse<Response<Body>>, code: u16, body: Value) {
+    send.send_response(
+        Response::builder()
+            .status(code)
+            .body(Body::from(serde_json::to_vec(&body).unwrap()))
+            .unwrap(),
+    );
+}
+
+#[tokio::test]
+async fn status_is_one_merge_patch_of_owned_fields() {
+    let (client, mut api) = client();
+    let mut v = vmi();
+    v.status.phase = Some(Phase::Running);
+    v.status.node_name = Some("node-1".into());
+    let server = tokio::spawn(async move {
+        let (method, path, ctype, body, send) = next(&mut api).await;
+        assert_eq!((method.as_str(), path.as_str()), ("PATCH", PATH));
+        assert_eq!(ctype, "application/merge-patch+json");
+        assert_eq!(
+            body,
+            json!({"status": {"phase": "Running", "nodeName": "node-1"}})
+        );
+        reply(send, 200, object(&[]));
+    });
+    KubeStatus {
+        client,
+        ca_pem: None,
+    }
+    .save(&v)
+    .await
+    .unwrap();
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn hold_adds_the_finalizer_guarded_by_resource_version() {
+    let (client, mut api) = client();
+    let server = tokio::spawn(async move {
+        let (method, path, _, _, send) = next(&mut api).await;
+        assert_eq!((method.as_str(), path.as_str()), ("GET", PATH));
+        reply(send, 200, object(&["someone/else"]));
+        let (method, _, ctype, body, send) = next(&mut api).await;
+        assert_eq!(method, "PATCH");
+        assert_eq!(ctype, "application/merge-patch+json");
+        assert_eq!(
+            body,
+            json!({"metadata": {"resourceVersion": "42", "finalizers": ["someone/else", FINALIZER]}})
+        );
+        reply(send, 200, object(&["someone/else", FINALIZER]));
+    });
+    KubeStatus {
+        client,
+        ca_pem: None,
+    }
+    .hold(&vmi())
+    .await
+    .unwrap();
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn release_drops_ours_and_kubevirts_finalizer_only() {
+    let (client, mut api) = client();
+    let server = tokio::spawn(async move {
+        let (_, _, _, _, send) = next(&mut api).await;
+        reply(
+            send,
+            200,
+            object(&[FINALIZER, "other/one", KUBEVIRT_FINALIZER]),
+        );
+        let (method, _, _, body, send) = next(&mut api).await;
+        assert_eq!(method, "PATCH");
+        assert_eq!(
+            body,
+            json!({"metadata": {"resourceVersion": "42", "finalizers": ["other/one"]}})
+        );
+        reply(send, 200, object(&["other/one"]));
+    });
+    KubeStatus {
+        client,
+        ca_pem: None,
+    }
+    .release(&vmi())
+    .await
+    .unwrap();
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn release_of_a_vanished_or_replaced_vmi_patches_nothing() {
+    let (client, mut api) = client();
+    let server = tokio::spawn(async move {
+        let (_, _, _, _, send) = next(&mut api).await;
+        fail(send, 404, Some("NotFound"), "gone");
+        let (_, _, _, _, send) = next(&mut api).await;
+        let mut replaced = object(&[FINALIZER]);
+        replaced["metadata"]["uid"] = json!("another-uid");
+        reply(send, 200, replaced);
+    });
+    let store = KubeStatus {
+        client,
+        ca_pem: None,
+    };
+    store.release(&vmi()).await.unwrap();
+    store.release(&vmi()).await.unwrap();
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_lost_claim_race_is_a_clean_no() {
+    let (client, mut api) = client();
+    let server = tokio::spawn(async move {
+        let (method, path, _, body, send) = next(&mut api).await;
+        assert_eq!((method.as_str(), path.as_str()), ("PATCH", PATH));
+        assert_eq!(body["metadata"]["resourceVersion"], "42");
+        assert_eq!(body["metadata"]["labels"]["kubevirt.io/nodeName"], "node-1");
+        fail(send, 409, Some("Conflict"), "the object has been modified");
+    });
+    assert!(!claim(&client, &vmi(), "node-1").await.unwrap());
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn an_unreachable_api_is_an_error_to_retry() {
+    let (client, mut api) = client();
+    let server = tokio::spawn(async move {
+        let (_, _, _, _, send) = next(&mut api).await;
+        fail(send, 503, None, "unavailable");
+    });
+    let mut v = vmi();
+    v.status.phase = Some(Phase::Running);
+    let err = KubeStatus {
+        client,
+        ca_pem: None,
+    }
+    .save(&v)
+    .await
+    .unwrap_err();
+    assert!(err.to_string().contains("patch status"), "{err}");
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn objects_are_read_as_a_pod_volume_would_be() {
+    use crate::core::objects::ObjectRef;
+    let (client, mut api) = client();
+    let server = tokio::spawn(async move {
+        let (method, path, _, _, send) = next(&mut api).await;
+        assert_eq!(
+            (method.as_str(), path.as_str()),
+            ("GET", "/api/v1/namespaces/ns1/secrets/s1")
+        );
+        // "aGk=" is "hi": the data arrives decoded.
+        reply(
+            send,
+            200,
+            json!({"apiVersion": "v1", "kind": "Secret",
+            "metadata": {"name": "s1"}, "data": {"userdata": "aGk="}}),
+        );
+        let (_, path, _, _, send) = next(&mut api).await;
+        assert_eq!(path, "/api/v1/namespaces/ns1/configmaps/c1");
+        reply(
+            send,
+            200,
+            json!({"apiVersion": "v1", "kind": "ConfigMap",
+            "metadata": {"name": "c1"}, "data": {"a": "1"}, "binaryData": {"b": "Ag=="}}),
+        );
+        let (_, _, _, _, send) = next(&mut api).await;
+        fail(send, 404, Some("NotFound"), "configmaps \"gone\" not found");
+        let (method, path, _, body, send) = next(&mut api).await;
+        assert_eq!(
+            (method.as_str(), path.as_str()),
+            (
+                "POST",
+                "/api/v1/namespaces/ns1/serviceaccounts/default/token"
+            )
+        );
+        assert_eq!(
+            body["spec"]["expirationSeconds"],
+            super::status::TOKEN_SECONDS
+        );
+        reply(
+            send,
+            201,
+            json!({"apiVersion": "authentication.k8s.io/v1", "kind": "TokenRequest",
+            "spec": {"audiences": []}, "status": {"token": "t0k3n", "expirationTimestamp": "2027-11-29T00:00:00Z"}}),
+        );
+        let (_, _, _, _, send) = next(&mut api).await;
+        fail(send, 403, Some("Forbidden"), "forbidden");
+    });
+    let store = KubeStatus {
+        client,
+        ca_pem: Some(b"PEM".to_vec()),
+    };
+    let secret = store
+        .object("ns1", &ObjectRef::Secret("s1".into()))
+        .await
+        .unwrap();
+    assert_eq!(secret.unwrap()["userdata"], b"hi");
+    let cm = store
+        .object("ns1", &ObjectRef::ConfigMap("c1".into()))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (cm["a"].as_slice(), cm["b"].as_slice()),
+        (&b"1"[..], &[2u8][..])
+    );
+    let gone = store
+        .object("ns1", &ObjectRef::ConfigMap("gone".into()))
+        .await
+        .unwrap();
+    assert!(gone.is_none());
+    let sa = store
+        .object("ns1", &ObjectRef::ServiceAccountToken("default".into()))
+        .await
+        .unwrap()
+        .unwrap();
+    let files: Vec<(&str, &[u8])> = sa.iter().map(|(k, v)| (k.as_str(), v.as_slice())).collect();
+    assert_eq!(
+        files,
+        [
+            ("ca.crt", &b"PEM"[..]),
+            ("namespace", b"ns1"),
+            ("token", b"t0k3n")
+        ]
+    );
+    let err = store
+        .object("ns1", &ObjectRef::Secret("locked".into()))
+        .await
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("reading secret \"locked\" in namespace ns1"),
+        "{err}"
+    );
+    server.await.unwrap();
+}
+
+#[tokio::test]
+async fn a_virtual_machine_exists_only_with_its_uid_and_until_deleted() {
+    let (client, mut api) = client();
+    let vm = |meta: Value| json!({"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachine", "metadata": meta});
+    let server = tokio::spawn(async move {
+        let (method, path, _, _, send) = next(&mut api).await;
+        assert_eq!(
+            (method.as_str(), path.as_str()),
+            (
+                "GET",
+                "/apis/kubevirt.io/v1/namespaces/ns1/virtualmachines/vm1"
+            )
+        );
+        reply(send, 200, vm(json!({"name": "vm1", "uid": "u1"})));
+        let (_, _, _, _, send) = next(&mut api).await;
+        reply(send, 200, vm(json!({"name": "vm1", "uid": "u2"})));
+        let (_, _, _, _, send) = next(&mut api).await;
+        reply(
+            send,
+            200,
+            vm(json!({"name": "vm1", "uid": "u1", "deletionTimestamp": "2026-11-29T00:00:00Z"})),
+        );
+        let (_, _, _, _, send) = next(&mut api).await;
+        fail(send, 404, Some("NotFound"), "not found");
+        let (_, _, _, _, send) = next(&mut api).await;
+        fail(send, 403, Some("Forbidden"), "forbidden");
+    });
+    let store = KubeStatus {
+        client,
+        ca_pem: None,
+    };
+    let exists = || store.virtual_machine_exists("ns1", "vm1", "u1");
+    assert!(exists().await.unwrap(), "same uid");
+    assert!(!exists().await.unwrap(), "made anew under the same name");
+    assert!(!exists().await.unwrap(), "being deleted");
+    assert!(!exists().await.unwrap(), "gone");
+    let err = exists().await.unwrap_err();
+    assert!(
+        err.to_string().contains("reading VirtualMachine ns1/vm1"),
+        "{err}"
+    );
+    server.await.unwrap();
+}

@@ -1,0 +1,132 @@
+//! Kubernetes: kvirtd as the node agent of a cluster without KubeVirt's
+//! pods. VMIs labelled for this node come from a watch; status goes back as
+//! a merge patch of the fields kvirtd owns (KubeVirt's VMI CRD has no status
+//! subresource); Events, a finalizer and a Lease as a node agent keeps them.
+
+pub mod events;
+pub mod lease;
+pub mod source;
+pub mod status;
+
+use crate::core::vmi::VirtualMachineInstance;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use std::borrow::Cow;
+use std::path::Path;
+
+/// virt-handler's selector: the VMIs scheduled to a node carry this label.
+pub const NODE_LABEL: &str = "kubevirt.io/nodeName";
+/// kvirt's own finalizer: the VMI stays until its VM is gone from the host.
+pub const FINALIZER: &str = "kvirt.io/host-cleanup";
+/// KubeVirt's, removed once the VMI is final and the host clean, as
+/// virt-controller would.
+pub const KUBEVIRT_FINALIZER: &str = "kubevirt.io/foregroundDeleteVirtualMachine";
+
+/// The VMI CRD shipped for clusters without KubeVirt.
+pub const CRD_YAML: &str = include_str!("../../../packaging/kubernetes/crd.yaml");
+/// The least-privilege RBAC kvirtd needs.
+pub const RBAC_YAML: &str = include_str!("../../../packaging/kubernetes/rbac.yaml");
+
+#[derive(Debug, thiserror::Error)]
+pub enum ClusterError {
+    #[error("kubeconfig {path}: {message}")]
+    Kubeconfig { path: String, message: String },
+    #[error("VMI {vmi}: {op}: {source}")]
+    Api {
+        vmi: String,
+        op: &'static str,
+        source: Box<kube::Error>,
+    },
+}
+
+impl kube::Resource for VirtualMachineInstance {
+    type DynamicType = ();
+    type Scope = k8s_openapi::NamespaceResourceScope;
+
+    fn kind(_: &()) -> Cow<'_, str> {
+        "VirtualMachineInstance".into()
+    }
+    fn group(_: &()) -> Cow<'_, str> {
+        "kubevirt.io".into()
+    }
+    fn version(_: &()) -> Cow<'_, str> {
+        "v1".into()
+    }
+    fn plural(_: &()) -> Cow<'_, str> {
+        "virtualmachineinstances".into()
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+/// A client from a kubeconfig file (kvirtd is a host daemon, not a pod),
+/// and the CA the API server's certificate is checked against, as PEM: a
+/// serviceAccount disk gives it to the guest as `ca.crt`.
+pub async fn client(path: &Path) -> Result<(kube::Client, Option<Vec<u8>>), ClusterError> {
+    let err = |message: String| ClusterError::Kubeconfig {
+        path: path.display().to_string(),
+        message,
+    };
+    let kc = kube::config::Kubeconfig::read_from(path).map_err(|e| err(e.to_string()))?;
+    let cfg = kube::Config::from_custom_kubeconfig(kc, &Default::default())
+        .await
+        .map_err(|e| err(e.to_string()))?;
+    let ca = cfg.root_cert.as_deref().map(pem_certificates);
+    let client = kube::Client::try_from(cfg).map_err(|e| err(e.to_string()))?;
+    Ok((client, ca))
+}
+
+/// DER certificates as one PEM bundle.
+fn pem_certificates(ders: &[Vec<u8>]) -> Vec<u8> {
+    use base64::Engine as _;
+    let mut pem = String::new();
+    for der in ders {
+        let b64 = base64::engine::general_purpose::STANDARD.encode(der);
+        pem.push_str("-----BEGIN CERTIFICATE-----\n");
+        for line in b64.as_bytes().chunks(64) {
+            pem.push_str(&String::from_utf8_lossy(line));
+            pem.push('\n');
+        }
+        pem.push_str("-----END CERTIFICATE-----\n");
+    }
+    pem.into_bytes()
+}
+
+fn api_err(
+    vmi: &VirtualMachineInstance,
+    op: &'static str,
+) -> impl FnOnce(kube::Error) -> ClusterError {
+    let name = vmi.key().map_or_else(|_| "?".into(), |k| k.to_string());
+    move |e| ClusterError::Api {
+        vmi: name,
+        op,
+        source: Box::new(e),
+    }
+}
+
+#[cfg(test)]
+mod conversation_tests;
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn certificates_become_pem_lines_of_64() {
+        let pem = String::from_utf8(super::pem_certificates(&[vec![0u8; 60], vec![1]])).unwrap();
+        let lines: Vec<&str> = pem.lines().collect();
+        assert_eq!(lines[0], "-----BEGIN CERTIFICATE-----");
+        assert_eq!(lines[1].len(), 64);
+        assert_eq!(lines[2], "AAAAAAAAAAAAAAAA");
+        assert_eq!(lines[3], "-----END CERTIFICATE-----");
+        assert_eq!(
+            &lines[4..],
+            [
+                "-----BEGIN CERTIFICATE-----",
+                "AQ==",
+                "-----END CERTIFICATE-----"
+            ]
+        );
+    }
+}

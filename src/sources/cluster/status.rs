@@ -1,0 +1,275 @@
+//! Status and finalizers on the VMI object, by merge patch.
+
+use super::{api_err, ClusterError, FINALIZER, KUBEVIRT_FINALIZER};
+use crate::core::key::VmKey;
+use crate::core::objects::{ObjectData, ObjectRef};
+use crate::core::vmi::VirtualMachineInstance;
+use crate::sources::{SourceError, StatusStore};
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::{ConfigMap, Secret, ServiceAccount};
+use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
+use serde_json::{json, Map, Value};
+
+/// The status fields kvirtd owns; everything else in `status` is someone
+/// else's and is never written.
+const OWNED: &[&str] = &[
+    "phase",
+    "nodeName",
+    "reason",
+    "phaseTransitionTimestamps",
+    "conditions",
+    "interfaces",
+    "qosClass",
+    "machine",
+    "guestOSInfo",
+];
+
+/// The merge patch that writes kvirtd's part of the status (pure).
+pub fn status_patch(vmi: &VirtualMachineInstance) -> Value {
+    let status = serde_json::to_value(&vmi.status).unwrap_or_default();
+    let owned: Map<String, Value> = OWNED
+        .iter()
+        .filter_map(|k| status.get(*k).map(|v| ((*k).to_owned(), v.clone())))
+        .collect();
+    json!({ "status": owned })
+}
+
+/// The finalizer list with ours added, or `None` when it is there already.
+pub fn with_finalizer(finalizers: &[String]) -> Option<Vec<String>> {
+    (!finalizers.iter().any(|f| f == FINALIZER)).then(|| {
+        let mut f = finalizers.to_vec();
+        f.push(FINALIZER.into());
+        f
+    })
+}
+
+/// The finalizer list without ours and KubeVirt's foreground one, or `None`
+/// when neither is there.
+pub fn without_finalizers(finalizers: &[String]) -> Option<Vec<String>> {
+    let kept: Vec<String> = finalizers
+        .iter()
+        .filter(|f| *f != FINALIZER && *f != KUBEVIRT_FINALIZER)
+        .cloned()
+        .collect();
+    (kept.len() != finalizers.len()).then_some(kept)
+}
+
+#[derive(Clone)]
+pub struct KubeStatus {
+    pub client: kube::Client,
+    /// The cluster's CA (PEM), the `ca.crt` of serviceAccount disks.
+    pub ca_pem: Option<Vec<u8>>,
+}
+
+/// How long a serviceAccount disk's token lasts. It is written once, when
+/// the VM starts, so it must outlive the VM as KubeVirt's does (its pod's
+/// token is one kubelet extends to a year); the API server may cap it.
+pub const TOKEN_SECONDS: i64 = 365 * 24 * 3600;
+
+impl KubeStatus {
+    fn api(&self, vmi: &VirtualMachineInstance) -> Api<VirtualMachineInstance> {
+        let ns = vmi.metadata.namespace.as_deref().unwrap_or("default");
+        Api::namespaced(self.client.clone(), ns)
+    }
+
+    /// Rewrites the finalizer list of the live object, guarded by its
+    /// resourceVersion so a concurrent change is never overwritten.
+    async fn edit_finalizers(
+        &self,
+        vmi: &VirtualMachineInstance,
+        edit: fn(&[String]) -> Option<Vec<String>>,
+    ) -> Result<(), ClusterError> {
+        let api = self.api(vmi);
+        let name = vmi.metadata.name.clone().unwrap_or_default();
+        let live = match api.get_opt(&name).await.map_err(api_err(vmi, "get"))? {
+            // Gone, or a new object of the same name: nothing of ours to edit.
+            None => return Ok(()),
+            Some(l) if l.uid() != vmi.uid() => return Ok(()),
+            Some(l) => l,
+        };
+        let Some(finalizers) = edit(live.metadata.finalizers.as_deref().unwrap_or_default()) else {
+            return Ok(());
+        };
+        let patch = json!({
+            "metadata": {
+                "resourceVersion": live.metadata.resource_version,
+                "finalizers": finalizers,
+            }
+        });
+        api.patch(&name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map_err(api_err(vmi, "patch finalizers"))?;
+        Ok(())
+    }
+}
+
+fn source_err(e: ClusterError) -> SourceError {
+    SourceError::Manifest {
+        path: "kube-apiserver".into(),
+        message: e.to_string(),
+    }
+}
+
+impl StatusStore for KubeStatus {
+    /// The object's own status is the record; nothing is kept aside.
+    async fn load(&self, _key: &VmKey) -> Option<VirtualMachineInstance> {
+        None
+    }
+
+    async fn save(&self, vmi: &VirtualMachineInstance) -> Result<(), SourceError> {
+        let name = vmi.metadata.name.clone().unwrap_or_default();
+        self.api(vmi)
+            .patch(
+                &name,
+                &PatchParams::default(),
+                &Patch::Merge(status_patch(vmi)),
+            )
+            .await
+            .map_err(api_err(vmi, "patch status"))
+            .map_err(source_err)?;
+        Ok(())
+    }
+
+    async fn hold(&self, vmi: &VirtualMachineInstance) -> Result<(), SourceError> {
+        if vmi
+            .metadata
+            .finalizers
+            .as_ref()
+            .is_some_and(|f| f.iter().any(|x| x == FINALIZER))
+        {
+            return Ok(());
+        }
+        self.edit_finalizers(vmi, with_finalizer)
+            .await
+            .map_err(source_err)
+    }
+
+    async fn release(&self, vmi: &VirtualMachineInstance) -> Result<(), SourceError> {
+        self.edit_finalizers(vmi, without_finalizers)
+            .await
+            .map_err(source_err)
+    }
+
+    async fn object(
+        &self,
+        namespace: &str,
+        object: &ObjectRef,
+    ) -> Result<Option<ObjectData>, SourceError> {
+        let err = |e: kube::Error| SourceError::Object {
+            namespace: namespace.into(),
+            object: object.clone(),
+            message: e.to_string(),
+        };
+        let client = self.client.clone();
+        Ok(match object {
+            ObjectRef::Secret(name) => Api::<Secret>::namespaced(client, namespace)
+                .get_opt(name)
+                .await
+                .map_err(err)?
+                .map(|s| {
+                    s.data
+                        .unwrap_or_default()
+                        .into_iter()
+                        .map(|(k, v)| (k, v.0))
+                        .collect()
+                }),
+            ObjectRef::ConfigMap(name) => Api::<ConfigMap>::namespaced(client, namespace)
+                .get_opt(name)
+                .await
+                .map_err(err)?
+                .map(|c| {
+                    let text = c.data.unwrap_or_default().into_iter();
+                    let binary = c.binary_data.unwrap_or_default().into_iter();
+                    text.map(|(k, v)| (k, v.into_bytes()))
+                        .chain(binary.map(|(k, v)| (k, v.0)))
+                        .collect()
+                }),
+            ObjectRef::ServiceAccountToken(name) => {
+                let request = TokenRequest {
+                    spec: TokenRequestSpec {
+                        audiences: Vec::new(),
+                        expiration_seconds: Some(TOKEN_SECONDS),
+                        ..Default::default()
+                    },
+                    ..Default::default()
+                };
+                let api = Api::<ServiceAccount>::namespaced(client, namespace);
+                match api
+                    .create_token_request(name, &Default::default(), &request)
+                    .await
+                {
+                    Err(kube::Error::Api(s)) if s.code == 404 => None,
+                    Err(e) => return Err(err(e)),
+                    Ok(t) => {
+                        let token = t.status.map(|s| s.token).unwrap_or_default();
+                        let mut files = ObjectData::from([
+                            ("token".to_string(), token.into_bytes()),
+                            ("namespace".to_string(), namespace.as_bytes().to_vec()),
+                        ]);
+                        if let Some(ca) = &self.ca_pem {
+                            files.insert("ca.crt".into(), ca.clone());
+                        }
+                        Some(files)
+                    }
+                }
+            }
+        })
+    }
+
+    async fn virtual_machine_exists(
+        &self,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+    ) -> Result<bool, SourceError> {
+        let gvk = GroupVersionKind::gvk("kubevirt.io", "v1", "VirtualMachine");
+        let resource = ApiResource::from_gvk_with_plural(&gvk, "virtualmachines");
+        let api = Api::<DynamicObject>::namespaced_with(self.client.clone(), namespace, &resource);
+        // 404 also when the VirtualMachine kind itself is gone: so are its VMs.
+        let vm = api
+            .get_opt(name)
+            .await
+            .map_err(|e| SourceError::VirtualMachine {
+                namespace: namespace.into(),
+                name: name.into(),
+                message: e.to_string(),
+            })?;
+        Ok(vm.is_some_and(|vm| {
+            vm.metadata.uid.as_deref() == Some(uid) && vm.metadata.deletion_timestamp.is_none()
+        }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::vmi::Phase;
+
+    #[test]
+    fn the_patch_carries_only_owned_fields() {
+        let mut vmi = VirtualMachineInstance::from_yaml(
+            "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata: {name: a}\nspec: {domain: {devices: {}}}\nstatus: {migrationState: {x: 1}}\n",
+        )
+        .unwrap();
+        vmi.status.phase = Some(Phase::Running);
+        vmi.status.node_name = Some("n1".into());
+        let p = status_patch(&vmi);
+        assert_eq!(p["status"]["phase"], "Running");
+        assert_eq!(p["status"]["nodeName"], "n1");
+        assert!(p["status"].get("migrationState").is_none(), "{p}");
+        assert!(p.get("spec").is_none() && p.get("metadata").is_none());
+    }
+
+    #[test]
+    fn finalizers_are_added_once_and_removed_with_kubevirts() {
+        assert_eq!(with_finalizer(&[]), Some(vec![FINALIZER.to_string()]));
+        assert_eq!(with_finalizer(&[FINALIZER.into()]), None);
+        let both = vec![
+            "other".to_string(),
+            FINALIZER.into(),
+            KUBEVIRT_FINALIZER.into(),
+        ];
+        assert_eq!(without_finalizers(&both), Some(vec!["other".to_string()]));
+        assert_eq!(without_finalizers(&["other".to_string()]), None);
+    }
+}

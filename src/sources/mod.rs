@@ -1,0 +1,117 @@
+//! Where VMIs come from and where their status and Events go: a directory
+//! of manifests ([`manifest`], standalone) or a Kubernetes API server
+//! ([`cluster`]). Both feed the loop with [`Trigger`]s and implement the
+//! write side below; neither knows the loop itself.
+//!
+//! [`Trigger`]: crate::core::trigger::Trigger
+
+pub mod cluster;
+pub mod manifest;
+
+use crate::core::key::VmKey;
+use crate::core::objects::{ObjectData, ObjectRef};
+use crate::core::vmi::VirtualMachineInstance;
+use std::future::Future;
+use std::path::PathBuf;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SourceError {
+    #[error("{path}: {message}")]
+    Manifest { path: PathBuf, message: String },
+    #[error("{path}: {op}: {source}")]
+    Io {
+        path: PathBuf,
+        op: &'static str,
+        source: std::io::Error,
+    },
+    #[error("reading {object} in namespace {namespace}: {message}")]
+    Object {
+        namespace: String,
+        object: ObjectRef,
+        message: String,
+    },
+    #[error("reading VirtualMachine {namespace}/{name}: {message}")]
+    VirtualMachine {
+        namespace: String,
+        name: String,
+        message: String,
+    },
+}
+
+/// The write side of a VMI source: the status kvirtd owns, and the hold
+/// that keeps a VMI from vanishing before its VM is cleaned up.
+pub trait StatusStore: Send + Sync + 'static {
+    fn load(&self, key: &VmKey) -> impl Future<Output = Option<VirtualMachineInstance>> + Send;
+    /// Saves the VMI with its new status; only called when the status changed.
+    fn save(
+        &self,
+        vmi: &VirtualMachineInstance,
+    ) -> impl Future<Output = Result<(), SourceError>> + Send;
+    /// Called before anything of the VM is made on the host (a finalizer).
+    fn hold(
+        &self,
+        _vmi: &VirtualMachineInstance,
+    ) -> impl Future<Output = Result<(), SourceError>> + Send {
+        async { Ok(()) }
+    }
+    /// Called once a deleted VMI's VM is entirely gone from the host.
+    fn release(
+        &self,
+        _vmi: &VirtualMachineInstance,
+    ) -> impl Future<Output = Result<(), SourceError>> + Send {
+        async { Ok(()) }
+    }
+    /// An object in the VMI's namespace its volumes name, `None` when it
+    /// does not exist. Only a cluster has them.
+    fn object(
+        &self,
+        namespace: &str,
+        object: &ObjectRef,
+    ) -> impl Future<Output = Result<Option<ObjectData>, SourceError>> + Send {
+        let err = SourceError::Object {
+            namespace: namespace.into(),
+            object: object.clone(),
+            message: "there is no cluster to read it from".into(),
+        };
+        async { Err(err) }
+    }
+    /// Whether the VirtualMachine `namespace/name` with this uid still
+    /// exists and is not being deleted. Without a cluster there is nobody
+    /// to ask, and the answer is yes: what it owns stays.
+    fn virtual_machine_exists(
+        &self,
+        _namespace: &str,
+        _name: &str,
+        _uid: &str,
+    ) -> impl Future<Output = Result<bool, SourceError>> + Send {
+        async { Ok(true) }
+    }
+}
+
+/// KubeVirt's event reasons, as kvirtd records them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EventReason {
+    Created,
+    Started,
+    ShuttingDown,
+    Stopped,
+    SyncFailed,
+    /// A containerDisk is in the image cache (kubelet's reasons).
+    Pulled,
+    ErrImagePull,
+    /// A Secret, ConfigMap or ServiceAccount a volume names cannot be read
+    /// (kubelet's reason when a pod's volume cannot be set up).
+    FailedMount,
+}
+
+/// Where Events about a VMI go (the log in standalone mode, Event objects
+/// in a cluster). Recording never blocks the loop and never fails it.
+pub trait Recorder: Send + Sync + 'static {
+    fn record(
+        &self,
+        vmi: &VirtualMachineInstance,
+        reason: EventReason,
+        message: &str,
+        warning: bool,
+    );
+}
