@@ -6,9 +6,9 @@ use super::domain::{Boot, Interface, InterfaceAlias, InterfaceModel, InterfaceTa
 use super::Errors;
 pub use crate::core::nft::{PortRule, Proto};
 use crate::core::vmi::VmiSpec;
+use core::net::Ipv4Addr;
 use serde_json::Value;
 use sha2::{Digest, Sha256};
-use std::net::Ipv4Addr;
 
 /// KubeVirt's default guest network behind the masquerade bridge.
 pub const DEFAULT_VM_CIDR: (Ipv4Addr, u8) = (Ipv4Addr::new(10, 0, 2, 0), 24);
