@@ -9,24 +9,14 @@ use kvirt::core::plan::{DomainState, GuestAgent};
 use kvirt::core::trigger::Trigger;
 use kvirt::core::unit::Prop;
 use kvirt::core::vmi::{Phase, VirtualMachineInstance};
-use kvirt::daemon::controller::{Controller, Deps, Settings};
+use kvirt::daemon::controller::{Controller, Settings};
 use kvirt::daemon::fake::FakeHost;
 use kvirt::sources::EventReason;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-type Ctl = Controller<
-    FakeHost,
-    FakeHost,
-    FakeHost,
-    FakeHost,
-    FakeHost,
-    FakeHost,
-    FakeHost,
-    FakeHost,
-    FakeHost,
->;
+type Ctl = Controller<FakeHost>;
 
 fn settings() -> Settings {
     Settings {
@@ -46,20 +36,7 @@ fn settings() -> Settings {
 }
 
 fn controller(host: &FakeHost) -> Arc<Ctl> {
-    Controller::new(
-        Deps {
-            units: host.clone(),
-            netns: host.clone(),
-            network: host.clone(),
-            hypervisor: host.clone(),
-            storage: host.clone(),
-            status: host.clone(),
-            recorder: host.clone(),
-            machines: host.clone(),
-            images: host.clone(),
-        },
-        settings(),
-    )
+    Controller::new(host.deps(), settings())
 }
 
 fn vmi(name: &str, uid: &str, extra_spec: &str) -> VirtualMachineInstance {

@@ -4,12 +4,11 @@
 use anyhow::{Context, Result};
 use clap::Parser;
 use kvirt::core::convert::DomainType;
-use kvirt::core::key::VmKey;
 use kvirt::core::layout::HostLayout;
 use kvirt::core::trigger::Trigger;
-use kvirt::core::vmi::VirtualMachineInstance;
 use kvirt::daemon::config::{Config, Emulation, SourceKind, DEFAULT_PATH};
-use kvirt::daemon::controller::{Controller, Deps, LogRecorder, Settings};
+use kvirt::daemon::controller::{Adapters, Deps, LogRecorder, Settings};
+use kvirt::daemon::serve::{serve, Sources};
 use kvirt::host::image::OciImages;
 use kvirt::host::journal::{self, Journal};
 use kvirt::host::libvirt::Libvirt;
@@ -20,12 +19,12 @@ use kvirt::host::qemulog::Forwarder;
 use kvirt::host::storage::{HostStorage, Owner};
 use kvirt::host::systemd::SystemdBus;
 use kvirt::sources::cluster;
-use kvirt::sources::manifest::{scan_dir, FileStatusStore, Snapshot};
+use kvirt::sources::manifest::{self, FileStatusStore};
 use kvirt::sources::{Recorder, StatusStore};
-use std::collections::BTreeMap;
+use std::marker::PhantomData;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tracing::{error, info, warn};
 
 /// Runs KubeVirt VirtualMachineInstances on this host without pods.
@@ -210,56 +209,6 @@ fn settings(config: &Config) -> Result<Settings> {
     })
 }
 
-fn scan(dir: &Path) -> Snapshot {
-    let snap = scan_dir(dir);
-    for e in &snap.errors {
-        warn!("manifest skipped: {e}");
-    }
-    snap
-}
-
-/// inotify on the manifest directory: every change sends a fresh scan.
-fn watch_dir(dir: PathBuf, tx: UnboundedSender<Trigger>) -> Result<()> {
-    use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
-    let inotify = Inotify::init(InitFlags::IN_CLOEXEC)?;
-    inotify.add_watch(
-        &dir,
-        AddWatchFlags::IN_CREATE
-            | AddWatchFlags::IN_DELETE
-            | AddWatchFlags::IN_CLOSE_WRITE
-            | AddWatchFlags::IN_MOVED_TO
-            | AddWatchFlags::IN_MOVED_FROM
-            | AddWatchFlags::IN_MODIFY,
-    )?;
-    std::thread::Builder::new()
-        .name("manifest-watch".into())
-        .spawn(move || loop {
-            match inotify.read_events() {
-                Ok(_) => {
-                    if tx.send(Trigger::Vmis(scan(&dir).vmis)).is_err() {
-                        break;
-                    }
-                }
-                Err(e) => {
-                    error!("watching {}: {e}", dir.display());
-                    break;
-                }
-            }
-        })?;
-    Ok(())
-}
-
-/// `STATUS=` as `systemctl status kvirtd` shows it: VM counts per phase.
-fn status_line(counts: &BTreeMap<String, usize>) -> String {
-    let total: usize = counts.values().sum();
-    let parts: Vec<String> = counts.iter().map(|(p, n)| format!("{n} {p}")).collect();
-    if parts.is_empty() {
-        "0 VMs".to_string()
-    } else {
-        format!("{total} VMs: {}", parts.join(", "))
-    }
-}
-
 async fn run(config: Config) -> Result<()> {
     let settings = settings(&config)?;
     let owner = Owner::lookup(&config.vm.user).with_context(|| {
@@ -320,25 +269,17 @@ async fn run(config: Config) -> Result<()> {
             .ok(),
         None => None,
     };
-    let daemon = Daemon {
-        host,
-        settings,
-        metrics,
-        tx,
-        rx,
-    };
-
     match config.source.kind {
         SourceKind::Directory => {
             let dir = config.source.directory.clone();
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
             let status = FileStatusStore {
-                host: daemon.settings.layout.clone(),
+                host: settings.layout.clone(),
             };
-            let initial = scan(&dir).vmis;
+            let initial = manifest::scan(&dir).vmis;
             let watch = dir.clone();
-            let ready = move |tx: UnboundedSender<Trigger>| watch_dir(watch, tx);
-            let list = move || scan(&dir).vmis;
+            let ready = move |tx: UnboundedSender<Trigger>| manifest::watch(watch, tx);
+            let list = move || manifest::scan(&dir).vmis;
             let sources = Sources {
                 initial,
                 ready,
@@ -346,14 +287,15 @@ async fn run(config: Config) -> Result<()> {
                 resync,
                 efi_vars_check: None,
             };
-            daemon.serve(status, LogRecorder, sources).await
+            let deps = host.deps(status, LogRecorder);
+            Ok(serve(deps, settings, metrics, (tx, rx), sources).await?)
         }
         SourceKind::Kubernetes => {
             let k = &config.kubernetes;
             let (client, ca_pem) = cluster::client(&k.kubeconfig).await?;
-            let node = daemon.settings.node_name.clone();
+            let node = settings.node_name.clone();
             info!("waiting for the first list of this node's VMIs");
-            let store = cluster::source::watch_node(client.clone(), &node, daemon.tx.clone()).await;
+            let store = cluster::source::watch_node(client.clone(), &node, tx.clone()).await;
             let initial = cluster::source::snapshot(&store);
             tokio::spawn(cluster::lease::heartbeat(
                 client.clone(),
@@ -382,7 +324,8 @@ async fn run(config: Config) -> Result<()> {
                 resync,
                 efi_vars_check: Some(Duration::from_secs(k.efi_vars_check_seconds.max(1))),
             };
-            daemon.serve(status, events, sources).await
+            let deps = host.deps(status, events);
+            Ok(serve(deps, settings, metrics, (tx, rx), sources).await?)
         }
     }
 }
@@ -429,208 +372,35 @@ struct Host {
     images: OciImages,
 }
 
-/// Where the VMIs come from: the first full set, how to start the change
-/// feed once ready, and the full set again for each resync.
-struct Sources<Ready, List> {
-    initial: BTreeMap<VmKey, VirtualMachineInstance>,
-    ready: Ready,
-    list: List,
-    resync: Duration,
-    /// How often to look for EFI variables whose VirtualMachine is gone;
-    /// only a cluster has VirtualMachines.
-    efi_vars_check: Option<Duration>,
-}
-
-/// Everything but the VMI source: the same for a directory or a cluster.
-struct Daemon {
-    host: Host,
-    settings: Settings,
-    metrics: Option<tokio::net::TcpListener>,
-    tx: UnboundedSender<Trigger>,
-    rx: UnboundedReceiver<Trigger>,
-}
-
-impl Daemon {
-    /// Adopts, reports ready, then runs the loop until SIGTERM.
-    async fn serve<St: StatusStore, R: Recorder>(
-        self,
-        status: St,
-        recorder: R,
-        sources: Sources<
-            impl FnOnce(UnboundedSender<Trigger>) -> Result<()>,
-            impl Fn() -> BTreeMap<VmKey, VirtualMachineInstance> + Send + 'static,
-        >,
-    ) -> Result<()> {
-        let Daemon {
-            host,
-            settings,
-            metrics,
-            tx,
-            rx,
-        } = self;
-        let deps = Deps {
-            units: host.units,
+impl Host {
+    /// The controller's parts: these adapters, and the source's status
+    /// store and recorder.
+    fn deps<St: StatusStore, R: Recorder>(self, status: St, recorder: R) -> Deps<Real<St, R>> {
+        Deps {
+            units: self.units,
             netns: KernelNetns::default(),
-            network: host.network,
-            hypervisor: host.hypervisor,
-            storage: host.storage,
+            network: self.network,
+            hypervisor: self.hypervisor,
+            storage: self.storage,
             status,
             recorder,
-            machines: host.machines,
-            images: host.images,
-        };
-        let ctl = Controller::new(deps, settings);
-
-        // Adoption before serving: every VM the host has is matched or cleaned.
-        ctl.set_vmis(sources.initial).await;
-        for (id, e) in ctl.reconcile_all().await {
-            journal::vm_span(&id, None).in_scope(|| warn!("first pass: {e}"));
-        }
-        let status = status_line(&ctl.phase_counts());
-        let _ = sd_notify::notify(&[
-            sd_notify::NotifyState::Ready,
-            sd_notify::NotifyState::Status(&status),
-        ]);
-        info!("ready: {status}");
-        (sources.ready)(tx.clone())?;
-
-        if let Some(listener) = metrics {
-            info!("metrics on http://{}/metrics", listener.local_addr()?);
-            let c = ctl.clone();
-            tokio::spawn(kvirt::daemon::metrics::serve(listener, move || {
-                c.metrics().set_phases(&c.phase_counts());
-                c.metrics().encode()
-            }));
-        }
-
-        let (resync, list, ticker_tx) = (sources.resync, sources.list, tx.clone());
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(resync);
-            tick.tick().await;
-            loop {
-                tick.tick().await;
-                let _ = ticker_tx.send(Trigger::Vmis(list()));
-                let _ = ticker_tx.send(Trigger::Resync);
-            }
-        });
-        if let Some(period) = sources.efi_vars_check {
-            let tx = tx.clone();
-            tokio::spawn(async move {
-                // The first tick is at once: VMs deleted while kvirtd was down.
-                let mut tick = tokio::time::interval(period);
-                loop {
-                    tick.tick().await;
-                    if tx.send(Trigger::EfiVars).is_err() {
-                        break;
-                    }
-                }
-            });
-        }
-        let (a, c) = (ctl.clone(), ctl.clone());
-        tokio::spawn(keepalive(
-            sd_notify::watchdog_enabled(),
-            move || a.heartbeat(),
-            move || c.phase_counts(),
-            tx.clone(),
-            |state| {
-                let _ = sd_notify::notify(std::slice::from_ref(state));
-            },
-        ));
-
-        let loop_task = tokio::spawn(ctl.run(tx, rx));
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-        tokio::select! {
-            _ = term.recv() => info!("SIGTERM: exiting; VMs keep running"),
-            _ = tokio::signal::ctrl_c() => info!("interrupted: exiting; VMs keep running"),
-            r = loop_task => r.context("controller loop")?,
-        }
-        let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
-        Ok(())
-    }
-}
-
-/// `STATUS=` every two seconds, and the watchdog: each beat asks the loop
-/// to answer, and systemd is pinged only when the previous beat was
-/// answered, so a wedged loop gets kvirtd restarted (its VMs keep running).
-async fn keepalive(
-    watchdog: Option<Duration>,
-    answered: impl Fn() -> u64,
-    counts: impl Fn() -> BTreeMap<String, usize>,
-    tx: UnboundedSender<Trigger>,
-    notify: impl Fn(&sd_notify::NotifyState),
-) {
-    let period = watchdog
-        .map(|w| (w / 4).min(Duration::from_secs(2)))
-        .unwrap_or(Duration::from_secs(2));
-    let mut tick = tokio::time::interval(period);
-    let mut sent = 0u64;
-    let mut last = String::new();
-    loop {
-        tick.tick().await;
-        if watchdog.is_some() && answered() == sent {
-            notify(&sd_notify::NotifyState::Watchdog);
-        }
-        sent += 1;
-        let _ = tx.send(Trigger::Heartbeat(sent));
-        let status = status_line(&counts());
-        if status != last {
-            notify(&sd_notify::NotifyState::Status(&status));
-            last = status;
+            machines: self.machines,
+            images: self.images,
         }
     }
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-    use std::sync::{Arc, Mutex};
+/// The real adapters, with the status store and recorder of the source.
+struct Real<St, R>(PhantomData<(St, R)>);
 
-    #[tokio::test(start_paused = true)]
-    async fn the_watchdog_is_fed_only_while_the_loop_answers() {
-        let answered = Arc::new(AtomicU64::new(0));
-        let wedged = Arc::new(AtomicBool::new(false));
-        let sent = Arc::new(Mutex::new(Vec::<String>::new()));
-        let (tx, mut rx) = unbounded_channel();
-        // The loop's part: answer each heartbeat, unless wedged.
-        let (a, w) = (answered.clone(), wedged.clone());
-        tokio::spawn(async move {
-            while let Some(t) = rx.recv().await {
-                if let (Trigger::Heartbeat(n), false) = (t, w.load(Ordering::SeqCst)) {
-                    a.store(n, Ordering::SeqCst);
-                }
-            }
-        });
-        let (a, s) = (answered.clone(), sent.clone());
-        tokio::spawn(keepalive(
-            Some(Duration::from_secs(8)),
-            move || a.load(Ordering::SeqCst),
-            || BTreeMap::from([("Running".to_string(), 2)]),
-            tx,
-            move |state| s.lock().unwrap().push(state.to_string()),
-        ));
-        let pings = || {
-            let mut s = sent.lock().unwrap();
-            let n = s.iter().filter(|l| l.as_str() == "WATCHDOG=1").count();
-            s.clear();
-            n
-        };
-        tokio::time::sleep(Duration::from_secs(10)).await;
-        assert!(pings() >= 4, "fed every 2 s while the loop answers");
-        wedged.store(true, Ordering::SeqCst);
-        tokio::time::sleep(Duration::from_secs(1)).await;
-        pings();
-        tokio::time::sleep(Duration::from_secs(20)).await;
-        assert_eq!(pings(), 0, "a wedged loop starves the watchdog");
-        wedged.store(false, Ordering::SeqCst);
-        tokio::time::sleep(Duration::from_secs(10)).await;
-        assert!(pings() >= 3, "fed again once the loop answers");
-    }
-
-    #[test]
-    fn status_counts_vms_per_phase() {
-        assert_eq!(status_line(&BTreeMap::new()), "0 VMs");
-        let counts = BTreeMap::from([("Running".to_string(), 2), ("Scheduled".to_string(), 1)]);
-        assert_eq!(status_line(&counts), "3 VMs: 2 Running, 1 Scheduled");
-    }
+impl<St: StatusStore, R: Recorder> Adapters for Real<St, R> {
+    type Units = SystemdBus;
+    type Netns = KernelNetns;
+    type Network = HostNetwork;
+    type Hypervisor = Libvirt;
+    type Storage = HostStorage;
+    type Machines = Machined;
+    type Images = OciImages;
+    type Status = St;
+    type Recorder = R;
 }

@@ -118,16 +118,31 @@ pub struct Settings {
     pub shutdown_resend: Duration,
 }
 
-pub struct Deps<U, N, H, S, St, R, W, M, I> {
-    pub units: U,
-    pub netns: N,
-    pub network: W,
-    pub hypervisor: H,
-    pub storage: S,
-    pub status: St,
-    pub recorder: R,
-    pub machines: M,
-    pub images: I,
+/// The systems one controller drives, named once: the host's adapters and
+/// its source's status store and recorder. kvirtd names the real ones; the
+/// loop's tests name `FakeHost` for all of them.
+pub trait Adapters: 'static {
+    type Units: Units;
+    type Netns: Netns;
+    type Network: Network;
+    type Hypervisor: Hypervisor;
+    type Storage: Storage;
+    type Machines: Machines;
+    type Images: Images;
+    type Status: StatusStore;
+    type Recorder: Recorder;
+}
+
+pub struct Deps<A: Adapters> {
+    pub units: A::Units,
+    pub netns: A::Netns,
+    pub network: A::Network,
+    pub hypervisor: A::Hypervisor,
+    pub storage: A::Storage,
+    pub status: A::Status,
+    pub recorder: A::Recorder,
+    pub machines: A::Machines,
+    pub images: A::Images,
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -138,8 +153,8 @@ pub struct Reconciled {
     pub found: Option<Adoption>,
 }
 
-pub struct Controller<U, N, H, S, St, R, W, M, I> {
-    deps: Deps<U, N, H, S, St, R, W, M, I>,
+pub struct Controller<A: Adapters> {
+    deps: Deps<A>,
     settings: Settings,
     /// The VMIs this host should run, by id, with the status kvirtd owns.
     vmis: Mutex<HashMap<String, VirtualMachineInstance>>,
@@ -152,19 +167,8 @@ pub struct Controller<U, N, H, S, St, R, W, M, I> {
 
 type Phases = BTreeMap<String, usize>;
 
-impl<
-        U: Units,
-        N: Netns,
-        H: Hypervisor,
-        S: Storage,
-        St: StatusStore,
-        R: Recorder,
-        W: Network,
-        M: Machines,
-        I: Images,
-    > Controller<U, N, H, S, St, R, W, M, I>
-{
-    pub fn new(deps: Deps<U, N, H, S, St, R, W, M, I>, settings: Settings) -> Arc<Self> {
+impl<A: Adapters> Controller<A> {
+    pub fn new(deps: Deps<A>, settings: Settings) -> Arc<Self> {
         Arc::new(Self {
             deps,
             settings,

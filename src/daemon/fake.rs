@@ -1,5 +1,6 @@
 //! Recording fakes of every external system, sharing one simulated host so
-//! tests can check what the loop did, in order, across systems.
+//! tests can check what the loop did, in order, across systems. It stands
+//! in for `host` and `sources` alike, so it lives with the loop it tests.
 
 use crate::core::convert::DiskPrep;
 use crate::core::image::PullPolicy;
@@ -10,6 +11,7 @@ use crate::core::plan::{DomainObs, DomainState, GuestAgent, UnitActivity, UnitOb
 use crate::core::pullsecret::Credentials;
 use crate::core::unit::{Prop, UnitSpec, ENV_GRACE, ENV_NAME, ENV_NAMESPACE, ENV_UID};
 use crate::core::vmi::VirtualMachineInstance;
+use crate::daemon::controller::{Adapters, Deps};
 use crate::host::image::{ImageDisk, ImageError, Images, Progress};
 use crate::host::libvirt::{DomainRef, Hypervisor, LibvirtError};
 use crate::host::machined::{MachineSpec, MachinedError, Machines};
@@ -65,9 +67,37 @@ pub struct HostState {
 #[derive(Clone, Default)]
 pub struct FakeHost(Arc<Mutex<HostState>>);
 
+/// One fake for every part: calls across systems land in one ordered log.
+impl Adapters for FakeHost {
+    type Units = FakeHost;
+    type Netns = FakeHost;
+    type Network = FakeHost;
+    type Hypervisor = FakeHost;
+    type Storage = FakeHost;
+    type Machines = FakeHost;
+    type Images = FakeHost;
+    type Status = FakeHost;
+    type Recorder = FakeHost;
+}
+
 impl FakeHost {
     pub fn state(&self) -> MutexGuard<'_, HostState> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// This one fake as every part of a controller.
+    pub fn deps(&self) -> Deps<FakeHost> {
+        Deps {
+            units: self.clone(),
+            netns: self.clone(),
+            network: self.clone(),
+            hypervisor: self.clone(),
+            storage: self.clone(),
+            status: self.clone(),
+            recorder: self.clone(),
+            machines: self.clone(),
+            images: self.clone(),
+        }
     }
 
     pub fn take_calls(&self) -> Vec<String> {

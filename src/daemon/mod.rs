@@ -6,3 +6,4 @@ pub mod config;
 pub mod controller;
 pub mod fake;
 pub mod metrics;
+pub mod serve;

@@ -5,10 +5,13 @@
 use super::{SourceError, StatusStore};
 use crate::core::key::VmKey;
 use crate::core::layout::HostLayout;
+use crate::core::trigger::Trigger;
 use crate::core::vmi::{VirtualMachineInstance, VmiStatus};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use tokio::sync::mpsc::UnboundedSender;
+use tracing::{error, warn};
 
 /// The VMIs this host should run, keyed by VM, and the manifests that
 /// could not be read (reported, never fatal).
@@ -72,6 +75,46 @@ pub fn scan_dir(dir: &Path) -> Snapshot {
         }
     }
     snap
+}
+
+/// [`scan_dir`], each manifest that could not be read logged.
+pub fn scan(dir: &Path) -> Snapshot {
+    let snap = scan_dir(dir);
+    for e in &snap.errors {
+        warn!("manifest skipped: {e}");
+    }
+    snap
+}
+
+/// inotify on the manifest directory: every change sends a fresh scan.
+pub fn watch(dir: PathBuf, tx: UnboundedSender<Trigger>) -> std::io::Result<()> {
+    use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
+    let inotify = Inotify::init(InitFlags::IN_CLOEXEC)?;
+    inotify.add_watch(
+        &dir,
+        AddWatchFlags::IN_CREATE
+            | AddWatchFlags::IN_DELETE
+            | AddWatchFlags::IN_CLOSE_WRITE
+            | AddWatchFlags::IN_MOVED_TO
+            | AddWatchFlags::IN_MOVED_FROM
+            | AddWatchFlags::IN_MODIFY,
+    )?;
+    std::thread::Builder::new()
+        .name("manifest-watch".into())
+        .spawn(move || loop {
+            match inotify.read_events() {
+                Ok(_) => {
+                    if tx.send(Trigger::Vmis(scan(&dir).vmis)).is_err() {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    error!("watching {}: {e}", dir.display());
+                    break;
+                }
+            }
+        })?;
+    Ok(())
 }
 
 fn read_manifest(path: &Path) -> Result<Vec<VirtualMachineInstance>, SourceError> {
