@@ -139,6 +139,28 @@ pub enum Step {
     RemoveRuntimeDir,
 }
 
+impl Step {
+    /// Makes something of the VM: a failure rolls the whole start back.
+    pub fn creates(&self) -> bool {
+        matches!(
+            self,
+            Step::CreateDirs
+                | Step::PrepareDisks
+                | Step::CreateNetns
+                | Step::SetupNetwork
+                | Step::StartUnit
+                | Step::DefineDomain
+                | Step::StartDomain
+        )
+    }
+
+    /// machined only mirrors what runs: its failures are logged, never
+    /// fatal to a start or a teardown.
+    pub fn best_effort(&self) -> bool {
+        matches!(self, Step::RegisterMachine | Step::UnregisterMachine)
+    }
+}
+
 /// The phase the VMI should show after the steps, with the reason for a
 /// failure or a pending condition.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -348,6 +370,20 @@ mod tests {
             domain: dom(state),
             machine: None,
         }
+    }
+
+    #[test]
+    fn a_start_is_all_creates_and_a_teardown_none() {
+        let start = plan(Some(&desired(None)), &Observed::default()).steps;
+        assert!(
+            !start.is_empty() && start.iter().all(Step::creates),
+            "{start:?}"
+        );
+        let teardown = plan(None, &running_host(DomainState::Running)).steps;
+        assert!(!teardown.is_empty(), "{teardown:?}");
+        assert!(!teardown.iter().any(Step::creates), "{teardown:?}");
+        assert!(RegisterMachine.best_effort() && UnregisterMachine.best_effort());
+        assert!(!teardown.iter().any(|s| s.best_effort() && s.creates()));
     }
 
     #[test]

@@ -3,24 +3,22 @@
 //! Each reconcile observes the host, plans, carries the plan out and
 //! reports status; one VM's trouble never blocks another's.
 
-use crate::core::convert::{self, Backing, ConvertContext, Converted, DiskPrep, DomainType};
+mod inputs;
+mod steps;
+
+use crate::core::convert::{self, ConvertContext, Converted, DomainType};
 use crate::core::efivars;
 use crate::core::key::{self, VmKey};
 use crate::core::layout::{DaemonKind, HostLayout, VmPaths};
-use crate::core::objects::{ObjectRef, Objects};
-use crate::core::plan::{
-    self, Desired, DomainState, GuestAgent, Observed, Outcome, Step, UnitActivity,
-};
-use crate::core::pullsecret::{self, Credentials};
+use crate::core::plan::{self, Desired, GuestAgent, Observed, Outcome, Step, UnitActivity};
 use crate::core::status;
 use crate::core::trigger::Trigger;
-use crate::core::unit::{self, UnitInput};
 use crate::core::vmi::{Phase, VirtualMachineInstance};
 use crate::daemon::metrics::{Adoption, Metrics};
-use crate::host::image::{ImageDisk, ImageError, Images, Progress};
+use crate::host::image::{ImageError, Images};
 use crate::host::journal;
 use crate::host::libvirt::{DomainRef, Hypervisor, LibvirtError};
-use crate::host::machined::{MachineSpec, Machines};
+use crate::host::machined::Machines;
 use crate::host::netns::{Netns, NetnsError};
 use crate::host::network::{Network, NetworkError};
 use crate::host::storage::{Storage, StorageError};
@@ -31,6 +29,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use steps::StepCtx;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tracing::{info, warn, Instrument};
 
@@ -427,22 +426,12 @@ impl<A: Adapters> Controller<A> {
         };
         let mut teardown_errors = Vec::new();
         for step in &plan.steps {
-            let is_create = matches!(
-                step,
-                Step::CreateDirs
-                    | Step::PrepareDisks
-                    | Step::CreateNetns
-                    | Step::SetupNetwork
-                    | Step::StartUnit
-                    | Step::DefineDomain
-                    | Step::StartDomain
-            );
             if let Err(e) = self.run_step(step, &ctx).await {
-                if matches!(step, Step::RegisterMachine | Step::UnregisterMachine) {
+                if step.best_effort() {
                     warn!("{e}");
                     continue;
                 }
-                if is_create {
+                if step.creates() {
                     // Roll back what this attempt made; the VMI fails with why.
                     warn!("cannot start: {e}");
                     self.metrics.error(e.reason());
@@ -510,252 +499,6 @@ impl<A: Adapters> Controller<A> {
             requeue_after: plan.requeue.then_some(Duration::from_millis(500)),
             found,
         })
-    }
-
-    /// The Secrets, ConfigMaps and ServiceAccount tokens the seed images
-    /// name are read once per start, before anything is made on the host;
-    /// the disks come back with their data. A missing object is waited for
-    /// (backoff, `Ready=False FailedMount`, an Event), as kubelet waits to
-    /// mount a pod's volume; a running VM never rereads them.
-    async fn read_objects(
-        &self,
-        vmi: &VirtualMachineInstance,
-        key: &VmKey,
-        conv: &Converted,
-    ) -> Result<Vec<DiskPrep>, ControllerError> {
-        let mut objects = Objects::new();
-        let refs = conv.disks.iter().flat_map(|d| match d {
-            DiskPrep::SeedIso { seed, .. } => seed.object_refs().collect(),
-            _ => Vec::new(),
-        });
-        let mut result = Ok(());
-        for r in refs {
-            if objects.contains_key(r) {
-                continue;
-            }
-            match self.deps.status.object(key.namespace(), r).await {
-                Ok(data) => {
-                    objects.insert(r.clone(), data);
-                }
-                Err(e) => {
-                    result = Err(e.to_string());
-                    break;
-                }
-            }
-        }
-        let disks = result.and_then(|()| {
-            conv.disks
-                .iter()
-                .map(|d| match d {
-                    DiskPrep::SeedIso { volume, path, seed } if !seed.from_objects.is_empty() => {
-                        Ok(DiskPrep::SeedIso {
-                            volume: volume.clone(),
-                            path: path.clone(),
-                            seed: seed.resolve(&objects)?,
-                        })
-                    }
-                    other => Ok(other.clone()),
-                })
-                .collect::<Result<Vec<_>, String>>()
-        });
-        match disks {
-            Ok(d) => Ok(d),
-            Err(message) => {
-                self.wait_for(vmi, key, EventReason::FailedMount, &message)
-                    .await;
-                Err(ControllerError::Objects {
-                    id: key.id(),
-                    message,
-                })
-            }
-        }
-    }
-
-    /// A start that cannot go on yet: a warning Event, and the same reason
-    /// in the Ready condition while the VMI waits (the loop retries).
-    async fn wait_for(
-        &self,
-        vmi: &VirtualMachineInstance,
-        key: &VmKey,
-        reason: EventReason,
-        message: &str,
-    ) {
-        self.deps.recorder.record(vmi, reason, message, true);
-        self.set_waiting(key, &format!("{reason:?}"), message).await;
-    }
-
-    /// containerDisks (and kernelBoot images) are pulled before anything is
-    /// made on the host, so a registry outage leaves nothing behind: the
-    /// error goes to the loop's backoff and the VMI waits in Scheduled, as a
-    /// pod waits in ImagePullBackOff. Progress shows in the Ready condition
-    /// and the log.
-    async fn pull_images(
-        &self,
-        vmi: &VirtualMachineInstance,
-        key: &VmKey,
-        conv: &Converted,
-    ) -> Result<BTreeMap<String, ImageDisk>, ControllerError> {
-        let mut disks = BTreeMap::new();
-        for need in conv.disks.iter().flat_map(DiskPrep::image_needs) {
-            let (volume, image) = (need.key, need.image);
-            let failed = |e: ImageError| async move {
-                let msg = format!("volume {volume}: {e}");
-                self.wait_for(vmi, key, EventReason::ErrImagePull, &msg)
-                    .await;
-                ControllerError::Image {
-                    id: key.id(),
-                    source: e,
-                }
-            };
-            let auth = match need.pull_secret {
-                None => None,
-                Some(secret) => match self.credentials(key, image, secret).await {
-                    Ok(c) => c,
-                    Err(e) => return Err(failed(e).await),
-                },
-            };
-            let started = tokio::time::Instant::now();
-            let latest = Mutex::new(None::<Progress>);
-            let downloaded = std::sync::atomic::AtomicBool::new(false);
-            let report = |p: Progress| {
-                downloaded.store(true, Ordering::Relaxed);
-                *latest.lock().unwrap_or_else(|e| e.into_inner()) = Some(p);
-            };
-            let pull =
-                self.deps
-                    .images
-                    .disk(image, need.pull_policy, need.path, auth.as_ref(), &report);
-            tokio::pin!(pull);
-            let mut tick = tokio::time::interval(Duration::from_secs(2));
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
-            let result = loop {
-                tokio::select! {
-                    r = &mut pull => break r,
-                    _ = tick.tick() => {
-                        let p = latest.lock().unwrap_or_else(|e| e.into_inner()).take();
-                        if let Some(p) = p {
-                            let msg = format!("pulling {image}: {}", mib_of(p));
-                            info!(volume = %volume, "{msg}");
-                            self.set_waiting(key, "PullingContainerDisk", &msg).await;
-                        }
-                    }
-                }
-            };
-            match result {
-                Ok(d) => {
-                    let msg = if downloaded.load(Ordering::Relaxed) {
-                        format!(
-                            "pulled {image} ({}) in {:.1} s",
-                            d.digest,
-                            started.elapsed().as_secs_f64()
-                        )
-                    } else {
-                        format!("{image} ({}) is already on the host", d.digest)
-                    };
-                    info!(volume = %volume, "{msg}");
-                    self.deps
-                        .recorder
-                        .record(vmi, EventReason::Pulled, &msg, false);
-                    disks.insert(volume.to_owned(), d);
-                }
-                Err(e) => return Err(failed(e).await),
-            }
-        }
-        Ok(disks)
-    }
-
-    /// The registry credentials for `image` in its pull secret; `None`
-    /// when the secret has none for that registry (then the pull is
-    /// anonymous, as kubelet's).
-    async fn credentials(
-        &self,
-        key: &VmKey,
-        image: &str,
-        secret: &str,
-    ) -> Result<Option<Credentials>, ImageError> {
-        let err = |message: String| ImageError::PullSecret {
-            image: image.to_owned(),
-            secret: secret.to_owned(),
-            message,
-        };
-        let r = crate::core::image::parse_reference(image).map_err(err)?;
-        let data = self
-            .deps
-            .status
-            .object(key.namespace(), &ObjectRef::Secret(secret.to_owned()))
-            .await
-            .map_err(|e| err(e.to_string()))?
-            .ok_or_else(|| err("not found".into()))?;
-        pullsecret::credentials(&data, r.resolve_registry(), r.repository()).map_err(err)
-    }
-
-    /// Why a VM that is not running yet is waiting (the Ready condition),
-    /// saved at once; a failed save is retried by the next report.
-    async fn set_waiting(&self, key: &VmKey, reason: &str, message: &str) {
-        let id = key.id();
-        let vmi = {
-            let mut vmis = self.vmis();
-            let Some(vmi) = vmis.get_mut(&id) else { return };
-            let Some(next) = status::waiting(&vmi.status, reason, message, &now_rfc3339()) else {
-                return;
-            };
-            vmi.status = next;
-            vmi.clone()
-        };
-        self.unsaved().insert(id.clone());
-        match self.deps.status.save(&vmi).await {
-            Ok(()) => {
-                self.unsaved().remove(&id);
-            }
-            Err(e) => warn!("status: {e}"),
-        }
-    }
-
-    async fn rollback(&self, id: &str, dom: Option<&DomainRef>) {
-        let obs = match self.observe(id, dom).await {
-            Ok(o) => o,
-            Err(e) => {
-                warn!("rollback: cannot observe: {e}");
-                Observed {
-                    unit: None,
-                    netns: true,
-                    network: true,
-                    state_dir: true,
-                    runtime_dir: false,
-                    domain: None,
-                    machine: None,
-                }
-            }
-        };
-        let p = plan::plan(
-            None,
-            &Observed {
-                runtime_dir: false,
-                ..obs
-            },
-        );
-        let ctx = StepCtx {
-            id,
-            disks: &[],
-            images: &BTreeMap::new(),
-            obs: &Observed::default(),
-            vmi: None,
-            key: None,
-            converted: None,
-            dom,
-        };
-        for step in p.steps {
-            // A VM that never started needs no grace.
-            let step = match step {
-                Step::ShutdownDomain { .. } => Step::ShutdownDomain {
-                    grace: Duration::ZERO,
-                },
-                s => s,
-            };
-            if let Err(e) = self.run_step(&step, &ctx).await {
-                warn!("rollback: {e}");
-            }
-        }
     }
 
     /// Applies the outcome to the VMI's status. The new status is the
@@ -858,231 +601,6 @@ impl<A: Adapters> Controller<A> {
 
     fn unsaved(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
         self.unsaved.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    async fn run_step(&self, step: &Step, c: &StepCtx<'_>) -> Result<(), ControllerError> {
-        let id = c.id;
-        let paths = self.paths(id);
-        let storage_err = |source| ControllerError::Storage {
-            id: id.into(),
-            source,
-        };
-        let netns_err = |source| ControllerError::Netns {
-            id: id.into(),
-            source,
-        };
-        let sd_err = |source| ControllerError::Systemd {
-            id: id.into(),
-            source,
-        };
-        let lv_err = |source| ControllerError::Libvirt { source };
-        let conv = || {
-            c.converted
-                .expect("create steps only run for a converted VMI")
-        };
-        let dom = || {
-            c.dom.cloned().unwrap_or_else(|| {
-                let unit = c.obs.unit.as_ref();
-                self.domain_ref(
-                    id,
-                    unit.and_then(|u| u.daemon),
-                    unit.and_then(|u| u.domain_name.as_deref()).unwrap_or(id),
-                )
-            })
-        };
-        match step {
-            Step::CreateDirs => self
-                .deps
-                .storage
-                .create_dirs(&paths)
-                .await
-                .map_err(storage_err),
-            Step::PrepareDisks => {
-                for d in c.disks {
-                    self.deps
-                        .storage
-                        .prepare_disk(d, &self.settings.host_disk_roots, c.images)
-                        .await
-                        .map_err(storage_err)?;
-                }
-                Ok(())
-            }
-            Step::CreateNetns => self
-                .deps
-                .netns
-                .create(&key::netns_name_of(id))
-                .await
-                .map_err(netns_err),
-            Step::SetupNetwork => {
-                let (Some(net), Some(v)) = (&conv().network, c.vmi) else {
-                    return Ok(());
-                };
-                self.deps
-                    .network
-                    .setup(id, v.uid().unwrap_or_default(), &hostname(v), net)
-                    .await
-                    .map(|_| ())
-                    .map_err(|source| ControllerError::Network { source })
-            }
-            Step::TeardownNetwork => self
-                .deps
-                .network
-                .teardown(id)
-                .await
-                .map_err(|source| ControllerError::Network { source }),
-            Step::StartUnit => {
-                let conv = conv();
-                let key = c.key.expect("a converted VMI has a key");
-                let spec = unit::unit_spec(&UnitInput {
-                    key,
-                    uid: c.vmi.and_then(|v| v.uid()).unwrap_or_default(),
-                    paths: &paths,
-                    host: &self.settings.layout,
-                    daemon: self.settings.daemon,
-                    daemon_path: self.settings.daemon_path.clone(),
-                    user: &self.settings.user,
-                    slice: &self.settings.slice,
-                    memory_max_bytes: conv.resources.cgroup_memory_bytes()
-                        + self.settings.overhead_bytes,
-                    cpu_weight: unit::cpu_weight(conv.resources.cpu_request_millis),
-                    tasks_max: self.settings.tasks_max,
-                    grace_seconds: self
-                        .vmis()
-                        .get(id)
-                        .map_or(30, |v| v.termination_grace_period().as_secs()),
-                    extra_rw_paths: conv
-                        .disks
-                        .iter()
-                        .filter_map(|d| match d {
-                            DiskPrep::CreateRawIfMissing { path, .. }
-                            | DiskPrep::RequireExisting { path, .. } => Some(path.clone()),
-                            _ => None,
-                        })
-                        .collect(),
-                    extra_ro_paths: conv
-                        .disks
-                        .iter()
-                        .filter_map(|d| match d {
-                            DiskPrep::Overlay {
-                                backing: Backing::HostDisk(base),
-                                ..
-                            } => Some(base.clone()),
-                            _ => None,
-                        })
-                        // Kernels are copied; only overlays read the cache.
-                        .chain(conv.disks.iter().filter_map(|d| match d {
-                            DiskPrep::Overlay { volume, .. } => {
-                                c.images.get(volume).map(|i| i.root.clone())
-                            }
-                            _ => None,
-                        }))
-                        .collect(),
-                });
-                self.deps.units.start(&spec).await.map_err(sd_err)
-            }
-            Step::DefineDomain => self
-                .deps
-                .hypervisor
-                .define(&dom(), &conv().domain_xml)
-                .await
-                .map_err(lv_err),
-            Step::StartDomain => self.deps.hypervisor.start(&dom()).await.map_err(lv_err),
-            Step::RegisterMachine => {
-                let uid = c
-                    .vmi
-                    .and_then(|v| v.uid())
-                    .or_else(|| c.obs.unit.as_ref().and_then(|u| u.uid.as_deref()))
-                    .unwrap_or_default();
-                let spec = MachineSpec::new(id, uid, paths.qemu_pid_file(&dom().name));
-                self.deps
-                    .machines
-                    .register(&spec)
-                    .await
-                    .map_err(|source| ControllerError::Machined { source })
-            }
-            Step::UnregisterMachine => self
-                .deps
-                .machines
-                .unregister(&key::machine_name_of(id))
-                .await
-                .map_err(|source| ControllerError::Machined { source }),
-            Step::ShutdownDomain { grace } => {
-                if let Some(v) = c.vmi {
-                    self.deps.recorder.record(
-                        v,
-                        EventReason::ShuttingDown,
-                        "shutting the guest down",
-                        false,
-                    );
-                }
-                self.shutdown(&dom(), *grace).await
-            }
-            Step::StopUnit => {
-                self.deps.hypervisor.forget(id).await;
-                self.deps
-                    .units
-                    .stop(&key::unit_name_of(id))
-                    .await
-                    .map_err(sd_err)
-            }
-            Step::DeleteNetns => self
-                .deps
-                .netns
-                .delete(&key::netns_name_of(id))
-                .await
-                .map_err(netns_err),
-            Step::RemoveStateDir => {
-                let storage = &self.deps.storage;
-                storage.keep_efi_vars(&paths).await.map_err(storage_err)?;
-                storage.remove_hugepages(id).await.map_err(storage_err)?;
-                storage
-                    .remove_dir(&paths.state_dir)
-                    .await
-                    .map_err(storage_err)?;
-                // A VM deleted with its VMI leaves nobody to keep them for.
-                self.sweep_efi_vars(Some(id)).await;
-                Ok(())
-            }
-            Step::RemoveRuntimeDir => self
-                .deps
-                .storage
-                .remove_dir(&paths.runtime_dir)
-                .await
-                .map_err(storage_err),
-        }
-    }
-
-    /// ACPI power button, re-sent, then destroy once the grace period is up
-    /// (KubeVirt's terminationGracePeriodSeconds behaviour).
-    async fn shutdown(&self, d: &DomainRef, grace: Duration) -> Result<(), ControllerError> {
-        let hv = &self.deps.hypervisor;
-        let deadline = tokio::time::Instant::now() + grace;
-        let mut next_press = tokio::time::Instant::now();
-        loop {
-            let state = hv
-                .observe(d)
-                .await
-                .map_err(|source| ControllerError::Libvirt { source })?
-                .map(|o| o.state);
-            if !matches!(state, Some(DomainState::Running | DomainState::Paused)) {
-                return Ok(());
-            }
-            let now = tokio::time::Instant::now();
-            if now >= deadline {
-                info!("grace period over, destroying");
-                return hv
-                    .destroy(d)
-                    .await
-                    .map_err(|source| ControllerError::Libvirt { source });
-            }
-            if now >= next_press {
-                if let Err(e) = hv.shutdown(d).await {
-                    warn!("ACPI shutdown: {e}");
-                }
-                next_press = now + self.settings.shutdown_resend;
-            }
-            tokio::time::sleep(Duration::from_millis(200).min(deadline - now)).await;
-        }
     }
 
     /// Removes the kept EFI variables whose VirtualMachine is gone (or
@@ -1249,19 +767,6 @@ impl<A: Adapters> Controller<A> {
     }
 }
 
-struct StepCtx<'a> {
-    id: &'a str,
-    /// The converted disks with their cluster objects' data, for this start.
-    disks: &'a [DiskPrep],
-    /// containerDisks pulled for this start, by volume.
-    images: &'a BTreeMap<String, ImageDisk>,
-    obs: &'a Observed,
-    vmi: Option<&'a VirtualMachineInstance>,
-    key: Option<&'a VmKey>,
-    converted: Option<&'a Converted>,
-    dom: Option<&'a DomainRef>,
-}
-
 fn status_err(id: &str) -> impl FnOnce(SourceError) -> ControllerError + '_ {
     move |source| ControllerError::Status {
         id: id.into(),
@@ -1280,13 +785,4 @@ pub fn now_rfc3339() -> String {
     jiff::Timestamp::from_second(now.as_second())
         .unwrap_or(now)
         .to_string()
-}
-
-fn mib_of(p: Progress) -> String {
-    const MIB: f64 = 1024.0 * 1024.0;
-    format!(
-        "{:.1} of {:.1} MiB",
-        p.done as f64 / MIB,
-        p.total as f64 / MIB
-    )
 }

@@ -1,0 +1,400 @@
+//! Carrying out a plan's steps, one function per step, grouped by the
+//! system they touch: the VM's files, its network, its unit, its domain and
+//! its machined registration. A failed create is rolled back here too.
+
+use super::{Adapters, Controller, ControllerError};
+use crate::core::convert::{Backing, Converted, DiskPrep};
+use crate::core::key::{self, VmKey};
+use crate::core::plan::{self, DomainState, Observed, Step};
+use crate::core::unit::{self, UnitInput};
+use crate::core::vmi::VirtualMachineInstance;
+use crate::host::image::ImageDisk;
+use crate::host::libvirt::{DomainRef, Hypervisor};
+use crate::host::machined::{MachineSpec, Machines};
+use crate::host::netns::{Netns, NetnsError};
+use crate::host::network::Network;
+use crate::host::storage::{Storage, StorageError};
+use crate::host::systemd::{SystemdError, Units};
+use crate::sources::{EventReason, Recorder};
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::time::Duration;
+use tracing::{info, warn};
+
+/// What one pass knows that its steps need.
+pub(super) struct StepCtx<'a> {
+    pub id: &'a str,
+    /// The converted disks with their cluster objects' data, for this start.
+    pub disks: &'a [DiskPrep],
+    /// containerDisks pulled for this start, by volume.
+    pub images: &'a BTreeMap<String, ImageDisk>,
+    pub obs: &'a Observed,
+    pub vmi: Option<&'a VirtualMachineInstance>,
+    pub key: Option<&'a VmKey>,
+    pub converted: Option<&'a Converted>,
+    pub dom: Option<&'a DomainRef>,
+}
+
+impl StepCtx<'_> {
+    fn converted(&self) -> &Converted {
+        self.converted
+            .expect("create steps only run for a converted VMI")
+    }
+
+    fn uid(&self) -> &str {
+        self.vmi.and_then(|v| v.uid()).unwrap_or_default()
+    }
+}
+
+impl<A: Adapters> Controller<A> {
+    pub(super) async fn run_step(
+        &self,
+        step: &Step,
+        c: &StepCtx<'_>,
+    ) -> Result<(), ControllerError> {
+        match step {
+            Step::CreateDirs => self.create_dirs(c.id).await,
+            Step::PrepareDisks => self.prepare_disks(c).await,
+            Step::RemoveStateDir => self.remove_state_dir(c.id).await,
+            Step::RemoveRuntimeDir => self.remove_runtime_dir(c.id).await,
+            Step::CreateNetns => self.create_netns(c.id).await,
+            Step::SetupNetwork => self.setup_network(c).await,
+            Step::TeardownNetwork => self.teardown_network(c.id).await,
+            Step::DeleteNetns => self.delete_netns(c.id).await,
+            Step::StartUnit => self.start_unit(c).await,
+            Step::StopUnit => self.stop_unit(c.id).await,
+            Step::DefineDomain => self.define_domain(c).await,
+            Step::StartDomain => self.start_domain(c).await,
+            Step::ShutdownDomain { grace } => self.shutdown_domain(c, *grace).await,
+            Step::RegisterMachine => self.register_machine(c).await,
+            Step::UnregisterMachine => self.unregister_machine(c.id).await,
+        }
+    }
+
+    /// Undoes what a failed start made, best effort: whatever the host has
+    /// of `id` is torn down as for a deleted VMI.
+    pub(super) async fn rollback(&self, id: &str, dom: Option<&DomainRef>) {
+        let obs = match self.observe(id, dom).await {
+            Ok(o) => o,
+            Err(e) => {
+                warn!("rollback: cannot observe: {e}");
+                Observed {
+                    unit: None,
+                    netns: true,
+                    network: true,
+                    state_dir: true,
+                    runtime_dir: false,
+                    domain: None,
+                    machine: None,
+                }
+            }
+        };
+        let p = plan::plan(
+            None,
+            &Observed {
+                runtime_dir: false,
+                ..obs
+            },
+        );
+        let ctx = StepCtx {
+            id,
+            disks: &[],
+            images: &BTreeMap::new(),
+            obs: &Observed::default(),
+            vmi: None,
+            key: None,
+            converted: None,
+            dom,
+        };
+        for step in p.steps {
+            // A VM that never started needs no grace.
+            let step = match step {
+                Step::ShutdownDomain { .. } => Step::ShutdownDomain {
+                    grace: Duration::ZERO,
+                },
+                s => s,
+            };
+            if let Err(e) = self.run_step(&step, &ctx).await {
+                warn!("rollback: {e}");
+            }
+        }
+    }
+
+    // The VM's files.
+
+    async fn create_dirs(&self, id: &str) -> Result<(), ControllerError> {
+        let paths = self.paths(id);
+        let storage = &self.deps.storage;
+        storage.create_dirs(&paths).await.map_err(storage_err(id))
+    }
+
+    async fn prepare_disks(&self, c: &StepCtx<'_>) -> Result<(), ControllerError> {
+        for d in c.disks {
+            self.deps
+                .storage
+                .prepare_disk(d, &self.settings.host_disk_roots, c.images)
+                .await
+                .map_err(storage_err(c.id))?;
+        }
+        Ok(())
+    }
+
+    async fn remove_state_dir(&self, id: &str) -> Result<(), ControllerError> {
+        let paths = self.paths(id);
+        let storage = &self.deps.storage;
+        storage
+            .keep_efi_vars(&paths)
+            .await
+            .map_err(storage_err(id))?;
+        storage
+            .remove_hugepages(id)
+            .await
+            .map_err(storage_err(id))?;
+        storage
+            .remove_dir(&paths.state_dir)
+            .await
+            .map_err(storage_err(id))?;
+        // A VM deleted with its VMI leaves nobody to keep them for.
+        self.sweep_efi_vars(Some(id)).await;
+        Ok(())
+    }
+
+    async fn remove_runtime_dir(&self, id: &str) -> Result<(), ControllerError> {
+        let paths = self.paths(id);
+        let storage = &self.deps.storage;
+        storage
+            .remove_dir(&paths.runtime_dir)
+            .await
+            .map_err(storage_err(id))
+    }
+
+    // Its network.
+
+    async fn create_netns(&self, id: &str) -> Result<(), ControllerError> {
+        let netns = &self.deps.netns;
+        netns
+            .create(&key::netns_name_of(id))
+            .await
+            .map_err(netns_err(id))
+    }
+
+    async fn setup_network(&self, c: &StepCtx<'_>) -> Result<(), ControllerError> {
+        let (Some(net), Some(v)) = (&c.converted().network, c.vmi) else {
+            return Ok(());
+        };
+        self.deps
+            .network
+            .setup(c.id, c.uid(), &super::hostname(v), net)
+            .await
+            .map(|_| ())
+            .map_err(|source| ControllerError::Network { source })
+    }
+
+    async fn teardown_network(&self, id: &str) -> Result<(), ControllerError> {
+        let network = &self.deps.network;
+        network
+            .teardown(id)
+            .await
+            .map_err(|source| ControllerError::Network { source })
+    }
+
+    async fn delete_netns(&self, id: &str) -> Result<(), ControllerError> {
+        let netns = &self.deps.netns;
+        netns
+            .delete(&key::netns_name_of(id))
+            .await
+            .map_err(netns_err(id))
+    }
+
+    // Its unit.
+
+    async fn start_unit(&self, c: &StepCtx<'_>) -> Result<(), ControllerError> {
+        let conv = c.converted();
+        let key = c.key.expect("a converted VMI has a key");
+        let paths = self.paths(c.id);
+        let spec = unit::unit_spec(&UnitInput {
+            key,
+            uid: c.uid(),
+            paths: &paths,
+            host: &self.settings.layout,
+            daemon: self.settings.daemon,
+            daemon_path: self.settings.daemon_path.clone(),
+            user: &self.settings.user,
+            slice: &self.settings.slice,
+            memory_max_bytes: conv.resources.cgroup_memory_bytes() + self.settings.overhead_bytes,
+            cpu_weight: unit::cpu_weight(conv.resources.cpu_request_millis),
+            tasks_max: self.settings.tasks_max,
+            grace_seconds: self
+                .vmis()
+                .get(c.id)
+                .map_or(30, |v| v.termination_grace_period().as_secs()),
+            extra_rw_paths: writable_disks(conv),
+            extra_ro_paths: read_only_disks(conv, c.images),
+        });
+        self.deps.units.start(&spec).await.map_err(sd_err(c.id))
+    }
+
+    async fn stop_unit(&self, id: &str) -> Result<(), ControllerError> {
+        self.deps.hypervisor.forget(id).await;
+        self.deps
+            .units
+            .stop(&key::unit_name_of(id))
+            .await
+            .map_err(sd_err(id))
+    }
+
+    // Its domain.
+
+    /// The domain this step acts on: the one this pass named, else the one
+    /// the unit records.
+    fn step_domain(&self, c: &StepCtx<'_>) -> DomainRef {
+        c.dom.cloned().unwrap_or_else(|| {
+            let unit = c.obs.unit.as_ref();
+            self.domain_ref(
+                c.id,
+                unit.and_then(|u| u.daemon),
+                unit.and_then(|u| u.domain_name.as_deref()).unwrap_or(c.id),
+            )
+        })
+    }
+
+    async fn define_domain(&self, c: &StepCtx<'_>) -> Result<(), ControllerError> {
+        let xml = &c.converted().domain_xml;
+        let hv = &self.deps.hypervisor;
+        hv.define(&self.step_domain(c), xml)
+            .await
+            .map_err(|source| ControllerError::Libvirt { source })
+    }
+
+    async fn start_domain(&self, c: &StepCtx<'_>) -> Result<(), ControllerError> {
+        let hv = &self.deps.hypervisor;
+        hv.start(&self.step_domain(c))
+            .await
+            .map_err(|source| ControllerError::Libvirt { source })
+    }
+
+    async fn shutdown_domain(
+        &self,
+        c: &StepCtx<'_>,
+        grace: Duration,
+    ) -> Result<(), ControllerError> {
+        if let Some(v) = c.vmi {
+            self.deps.recorder.record(
+                v,
+                EventReason::ShuttingDown,
+                "shutting the guest down",
+                false,
+            );
+        }
+        self.shutdown(&self.step_domain(c), grace).await
+    }
+
+    /// ACPI power button, re-sent, then destroy once the grace period is up
+    /// (KubeVirt's terminationGracePeriodSeconds behaviour).
+    async fn shutdown(&self, d: &DomainRef, grace: Duration) -> Result<(), ControllerError> {
+        let hv = &self.deps.hypervisor;
+        let deadline = tokio::time::Instant::now() + grace;
+        let mut next_press = tokio::time::Instant::now();
+        loop {
+            let state = hv
+                .observe(d)
+                .await
+                .map_err(|source| ControllerError::Libvirt { source })?
+                .map(|o| o.state);
+            if !matches!(state, Some(DomainState::Running | DomainState::Paused)) {
+                return Ok(());
+            }
+            let now = tokio::time::Instant::now();
+            if now >= deadline {
+                info!("grace period over, destroying");
+                return hv
+                    .destroy(d)
+                    .await
+                    .map_err(|source| ControllerError::Libvirt { source });
+            }
+            if now >= next_press {
+                if let Err(e) = hv.shutdown(d).await {
+                    warn!("ACPI shutdown: {e}");
+                }
+                next_press = now + self.settings.shutdown_resend;
+            }
+            tokio::time::sleep(Duration::from_millis(200).min(deadline - now)).await;
+        }
+    }
+
+    // Its machined registration.
+
+    async fn register_machine(&self, c: &StepCtx<'_>) -> Result<(), ControllerError> {
+        let uid = c
+            .vmi
+            .and_then(|v| v.uid())
+            .or_else(|| c.obs.unit.as_ref().and_then(|u| u.uid.as_deref()))
+            .unwrap_or_default();
+        let pid_file = self.paths(c.id).qemu_pid_file(&self.step_domain(c).name);
+        let spec = MachineSpec::new(c.id, uid, pid_file);
+        self.deps
+            .machines
+            .register(&spec)
+            .await
+            .map_err(|source| ControllerError::Machined { source })
+    }
+
+    async fn unregister_machine(&self, id: &str) -> Result<(), ControllerError> {
+        self.deps
+            .machines
+            .unregister(&key::machine_name_of(id))
+            .await
+            .map_err(|source| ControllerError::Machined { source })
+    }
+}
+
+/// Disks the VM writes that live outside its own directories.
+fn writable_disks(conv: &Converted) -> Vec<PathBuf> {
+    conv.disks
+        .iter()
+        .filter_map(|d| match d {
+            DiskPrep::CreateRawIfMissing { path, .. } | DiskPrep::RequireExisting { path, .. } => {
+                Some(path.clone())
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// What the VM's overlays read: hostDisk bases and the image cache's
+/// copies of its containerDisks (kernels are copied, not read in place).
+fn read_only_disks(conv: &Converted, images: &BTreeMap<String, ImageDisk>) -> Vec<PathBuf> {
+    let bases = conv.disks.iter().filter_map(|d| match d {
+        DiskPrep::Overlay {
+            backing: Backing::HostDisk(base),
+            ..
+        } => Some(base.clone()),
+        _ => None,
+    });
+    let cached = conv.disks.iter().filter_map(|d| match d {
+        DiskPrep::Overlay { volume, .. } => images.get(volume).map(|i| i.root.clone()),
+        _ => None,
+    });
+    bases.chain(cached).collect()
+}
+
+fn storage_err(id: &str) -> impl FnOnce(StorageError) -> ControllerError + '_ {
+    move |source| ControllerError::Storage {
+        id: id.into(),
+        source,
+    }
+}
+
+fn netns_err(id: &str) -> impl FnOnce(NetnsError) -> ControllerError + '_ {
+    move |source| ControllerError::Netns {
+        id: id.into(),
+        source,
+    }
+}
+
+fn sd_err(id: &str) -> impl FnOnce(SystemdError) -> ControllerError + '_ {
+    move |source| ControllerError::Systemd {
+        id: id.into(),
+        source,
+    }
+}
