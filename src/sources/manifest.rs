@@ -1,6 +1,6 @@
 //! Standalone mode: VMIs from a directory of manifests (kubelet's static
 //! pods are the model), watched with inotify; status as JSON files next to
-//! each VM's runtime files; Events as log lines.
+//! each VM's runtime files. (Events go to the log: `daemon`'s LogRecorder.)
 
 use super::{SourceError, StatusStore};
 use crate::core::key::VmKey;
