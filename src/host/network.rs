@@ -8,6 +8,8 @@
 //! never on an async worker.
 
 use crate::core::convert::network::{NetSpec, TAP};
+use crate::core::nft::{self as rules, VmSource};
+use crate::host::nft;
 use nix::sched::{setns, CloneFlags};
 use sha2::{Digest, Sha256};
 use std::net::{IpAddr, Ipv4Addr};
@@ -338,6 +340,13 @@ pub fn teardown_vm(host_veth: &str) -> Result<(), NetworkError> {
     })
 }
 
+fn vm_source(id: &str, ip: Ipv4Addr) -> VmSource {
+    VmSource {
+        veth: host_veth_name(id),
+        ip,
+    }
+}
+
 /// Whether the host end of a VM's veth exists (observation for adoption).
 pub fn veth_exists(host_veth: &str) -> bool {
     Path::new("/sys/class/net").join(host_veth).exists()
@@ -429,8 +438,14 @@ impl HostNetwork {
         )
         .map_err(|e| err(e.to_string()))?;
         setup_host(settings.subnet.gateway(), settings.subnet.prefix())?;
-        crate::host::nft::apply(
-            &crate::core::nft::host_ruleset(&settings.subnet, HOST_BRIDGE),
+        // Every VM holding an address may send from it, running or adopted.
+        let sources: Vec<VmSource> = ipam
+            .snapshot()
+            .iter()
+            .map(|(id, lease)| vm_source(id, lease.ip))
+            .collect();
+        nft::apply(
+            &rules::host_ruleset(&settings.subnet, HOST_BRIDGE, &sources),
             None,
         )
         .map_err(|e| err(e.to_string()))?;
@@ -477,6 +492,11 @@ impl Network for HostNetwork {
         let ipam = self.ipam.clone();
         let (i, u) = (id.to_owned(), uid.to_owned());
         let ip = blocking(id, move || ipam.lease(&i, &u).map_err(|e| e.to_string())).await?;
+        let source = rules::vm_source_add(&vm_source(id, ip));
+        blocking(id, move || {
+            nft::apply(&source, None).map_err(|e| e.to_string())
+        })
+        .await?;
         let vm = VmNetwork {
             netns_path: self.netns_path(id),
             host_veth: host_veth_name(id),
@@ -490,11 +510,17 @@ impl Network for HostNetwork {
             tap_gid: self.settings.tap_gid,
         };
         blocking(id, move || setup_vm(&vm).map_err(|e| e.to_string())).await?;
-        let rules = crate::core::nft::vm_ruleset(net.guest_ip(), net.vm_cidr, &net.ports);
+        let guest = rules::Guest {
+            tap: TAP,
+            mac: net.mac,
+            ip: net.guest_ip(),
+            net: net.vm_cidr,
+        };
+        let rules = rules::vm_ruleset(&guest, &net.ports);
         let netns = crate::core::key::netns_name_of(id);
         if self.settings.netns_dir == Path::new(crate::host::netns::NETNS_DIR) {
             blocking(id, move || {
-                crate::host::nft::apply(&rules, Some(&netns)).map_err(|e| e.to_string())
+                nft::apply(&rules, Some(&netns)).map_err(|e| e.to_string())
             })
             .await?;
         }
@@ -519,6 +545,15 @@ impl Network for HostNetwork {
         let veth = host_veth_name(id);
         if let Err(e) = blocking(id, move || teardown_vm(&veth).map_err(|e| e.to_string())).await {
             errors.push(e.to_string());
+        }
+        if let Some(lease) = self.ipam.get(id) {
+            let source = rules::vm_source_remove(&vm_source(id, lease.ip));
+            let removed = blocking(id, move || {
+                nft::apply(&source, None).map_err(|e| e.to_string())
+            });
+            if let Err(e) = removed.await {
+                errors.push(e.to_string());
+            }
         }
         let ipam = self.ipam.clone();
         let i = id.to_owned();

@@ -83,7 +83,10 @@ pub fn apply(batch: &Nftables, netns: Option<&str>) -> Result<(), NftError> {
 mod tests {
     use super::*;
     use crate::core::nft::tests::*;
-    use crate::core::nft::{host_teardown, vm_ruleset, PortRule, Proto, TABLE};
+    use crate::core::nft::{
+        host_ruleset, host_teardown, vm_source_add, vm_source_remove, PortRule, Proto, VmSource,
+        TABLE,
+    };
     use serde_json::Value;
 
     #[test]
@@ -200,7 +203,7 @@ mod tests {
             }
             let ns = TestNetns::new("vm");
             let name = Some(ns.0.as_str());
-            let all = vm_ruleset(GUEST, GUEST_NET, &[]);
+            let all = vm(&[]);
             apply(&all, name).unwrap();
             apply(&all, name).unwrap();
             assert_eq!(
@@ -208,24 +211,20 @@ mod tests {
                 (vec!["postrouting".into(), "prerouting".into()], 3)
             );
 
-            let some = vm_ruleset(
-                GUEST,
-                GUEST_NET,
-                &[
-                    PortRule {
-                        proto: Proto::Tcp,
-                        port: 8080,
-                    },
-                    PortRule {
-                        proto: Proto::Tcp,
-                        port: 22,
-                    },
-                    PortRule {
-                        proto: Proto::Udp,
-                        port: 53,
-                    },
-                ],
-            );
+            let some = vm(&[
+                PortRule {
+                    proto: Proto::Tcp,
+                    port: 8080,
+                },
+                PortRule {
+                    proto: Proto::Tcp,
+                    port: 22,
+                },
+                PortRule {
+                    proto: Proto::Udp,
+                    port: 53,
+                },
+            ]);
             apply(&some, name).unwrap();
             assert_eq!(ns.summary().1, 4);
             let text = Command::new("ip")
@@ -261,6 +260,92 @@ mod tests {
 
             let err = apply(&host_teardown(), Some("kvirt-nfttest-missing")).unwrap_err();
             assert!(matches!(err, NftError::Failed { .. }), "{err}");
+        }
+
+        fn sh(ns: &TestNetns, cmd: &str) -> bool {
+            Command::new("ip")
+                .args(["netns", "exec", &ns.0, "sh", "-c", cmd])
+                .status()
+                .unwrap()
+                .success()
+        }
+
+        fn must(ns: &TestNetns, cmd: &str) {
+            assert!(sh(ns, cmd), "in {}: {cmd}", ns.0);
+        }
+
+        /// One ICMP echo to `to`, from `from` when given; true if answered.
+        fn pings(ns: &TestNetns, to: &str, from: Option<&str>) -> bool {
+            let from = from.map_or(String::new(), |f| format!("-I {f}"));
+            sh(
+                ns,
+                &format!("busybox ping -c 1 -W 2 {from} {to} >/dev/null 2>&1"),
+            )
+        }
+
+        /// The masquerade path for real: a stand-in host with the VM bridge,
+        /// a VM namespace with KubeVirt's bridge, and a guest namespace whose
+        /// `guest0` is the other end of `tap0`. Spoofed sources from the
+        /// guest (address or MAC) and from the VM's namespace go nowhere;
+        /// the real ones do.
+        #[test]
+        fn spoofed_sources_never_reach_the_host() {
+            if !usable() || !std::path::Path::new("/bin/busybox").exists() {
+                eprintln!("skipping: needs root, nft and busybox");
+                return;
+            }
+            let (host, vmns, guest) = (
+                TestNetns::new("spoof-h"),
+                TestNetns::new("spoof-v"),
+                TestNetns::new("spoof-g"),
+            );
+            let veth = format!("kv{:012x}", std::process::id());
+            let mac = GUEST_MAC.map(|b| format!("{b:02x}")).join(":");
+            must(&host, "ip link add kvirt0 type bridge && ip addr add 10.213.0.1/24 dev kvirt0 && ip link set kvirt0 up");
+            must(&host, &format!("ip link add {veth} type veth peer name eth0 netns {} && ip link set {veth} master kvirt0 up", vmns.0));
+            must(&vmns, "ip addr add 10.213.0.2/24 dev eth0 && ip link set eth0 up && ip link set lo up && ip route add default via 10.213.0.1");
+            must(&vmns, "ip link add k6t-eth0 type bridge && ip addr add 10.0.2.1/24 dev k6t-eth0 && ip link set k6t-eth0 up");
+            must(&vmns, &format!("ip link add tap0 type veth peer name guest0 netns {} && ip link set tap0 master k6t-eth0 up", guest.0));
+            must(&vmns, "echo 1 > /proc/sys/net/ipv4/ip_forward");
+            must(&guest, &format!("ip link set guest0 address {mac} up && ip addr add 10.0.2.2/24 dev guest0 && ip route add default via 10.0.2.1"));
+            let source = VmSource {
+                veth: veth.clone(),
+                ip: "10.213.0.2".parse().unwrap(),
+            };
+            let subnet = "10.213.0.0/24".parse().unwrap();
+            apply(&host_ruleset(&subnet, "kvirt0", &[]), Some(&host.0)).unwrap();
+            apply(&vm(&[]), Some(&vmns.0)).unwrap();
+
+            // Until its address is in the host's set, the VM sends nothing.
+            assert!(!pings(&vmns, "10.213.0.1", None), "unknown VM passed");
+            apply(&vm_source_add(&source), Some(&host.0)).unwrap();
+            apply(&vm_source_add(&source), Some(&host.0)).unwrap();
+            assert!(pings(&vmns, "10.213.0.1", None), "the VM's own address");
+            assert!(pings(&guest, "10.213.0.1", None), "the guest, masqueraded");
+
+            // The guest with another address, or another MAC.
+            must(&guest, "ip addr add 10.0.2.77/24 dev guest0");
+            assert!(
+                !pings(&guest, "10.213.0.1", Some("10.0.2.77")),
+                "spoofed address passed"
+            );
+            must(&guest, "ip link set guest0 address 02:de:ad:be:ef:01");
+            must(&guest, "ip neigh flush all");
+            assert!(!pings(&guest, "10.213.0.1", None), "spoofed MAC passed");
+            must(&guest, &format!("ip link set guest0 address {mac}"));
+            assert!(pings(&guest, "10.213.0.1", None), "the guest again");
+
+            // The VM's namespace with another address of the subnet.
+            must(&vmns, "ip addr add 10.213.0.99/24 dev eth0");
+            assert!(
+                !pings(&vmns, "10.213.0.1", Some("10.213.0.99")),
+                "spoofed pod address passed"
+            );
+
+            // Gone from the set: nothing passes any more; twice is fine.
+            apply(&vm_source_remove(&source), Some(&host.0)).unwrap();
+            apply(&vm_source_remove(&source), Some(&host.0)).unwrap();
+            assert!(!pings(&vmns, "10.213.0.1", None), "a removed VM passed");
         }
     }
 }
