@@ -48,7 +48,7 @@ fn a_manifest_becomes_a_running_vm_that_survives_kvirtd_restarts() {
     h.wait(
         "alpha's guest agent in its status",
         Duration::from_secs(60),
-        "grep -q '\"prettyName\": \"kvirt test guest 1\"' /run/kvirt/vms/default_alpha/status.json",
+        "grep -q '\"prettyName\": \"kvirt test guest 1\"' /run/kvirt/status/default_alpha.json",
     );
     let st = h.status("alpha")["status"].clone();
     let agent = st["conditions"]

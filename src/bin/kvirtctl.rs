@@ -184,8 +184,8 @@ fn ls(layout: &HostLayout) -> Result<()> {
 
 fn status(layout: &HostLayout, vm: &str) -> Result<()> {
     let key = VmKey::parse(vm)?;
-    let path = layout.vm(&key).status_file();
-    let text = std::fs::read_to_string(&path)
+    let path = layout.vm(&key).status_file;
+    let text = kvirt::sources::manifest::read_status(&path)
         .with_context(|| format!("no status for {key} ({})", path.display()))?;
     println!("{text}");
     Ok(())

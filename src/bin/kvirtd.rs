@@ -4,11 +4,12 @@
 use anyhow::{Context, Result};
 use clap::Parser;
 use kvirt::core::convert::DomainType;
-use kvirt::core::layout::HostLayout;
+use kvirt::core::layout::{HostLayout, LEGACY_STATUS};
 use kvirt::core::trigger::Trigger;
 use kvirt::daemon::config::{Config, Emulation, SourceKind, DEFAULT_PATH};
 use kvirt::daemon::controller::{Adapters, Deps, LogRecorder, Settings};
 use kvirt::daemon::serve::{serve, Sources};
+use kvirt::host::beneath::Beneath;
 use kvirt::host::image::OciImages;
 use kvirt::host::journal::{self, Journal};
 use kvirt::host::libvirt::Libvirt;
@@ -22,6 +23,7 @@ use kvirt::sources::cluster;
 use kvirt::sources::manifest::{self, FileStatusStore};
 use kvirt::sources::{Recorder, StatusStore};
 use std::marker::PhantomData;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
@@ -34,7 +36,7 @@ use tracing::{error, info, warn};
 /// `kvirt-<namespace>_<name>`, which gets a pod-like network (a veth from
 /// the bridge `kvirt0`, KubeVirt's masquerade binding, DHCP served by
 /// kvirtd). VMIs come from a directory of manifests (`/etc/kvirt/vmis.d`,
-/// status in `/run/kvirt/vms/<namespace>_<name>/status.json`) or, with
+/// status in `/run/kvirt/status/<namespace>_<name>.json`) or, with
 /// `[source] kind = "kubernetes"`, from an API server (the VMIs labelled
 /// `kubevirt.io/nodeName=<node>`, status patched on the object). Restarting
 /// kvirtd never stops a VM: on start it adopts what runs and cleans up what
@@ -273,6 +275,7 @@ async fn run(config: Config) -> Result<()> {
         SourceKind::Directory => {
             let dir = config.source.directory.clone();
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+            migrate_status(&settings.layout);
             let status = FileStatusStore {
                 host: settings.layout.clone(),
             };
@@ -326,6 +329,44 @@ async fn run(config: Config) -> Result<()> {
             };
             let deps = host.deps(status, events);
             Ok(serve(deps, settings, metrics, (tx, rx), sources).await?)
+        }
+    }
+}
+
+/// Status files of kvirt before 0.2 lived in each VM's runtime directory;
+/// they move to root's status directory once, read through [`Beneath`] so
+/// a VM's planted link or FIFO is left where it is.
+fn migrate_status(layout: &HostLayout) {
+    let Ok(vms) = Beneath::open(&layout.vms_runtime_dir()).and_then(|d| d.entries()) else {
+        return;
+    };
+    for id in vms {
+        let paths = layout.vm_by_id(&id.to_string_lossy());
+        if paths.status_file.exists() {
+            continue;
+        }
+        let Ok(dir) = Beneath::open(&paths.runtime_dir) else {
+            continue;
+        };
+        let moved = dir
+            .read(LEGACY_STATUS, manifest::MAX_STATUS_FILE)
+            .and_then(|text| {
+                let status_dir = layout.status_dir();
+                std::fs::create_dir_all(&status_dir)?;
+                std::fs::set_permissions(&status_dir, std::fs::Permissions::from_mode(0o700))?;
+                let tmp = paths.status_file.with_extension("json.tmp");
+                std::fs::write(&tmp, text)?;
+                std::fs::rename(&tmp, &paths.status_file)
+            })
+            .and_then(|()| dir.remove(LEGACY_STATUS));
+        match moved {
+            Ok(()) => info!(
+                "moved {} to {}",
+                paths.legacy_status_file().display(),
+                paths.status_file.display()
+            ),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => warn!("{}: not moved: {e}", paths.legacy_status_file().display()),
         }
     }
 }
@@ -403,4 +444,53 @@ impl<St: StatusStore, R: Recorder> Adapters for Real<St, R> {
     type Images = OciImages;
     type Status = St;
     type Recorder = R;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a VM's user may have left where kvirt once wrote the status:
+    /// a link to root's file, a FIFO. Only a real file moves.
+    #[test]
+    fn old_status_files_move_and_planted_ones_stay() {
+        let t = tempfile::tempdir().unwrap();
+        let layout = HostLayout {
+            state_dir: t.path().join("lib"),
+            runtime_dir: t.path().join("run"),
+            cache_dir: t.path().join("cache"),
+        };
+        let vm = |id: &str| {
+            let p = layout.vm_by_id(id);
+            std::fs::create_dir_all(&p.runtime_dir).unwrap();
+            p
+        };
+        let (real, linked, fifo) = (vm("default_a"), vm("default_b"), vm("default_c"));
+        std::fs::write(
+            real.legacy_status_file(),
+            "{\"kind\": \"VirtualMachineInstance\"}",
+        )
+        .unwrap();
+        let secret = t.path().join("secret");
+        std::fs::write(&secret, "root's").unwrap();
+        std::os::unix::fs::symlink(&secret, linked.legacy_status_file()).unwrap();
+        nix::unistd::mkfifo(
+            &fifo.legacy_status_file(),
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
+
+        migrate_status(&layout);
+        assert!(std::fs::read_to_string(&real.status_file)
+            .unwrap()
+            .contains("VirtualMachineInstance"));
+        assert!(!real.legacy_status_file().exists());
+        assert!(!linked.status_file.exists() && !fifo.status_file.exists());
+        assert_eq!(std::fs::read_to_string(&secret).unwrap(), "root's");
+        let mode = std::fs::metadata(layout.status_dir())
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o700);
+    }
 }

@@ -3,6 +3,9 @@
 use crate::core::key::VmKey;
 use std::path::{Path, PathBuf};
 
+/// The status file's name in a VM's runtime directory before 0.2.
+pub const LEGACY_STATUS: &str = "status.json";
+
 /// Which libvirt daemon serves a VM; decides the socket name.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
@@ -54,6 +57,12 @@ impl HostLayout {
         self.runtime_dir.join("vms")
     }
 
+    /// Standalone VMIs' status, by VM id: root's alone, out of every VM's
+    /// reach (a VM's own directories are its user's to plant links in).
+    pub fn status_dir(&self) -> PathBuf {
+        self.runtime_dir.join("status")
+    }
+
     /// containerDisk images, shared by every VM (see `image`).
     pub fn images_dir(&self) -> PathBuf {
         self.cache_dir.join("images")
@@ -91,6 +100,8 @@ pub struct VmPaths {
     /// `/var/lib/kvirt/efi-vars/<id>`: kept EFI variables, outside the
     /// VM's own directories.
     pub efi_vars_dir: PathBuf,
+    /// `/run/kvirt/status/<id>.json`: the VMI with its status (standalone).
+    pub status_file: PathBuf,
     id: String,
 }
 
@@ -100,6 +111,7 @@ impl VmPaths {
             state_dir: host.vms_state_dir().join(id),
             runtime_dir: host.vms_runtime_dir().join(id),
             efi_vars_dir: host.efi_vars_dir().join(id),
+            status_file: host.status_dir().join(format!("{id}.json")),
             id: id.to_owned(),
         }
     }
@@ -149,6 +161,11 @@ impl VmPaths {
         )
     }
 
+    /// Where session libvirt writes QEMU's log (`<domain>.log`).
+    pub fn qemu_log_dir(&self) -> PathBuf {
+        self.xdg_cache_dir().join("libvirt/qemu/log")
+    }
+
     /// Where session libvirt records QEMU's PID for a domain.
     pub fn qemu_pid_file(&self, domain_name: &str) -> PathBuf {
         self.xdg_runtime_dir()
@@ -173,8 +190,10 @@ impl VmPaths {
         self.runtime_dir.join("vnc.sock")
     }
 
-    pub fn status_file(&self) -> PathBuf {
-        self.runtime_dir.join("status.json")
+    /// Where kvirt before 0.2 kept the status: in the VM's runtime
+    /// directory, which its user can write. Read once (safely) to migrate.
+    pub fn legacy_status_file(&self) -> PathBuf {
+        self.runtime_dir.join(LEGACY_STATUS)
     }
 
     /// Disks kvirt creates for the VM (emptyDisk).

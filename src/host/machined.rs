@@ -5,6 +5,7 @@
 //! a host without machined (no systemd-container package) runs VMs the same.
 
 use crate::core::key;
+use crate::host::beneath::Beneath;
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use zbus_systemd::machine1::ManagerProxy;
@@ -32,20 +33,27 @@ pub struct MachineSpec {
     pub uuid: Vec<u8>,
     /// The VM's unit: the leader must be in its cgroup.
     pub unit: String,
-    /// libvirt's pid file for the domain: QEMU is the machine's leader.
+    /// The VM's runtime directory (its parent is root's)...
+    pub runtime_dir: PathBuf,
+    /// ...and libvirt's pid file for the domain below it, which the VM's
+    /// user can write: QEMU is the machine's leader.
     pub pid_file: PathBuf,
 }
 
 impl MachineSpec {
-    pub fn new(id: &str, vmi_uid: &str, pid_file: PathBuf) -> Self {
+    pub fn new(id: &str, vmi_uid: &str, runtime_dir: PathBuf, pid_file: PathBuf) -> Self {
         Self {
             name: key::machine_name_of(id),
             uuid: uuid_bytes(vmi_uid).map(Vec::from).unwrap_or_default(),
             unit: key::unit_name_of(id),
+            runtime_dir,
             pid_file,
         }
     }
 }
+
+/// libvirt's pid file holds a number and a newline.
+const MAX_PID_FILE: u64 = 32;
 
 /// A UUID's 16 bytes; None for anything that is not one.
 fn uuid_bytes(uid: &str) -> Option<[u8; 16]> {
@@ -125,7 +133,14 @@ fn leader(spec: &MachineSpec) -> Result<u32, MachinedError> {
         path: spec.pid_file.clone(),
         message,
     };
-    let text = std::fs::read_to_string(&spec.pid_file).map_err(|e| err(e.to_string()))?;
+    let rel = spec
+        .pid_file
+        .strip_prefix(&spec.runtime_dir)
+        .map_err(|_| err("not in the VM's runtime directory".into()))?;
+    let text = Beneath::open(&spec.runtime_dir)
+        .and_then(|d| d.read(rel, MAX_PID_FILE))
+        .map_err(|e| err(e.to_string()))?;
+    let text = String::from_utf8_lossy(&text);
     let pid: u32 = text
         .trim()
         .parse()
@@ -155,7 +170,15 @@ impl Machines for Machined {
     }
 
     async fn register(&self, spec: &MachineSpec) -> Result<(), MachinedError> {
-        let pid = leader(spec)?;
+        // Reading a file the VM's user controls: off the async workers.
+        let owned = spec.clone();
+        let pid = tokio::task::spawn_blocking(move || leader(&owned))
+            .await
+            .map_err(|e| MachinedError::Leader {
+                name: spec.name.clone(),
+                path: spec.pid_file.clone(),
+                message: format!("worker thread died: {e}"),
+            })??;
         self.manager(&spec.name)
             .await?
             .register_machine(
@@ -200,6 +223,7 @@ mod tests {
         let s = MachineSpec::new(
             "default_vm1",
             "0f8e4c3a-1b2d-4e5f-8a9b-0c1d2e3f4a5b",
+            "/run".into(),
             "/run/x.pid".into(),
         );
         assert_eq!(s.name, "default.vm1");
@@ -212,21 +236,26 @@ mod tests {
             ]
         );
         // machined takes an empty id as "none"; a non-UUID never becomes one.
-        assert!(MachineSpec::new("a_b", "not-a-uuid", "/x".into())
-            .uuid
-            .is_empty());
         assert!(
-            MachineSpec::new("a_b", "0f8e4c3a1b2d4e5f8a9b0c1d2e3f4a5bxxxx", "/x".into())
+            MachineSpec::new("a_b", "not-a-uuid", "/".into(), "/x".into())
                 .uuid
                 .is_empty()
         );
+        assert!(MachineSpec::new(
+            "a_b",
+            "0f8e4c3a1b2d4e5f8a9b0c1d2e3f4a5bxxxx",
+            "/".into(),
+            "/x".into()
+        )
+        .uuid
+        .is_empty());
     }
 
     #[test]
     fn a_stale_pid_file_names_no_leader() {
         let dir = tempfile::tempdir().unwrap();
         let pid_file = dir.path().join("vm.pid");
-        let spec = MachineSpec::new("default_vm1", "", pid_file.clone());
+        let spec = MachineSpec::new("default_vm1", "", dir.path().into(), pid_file.clone());
         assert!(matches!(leader(&spec), Err(MachinedError::Leader { .. })));
         std::fs::write(&pid_file, "garbage\n").unwrap();
         let e = leader(&spec).unwrap_err().to_string();
@@ -235,5 +264,22 @@ mod tests {
         std::fs::write(&pid_file, format!("{}\n", std::process::id())).unwrap();
         let e = leader(&spec).unwrap_err().to_string();
         assert!(e.contains("is not in kvirt-vm@default_vm1.service"), "{e}");
+        // Planted by the VM's user: a link, a FIFO, a huge file. None is
+        // followed, blocks or is read whole.
+        std::fs::remove_file(&pid_file).unwrap();
+        std::os::unix::fs::symlink("/proc/self/stat", &pid_file).unwrap();
+        assert!(leader(&spec).is_err());
+        std::fs::remove_file(&pid_file).unwrap();
+        nix::unistd::mkfifo(&pid_file, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        let e = leader(&spec).unwrap_err().to_string();
+        assert!(e.contains("not a regular file"), "{e}");
+        std::fs::remove_file(&pid_file).unwrap();
+        std::fs::write(
+            &pid_file,
+            format!("{}\n{}", std::process::id(), " ".repeat(4096)),
+        )
+        .unwrap();
+        let e = leader(&spec).unwrap_err().to_string();
+        assert!(e.contains("larger than"), "{e}");
     }
 }

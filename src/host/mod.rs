@@ -4,6 +4,7 @@
 //! DHCP, address leases, libvirt, VM files, container images, the journal.
 //! Everything here touches the host; what it decides comes from `core`.
 
+pub mod beneath;
 pub mod dhcp;
 pub mod hugepages;
 pub mod image;

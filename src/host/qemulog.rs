@@ -5,14 +5,19 @@
 //!
 //! Where each file was read up to is kept under the runtime directory, so a
 //! restarted kvirtd continues without repeating or losing lines.
+//!
+//! The log directory is the VM's user's: everything in it is reached
+//! through [`Beneath`], so a link planted there leads nowhere, a FIFO does
+//! not block the forwarder, and a huge file is read a chunk at a time.
 
 use crate::core::key::{self, VmKey};
 use crate::core::layout::HostLayout;
+use crate::host::beneath::Beneath;
 use crate::host::journal::{Sink, VM_FIELD};
-use std::fs::File;
+use nix::fcntl::OFlag;
 use std::io::{self, Read, Seek, SeekFrom};
 use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 #[derive(Debug, thiserror::Error)]
 #[error("QEMU log {path}: {source}")]
@@ -24,6 +29,8 @@ pub struct QemuLogError {
 /// At most this much of one log per pass, so one chatty VM cannot hold up
 /// the others.
 const CHUNK: u64 = 1 << 20;
+/// libvirt's pid file holds a number and a newline.
+const MAX_PID_FILE: u64 = 32;
 
 pub struct Forwarder<K: Sink> {
     sink: K,
@@ -49,15 +56,19 @@ impl<K: Sink> Forwarder<K> {
             .flatten()
         {
             let id = entry.file_name().to_string_lossy().into_owned();
-            let logs = self
-                .layout
-                .vm_by_id(&id)
-                .xdg_cache_dir()
-                .join("libvirt/qemu/log");
-            for log in std::fs::read_dir(&logs).into_iter().flatten().flatten() {
-                let path = log.path();
-                if path.extension().is_some_and(|e| e == "log") {
-                    if let Err(source) = self.forward(&id, &path) {
+            let paths = self.layout.vm_by_id(&id);
+            // No log directory yet (or not one of ours): nothing to forward.
+            let log_dir = paths.qemu_log_dir();
+            let below = log_dir.strip_prefix(&paths.state_dir).unwrap_or(&log_dir);
+            let Ok(logs) = Beneath::open(&paths.state_dir).and_then(|d| d.dir(below)) else {
+                ids.push(id);
+                continue;
+            };
+            for name in logs.entries().unwrap_or_default() {
+                let name = name.to_string_lossy().into_owned();
+                if let Some(domain) = name.strip_suffix(".log") {
+                    if let Err(source) = self.forward(&id, &logs, domain) {
+                        let path = logs.path().join(&name);
                         errors.push(QemuLogError { path, source });
                     }
                 }
@@ -78,10 +89,9 @@ impl<K: Sink> Forwarder<K> {
         errors
     }
 
-    fn forward(&self, id: &str, path: &Path) -> io::Result<()> {
-        let file_name = path.file_name().unwrap_or_default().to_string_lossy();
-        let pos_file = self.offsets_dir().join(format!("{id}.{file_name}.pos"));
-        let mut file = File::open(path)?;
+    fn forward(&self, id: &str, logs: &Beneath, domain: &str) -> io::Result<()> {
+        let pos_file = self.offsets_dir().join(format!("{id}.{domain}.log.pos"));
+        let mut file = logs.file(format!("{domain}.log"), OFlag::O_RDONLY)?;
         let meta = file.metadata()?;
         // "<inode> <offset>": a new file (the VM was recreated) starts over.
         let mut offset = std::fs::read_to_string(&pos_file)
@@ -109,11 +119,9 @@ impl<K: Sink> Forwarder<K> {
         };
         let unit = key::unit_name_of(id);
         let vm = VmKey::parse(id).map_or_else(|_| id.to_owned(), |k| k.to_string());
-        // Shown as qemu[<pid>]: QEMU's own, from libvirt's pid file.
-        let domain = path.file_stem().unwrap_or_default().to_string_lossy();
-        let pid = std::fs::read_to_string(self.layout.vm_by_id(id).qemu_pid_file(&domain))
-            .ok()
-            .filter(|p| p.trim().parse::<u32>().is_ok());
+        // Shown as qemu[<pid>]: QEMU's own, from libvirt's pid file; none
+        // before QEMU exists (libvirt logs its command line first).
+        let pid = self.qemu_pid(id, domain);
         for line in String::from_utf8_lossy(&buf[..upto]).lines() {
             if line.is_empty() {
                 continue;
@@ -126,7 +134,7 @@ impl<K: Sink> Forwarder<K> {
                 ("MESSAGE", line),
             ];
             if let Some(p) = &pid {
-                fields.push(("SYSLOG_PID", p.trim()));
+                fields.push(("SYSLOG_PID", p));
             }
             self.sink.send(&fields)?;
         }
@@ -135,12 +143,24 @@ impl<K: Sink> Forwarder<K> {
         std::fs::write(&tmp, format!("{} {}\n", meta.ino(), offset + upto as u64))?;
         std::fs::rename(&tmp, &pos_file)
     }
+
+    fn qemu_pid(&self, id: &str, domain: &str) -> Option<String> {
+        let paths = self.layout.vm_by_id(id);
+        let file = paths.qemu_pid_file(domain);
+        let rel = file.strip_prefix(&paths.runtime_dir).ok()?;
+        let text = Beneath::open(&paths.runtime_dir)
+            .and_then(|d| d.read(rel, MAX_PID_FILE))
+            .ok()?;
+        let pid = String::from_utf8(text).ok()?.trim().to_owned();
+        pid.parse::<u32>().is_ok().then_some(pid)
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::host::journal::tests::{field, Recording};
+    use std::path::Path;
     use std::io::Write;
 
     fn host(dir: &Path) -> HostLayout {
@@ -152,10 +172,7 @@ mod tests {
     }
 
     fn log_path(layout: &HostLayout, id: &str) -> PathBuf {
-        let p = layout
-            .vm_by_id(id)
-            .xdg_cache_dir()
-            .join(format!("libvirt/qemu/log/{id}.log"));
+        let p = layout.vm_by_id(id).qemu_log_dir().join(format!("{id}.log"));
         std::fs::create_dir_all(p.parent().unwrap()).unwrap();
         p
     }
@@ -218,6 +235,55 @@ mod tests {
                 .unwrap()
                 .count(),
             0
+        );
+    }
+
+    /// What the VM's user can plant in its log directory: a FIFO, links to
+    /// root's files and to an endless device. None of it blocks the pass,
+    /// none of it is read, and the VM's real log still goes through.
+    #[test]
+    fn planted_fifos_and_links_are_refused_without_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = host(dir.path());
+        let good = log_path(&layout, "default_vm1");
+        std::fs::write(&good, "real line\n").unwrap();
+        let logs = good.parent().unwrap();
+        let secret = dir.path().join("secret");
+        std::fs::write(&secret, "root's secret\n").unwrap();
+        nix::unistd::mkfifo(
+            &logs.join("fifo.log"),
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
+        std::os::unix::fs::symlink(&secret, logs.join("link.log")).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", logs.join("zero.log")).unwrap();
+        // And QEMU's pid file pointing at a root file that holds a number.
+        let pid_file = layout.vm_by_id("default_vm1").qemu_pid_file("default_vm1");
+        std::fs::create_dir_all(pid_file.parent().unwrap()).unwrap();
+        let number = dir.path().join("number");
+        std::fs::write(&number, "1\n").unwrap();
+        std::os::unix::fs::symlink(&number, &pid_file).unwrap();
+
+        let rec = Recording::default();
+        let fwd = Forwarder::new(rec.clone(), layout.clone());
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || tx.send(fwd.pass()).unwrap());
+        let errors = rx
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("the pass blocked");
+        let mut refused: Vec<String> = errors
+            .iter()
+            .map(|e| e.path.file_name().unwrap().to_string_lossy().into_owned())
+            .collect();
+        refused.sort();
+        assert_eq!(refused, ["fifo.log", "link.log", "zero.log"], "{errors:?}");
+        let sent = rec.0.lock().unwrap().clone();
+        assert_eq!(sent.len(), 1, "only the real log");
+        assert_eq!(field(&sent[0], "MESSAGE"), Some("real line"));
+        assert_eq!(
+            field(&sent[0], "SYSLOG_PID"),
+            None,
+            "a linked pid file is not read"
         );
     }
 }

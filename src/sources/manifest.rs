@@ -9,6 +9,7 @@ use crate::core::trigger::Trigger;
 use crate::core::vmi::{VirtualMachineInstance, VmiStatus};
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use tokio::sync::mpsc::UnboundedSender;
 use tracing::{error, warn};
@@ -187,8 +188,8 @@ fn manifest_uid(doc: &serde_json::Value) -> String {
     )
 }
 
-/// Status as `status.json` (the VMI object with its status) in each VM's
-/// runtime directory, written atomically.
+/// Status as `/run/kvirt/status/<id>.json` (the VMI object with its
+/// status), written atomically into a directory only root can enter.
 #[derive(Clone, Debug)]
 pub struct FileStatusStore {
     pub host: HostLayout,
@@ -196,8 +197,10 @@ pub struct FileStatusStore {
 
 impl StatusStore for FileStatusStore {
     async fn load(&self, key: &VmKey) -> Option<VirtualMachineInstance> {
-        let path = self.host.vm(key).status_file();
-        let text = tokio::fs::read_to_string(&path).await.ok()?;
+        let path = self.host.vm(key).status_file;
+        let text = tokio::task::spawn_blocking(move || read_status(&path))
+            .await
+            .ok()??;
         VirtualMachineInstance::from_json(&text).ok()
     }
 
@@ -206,7 +209,7 @@ impl StatusStore for FileStatusStore {
             path: PathBuf::new(),
             message: e.to_string(),
         })?;
-        let path = self.host.vm(&key).status_file();
+        let path = self.host.vm(&key).status_file;
         let io = |op| {
             let path = path.clone();
             move |source| SourceError::Io { path, op, source }
@@ -215,6 +218,9 @@ impl StatusStore for FileStatusStore {
         tokio::fs::create_dir_all(dir)
             .await
             .map_err(io("create directory"))?;
+        tokio::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+            .await
+            .map_err(io("chmod"))?;
         let tmp = path.with_extension("json.tmp");
         let json = serde_json::to_vec_pretty(vmi).expect("a VMI serializes");
         tokio::fs::write(&tmp, json).await.map_err(io("write"))?;
@@ -222,15 +228,40 @@ impl StatusStore for FileStatusStore {
     }
 }
 
-/// Every VMI status file under the runtime directory (for `kvirtctl ls`).
+/// A VMI's status is its whole object: far below this, unless a manifest
+/// carries a disk's worth of user data.
+pub const MAX_STATUS_FILE: u64 = 16 << 20;
+
+/// One status file's text; `None` when there is none, or it is not a
+/// regular file of a sane size.
+pub fn read_status(path: &Path) -> Option<String> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(path)
+        .ok()?;
+    if !f.metadata().ok()?.is_file() {
+        return None;
+    }
+    let mut text = String::new();
+    f.take(MAX_STATUS_FILE + 1).read_to_string(&mut text).ok()?;
+    (text.len() as u64 <= MAX_STATUS_FILE).then_some(text)
+}
+
+/// Every standalone VMI's status (for `kvirtctl ls`).
 pub fn read_all_status(host: &HostLayout) -> Vec<VirtualMachineInstance> {
-    let Ok(entries) = std::fs::read_dir(host.vms_runtime_dir()) else {
+    let Ok(entries) = std::fs::read_dir(host.status_dir()) else {
         return vec![];
     };
     let mut vmis: Vec<VirtualMachineInstance> = entries
         .filter_map(|e| {
-            let text = std::fs::read_to_string(e.ok()?.path().join("status.json")).ok()?;
-            VirtualMachineInstance::from_json(&text).ok()
+            let path = e.ok()?.path();
+            if path.extension()? != "json" {
+                return None;
+            }
+            VirtualMachineInstance::from_json(&read_status(&path)?).ok()
         })
         .collect();
     vmis.sort_by(|a, b| {

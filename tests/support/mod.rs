@@ -159,10 +159,7 @@ impl Host {
 
     /// The VM's status file, read through the host's root.
     pub fn status(&self, vm: &str) -> serde_json::Value {
-        let path = format!(
-            "/proc/{}/root/run/kvirt/vms/default_{vm}/status.json",
-            self.pid
-        );
+        let path = format!("/proc/{}/root/run/kvirt/status/default_{vm}.json", self.pid);
         let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
         serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
     }
@@ -171,7 +168,7 @@ impl Host {
         self.wait(
             &format!("{vm} phase {phase}"),
             timeout,
-            &format!("grep -q '\"phase\": \"{phase}\"' /run/kvirt/vms/default_{vm}/status.json"),
+            &format!("grep -q '\"phase\": \"{phase}\"' /run/kvirt/status/default_{vm}.json"),
         );
     }
 

@@ -330,8 +330,9 @@ impl<A: Adapters> Controller<A> {
             .and_then(|v| v.uid())
             .or_else(|| c.obs.unit.as_ref().and_then(|u| u.uid.as_deref()))
             .unwrap_or_default();
-        let pid_file = self.paths(c.id).qemu_pid_file(&self.step_domain(c).name);
-        let spec = MachineSpec::new(c.id, uid, pid_file);
+        let paths = self.paths(c.id);
+        let pid_file = paths.qemu_pid_file(&self.step_domain(c).name);
+        let spec = MachineSpec::new(c.id, uid, paths.runtime_dir, pid_file);
         self.deps
             .machines
             .register(&spec)

@@ -1,0 +1,346 @@
+//! Files below a directory that a VM's user can write, as root reaches them
+//! (libpathrs and crun's `safe_openat` are the model): through the
+//! directory's fd with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)`, so
+//! no planted link, `..` or magic link leads out; never blocking on a FIFO
+//! (`O_NONBLOCK`), only regular files read, and never more than asked;
+//! ownership and modes changed through the fd, never by name.
+
+use nix::errno::Errno;
+use nix::fcntl::{openat2, renameat, OFlag, OpenHow, ResolveFlag, AT_FDCWD};
+use nix::sys::stat::{fchmod, fstat, mkdirat, Mode, SFlag};
+use nix::unistd::{fchown, unlinkat, Gid, Uid, UnlinkatFlags};
+use std::ffi::OsString;
+use std::fs::File;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::{Path, PathBuf};
+
+/// A uid and gid to give what is made or handed over.
+pub type Ids = (u32, u32);
+
+/// An open directory; everything below it is reached through its fd.
+#[derive(Debug)]
+pub struct Beneath {
+    fd: OwnedFd,
+    /// For messages only: nothing is ever opened by this name again.
+    path: PathBuf,
+}
+
+fn how(flags: OFlag) -> OpenHow {
+    OpenHow::new()
+        .flags(flags | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK)
+        .mode(Mode::empty())
+        .resolve(
+            ResolveFlag::RESOLVE_BENEATH
+                | ResolveFlag::RESOLVE_NO_SYMLINKS
+                | ResolveFlag::RESOLVE_NO_MAGICLINKS,
+        )
+}
+
+fn not_regular(what: &Path) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidData,
+        format!("{} is not a regular file", what.display()),
+    )
+}
+
+fn is(fd: impl AsFd, kind: SFlag) -> io::Result<bool> {
+    let st = fstat(fd)?;
+    Ok(SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT == kind)
+}
+
+fn give(fd: impl AsFd, mode: Option<u32>, owner: Option<Ids>) -> io::Result<()> {
+    if let Some((uid, gid)) = owner {
+        fchown(&fd, Some(Uid::from_raw(uid)), Some(Gid::from_raw(gid)))?;
+    }
+    if let Some(m) = mode {
+        fchmod(&fd, Mode::from_bits_truncate(m))?;
+    }
+    Ok(())
+}
+
+impl Beneath {
+    /// Opens `path`, which must be a directory and not a link. Its parents
+    /// are trusted: only root can change them (`/run/kvirt/vms` and the
+    /// like), so a VM's own directory is opened by name here, once.
+    pub fn open(path: &Path) -> io::Result<Self> {
+        let fd = nix::fcntl::open(
+            path,
+            OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC,
+            Mode::empty(),
+        )?;
+        Ok(Self {
+            fd,
+            path: path.to_owned(),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The directory `rel` below this one.
+    pub fn dir(&self, rel: impl AsRef<Path>) -> io::Result<Self> {
+        let rel = rel.as_ref();
+        let fd = openat2(&self.fd, rel, how(OFlag::O_RDONLY | OFlag::O_DIRECTORY))?;
+        Ok(Self {
+            fd,
+            path: self.path.join(rel),
+        })
+    }
+
+    /// The regular file `rel`, opened with `flags` (`O_RDONLY`, `O_RDWR`,
+    /// `O_WRONLY | O_APPEND`...); a FIFO, device, socket or directory there
+    /// is an error, and opening it never blocks.
+    pub fn file(&self, rel: impl AsRef<Path>, flags: OFlag) -> io::Result<File> {
+        let rel = rel.as_ref();
+        let fd = openat2(&self.fd, rel, how(flags))?;
+        if !is(&fd, SFlag::S_IFREG)? {
+            return Err(not_regular(&self.path.join(rel)));
+        }
+        Ok(File::from(fd))
+    }
+
+    /// The whole of the regular file `rel`, refused when larger than `max`.
+    pub fn read(&self, rel: impl AsRef<Path>, max: u64) -> io::Result<Vec<u8>> {
+        let rel = rel.as_ref();
+        let f = self.file(rel, OFlag::O_RDONLY)?;
+        let mut buf = Vec::new();
+        f.take(max + 1).read_to_end(&mut buf)?;
+        if buf.len() as u64 > max {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "{} is larger than {max} bytes",
+                    self.path.join(rel).display()
+                ),
+            ));
+        }
+        Ok(buf)
+    }
+
+    /// The directory `name` (one component), made if missing, with this
+    /// mode and owner whether new or not.
+    pub fn mkdir(&self, name: &str, mode: u32, owner: Option<Ids>) -> io::Result<Self> {
+        one_component(name)?;
+        match mkdirat(&self.fd, name, Mode::from_bits_truncate(0o700)) {
+            Ok(()) | Err(Errno::EEXIST) => {}
+            Err(e) => return Err(e.into()),
+        }
+        let d = self.dir(name)?;
+        give(&d.fd, Some(mode), owner)?;
+        Ok(d)
+    }
+
+    /// Every directory of `rel` below this one, made as [`Beneath::mkdir`].
+    pub fn mkdir_all(
+        &self,
+        rel: impl AsRef<Path>,
+        mode: u32,
+        owner: Option<Ids>,
+    ) -> io::Result<Self> {
+        let mut names = rel.as_ref().components().map(|c| match c {
+            std::path::Component::Normal(n) => n.to_str().ok_or_else(|| bad_name(c.as_os_str())),
+            _ => Err(bad_name(c.as_os_str())),
+        });
+        let Some(first) = names.next() else {
+            return self.dir(".");
+        };
+        let mut d = self.mkdir(first?, mode, owner)?;
+        for n in names {
+            d = d.mkdir(n?, mode, owner)?;
+        }
+        Ok(d)
+    }
+
+    /// Replaces `name` with `data` whole: a new file beside it, then a
+    /// rename, which replaces whatever was planted there (a link included)
+    /// without following it.
+    pub fn write(&self, name: &str, data: &[u8], mode: u32, owner: Option<Ids>) -> io::Result<()> {
+        one_component(name)?;
+        let tmp = format!(".{name}.kvirt-{}", std::process::id());
+        let _ = unlinkat(&self.fd, tmp.as_str(), UnlinkatFlags::NoRemoveDir);
+        let fd = openat2(
+            &self.fd,
+            tmp.as_str(),
+            how(OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL)
+                .mode(Mode::from_bits_truncate(0o600)),
+        )?;
+        let mut f = File::from(fd);
+        let written = f
+            .write_all(data)
+            .and_then(|()| give(&f, Some(mode), owner))
+            .and_then(|()| f.sync_all())
+            .and_then(|()| Ok(renameat(&self.fd, tmp.as_str(), &self.fd, name)?));
+        if written.is_err() {
+            let _ = unlinkat(&self.fd, tmp.as_str(), UnlinkatFlags::NoRemoveDir);
+        }
+        written
+    }
+
+    /// Moves `from` (a file of root's, e.g. in a root-only staging
+    /// directory) to `name` here, replacing what is there.
+    pub fn rename_in(&self, from: &Path, name: &str) -> io::Result<()> {
+        one_component(name)?;
+        Ok(renameat(AT_FDCWD, from, &self.fd, name)?)
+    }
+
+    /// Gives `rel` (a regular file or a directory) this owner and mode.
+    pub fn set(
+        &self,
+        rel: impl AsRef<Path>,
+        mode: Option<u32>,
+        owner: Option<Ids>,
+    ) -> io::Result<()> {
+        let rel = rel.as_ref();
+        let fd = openat2(&self.fd, rel, how(OFlag::O_RDONLY))?;
+        if !(is(&fd, SFlag::S_IFREG)? || is(&fd, SFlag::S_IFDIR)?) {
+            return Err(not_regular(&self.path.join(rel)));
+        }
+        give(&fd, mode, owner)
+    }
+
+    /// Removes the file (or link, or FIFO) `name`; one that is not there is fine.
+    pub fn remove(&self, name: &str) -> io::Result<()> {
+        one_component(name)?;
+        match unlinkat(&self.fd, name, UnlinkatFlags::NoRemoveDir) {
+            Ok(()) | Err(Errno::ENOENT) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// The names in this directory, `.` and `..` left out.
+    pub fn entries(&self) -> io::Result<Vec<OsString>> {
+        use std::os::unix::ffi::OsStrExt;
+        let fd = openat2(&self.fd, ".", how(OFlag::O_RDONLY | OFlag::O_DIRECTORY))?;
+        let mut dir = nix::dir::Dir::from_fd(fd)?;
+        let mut names = Vec::new();
+        for e in dir.iter() {
+            let name = e?.file_name().to_bytes().to_owned();
+            if name != b"." && name != b".." {
+                names.push(std::ffi::OsStr::from_bytes(&name).to_owned());
+            }
+        }
+        names.sort();
+        Ok(names)
+    }
+}
+
+fn bad_name(name: &std::ffi::OsStr) -> io::Error {
+    io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("{name:?} is not a plain file name"),
+    )
+}
+
+fn one_component(name: &str) -> io::Result<()> {
+    if name.is_empty() || name == "." || name == ".." || name.contains('/') {
+        return Err(bad_name(name.as_ref()));
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    fn setup() -> (tempfile::TempDir, Beneath) {
+        let t = tempfile::tempdir().unwrap();
+        let b = Beneath::open(t.path()).unwrap();
+        (t, b)
+    }
+
+    #[test]
+    fn links_out_are_never_followed() {
+        let (t, b) = setup();
+        let outside = tempfile::tempdir().unwrap();
+        let secret = outside.path().join("secret");
+        std::fs::write(&secret, "root's").unwrap();
+        let mode = || std::fs::metadata(&secret).unwrap().permissions().mode();
+        let before = mode();
+        std::os::unix::fs::symlink(&secret, t.path().join("link")).unwrap();
+        std::os::unix::fs::symlink(outside.path(), t.path().join("dirlink")).unwrap();
+        std::fs::create_dir(t.path().join("sub")).unwrap();
+        std::os::unix::fs::symlink("../link", t.path().join("sub/rel")).unwrap();
+
+        assert!(b.read("link", 100).is_err());
+        assert!(b.read("dirlink/secret", 100).is_err());
+        assert!(b.read("sub/rel", 100).is_err());
+        assert!(b.read("../x", 100).is_err());
+        assert!(
+            b.read(&secret, 100).is_err(),
+            "an absolute path is not beneath"
+        );
+        assert!(b.dir("dirlink").is_err());
+        assert!(b.mkdir("dirlink", 0o700, None).is_err());
+        assert!(b.mkdir_all("dirlink/new", 0o700, None).is_err());
+        assert!(!outside.path().join("new").exists());
+        assert!(b.set("link", Some(0o777), None).is_err());
+        assert_eq!(mode(), before, "mode untouched");
+        // Writing over a planted link replaces the link, never its target.
+        b.write("link", b"new", 0o600, None).unwrap();
+        assert_eq!(std::fs::read_to_string(&secret).unwrap(), "root's");
+        assert_eq!(
+            std::fs::read_to_string(t.path().join("link")).unwrap(),
+            "new"
+        );
+        assert!(!t.path().join("link").is_symlink());
+        // Removing a link removes the link.
+        std::os::unix::fs::symlink(&secret, t.path().join("link2")).unwrap();
+        b.remove("link2").unwrap();
+        assert!(secret.exists());
+    }
+
+    #[test]
+    fn fifos_and_devices_are_refused_without_blocking() {
+        let (t, b) = setup();
+        nix::unistd::mkfifo(&t.path().join("fifo"), Mode::from_bits_truncate(0o600)).unwrap();
+        let e = b.read("fifo", 100).unwrap_err();
+        assert!(e.to_string().contains("not a regular file"), "{e}");
+        assert!(b.file("fifo", OFlag::O_RDONLY).is_err());
+        assert!(b.set("fifo", Some(0o600), None).is_err());
+        let dev = Beneath::open(Path::new("/dev")).unwrap();
+        assert!(dev.read("zero", 100).is_err(), "a device is not a file");
+    }
+
+    #[test]
+    fn reads_are_bounded() {
+        let (t, b) = setup();
+        std::fs::write(t.path().join("big"), vec![b'x'; 4096]).unwrap();
+        assert_eq!(b.read("big", 4096).unwrap().len(), 4096);
+        let e = b.read("big", 4095).unwrap_err();
+        assert!(e.to_string().contains("larger than 4095"), "{e}");
+    }
+
+    #[test]
+    fn made_and_written_things_get_their_mode_and_owner() {
+        let (t, b) = setup();
+        let me = (
+            nix::unistd::getuid().as_raw(),
+            nix::unistd::getgid().as_raw(),
+        );
+        let d = b.mkdir_all("a/b/c", 0o711, Some(me)).unwrap();
+        assert_eq!(d.path(), t.path().join("a/b/c"));
+        for p in ["a", "a/b", "a/b/c"] {
+            let m = std::fs::metadata(t.path().join(p)).unwrap();
+            assert_eq!(m.mode() & 0o777, 0o711, "{p}");
+            assert_eq!(m.uid(), me.0);
+        }
+        // Again: fine, and the mode is set again.
+        std::fs::set_permissions(t.path().join("a"), std::fs::Permissions::from_mode(0o777))
+            .unwrap();
+        b.mkdir_all("a/b", 0o700, None).unwrap();
+        assert_eq!(
+            std::fs::metadata(t.path().join("a")).unwrap().mode() & 0o777,
+            0o700
+        );
+        d.write("f", b"data", 0o640, Some(me)).unwrap();
+        let f = t.path().join("a/b/c/f");
+        assert_eq!(std::fs::read(&f).unwrap(), b"data");
+        assert_eq!(std::fs::metadata(&f).unwrap().mode() & 0o777, 0o640);
+        assert_eq!(d.entries().unwrap(), [OsString::from("f")]);
+        assert!(b.mkdir("a/b", 0o700, None).is_err(), "one name only");
+        assert!(b.write("../f", b"", 0o600, None).is_err());
+    }
+}
