@@ -160,8 +160,8 @@ impl<K: Sink> Forwarder<K> {
 mod tests {
     use super::*;
     use crate::host::journal::tests::{field, Recording};
-    use std::path::Path;
     use std::io::Write;
+    use std::path::Path;
 
     fn host(dir: &Path) -> HostLayout {
         HostLayout {

@@ -1,8 +1,15 @@
 //! A VM's directories and disk files on the host.
+//!
+//! A VM's own directories are its user's to write, so root never acts
+//! there by name: each is opened once (its parent is root's) and
+//! everything below it goes through [`Beneath`]. Files root makes for the
+//! VM (overlays, ISOs, copies) are made in a root-only staging directory
+//! and renamed into place.
 
 use crate::core::convert::seed::Seed;
 use crate::core::convert::{Backing, DiskPrep};
 use crate::core::efivars::{self, Kept};
+use crate::host::beneath::{Beneath, Ids};
 use crate::host::hugepages;
 use crate::host::image::ImageDisk;
 
@@ -23,7 +30,8 @@ fn initrd_dest(d: &DiskPrep) -> Option<&Path> {
     }
 }
 use crate::core::layout::{HostLayout, VmPaths};
-use nix::unistd::{chown, Gid, Uid};
+use nix::fcntl::OFlag;
+use nix::unistd::{Gid, Uid};
 use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -121,14 +129,20 @@ fn io(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> StorageEr
 }
 
 impl HostStorage {
+    fn ids(&self) -> Option<Ids> {
+        self.owner.map(|o| (o.uid, o.gid))
+    }
+
+    /// A file of root's (staged, never the VM's) handed to the VM's user.
     fn own(&self, path: &Path) -> Result<(), StorageError> {
         if let Some(o) = self.owner {
-            chown(path, Some(Uid::from_raw(o.uid)), Some(Gid::from_raw(o.gid)))
+            nix::unistd::chown(path, Some(Uid::from_raw(o.uid)), Some(Gid::from_raw(o.gid)))
                 .map_err(|e| io(path, "chown")(e.into()))?;
         }
         Ok(())
     }
 
+    /// A directory on a path only root controls (`/var/lib/kvirt/vms`...).
     fn mkdir(&self, dir: &Path, mode: u32, owned: bool) -> Result<(), StorageError> {
         std::fs::create_dir_all(dir).map_err(io(dir, "create directory"))?;
         std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))
@@ -139,34 +153,91 @@ impl HostStorage {
         Ok(())
     }
 
+    /// The directory holding `path`, a file in one of a VM's own
+    /// directories, reached beneath that directory; and the file's name.
+    fn vm_parent(&self, path: &Path) -> Result<(Beneath, String), StorageError> {
+        let (vm, rel) = self.vm_dir_of(path)?;
+        let name = rel
+            .file_name()
+            .and_then(|n| n.to_str())
+            .ok_or_else(|| StorageError::Disk {
+                path: path.to_owned(),
+                message: "not a file in a VM's own directory".into(),
+            })?;
+        let inner = rel.parent().unwrap_or(Path::new(""));
+        let dir = if inner.as_os_str().is_empty() {
+            vm
+        } else {
+            vm.dir(inner).map_err(io(&vm.path().join(inner), "open"))?
+        };
+        Ok((dir, name.to_owned()))
+    }
+
+    /// The VM directory (state or runtime) holding `path`, and the path
+    /// below it.
+    fn vm_dir_of<'p>(&self, path: &'p Path) -> Result<(Beneath, &'p Path), StorageError> {
+        let refuse = || StorageError::Disk {
+            path: path.to_owned(),
+            message: "not in a VM's own directory".into(),
+        };
+        let base = [self.host.vms_state_dir(), self.host.vms_runtime_dir()]
+            .into_iter()
+            .find(|b| path.starts_with(b))
+            .ok_or_else(refuse)?;
+        let rel = path.strip_prefix(&base).map_err(|_| refuse())?;
+        let mut parts = rel.components();
+        let id = parts.next().ok_or_else(refuse)?;
+        let vm = Beneath::open(&base.join(id)).map_err(io(&base.join(id), "open"))?;
+        Ok((vm, parts.as_path()))
+    }
+
+    /// Moves a staged file of root's to `dest` in a VM's directory,
+    /// replacing whatever is there without following it.
+    fn place(&self, staged: &Path, dest: &Path) -> Result<(), StorageError> {
+        let (dir, name) = self.vm_parent(dest)?;
+        dir.rename_in(staged, &name)
+            .map_err(io(dest, "rename into place"))
+    }
+
     fn create_dirs_blocking(&self, p: &VmPaths) -> Result<(), StorageError> {
         // Parents belong to root and only let owners of a VM's own directory in.
         for parent in [self.host.vms_state_dir(), self.host.vms_runtime_dir()] {
             self.mkdir(&parent, 0o711, false)?;
         }
         self.mkdir(&self.host.qemu_capabilities_dir(), 0o700, true)?;
-        for dir in [&p.state_dir, &p.runtime_dir] {
-            self.mkdir(dir, 0o700, true)?;
-        }
-        for dir in [
-            p.xdg_runtime_dir(),
-            p.xdg_config_dir(),
-            p.xdg_cache_dir(),
-            p.capabilities_mount(),
-            p.disk_dir(),
-        ] {
-            self.mkdir(&dir, 0o700, true)?;
-        }
-        // libvirt creates these itself but as parents of the mount point above.
-        let mut d = p.capabilities_mount();
-        while d.pop() && d != p.xdg_cache_dir() {
-            self.own(&d)?;
-        }
+        let ids = self.ids();
+        let made =
+            |base: &Path, dir: &Path, subdirs: &[PathBuf]| -> Result<Beneath, StorageError> {
+                let name = dir.strip_prefix(base).unwrap_or(dir);
+                let top = Beneath::open(base)
+                    .and_then(|b| b.mkdir(&name.to_string_lossy(), 0o700, ids))
+                    .map_err(io(dir, "create directory"))?;
+                for sub in subdirs {
+                    let rel = sub.strip_prefix(dir).unwrap_or(sub);
+                    top.mkdir_all(rel, 0o700, ids)
+                        .map_err(io(sub, "create directory"))?;
+                }
+                Ok(top)
+            };
+        made(
+            &self.host.vms_runtime_dir(),
+            &p.runtime_dir,
+            &[p.xdg_runtime_dir()],
+        )?;
+        // libvirt makes the rest of its cache itself, but these are the
+        // parents of the capability cache's mount point.
+        let state = made(
+            &self.host.vms_state_dir(),
+            &p.state_dir,
+            &[p.xdg_config_dir(), p.capabilities_mount(), p.disk_dir()],
+        )?;
         let conf = p.qemu_conf();
-        let dir = conf.parent().expect("qemu.conf has a parent");
-        self.mkdir(dir, 0o700, true)?;
-        std::fs::write(&conf, QEMU_CONF).map_err(io(&conf, "write"))?;
-        self.own(&conf)
+        let conf_dir = conf.parent().expect("qemu.conf has a parent");
+        let rel = conf_dir.strip_prefix(&p.state_dir).unwrap_or(conf_dir);
+        state
+            .mkdir_all(rel, 0o700, ids)
+            .and_then(|d| d.write("qemu.conf", QEMU_CONF.as_bytes(), 0o600, ids))
+            .map_err(io(&conf, "write"))
     }
 
     fn prepare_disk_blocking(
@@ -179,11 +250,19 @@ impl HostStorage {
             DiskPrep::CreateQcow2 {
                 path, size_bytes, ..
             } => {
-                if path.exists() {
-                    return Ok(());
+                // An emptyDisk lives as long as the VM's state directory.
+                let (dir, name) = self.vm_parent(path)?;
+                match dir.file(&name, OFlag::O_RDONLY) {
+                    Ok(_) => return Ok(()),
+                    Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                    Err(e) => return Err(io(path, "open")(e)),
                 }
-                qemu_img_create(path, &[], Some(*size_bytes))?;
-                self.own(path)
+                self.staged("disk", |work| {
+                    let tmp = work.join("disk.qcow2");
+                    qemu_img_create(&tmp, &[], Some(*size_bytes))?;
+                    self.own(&tmp)?;
+                    self.place(&tmp, path)
+                })
             }
             DiskPrep::KernelBoot { image, .. } => {
                 for need in disk.image_needs() {
@@ -219,15 +298,13 @@ impl HostStorage {
                     (Backing::HostDisk(base), _) => self.ephemeral_base(base, roots)?,
                 };
                 // A fresh write layer on every start, as KubeVirt's is.
-                match std::fs::remove_file(path) {
-                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                        return Err(io(path, "remove old overlay")(e))
-                    }
-                    _ => {}
-                }
                 let base = base.to_string_lossy();
-                qemu_img_create(path, &["-F", format, "-b", &base], None)?;
-                self.own(path)
+                self.staged("overlay", |work| {
+                    let tmp = work.join("overlay.qcow2");
+                    qemu_img_create(&tmp, &["-F", format, "-b", &base], None)?;
+                    self.own(&tmp)?;
+                    self.place(&tmp, path)
+                })
             }
             DiskPrep::CreateRawIfMissing {
                 path, size_bytes, ..
@@ -274,7 +351,7 @@ impl HostStorage {
 /// ran. The file is the VM user's: it is opened without following links,
 /// must be a regular file of a sane size, and replaces the kept copy only
 /// once whole.
-fn keep_efi_vars(nvram: &Path, kept: &Path) -> Result<(), StorageError> {
+fn keep_efi_vars(state_dir: &Path, nvram: &Path, kept: &Path) -> Result<(), StorageError> {
     use std::os::unix::fs::OpenOptionsExt;
     let active = kept.join(EFI_ACTIVE);
     if !active.exists() {
@@ -284,19 +361,16 @@ fn keep_efi_vars(nvram: &Path, kept: &Path) -> Result<(), StorageError> {
         path: nvram.to_owned(),
         message,
     };
-    match std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(nvram)
-    {
+    let rel = nvram.strip_prefix(state_dir).unwrap_or(nvram);
+    match Beneath::open(state_dir).and_then(|d| d.file(rel, OFlag::O_RDONLY)) {
         // Never started: nothing new to keep.
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(io(nvram, "open")(e)),
         Ok(f) => {
             let meta = f.metadata().map_err(io(nvram, "stat"))?;
-            if !meta.is_file() || meta.len() > MAX_EFI_VARS {
+            if meta.len() > MAX_EFI_VARS {
                 return Err(refuse(format!(
-                    "not a regular file of at most {MAX_EFI_VARS} bytes: EFI variables not kept"
+                    "larger than {MAX_EFI_VARS} bytes: EFI variables not kept"
                 )));
             }
             let tmp = kept.join(format!("{EFI_VARS}.tmp"));
@@ -414,16 +488,10 @@ impl HostStorage {
             std::fs::write(&owner_file, owner).map_err(io(&owner_file, "write"))?;
         }
         if vars.is_file() {
-            let dir = nvram.parent().expect("nvram/ has a parent");
-            let mut d = dir.to_owned();
-            let mut made = Vec::new();
-            while !d.exists() {
-                made.push(d.clone());
-                d.pop();
-            }
-            for d in made.iter().rev() {
-                self.mkdir(d, 0o700, true)?;
-            }
+            let (vm, rel) = self.vm_dir_of(nvram)?;
+            let dir = rel.parent().unwrap_or(Path::new(""));
+            vm.mkdir_all(dir, 0o700, self.ids())
+                .map_err(io(&vm.path().join(dir), "create directory"))?;
             self.place_copy(&vars, nvram)?;
         }
         let active = kept.join(EFI_ACTIVE);
@@ -456,9 +524,9 @@ impl HostStorage {
         self.mkdir(dir.parent().expect("kvirt/ has a parent"), 0o711, false)?;
         self.mkdir(&dir, 0o700, true)?;
         let line = format!("hugetlbfs_mount = {:?}\n", dir.display().to_string());
-        let mut f = std::fs::OpenOptions::new()
-            .append(true)
-            .open(qemu_conf)
+        let (dir, name) = self.vm_parent(qemu_conf)?;
+        let mut f = dir
+            .file(&name, OFlag::O_WRONLY | OFlag::O_APPEND)
             .map_err(io(qemu_conf, "open"))?;
         std::io::Write::write_all(&mut f, line.as_bytes()).map_err(io(qemu_conf, "write"))
     }
@@ -476,7 +544,7 @@ impl HostStorage {
             std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o640))
                 .map_err(io(&tmp, "chmod"))?;
             self.own(&tmp)?;
-            std::fs::rename(&tmp, to).map_err(io(to, "rename into place"))
+            self.place(&tmp, to)
         })
     }
 
@@ -522,7 +590,7 @@ impl HostStorage {
         std::fs::set_permissions(&iso, std::fs::Permissions::from_mode(0o640))
             .map_err(io(&iso, "chmod"))?;
         self.own(&iso)?;
-        std::fs::rename(&iso, path).map_err(io(path, "rename into place"))
+        self.place(&iso, path)
     }
 }
 
@@ -592,8 +660,12 @@ impl Storage for HostStorage {
     }
 
     async fn keep_efi_vars(&self, paths: &VmPaths) -> Result<(), StorageError> {
-        let (nvram, kept) = (paths.nvram(), paths.efi_vars_dir.clone());
-        blocking(move || keep_efi_vars(&nvram, &kept)).await
+        let (state, nvram, kept) = (
+            paths.state_dir.clone(),
+            paths.nvram(),
+            paths.efi_vars_dir.clone(),
+        );
+        blocking(move || keep_efi_vars(&state, &nvram, &kept)).await
     }
 
     async fn kept_efi_vars(&self) -> Result<Vec<Kept>, StorageError> {
@@ -1037,5 +1109,75 @@ mod tests {
             .permissions()
             .mode();
         assert_eq!(mode & 0o777, 0o640);
+    }
+
+    /// What a VM's user can do to its own directories before root next
+    /// acts there: swap a directory for a link out. Nothing root makes,
+    /// writes, copies or reads for the VM then lands outside or is read
+    /// from outside.
+    #[tokio::test]
+    async fn planted_directory_links_never_steer_root() {
+        if !qemu_img() {
+            return;
+        }
+        let (tmp, s, p) = vm_dirs().await;
+        let outside = tmp.path().join("outside");
+        std::fs::create_dir(&outside).unwrap();
+        std::fs::write(outside.join("VARS.fd"), b"root's secret").unwrap();
+        std::fs::write(outside.join("qemu.conf"), b"root's").unwrap();
+        let swap = |dir: &Path| {
+            std::fs::remove_dir_all(dir).unwrap();
+            std::os::unix::fs::symlink(&outside, dir).unwrap();
+        };
+        let listing = || {
+            let mut l: Vec<String> = std::fs::read_dir(&outside)
+                .unwrap()
+                .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+                .collect();
+            l.sort();
+            l
+        };
+        let before = listing();
+
+        swap(&p.disk_dir());
+        let empty = DiskPrep::CreateQcow2 {
+            volume: "e".into(),
+            path: p.empty_disk("e"),
+            size_bytes: 1 << 20,
+        };
+        assert!(s.prepare_disk(&empty, &[], &Pulled::new()).await.is_err());
+        let base = tmp.path().join("base.qcow2");
+        qemu_img_create(&base, &[], Some(1 << 20)).unwrap();
+        let overlay = DiskPrep::Overlay {
+            volume: "o".into(),
+            path: p.overlay("o"),
+            backing: Backing::HostDisk(base.clone()),
+        };
+        assert!(s
+            .prepare_disk(&overlay, &[tmp.path().into()], &Pulled::new())
+            .await
+            .is_err());
+
+        // The libvirt config directory, where qemu.conf and the EFI
+        // variables live.
+        swap(&p.xdg_config_dir());
+        assert!(s.create_dirs(&p).await.is_err());
+        let nvram_dir = p.nvram().parent().unwrap().to_owned();
+        std::fs::remove_file(p.xdg_config_dir()).unwrap();
+        std::fs::create_dir_all(nvram_dir.parent().unwrap()).unwrap();
+        std::os::unix::fs::symlink(&outside, &nvram_dir).unwrap();
+        std::fs::create_dir_all(&p.efi_vars_dir).unwrap();
+        std::fs::write(p.efi_vars_dir.join(EFI_ACTIVE), b"").unwrap();
+        let name = p.nvram().file_name().unwrap().to_owned();
+        std::fs::write(outside.join(&name), b"root's secret").unwrap();
+        assert!(s.keep_efi_vars(&p).await.is_err());
+        assert!(
+            !p.efi_vars_dir.join(EFI_VARS).exists(),
+            "read through a link"
+        );
+        std::fs::remove_file(outside.join(&name)).unwrap();
+
+        assert_eq!(listing(), before, "root wrote outside the VM's directories");
+        assert_eq!(std::fs::read(outside.join("qemu.conf")).unwrap(), b"root's");
     }
 }
