@@ -10,6 +10,7 @@ use kvirt::daemon::config::{Config, Emulation, SourceKind, DEFAULT_PATH};
 use kvirt::daemon::controller::{Adapters, Deps, LogRecorder, Settings};
 use kvirt::daemon::serve::{serve, Sources};
 use kvirt::host::beneath::Beneath;
+use kvirt::host::consolelog;
 use kvirt::host::image::OciImages;
 use kvirt::host::journal::{self, Journal};
 use kvirt::host::libvirt::Libvirt;
@@ -136,17 +137,23 @@ fn init_logging() {
     }
 }
 
-/// Each VM's QEMU log into the journal under its unit, once a second.
-fn forward_qemu_logs(layout: HostLayout) -> Result<()> {
-    let Ok(journal) = Journal::connect() else {
-        warn!("no journal: QEMU logs stay in each VM's cache directory");
-        return Ok(());
+/// Once a second: each VM's QEMU log into the journal under its unit, and
+/// each VM's console log kept to its cap.
+fn tend_vm_logs(layout: HostLayout) -> Result<()> {
+    let fwd = match Journal::connect() {
+        Ok(journal) => Some(Forwarder::new(journal, layout.clone())),
+        Err(_) => {
+            warn!("no journal: QEMU logs stay in each VM's cache directory");
+            None
+        }
     };
-    let fwd = Forwarder::new(journal, layout);
     std::thread::Builder::new()
-        .name("qemu-log".into())
+        .name("vm-logs".into())
         .spawn(move || loop {
-            for e in fwd.pass() {
+            for e in fwd.iter().flat_map(|f| f.pass()) {
+                warn!("{e}");
+            }
+            for e in consolelog::cap_all(&layout, consolelog::MAX_SIZE) {
                 warn!("{e}");
             }
             std::thread::sleep(Duration::from_secs(1));
@@ -262,7 +269,7 @@ async fn run(config: Config) -> Result<()> {
         ),
     };
     let resync = Duration::from_secs(config.source.resync_seconds);
-    forward_qemu_logs(settings.layout.clone())?;
+    tend_vm_logs(settings.layout.clone())?;
     // Metrics are for watching VMs, never a reason not to run them.
     let metrics = match config.metrics.address() {
         Some(addr) => tokio::net::TcpListener::bind(addr)
