@@ -559,3 +559,42 @@ fn efi_variables_are_kept_for_their_virtual_machine_and_go_with_it() {
     );
     a.ok("journalctl -u kvirtd --no-pager | grep -q 'removed the EFI variables kept for VirtualMachine default/k-efi'");
 }
+
+/// A namespace is a tenant: one with no hostDisk roots of its own asking
+/// for a disk under another namespace's root is refused with the reason,
+/// and nothing of it is made on the host (not even the disk's owner
+/// changes).
+#[test]
+fn a_tenant_cannot_use_another_namespaces_host_disk() {
+    let Some((a, _b)) = hosts() else { return };
+    let _g = serial();
+    disk(&[&a], "k-tenant", "run");
+    let owner_before = a.ok("stat -c %u:%g:%a /var/lib/kvirt/images/k-tenant.raw");
+    a.ok("kubectl create namespace tenant-x --dry-run=client -o yaml | kubectl apply -f -");
+    let yaml = vmi_yaml("k-tenant", "kubevirt.io/nodeName: node-a", "")
+        .replace("namespace: default", "namespace: tenant-x");
+    apply(&a, &yaml);
+    a.wait(
+        "k-tenant Failed",
+        WAIT,
+        "[ \"$(kubectl -n tenant-x get vmi k-tenant -o jsonpath='{.status.phase}')\" = Failed ]",
+    );
+    let sync = kubectl(
+        &a,
+        "-n tenant-x get vmi k-tenant -o jsonpath='{.status.conditions[?(@.type==\"Synchronized\")]}'",
+    );
+    assert!(sync.contains("\"status\":\"False\""), "{sync}");
+    assert!(
+        sync.contains("none are granted to namespace tenant-x"),
+        "{sync}"
+    );
+    assert!(a.succeeds(
+        "[ \"$(systemctl show -p LoadState --value kvirt-vm@tenant-x_k-tenant.service)\" = not-found ]
+         [ ! -e /run/netns/kvirt-tenant-x_k-tenant ] && [ ! -e /var/lib/kvirt/vms/tenant-x_k-tenant ]"
+    ));
+    assert_eq!(
+        a.ok("stat -c %u:%g:%a /var/lib/kvirt/images/k-tenant.raw"),
+        owner_before
+    );
+    kubectl(&a, "-n tenant-x delete vmi k-tenant --timeout=60s");
+}

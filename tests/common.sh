@@ -123,6 +123,8 @@ lease_seconds = 8
 efi_vars_check_seconds = 2
 [network]
 subnet = \"$subnet\"
+[storage.host_disk_roots_by_namespace]
+default = [\"/var/lib/kvirt/images\"]
 EOF
 systemctl restart kvirtd" >&2 || {
       th_sh "$host" "journalctl -u kvirtd --no-pager -n 30" >&2 || true

@@ -1,7 +1,7 @@
 //! The loop on the recording fakes: the API conversation with the host,
 //! without root.
 
-use kvirt::core::convert::{DiskPrep, DomainType};
+use kvirt::core::convert::{DiskPrep, DomainType, HostDiskRoots};
 use kvirt::core::key::VmKey;
 use kvirt::core::layout::{DaemonKind, HostLayout};
 use kvirt::core::objects::ObjectRef;
@@ -22,7 +22,7 @@ fn settings() -> Settings {
     Settings {
         node_name: "node-1".into(),
         layout: HostLayout::default(),
-        host_disk_roots: vec!["/var/lib/kvirt/images".into()],
+        host_disk_roots: HostDiskRoots::Host(vec!["/var/lib/kvirt/images".into()]),
         cluster: true,
         daemon: DaemonKind::Virtqemud,
         daemon_path: "/usr/sbin/virtqemud".into(),
@@ -897,5 +897,58 @@ async fn a_vm_torn_down_after_its_virtual_machine_went_leaves_no_efi_variables()
         calls.contains(&"get vm default/vm u9".to_string())
             && calls.last().map(String::as_str) == Some("rmdir /run/kvirt/vms/default_vm1"),
         "{calls:?}"
+    );
+}
+
+/// In a cluster a namespace is a tenant: a hostDisk under another
+/// namespace's root is refused before anything is made, and the owner's
+/// VM is checked against its own roots only.
+#[tokio::test]
+async fn a_tenant_reaches_only_the_host_disk_roots_of_its_namespace() {
+    let host = FakeHost::default();
+    let mut s = settings();
+    s.host_disk_roots =
+        HostDiskRoots::Namespaces(BTreeMap::from([("x".into(), vec!["/srv/x".into()])]));
+    let ctl = Controller::new(host.deps(), s);
+    let with_disk = |ns: &str, name: &str, uid: &str| {
+        let mut v = VirtualMachineInstance::from_yaml(&format!(
+            "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata:\n  name: {name}\n  namespace: {ns}\n  uid: {uid}\nspec:\n  domain:\n    memory: {{guest: 64Mi}}\n    devices: {{}}\n  volumes:\n  - name: d\n    hostDisk: {{path: /srv/x/disk.img, type: Disk}}\n"
+        ))
+        .unwrap();
+        v.spec.domain.devices.disks =
+            serde_json::from_str(r#"[{"name":"d","disk":{"bus":"virtio"}}]"#).unwrap();
+        v
+    };
+    ctl.set_vmis(set(&[
+        with_disk("y", "thief", "u1"),
+        with_disk("x", "owner", "u2"),
+    ]))
+    .await;
+    assert!(ctl.reconcile_all().await.is_empty());
+
+    let thief = host.state().statuses[&VmKey::new("y", "thief").unwrap()].clone();
+    assert_eq!(thief.status.phase, Some(Phase::Failed));
+    let sync = thief
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Synchronized")
+        .unwrap();
+    assert_eq!(sync.status, "False");
+    let why = sync.message.as_deref().unwrap();
+    assert!(why.contains("spec.volumes[0].hostDisk.path"), "{why}");
+    assert!(why.contains("none are granted to namespace y"), "{why}");
+    let touched: Vec<String> = host
+        .take_calls()
+        .into_iter()
+        .filter(|c| c.contains("thief") && !c.starts_with("save"))
+        .collect();
+    assert!(touched.is_empty(), "{touched:?}");
+
+    let owner = host.state().statuses[&VmKey::new("x", "owner").unwrap()].clone();
+    assert_eq!(owner.status.phase, Some(Phase::Running));
+    assert_eq!(
+        host.state().disk_roots[std::path::Path::new("/srv/x/disk.img")],
+        [std::path::PathBuf::from("/srv/x")]
     );
 }

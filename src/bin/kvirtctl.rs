@@ -275,6 +275,7 @@ fn domxml(config: &Config, file: &Path, domain_type: DomainTypeArg) -> Result<()
     let key = vmi.key()?;
     let layout = config.layout();
     let paths = layout.vm(&key);
+    let roots = config.host_disk_roots();
     let ctx = ConvertContext {
         key: &key,
         paths: &paths,
@@ -282,7 +283,7 @@ fn domxml(config: &Config, file: &Path, domain_type: DomainTypeArg) -> Result<()
             DomainTypeArg::Kvm => DomainType::Kvm,
             DomainTypeArg::Qemu => DomainType::Qemu,
         },
-        host_disk_roots: &config.storage.host_disk_roots,
+        host_disk_roots: roots.of(key.namespace()),
         // The XML does not depend on what the objects hold.
         cluster: true,
     };

@@ -205,7 +205,7 @@ fn settings(config: &Config) -> Result<Settings> {
     Ok(Settings {
         node_name: config.node_name.clone(),
         layout: config.layout(),
-        host_disk_roots: config.storage.host_disk_roots.clone(),
+        host_disk_roots: config.host_disk_roots(),
         cluster: config.source.kind == kvirt::daemon::config::SourceKind::Kubernetes,
         daemon,
         daemon_path,

@@ -1,8 +1,10 @@
 //! kvirtd's configuration: `/etc/kvirt/kvirtd.toml`, every field optional,
 //! defaults that run on one host with nothing else installed.
 
+use crate::core::convert::HostDiskRoots;
 use crate::core::layout::{DaemonKind, HostLayout};
 use serde::Deserialize;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 pub const DEFAULT_PATH: &str = "/etc/kvirt/kvirtd.toml";
@@ -174,8 +176,11 @@ pub struct VmConfig {
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct StorageConfig {
-    /// hostDisk paths must lie under one of these.
+    /// Standalone: hostDisk paths must lie under one of these.
     pub host_disk_roots: Vec<PathBuf>,
+    /// In a cluster: the roots each namespace may use; a namespace not
+    /// listed gets no hostDisk at all.
+    pub host_disk_roots_by_namespace: BTreeMap<String, Vec<PathBuf>>,
     /// containerDisk registries (`host:port`) spoken to over plain HTTP;
     /// loopback registries always are.
     pub insecure_registries: Vec<String>,
@@ -219,6 +224,7 @@ impl Default for StorageConfig {
     fn default() -> Self {
         Self {
             host_disk_roots: vec!["/var/lib/kvirt/images".into()],
+            host_disk_roots_by_namespace: BTreeMap::new(),
             insecure_registries: Vec::new(),
         }
     }
@@ -306,6 +312,15 @@ impl Config {
                 )));
             }
         }
+        for (ns, roots) in &self.storage.host_disk_roots_by_namespace {
+            let key = format!("storage.host_disk_roots_by_namespace.{ns}");
+            if crate::core::key::VmKey::new(ns, "x").is_err() {
+                return Err(invalid(format!("{key}: {ns:?} is not a namespace name")));
+            }
+            if let Some(r) = roots.iter().find(|r| !r.is_absolute()) {
+                return Err(invalid(format!("{key}: {} is not absolute", r.display())));
+            }
+        }
         for (name, p) in [
             ("paths.state_dir", &self.paths.state_dir),
             ("paths.runtime_dir", &self.paths.runtime_dir),
@@ -348,6 +363,17 @@ impl Config {
             return Err(invalid("source.resync_seconds must be > 0".into()));
         }
         Ok(self)
+    }
+
+    /// The hostDisk roots VMIs may use: the host's in standalone mode,
+    /// each namespace's own in a cluster.
+    pub fn host_disk_roots(&self) -> HostDiskRoots {
+        match self.source.kind {
+            SourceKind::Directory => HostDiskRoots::Host(self.storage.host_disk_roots.clone()),
+            SourceKind::Kubernetes => {
+                HostDiskRoots::Namespaces(self.storage.host_disk_roots_by_namespace.clone())
+            }
+        }
     }
 
     pub fn layout(&self) -> HostLayout {
@@ -410,6 +436,42 @@ mod tests {
         assert_eq!(c.node_name, "n1");
         assert_eq!(c.source.directory, PathBuf::from("/etc/kvirt/vmis.d"));
         assert_eq!(c.vm.slice, "machine-kvirt.slice");
+    }
+
+    #[test]
+    fn host_disks_are_the_hosts_standalone_and_granted_per_namespace_in_a_cluster() {
+        let text = "[storage]\nhost_disk_roots = [\"/srv/all\"]\n\
+                    [storage.host_disk_roots_by_namespace]\nteam-a = [\"/srv/a\"]\n";
+        let c = Config::parse(text, Path::new("x")).unwrap();
+        let roots = c.host_disk_roots();
+        assert_eq!(roots.of("team-a"), [PathBuf::from("/srv/all")]);
+        assert_eq!(roots.of("other"), [PathBuf::from("/srv/all")]);
+        let c = Config::parse(
+            &format!("{text}[source]\nkind = \"kubernetes\"\n"),
+            Path::new("x"),
+        )
+        .unwrap();
+        let roots = c.host_disk_roots();
+        assert_eq!(roots.of("team-a"), [PathBuf::from("/srv/a")]);
+        assert!(roots.of("other").is_empty(), "off unless granted");
+        assert!(
+            Config::parse("[source]\nkind = \"kubernetes\"", Path::new("x"))
+                .unwrap()
+                .host_disk_roots()
+                .of("default")
+                .is_empty()
+        );
+        for bad in ["Team_A = [\"/srv/a\"]", "team-a = [\"rel\"]"] {
+            let e = Config::parse(
+                &format!("[storage.host_disk_roots_by_namespace]\n{bad}\n"),
+                Path::new("x"),
+            )
+            .unwrap_err();
+            assert!(
+                e.to_string().contains("host_disk_roots_by_namespace"),
+                "{e}"
+            );
+        }
     }
 
     #[test]

@@ -6,7 +6,7 @@
 mod inputs;
 mod steps;
 
-use crate::core::convert::{self, ConvertContext, Converted, DomainType};
+use crate::core::convert::{self, ConvertContext, Converted, DomainType, HostDiskRoots};
 use crate::core::efivars;
 use crate::core::key::{self, VmKey};
 use crate::core::layout::{DaemonKind, HostLayout, VmPaths};
@@ -103,7 +103,7 @@ impl Recorder for LogRecorder {
 pub struct Settings {
     pub node_name: String,
     pub layout: HostLayout,
-    pub host_disk_roots: Vec<PathBuf>,
+    pub host_disk_roots: HostDiskRoots,
     /// VMIs come from a cluster (their volumes may name its objects).
     pub cluster: bool,
     pub daemon: DaemonKind,
@@ -269,7 +269,7 @@ impl<A: Adapters> Controller<A> {
                 key,
                 paths: &paths,
                 domain_type: self.settings.domain_type,
-                host_disk_roots: &self.settings.host_disk_roots,
+                host_disk_roots: self.settings.host_disk_roots.of(key.namespace()),
                 cluster: self.settings.cluster,
             },
         )

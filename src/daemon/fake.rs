@@ -31,6 +31,8 @@ pub struct HostState {
     pub netns: BTreeSet<String>,
     pub dirs: BTreeSet<PathBuf>,
     pub disks: Vec<DiskPrep>,
+    /// The hostDisk roots each disk was prepared with, by its path.
+    pub disk_roots: BTreeMap<PathBuf, Vec<PathBuf>>,
     /// Domains by VM id.
     pub domains: BTreeMap<String, DomainObs>,
     pub statuses: BTreeMap<VmKey, VirtualMachineInstance>,
@@ -376,10 +378,11 @@ impl Storage for FakeHost {
     async fn prepare_disk(
         &self,
         disk: &DiskPrep,
-        _roots: &[PathBuf],
+        roots: &[PathBuf],
         _images: &crate::host::storage::Pulled,
     ) -> Result<(), StorageError> {
         let path = disk.path().to_owned();
+        self.state().disk_roots.insert(path.clone(), roots.to_vec());
         if self.call(format!("disk {}", path.display())) {
             return Err(StorageError::Disk {
                 path,

@@ -577,7 +577,12 @@ fn host_disk_path(
     {
         Some(format!(
             "{raw:?} is not under an allowed hostDisk root ({})",
-            if ctx.host_disk_roots.is_empty() {
+            if ctx.host_disk_roots.is_empty() && ctx.cluster {
+                format!(
+                    "none are granted to namespace {} (storage.host_disk_roots_by_namespace)",
+                    ctx.key.namespace()
+                )
+            } else if ctx.host_disk_roots.is_empty() {
                 "none are configured".to_owned()
             } else {
                 ctx.host_disk_roots

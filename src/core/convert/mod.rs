@@ -68,6 +68,27 @@ impl DomainType {
     }
 }
 
+/// Which hostDisk roots a VMI may use.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum HostDiskRoots {
+    /// Standalone: every VMI is the host's own, and may use all of these.
+    Host(Vec<PathBuf>),
+    /// In a cluster a namespace is a tenant: it may use only the roots
+    /// granted to it (none by default), so no tenant reaches another's
+    /// disks, as KubeVirt keeps hostDisk behind a feature gate.
+    Namespaces(std::collections::BTreeMap<String, Vec<PathBuf>>),
+}
+
+impl HostDiskRoots {
+    /// The roots a VMI of `namespace` may use.
+    pub fn of(&self, namespace: &str) -> &[PathBuf] {
+        match self {
+            Self::Host(roots) => roots,
+            Self::Namespaces(by_ns) => by_ns.get(namespace).map_or(&[], Vec::as_slice),
+        }
+    }
+}
+
 pub struct ConvertContext<'a> {
     pub key: &'a VmKey,
     pub paths: &'a VmPaths,

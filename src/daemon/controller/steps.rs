@@ -129,10 +129,12 @@ impl<A: Adapters> Controller<A> {
     }
 
     async fn prepare_disks(&self, c: &StepCtx<'_>) -> Result<(), ControllerError> {
+        let namespace = c.key.map_or("", |k| k.namespace());
+        let roots = self.settings.host_disk_roots.of(namespace);
         for d in c.disks {
             self.deps
                 .storage
-                .prepare_disk(d, &self.settings.host_disk_roots, c.images)
+                .prepare_disk(d, roots, c.images)
                 .await
                 .map_err(storage_err(c.id))?;
         }
