@@ -10,6 +10,7 @@
 pub mod convert;
 pub mod dhcp;
 pub mod efivars;
+pub mod identity;
 pub mod image;
 pub mod ipam;
 pub mod key;

@@ -8,6 +8,7 @@ pub mod beneath;
 pub mod consolelog;
 pub mod dhcp;
 pub mod hugepages;
+pub mod identity;
 pub mod image;
 pub mod ipam;
 pub mod journal;
