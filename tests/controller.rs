@@ -77,6 +77,7 @@ async fn a_new_vmi_becomes_a_running_vm_in_order() {
         calls,
         vec![
             "hold default/vm1",
+            "identity default_vm1",
             "mkdir /var/lib/kvirt/vms/default_vm1",
             "netns add kvirt-default_vm1",
             "net setup default_vm1",
@@ -194,13 +195,14 @@ async fn a_removed_vmi_is_shut_down_gracefully_then_destroyed() {
         "{calls:?}"
     );
     assert_eq!(
-        calls[calls.len() - 5..],
+        calls[calls.len() - 6..],
         [
             "stop kvirt-vm@default_vm1.service",
             "net teardown default_vm1",
             "netns del kvirt-default_vm1",
             "rmdir /var/lib/kvirt/vms/default_vm1",
             "rmdir /run/kvirt/vms/default_vm1",
+            "identity release default_vm1",
         ]
     );
     // The grace period (2 s, from the unit) was honoured, not more.
@@ -517,10 +519,11 @@ async fn a_container_disk_is_pulled_before_anything_is_made_and_bound_read_only(
         .filter(|c| !c.starts_with("save"))
         .collect();
     assert_eq!(
-        &calls[..4],
+        &calls[..5],
         [
             "hold default/vm1",
             "pull registry.example:5000/disks/guest:1",
+            "identity default_vm1",
             "mkdir /var/lib/kvirt/vms/default_vm1",
             "disk /var/lib/kvirt/vms/default_vm1/disks/root.overlay.qcow2",
         ]
@@ -895,7 +898,7 @@ async fn a_vm_torn_down_after_its_virtual_machine_went_leaves_no_efi_variables()
     let calls = host.take_calls();
     assert!(
         calls.contains(&"get vm default/vm u9".to_string())
-            && calls.last().map(String::as_str) == Some("rmdir /run/kvirt/vms/default_vm1"),
+            && calls.last().map(String::as_str) == Some("identity release default_vm1"),
         "{calls:?}"
     );
 }
@@ -951,4 +954,42 @@ async fn a_tenant_reaches_only_the_host_disk_roots_of_its_namespace() {
         host.state().disk_roots[std::path::Path::new("/srv/x/disk.img")],
         [std::path::PathBuf::from("/srv/x")]
     );
+}
+
+/// Each VM runs as its own identity: its directories, disks, tap and unit
+/// are made for it, no two VMs share one, and it goes with the VM.
+#[tokio::test]
+async fn each_vm_has_an_identity_of_its_own_for_everything_of_it() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    ctl.set_vmis(set(&[with_root_disk("vm1", "u1"), vmi("vm2", "u2", "")]))
+        .await;
+    assert!(ctl.reconcile_all().await.is_empty());
+    let (one, two) = {
+        let s = host.state();
+        (s.identities["default_vm1"], s.identities["default_vm2"])
+    };
+    assert_ne!(one, two);
+    {
+        let s = host.state();
+        for (id, uid) in [("default_vm1", one), ("default_vm2", two)] {
+            let state_dir = std::path::PathBuf::from(format!("/var/lib/kvirt/vms/{id}"));
+            assert_eq!(s.owners[&state_dir], Some((uid, uid)), "{id}");
+            let spec = &s.unit_specs[&format!("kvirt-vm@{id}.service")];
+            let user = spec.properties.iter().find_map(|p| match p {
+                Prop::Str("User", u) => Some(u.clone()),
+                _ => None,
+            });
+            assert_eq!(user, Some(format!("kvirt-vm-{uid}")), "{id}");
+        }
+        assert_eq!(s.tap_owners["default_vm2"], (two, two));
+        let overlay =
+            std::path::Path::new("/var/lib/kvirt/vms/default_vm1/disks/root.overlay.qcow2");
+        assert_eq!(s.owners[overlay], Some((one, one)));
+    }
+
+    ctl.set_vmis(set(&[vmi("vm2", "u2", "")])).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert!(!host.state().identities.contains_key("default_vm1"));
+    assert_eq!(host.state().identities["default_vm2"], two);
 }

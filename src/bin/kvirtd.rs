@@ -11,6 +11,7 @@ use kvirt::daemon::controller::{Adapters, Deps, LogRecorder, Settings};
 use kvirt::daemon::serve::{serve, Sources};
 use kvirt::host::beneath::Beneath;
 use kvirt::host::consolelog;
+use kvirt::host::identity::{HostUsers, IdentityStore};
 use kvirt::host::image::OciImages;
 use kvirt::host::journal::{self, Journal};
 use kvirt::host::libvirt::Libvirt;
@@ -18,7 +19,7 @@ use kvirt::host::machined::Machined;
 use kvirt::host::netns::KernelNetns;
 use kvirt::host::network::{HostNetwork, NetworkSettings};
 use kvirt::host::qemulog::Forwarder;
-use kvirt::host::storage::{HostStorage, Owner};
+use kvirt::host::storage::HostStorage;
 use kvirt::host::systemd::SystemdBus;
 use kvirt::sources::cluster;
 use kvirt::sources::manifest::{self, FileStatusStore};
@@ -26,6 +27,7 @@ use kvirt::sources::{Recorder, StatusStore};
 use std::marker::PhantomData;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
 use tracing::{error, info, warn};
@@ -161,6 +163,9 @@ fn tend_vm_logs(layout: HostLayout) -> Result<()> {
     Ok(())
 }
 
+/// systemd's drop-in user records (`nss-systemd` serves them).
+const USERDB: &str = "/run/userdb";
+
 /// sysexits.h: configuration error.
 const EX_CONFIG: i32 = 78;
 
@@ -220,12 +225,6 @@ fn settings(config: &Config) -> Result<Settings> {
 
 async fn run(config: Config) -> Result<()> {
     let settings = settings(&config)?;
-    let owner = Owner::lookup(&config.vm.user).with_context(|| {
-        format!(
-            "the VM user {:?} must exist (installed by kvirt's sysusers.d file)",
-            config.vm.user
-        )
-    })?;
     info!(
         node = %settings.node_name,
         daemon = ?settings.daemon,
@@ -253,16 +252,23 @@ async fn run(config: Config) -> Result<()> {
         .context("connecting to systemd over D-Bus")?;
     systemd.watch(unit_tx).await.context("watching units")?;
     let machines = Machined::new(systemd.connection());
-    let network = host_network(&config, &settings, owner)?;
+    let network = host_network(&config, &settings)?;
+    let (identities, dropped) = IdentityStore::open(
+        settings.layout.state_dir.join("identities.json"),
+        USERDB.into(),
+        config.vm.identities,
+    )
+    .context("VM identities")?;
+    for d in dropped {
+        warn!("{d}");
+    }
     let host = Host {
         units: systemd,
         network,
         hypervisor: Libvirt::new(lv_tx),
         machines,
-        storage: HostStorage {
-            host: settings.layout.clone(),
-            owner: Some(owner),
-        },
+        storage: HostStorage::new(settings.layout.clone()),
+        users: HostUsers(Arc::new(identities)),
         images: OciImages::new(
             settings.layout.images_dir(),
             config.storage.insecure_registries.clone(),
@@ -379,7 +385,7 @@ fn migrate_status(layout: &HostLayout) {
 }
 
 /// The host's VM network: bridge, egress NAT and the persisted leases.
-fn host_network(config: &Config, settings: &Settings, owner: Owner) -> Result<HostNetwork> {
+fn host_network(config: &Config, settings: &Settings) -> Result<HostNetwork> {
     let n = &config.network;
     let dns = if n.dns.is_empty() {
         // systemd-resolved's stub (127.0.0.53) is unreachable from a guest;
@@ -398,8 +404,6 @@ fn host_network(config: &Config, settings: &Settings, owner: Owner) -> Result<Ho
         dns,
         dhcp_lease_secs: n.dhcp_lease_seconds,
         netns_dir: kvirt::host::netns::NETNS_DIR.into(),
-        tap_uid: owner.uid,
-        tap_gid: owner.gid,
     };
     let leases = settings.layout.state_dir.join("network/leases.json");
     let (network, dropped) =
@@ -418,6 +422,7 @@ struct Host {
     storage: HostStorage,
     machines: Machined,
     images: OciImages,
+    users: HostUsers,
 }
 
 impl Host {
@@ -434,6 +439,7 @@ impl Host {
             recorder,
             machines: self.machines,
             images: self.images,
+            users: self.users,
         }
     }
 }
@@ -449,6 +455,7 @@ impl<St: StatusStore, R: Recorder> Adapters for Real<St, R> {
     type Storage = HostStorage;
     type Machines = Machined;
     type Images = OciImages;
+    type Users = HostUsers;
     type Status = St;
     type Recorder = R;
 }

@@ -74,6 +74,8 @@ pub struct Observed {
     pub domain: Option<DomainObs>,
     /// Registered with systemd-machined; None where machined is absent.
     pub machine: Option<bool>,
+    /// The VM has an identity (a uid of its own) allocated.
+    pub identity: bool,
 }
 
 impl Observed {
@@ -85,6 +87,7 @@ impl Observed {
             && !self.network
             && self.domain.is_none()
             && self.machine != Some(true)
+            && !self.identity
     }
 
     fn uid(&self) -> Option<&str> {
@@ -115,6 +118,8 @@ pub struct Desired {
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Step {
+    /// The VM's own uid and gid, which its files, tap and unit use.
+    AcquireIdentity,
     CreateDirs,
     PrepareDisks,
     CreateNetns,
@@ -137,6 +142,8 @@ pub enum Step {
     DeleteNetns,
     RemoveStateDir,
     RemoveRuntimeDir,
+    /// Once nothing of the VM is left that its identity owns.
+    ReleaseIdentity,
 }
 
 impl Step {
@@ -144,7 +151,8 @@ impl Step {
     pub fn creates(&self) -> bool {
         matches!(
             self,
-            Step::CreateDirs
+            Step::AcquireIdentity
+                | Step::CreateDirs
                 | Step::PrepareDisks
                 | Step::CreateNetns
                 | Step::SetupNetwork
@@ -218,6 +226,11 @@ fn teardown(obs: &Observed, grace: Duration, keep_runtime: bool) -> Vec<Step> {
     if obs.runtime_dir && !keep_runtime {
         steps.push(Step::RemoveRuntimeDir);
     }
+    // A finished VMI keeps its runtime directory (its user's) readable:
+    // the number stays taken until that goes too.
+    if obs.identity && !keep_runtime {
+        steps.push(Step::ReleaseIdentity);
+    }
     steps
 }
 
@@ -266,7 +279,7 @@ pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
                 Outcome::Failed("the VM's unit disappeared".into()),
             );
         }
-        let mut steps = vec![Step::CreateDirs, Step::PrepareDisks];
+        let mut steps = vec![Step::AcquireIdentity, Step::CreateDirs, Step::PrepareDisks];
         if !obs.netns {
             steps.push(Step::CreateNetns);
         }
@@ -369,6 +382,7 @@ mod tests {
             network: true,
             domain: dom(state),
             machine: None,
+            identity: true,
         }
     }
 
@@ -404,6 +418,7 @@ mod tests {
                 Some(desired(None)),
                 Observed::default(),
                 vec![
+                    AcquireIdentity,
                     CreateDirs,
                     PrepareDisks,
                     CreateNetns,
@@ -476,7 +491,18 @@ mod tests {
                     DeleteNetns,
                     RemoveStateDir,
                     RemoveRuntimeDir,
+                    ReleaseIdentity,
                 ],
+                Outcome::Unchanged,
+            ),
+            (
+                "VMI removed, only its identity left (a crash after releasing the rest)",
+                None,
+                Observed {
+                    identity: true,
+                    ..Observed::default()
+                },
+                vec![ReleaseIdentity],
                 Outcome::Unchanged,
             ),
             (

@@ -2,6 +2,11 @@
 //! defaults that run on one host with nothing else installed.
 
 use crate::core::convert::HostDiskRoots;
+use crate::core::identity::IdRange;
+
+/// 0x70000000 and the 64Ki above: in the range systemd leaves unused,
+/// clear of system, login, dynamic and container users.
+const DEFAULT_IDENTITIES: (u32, u32) = (1_879_048_192, 1_879_113_727);
 use crate::core::layout::{DaemonKind, HostLayout};
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -163,8 +168,10 @@ pub enum DaemonChoice {
 #[derive(Clone, Debug, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct VmConfig {
-    /// Unprivileged user (and group) every VM's daemon and QEMU run as.
+    /// kvirt's own unprivileged user (sysusers.d): owns nothing of a VM.
     pub user: String,
+    /// The numbers each VM's own user and group come from.
+    pub identities: IdRange,
     pub slice: String,
     pub daemon: DaemonChoice,
     pub emulation: Emulation,
@@ -211,6 +218,8 @@ impl Default for VmConfig {
     fn default() -> Self {
         Self {
             user: "kvirt".into(),
+            identities: IdRange::new(DEFAULT_IDENTITIES.0, DEFAULT_IDENTITIES.1)
+                .expect("the default range is valid"),
             slice: "machine-kvirt.slice".into(),
             daemon: DaemonChoice::Auto,
             emulation: Emulation::Auto,

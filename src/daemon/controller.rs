@@ -15,6 +15,7 @@ use crate::core::status;
 use crate::core::trigger::Trigger;
 use crate::core::vmi::{Phase, VirtualMachineInstance};
 use crate::daemon::metrics::{Adoption, Metrics};
+use crate::host::identity::{IdentityStoreError, VmUsers};
 use crate::host::image::{ImageError, Images};
 use crate::host::journal;
 use crate::host::libvirt::{DomainRef, Hypervisor, LibvirtError};
@@ -57,6 +58,11 @@ pub enum ControllerError {
     Objects { id: String, message: String },
     #[error("VM {id}: teardown incomplete: {}", errors.join("; "))]
     Teardown { id: String, errors: Vec<String> },
+    #[error("VM {id}: identity: {source}")]
+    Identity {
+        id: String,
+        source: IdentityStoreError,
+    },
 }
 
 impl ControllerError {
@@ -73,6 +79,7 @@ impl ControllerError {
             ControllerError::Image { .. } => "image",
             ControllerError::Objects { .. } => "objects",
             ControllerError::Teardown { .. } => "teardown",
+            ControllerError::Identity { .. } => "identity",
         }
     }
 }
@@ -128,6 +135,7 @@ pub trait Adapters: 'static {
     type Storage: Storage;
     type Machines: Machines;
     type Images: Images;
+    type Users: VmUsers;
     type Status: StatusStore;
     type Recorder: Recorder;
 }
@@ -142,6 +150,7 @@ pub struct Deps<A: Adapters> {
     pub recorder: A::Recorder,
     pub machines: A::Machines,
     pub images: A::Images,
+    pub users: A::Users,
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -249,6 +258,7 @@ impl<A: Adapters> Controller<A> {
         }
         ids.extend(self.deps.storage.list_ids().await);
         ids.extend(self.deps.network.ids());
+        ids.extend(self.deps.users.ids());
         let mut ids: Vec<String> = ids.into_iter().collect();
         ids.sort();
         ids
@@ -318,6 +328,7 @@ impl<A: Adapters> Controller<A> {
             runtime_dir: self.deps.storage.exists(&paths.runtime_dir).await,
             domain: None,
             unit,
+            identity: self.deps.users.uid_of(id).is_some(),
         };
         if let Some(u) = obs
             .unit

@@ -12,11 +12,12 @@ use crate::core::pullsecret::Credentials;
 use crate::core::unit::{Prop, UnitSpec, ENV_GRACE, ENV_NAME, ENV_NAMESPACE, ENV_UID};
 use crate::core::vmi::VirtualMachineInstance;
 use crate::daemon::controller::{Adapters, Deps};
+use crate::host::identity::{IdentityStoreError, VmUsers};
 use crate::host::image::{ImageDisk, ImageError, Images, Progress};
 use crate::host::libvirt::{DomainRef, Hypervisor, LibvirtError};
 use crate::host::machined::{MachineSpec, MachinedError, Machines};
 use crate::host::netns::{Netns, NetnsError};
-use crate::host::storage::{Storage, StorageError};
+use crate::host::storage::{Owner, Storage, StorageError};
 use crate::host::systemd::{SystemdError, Units};
 use crate::sources::{EventReason, Recorder, SourceError, StatusStore};
 use std::collections::{BTreeMap, BTreeSet};
@@ -33,6 +34,13 @@ pub struct HostState {
     pub disks: Vec<DiskPrep>,
     /// The hostDisk roots each disk was prepared with, by its path.
     pub disk_roots: BTreeMap<PathBuf, Vec<PathBuf>>,
+    /// Whose each directory and disk was made for (uid, gid), by path; and
+    /// each VM's tap, by VM id.
+    pub owners: BTreeMap<PathBuf, Option<(u32, u32)>>,
+    pub tap_owners: BTreeMap<String, (u32, u32)>,
+    /// VM identities, by VM id; the next number to hand out.
+    pub identities: BTreeMap<String, u32>,
+    pub next_identity: u32,
     /// Domains by VM id.
     pub domains: BTreeMap<String, DomainObs>,
     pub statuses: BTreeMap<VmKey, VirtualMachineInstance>,
@@ -78,6 +86,7 @@ impl Adapters for FakeHost {
     type Storage = FakeHost;
     type Machines = FakeHost;
     type Images = FakeHost;
+    type Users = FakeHost;
     type Status = FakeHost;
     type Recorder = FakeHost;
 }
@@ -99,6 +108,7 @@ impl FakeHost {
             recorder: self.clone(),
             machines: self.clone(),
             images: self.clone(),
+            users: self.clone(),
         }
     }
 
@@ -367,9 +377,12 @@ impl Hypervisor for FakeHost {
 }
 
 impl Storage for FakeHost {
-    async fn create_dirs(&self, paths: &VmPaths) -> Result<(), StorageError> {
+    async fn create_dirs(&self, paths: &VmPaths, owner: Option<Owner>) -> Result<(), StorageError> {
         self.call(format!("mkdir {}", paths.state_dir.display()));
         let mut s = self.state();
+        for d in [&paths.state_dir, &paths.runtime_dir] {
+            s.owners.insert(d.clone(), owner.map(|o| (o.uid, o.gid)));
+        }
         s.dirs.insert(paths.state_dir.clone());
         s.dirs.insert(paths.runtime_dir.clone());
         Ok(())
@@ -380,9 +393,13 @@ impl Storage for FakeHost {
         disk: &DiskPrep,
         roots: &[PathBuf],
         _images: &crate::host::storage::Pulled,
+        owner: Option<Owner>,
     ) -> Result<(), StorageError> {
         let path = disk.path().to_owned();
-        self.state().disk_roots.insert(path.clone(), roots.to_vec());
+        let mut s = self.state();
+        s.disk_roots.insert(path.clone(), roots.to_vec());
+        s.owners.insert(path.clone(), owner.map(|o| (o.uid, o.gid)));
+        drop(s);
         if self.call(format!("disk {}", path.display())) {
             return Err(StorageError::Disk {
                 path,
@@ -533,7 +550,9 @@ impl crate::host::network::Network for FakeHost {
         _uid: &str,
         _hostname: &str,
         _net: &crate::core::convert::network::NetSpec,
+        tap_owner: (u32, u32),
     ) -> Result<std::net::Ipv4Addr, crate::host::network::NetworkError> {
+        self.state().tap_owners.insert(id.into(), tap_owner);
         if self.call(format!("net setup {id}")) {
             return Err(crate::host::network::NetworkError::Vm {
                 id: id.into(),
@@ -573,5 +592,36 @@ impl crate::host::network::Network for FakeHost {
 
     fn ids(&self) -> Vec<String> {
         self.state().addresses.keys().cloned().collect()
+    }
+}
+
+/// Identities from 100000 up, one per VM, never reused while held.
+impl VmUsers for FakeHost {
+    async fn acquire(&self, id: &str, _vm: &str) -> Result<u32, IdentityStoreError> {
+        if self.call(format!("identity {id}")) {
+            return Err(IdentityStoreError::Missing);
+        }
+        let mut s = self.state();
+        if let Some(uid) = s.identities.get(id) {
+            return Ok(*uid);
+        }
+        let uid = 100_000 + s.next_identity;
+        s.next_identity += 1;
+        s.identities.insert(id.into(), uid);
+        Ok(uid)
+    }
+
+    async fn release(&self, id: &str) -> Result<(), IdentityStoreError> {
+        self.call(format!("identity release {id}"));
+        self.state().identities.remove(id);
+        Ok(())
+    }
+
+    fn uid_of(&self, id: &str) -> Option<u32> {
+        self.state().identities.get(id).copied()
+    }
+
+    fn ids(&self) -> Vec<String> {
+        self.state().identities.keys().cloned().collect()
     }
 }

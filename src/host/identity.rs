@@ -25,6 +25,63 @@ pub enum IdentityStoreError {
     },
     #[error("VM {id}: {source}")]
     Allocate { id: String, source: IdentityError },
+    #[error("the VM has no identity (made by an older kvirt?)")]
+    Missing,
+}
+
+/// The users VMs run as, as the loop sees them: one per VM, acquired before
+/// anything of the VM is made, released once nothing of it is left.
+pub trait VmUsers: Send + Sync + 'static {
+    /// VM `id`'s uid (its gid is the same number), allocated and resolvable
+    /// before this returns; `vm` names the VM in its user record.
+    fn acquire(
+        &self,
+        id: &str,
+        vm: &str,
+    ) -> impl std::future::Future<Output = Result<u32, IdentityStoreError>> + Send;
+    fn release(
+        &self,
+        id: &str,
+    ) -> impl std::future::Future<Output = Result<(), IdentityStoreError>> + Send;
+    fn uid_of(&self, id: &str) -> Option<u32>;
+    /// Ids holding an identity (for cleaning up after VMIs that are gone).
+    fn ids(&self) -> Vec<String>;
+}
+
+/// The real [`VmUsers`]: an [`IdentityStore`], on the blocking pool.
+#[derive(Clone, Debug)]
+pub struct HostUsers(pub std::sync::Arc<IdentityStore>);
+
+impl VmUsers for HostUsers {
+    async fn acquire(&self, id: &str, vm: &str) -> Result<u32, IdentityStoreError> {
+        let (store, id, vm) = (self.0.clone(), id.to_owned(), vm.to_owned());
+        tokio::task::spawn_blocking(move || store.acquire(&id, &vm))
+            .await
+            .map_err(|e| thread_died(e.to_string()))?
+    }
+
+    async fn release(&self, id: &str) -> Result<(), IdentityStoreError> {
+        let (store, id) = (self.0.clone(), id.to_owned());
+        tokio::task::spawn_blocking(move || store.release(&id).map(drop))
+            .await
+            .map_err(|e| thread_died(e.to_string()))?
+    }
+
+    fn uid_of(&self, id: &str) -> Option<u32> {
+        self.0.get(id)
+    }
+
+    fn ids(&self) -> Vec<String> {
+        self.0.ids()
+    }
+}
+
+fn thread_died(message: String) -> IdentityStoreError {
+    IdentityStoreError::Io {
+        path: PathBuf::new(),
+        op: "worker thread",
+        source: std::io::Error::other(message),
+    }
 }
 
 fn io(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> IdentityStoreError {

@@ -357,12 +357,14 @@ pub fn veth_exists(host_veth: &str) -> bool {
 pub trait Network: Send + Sync + 'static {
     /// Leases the VM's address and makes its network (idempotent); returns
     /// the address (the VMI's `ipAddress`, as KubeVirt reports the pod IP).
+    /// `tap_owner` is the VM's identity (uid, gid): QEMU opens the tap.
     fn setup(
         &self,
         id: &str,
         uid: &str,
         hostname: &str,
         net: &NetSpec,
+        tap_owner: (u32, u32),
     ) -> impl std::future::Future<Output = Result<Ipv4Addr, NetworkError>> + Send;
     /// Re-attaches what lives in kvirtd itself (the DHCP server) to a
     /// running VM, e.g. after a restart; a no-op when attached.
@@ -391,8 +393,6 @@ pub struct NetworkSettings {
     pub dns: Vec<Ipv4Addr>,
     pub dhcp_lease_secs: u32,
     pub netns_dir: PathBuf,
-    pub tap_uid: u32,
-    pub tap_gid: u32,
 }
 
 pub struct HostNetwork {
@@ -488,6 +488,7 @@ impl Network for HostNetwork {
         uid: &str,
         hostname: &str,
         net: &NetSpec,
+        tap_owner: (u32, u32),
     ) -> Result<Ipv4Addr, NetworkError> {
         let ipam = self.ipam.clone();
         let (i, u) = (id.to_owned(), uid.to_owned());
@@ -506,8 +507,8 @@ impl Network for HostNetwork {
             mtu: self.settings.mtu,
             vm_gateway: net.vm_gateway(),
             vm_prefix: net.vm_cidr.1,
-            tap_uid: self.settings.tap_uid,
-            tap_gid: self.settings.tap_gid,
+            tap_uid: tap_owner.0,
+            tap_gid: tap_owner.1,
         };
         blocking(id, move || setup_vm(&vm).map_err(|e| e.to_string())).await?;
         let guest = rules::Guest {

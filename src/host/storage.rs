@@ -72,9 +72,14 @@ impl Owner {
     }
 }
 
+/// What a VM's files are made for: `owner` is the VM's identity (`None`
+/// keeps them the caller's, for tests without root).
 pub trait Storage: Send + Sync + 'static {
-    fn create_dirs(&self, paths: &VmPaths)
-        -> impl Future<Output = Result<(), StorageError>> + Send;
+    fn create_dirs(
+        &self,
+        paths: &VmPaths,
+        owner: Option<Owner>,
+    ) -> impl Future<Output = Result<(), StorageError>> + Send;
     /// Creates or checks one disk; `roots` re-checks hostDisks after
     /// symlinks; `images` has the files pulled for it, by `ImageNeed` key.
     fn prepare_disk(
@@ -82,6 +87,7 @@ pub trait Storage: Send + Sync + 'static {
         disk: &DiskPrep,
         roots: &[PathBuf],
         images: &Pulled,
+        owner: Option<Owner>,
     ) -> impl Future<Output = Result<(), StorageError>> + Send;
     fn remove_dir(&self, dir: &Path) -> impl Future<Output = Result<(), StorageError>> + Send;
     /// Removes VM `id`'s directories on the host's hugetlbfs mounts.
@@ -119,8 +125,9 @@ const QEMU_CONF: &str = "# Written by kvirtd for this VM only.\nstdio_handler = 
 #[derive(Clone, Debug)]
 pub struct HostStorage {
     pub host: HostLayout,
-    /// `None` keeps files owned by the caller (tests without root).
-    pub owner: Option<Owner>,
+    /// Whose the files are that this instance makes: set per VM by
+    /// [`HostStorage::for_vm`].
+    owner: Option<Owner>,
 }
 
 fn io(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> StorageError {
@@ -129,6 +136,18 @@ fn io(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> StorageEr
 }
 
 impl HostStorage {
+    pub fn new(host: HostLayout) -> Self {
+        Self { host, owner: None }
+    }
+
+    /// This storage, making files for the VM whose identity is `owner`.
+    fn for_vm(&self, owner: Option<Owner>) -> Self {
+        Self {
+            host: self.host.clone(),
+            owner,
+        }
+    }
+
     fn ids(&self) -> Option<Ids> {
         self.owner.map(|o| (o.uid, o.gid))
     }
@@ -635,8 +654,8 @@ async fn blocking<T: Send + 'static>(
 }
 
 impl Storage for HostStorage {
-    async fn create_dirs(&self, paths: &VmPaths) -> Result<(), StorageError> {
-        let (this, p) = (self.clone(), paths.clone());
+    async fn create_dirs(&self, paths: &VmPaths, owner: Option<Owner>) -> Result<(), StorageError> {
+        let (this, p) = (self.for_vm(owner), paths.clone());
         blocking(move || this.create_dirs_blocking(&p)).await
     }
 
@@ -645,8 +664,14 @@ impl Storage for HostStorage {
         disk: &DiskPrep,
         roots: &[PathBuf],
         images: &Pulled,
+        owner: Option<Owner>,
     ) -> Result<(), StorageError> {
-        let (this, d, r, i) = (self.clone(), disk.clone(), roots.to_vec(), images.clone());
+        let (this, d, r, i) = (
+            self.for_vm(owner),
+            disk.clone(),
+            roots.to_vec(),
+            images.clone(),
+        );
         blocking(move || this.prepare_disk_blocking(&d, &r, &i)).await
     }
 
@@ -734,19 +759,16 @@ mod tests {
         let tmp = tempfile::tempdir().unwrap();
         let s = storage(tmp.path());
         let p = s.host.vm(&VmKey::new("ns", "vm").unwrap());
-        s.create_dirs(&p).await.unwrap();
+        s.create_dirs(&p, None).await.unwrap();
         (tmp, s, p)
     }
 
     fn storage(root: &Path) -> HostStorage {
-        HostStorage {
-            host: HostLayout {
-                state_dir: root.join("lib"),
-                runtime_dir: root.join("run"),
-                cache_dir: root.join("cache"),
-            },
-            owner: None,
-        }
+        HostStorage::new(HostLayout {
+            state_dir: root.join("lib"),
+            runtime_dir: root.join("run"),
+            cache_dir: root.join("cache"),
+        })
     }
 
     #[tokio::test]
@@ -759,7 +781,7 @@ mod tests {
         };
         let kept = p.efi_vars_dir.join(EFI_VARS);
         // First run: nothing kept yet, libvirt makes the file from its template.
-        s.prepare_disk(&prep("vm A"), &[], &Pulled::new())
+        s.prepare_disk(&prep("vm A"), &[], &Pulled::new(), None)
             .await
             .unwrap();
         assert!(!p.nvram().exists());
@@ -777,7 +799,7 @@ mod tests {
         std::fs::write(&victim, b"untouched").unwrap();
         std::fs::remove_file(p.nvram()).unwrap();
         std::os::unix::fs::symlink(&victim, p.nvram()).unwrap();
-        s.prepare_disk(&prep("vm A"), &[], &Pulled::new())
+        s.prepare_disk(&prep("vm A"), &[], &Pulled::new(), None)
             .await
             .unwrap();
         assert_eq!(std::fs::read(p.nvram()).unwrap(), b"vars of run 1");
@@ -793,7 +815,7 @@ mod tests {
 
         // Another owner (the VM made anew): the firmware starts afresh.
         std::fs::remove_file(p.nvram()).unwrap();
-        s.prepare_disk(&prep("vm B"), &[], &Pulled::new())
+        s.prepare_disk(&prep("vm B"), &[], &Pulled::new(), None)
             .await
             .unwrap();
         assert!(!kept.exists() && !p.nvram().exists());
@@ -809,7 +831,9 @@ mod tests {
             nvram: p.nvram(),
             kept_dir: p.efi_vars_dir.clone(),
         };
-        s.prepare_disk(&prep, &[], &Pulled::new()).await.unwrap();
+        s.prepare_disk(&prep, &[], &Pulled::new(), None)
+            .await
+            .unwrap();
         let listed = |active| {
             vec![Kept {
                 id: "ns_vm".into(),
@@ -864,7 +888,9 @@ mod tests {
             path: iso.clone(),
             seed,
         };
-        s.prepare_disk(&prep, &[], &Pulled::new()).await.unwrap();
+        s.prepare_disk(&prep, &[], &Pulled::new(), None)
+            .await
+            .unwrap();
         assert_eq!(std::fs::read(&victim).unwrap(), b"untouched");
         let bytes = std::fs::read(&iso).unwrap();
         // ISO 9660: the primary volume descriptor at sector 16 names it.
@@ -874,7 +900,9 @@ mod tests {
         assert!(text.contains("echo KVIRT-SEED"));
         assert!(text.contains("user-data"), "Rock Ridge/Joliet long names");
         // Again (a restart): replaced in place, no staging left behind.
-        s.prepare_disk(&prep, &[], &Pulled::new()).await.unwrap();
+        s.prepare_disk(&prep, &[], &Pulled::new(), None)
+            .await
+            .unwrap();
         let staging = s.host.state_dir.join(".staging");
         assert_eq!(std::fs::read_dir(staging).unwrap().count(), 0);
     }
@@ -898,6 +926,7 @@ mod tests {
                 },
                 &roots,
                 &Pulled::new(),
+                None,
             )
             .await
             .unwrap_err();
@@ -912,6 +941,7 @@ mod tests {
             },
             &roots,
             &Pulled::new(),
+            None,
         )
         .await
         .unwrap();
@@ -925,6 +955,7 @@ mod tests {
                 },
                 &roots,
                 &Pulled::new(),
+                None,
             )
             .await
             .unwrap_err();
@@ -983,7 +1014,7 @@ mod tests {
             },
         };
         let err = s
-            .prepare_disk(&prep, &[], &Pulled::new())
+            .prepare_disk(&prep, &[], &Pulled::new(), None)
             .await
             .unwrap_err();
         assert!(err.to_string().contains("not in the image cache"), "{err}");
@@ -993,7 +1024,7 @@ mod tests {
             root: base.parent().unwrap().to_owned(),
             digest: "sha256:0".into(),
         };
-        s.prepare_disk(&prep, &[], &root_pulled(&disk))
+        s.prepare_disk(&prep, &[], &root_pulled(&disk), None)
             .await
             .unwrap();
         assert_eq!(
@@ -1002,7 +1033,7 @@ mod tests {
         );
         // What the guest wrote is gone at the next start.
         std::fs::write(&overlay, b"guest data").unwrap();
-        s.prepare_disk(&prep, &[], &root_pulled(&disk))
+        s.prepare_disk(&prep, &[], &root_pulled(&disk), None)
             .await
             .unwrap();
         assert_eq!(backing_of(&overlay).1, "raw");
@@ -1024,7 +1055,7 @@ mod tests {
         };
         let roots = vec![root.clone()];
         let missing = s
-            .prepare_disk(&prep(&root.join("none.img")), &roots, &Pulled::new())
+            .prepare_disk(&prep(&root.join("none.img")), &roots, &Pulled::new(), None)
             .await
             .unwrap_err();
         assert!(missing.to_string().contains("does not exist"), "{missing}");
@@ -1049,14 +1080,14 @@ mod tests {
             .unwrap();
         assert!(out.success());
         let err = s
-            .prepare_disk(&prep(&sneaky), &roots, &Pulled::new())
+            .prepare_disk(&prep(&sneaky), &roots, &Pulled::new(), None)
             .await
             .unwrap_err();
         assert!(err.to_string().contains("backing file"), "{err}");
 
         let good = root.join("base.qcow2");
         qemu_img_create(&good, &[], Some(1 << 20)).unwrap();
-        s.prepare_disk(&prep(&good), &roots, &Pulled::new())
+        s.prepare_disk(&prep(&good), &roots, &Pulled::new(), None)
             .await
             .unwrap();
         assert_eq!(
@@ -1086,7 +1117,7 @@ mod tests {
             initrd: None,
         };
         let err = s
-            .prepare_disk(&prep, &[], &Pulled::new())
+            .prepare_disk(&prep, &[], &Pulled::new(), None)
             .await
             .unwrap_err();
         assert!(err.to_string().contains("not in the image cache"), "{err}");
@@ -1101,7 +1132,7 @@ mod tests {
         )]
         .into_iter()
         .collect();
-        s.prepare_disk(&prep, &[], &pulled).await.unwrap();
+        s.prepare_disk(&prep, &[], &pulled, None).await.unwrap();
         assert_eq!(std::fs::read(&victim).unwrap(), b"untouched");
         assert_eq!(std::fs::read(p.kernel_file()).unwrap(), b"kernel bytes");
         let mode = std::fs::symlink_metadata(p.kernel_file())
@@ -1145,7 +1176,10 @@ mod tests {
             path: p.empty_disk("e"),
             size_bytes: 1 << 20,
         };
-        assert!(s.prepare_disk(&empty, &[], &Pulled::new()).await.is_err());
+        assert!(s
+            .prepare_disk(&empty, &[], &Pulled::new(), None)
+            .await
+            .is_err());
         let base = tmp.path().join("base.qcow2");
         qemu_img_create(&base, &[], Some(1 << 20)).unwrap();
         let overlay = DiskPrep::Overlay {
@@ -1154,14 +1188,14 @@ mod tests {
             backing: Backing::HostDisk(base.clone()),
         };
         assert!(s
-            .prepare_disk(&overlay, &[tmp.path().into()], &Pulled::new())
+            .prepare_disk(&overlay, &[tmp.path().into()], &Pulled::new(), None)
             .await
             .is_err());
 
         // The libvirt config directory, where qemu.conf and the EFI
         // variables live.
         swap(&p.xdg_config_dir());
-        assert!(s.create_dirs(&p).await.is_err());
+        assert!(s.create_dirs(&p, None).await.is_err());
         let nvram_dir = p.nvram().parent().unwrap().to_owned();
         std::fs::remove_file(p.xdg_config_dir()).unwrap();
         std::fs::create_dir_all(nvram_dir.parent().unwrap()).unwrap();

@@ -21,7 +21,7 @@ TH_HOST_PKGS=(debootstrap systemd-container busybox-static cpio dosfstools mtool
 TH_ROOTFS_PKGS=(systemd systemd-sysv dbus libpam-systemd libvirt-daemon
   libvirt-daemon-driver-qemu libvirt-clients qemu-system-x86 qemu-utils seabios
   ipxe-qemu iproute2 nftables busybox-static procps socat util-linux kmod
-  ca-certificates systemd-container xorriso docker-registry ovmf)
+  ca-certificates systemd-container xorriso docker-registry ovmf libnss-systemd)
 
 # Units that fail or only make noise in an nspawn container.
 TH_ROOTFS_MASK=(systemd-modules-load.service apt-daily.timer apt-daily-upgrade.timer

@@ -4,16 +4,18 @@
 
 use super::{Adapters, Controller, ControllerError};
 use crate::core::convert::{Backing, Converted, DiskPrep};
+use crate::core::identity;
 use crate::core::key::{self, VmKey};
 use crate::core::plan::{self, DomainState, Observed, Step};
 use crate::core::unit::{self, UnitInput};
 use crate::core::vmi::VirtualMachineInstance;
+use crate::host::identity::{IdentityStoreError, VmUsers};
 use crate::host::image::ImageDisk;
 use crate::host::libvirt::{DomainRef, Hypervisor};
 use crate::host::machined::{MachineSpec, Machines};
 use crate::host::netns::{Netns, NetnsError};
 use crate::host::network::Network;
-use crate::host::storage::{Storage, StorageError};
+use crate::host::storage::{Owner, Storage, StorageError};
 use crate::host::systemd::{SystemdError, Units};
 use crate::sources::{EventReason, Recorder};
 use std::collections::BTreeMap;
@@ -53,6 +55,8 @@ impl<A: Adapters> Controller<A> {
         c: &StepCtx<'_>,
     ) -> Result<(), ControllerError> {
         match step {
+            Step::AcquireIdentity => self.acquire_identity(c).await,
+            Step::ReleaseIdentity => self.release_identity(c.id).await,
             Step::CreateDirs => self.create_dirs(c.id).await,
             Step::PrepareDisks => self.prepare_disks(c).await,
             Step::RemoveStateDir => self.remove_state_dir(c.id).await,
@@ -86,13 +90,17 @@ impl<A: Adapters> Controller<A> {
                     runtime_dir: false,
                     domain: None,
                     machine: None,
+                    identity: false,
                 }
             }
         };
+        // The runtime directory and the identity stay with the VMI (its
+        // log says why it failed); they go when the VMI does.
         let p = plan::plan(
             None,
             &Observed {
                 runtime_dir: false,
+                identity: false,
                 ..obs
             },
         );
@@ -120,21 +128,48 @@ impl<A: Adapters> Controller<A> {
         }
     }
 
-    // The VM's files.
+    // Its identity.
+
+    async fn acquire_identity(&self, c: &StepCtx<'_>) -> Result<(), ControllerError> {
+        let vm = c.key.map_or_else(|| c.id.to_owned(), |k| k.to_string());
+        let users = &self.deps.users;
+        users
+            .acquire(c.id, &vm)
+            .await
+            .map(drop)
+            .map_err(identity_err(c.id))
+    }
+
+    async fn release_identity(&self, id: &str) -> Result<(), ControllerError> {
+        self.deps.users.release(id).await.map_err(identity_err(id))
+    }
+
+    /// The VM's own uid and gid, which everything of it is made for.
+    fn owner(&self, id: &str) -> Option<Owner> {
+        let uid = self.deps.users.uid_of(id)?;
+        Some(Owner { uid, gid: uid })
+    }
+
+    // Its files.
 
     async fn create_dirs(&self, id: &str) -> Result<(), ControllerError> {
         let paths = self.paths(id);
+        let owner = self.owner(id).ok_or_else(|| no_identity(id))?;
         let storage = &self.deps.storage;
-        storage.create_dirs(&paths).await.map_err(storage_err(id))
+        storage
+            .create_dirs(&paths, Some(owner))
+            .await
+            .map_err(storage_err(id))
     }
 
     async fn prepare_disks(&self, c: &StepCtx<'_>) -> Result<(), ControllerError> {
         let namespace = c.key.map_or("", |k| k.namespace());
         let roots = self.settings.host_disk_roots.of(namespace);
+        let owner = self.owner(c.id).ok_or_else(|| no_identity(c.id))?;
         for d in c.disks {
             self.deps
                 .storage
-                .prepare_disk(d, roots, c.images)
+                .prepare_disk(d, roots, c.images, Some(owner))
                 .await
                 .map_err(storage_err(c.id))?;
         }
@@ -184,9 +219,16 @@ impl<A: Adapters> Controller<A> {
         let (Some(net), Some(v)) = (&c.converted().network, c.vmi) else {
             return Ok(());
         };
+        let owner = self.owner(c.id).ok_or_else(|| no_identity(c.id))?;
         self.deps
             .network
-            .setup(c.id, c.uid(), &super::hostname(v), net)
+            .setup(
+                c.id,
+                c.uid(),
+                &super::hostname(v),
+                net,
+                (owner.uid, owner.gid),
+            )
             .await
             .map(|_| ())
             .map_err(|source| ControllerError::Network { source })
@@ -214,6 +256,7 @@ impl<A: Adapters> Controller<A> {
         let conv = c.converted();
         let key = c.key.expect("a converted VMI has a key");
         let paths = self.paths(c.id);
+        let user = identity::user_name(self.owner(c.id).ok_or_else(|| no_identity(c.id))?.uid);
         let spec = unit::unit_spec(&UnitInput {
             key,
             uid: c.uid(),
@@ -221,7 +264,7 @@ impl<A: Adapters> Controller<A> {
             host: &self.settings.layout,
             daemon: self.settings.daemon,
             daemon_path: self.settings.daemon_path.clone(),
-            user: &self.settings.user,
+            user: &user,
             slice: &self.settings.slice,
             memory_max_bytes: conv.resources.cgroup_memory_bytes() + self.settings.overhead_bytes,
             cpu_weight: unit::cpu_weight(conv.resources.cpu_request_millis),
@@ -390,6 +433,20 @@ fn storage_err(id: &str) -> impl FnOnce(StorageError) -> ControllerError + '_ {
 
 fn netns_err(id: &str) -> impl FnOnce(NetnsError) -> ControllerError + '_ {
     move |source| ControllerError::Netns {
+        id: id.into(),
+        source,
+    }
+}
+
+fn no_identity(id: &str) -> ControllerError {
+    ControllerError::Identity {
+        id: id.into(),
+        source: IdentityStoreError::Missing,
+    }
+}
+
+fn identity_err(id: &str) -> impl FnOnce(IdentityStoreError) -> ControllerError + '_ {
+    move |source| ControllerError::Identity {
         id: id.into(),
         source,
     }
