@@ -214,7 +214,10 @@ metadata: {name: k-vm-sa}
     let mode = a.ok(&format!(
         "stat -c '%a %U' {iso} /var/lib/kvirt/vms/default_k-config/disks/app-secret.iso"
     ));
-    assert_eq!(mode, "640 kvirt\n640 kvirt");
+    // ...of the VM's own identity.
+    let user = a.ok("systemctl show -p User --value kvirt-vm@default_k-config");
+    assert!(user.starts_with("kvirt-vm-"), "{user}");
+    assert_eq!(mode, format!("640 {user}\n640 {user}"));
     a.ok("! journalctl -u kvirtd | grep -q s3cr3t-pw");
     delete(&a, "k-config");
     assert!(host_clean(&a, "k-config"));

@@ -11,6 +11,7 @@ use kvirt::core::unit::Prop;
 use kvirt::core::vmi::{Phase, VirtualMachineInstance};
 use kvirt::daemon::controller::{Controller, Settings};
 use kvirt::daemon::fake::FakeHost;
+use kvirt::host::storage::Owner;
 use kvirt::sources::EventReason;
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -28,6 +29,7 @@ fn settings() -> Settings {
         daemon_path: "/usr/sbin/virtqemud".into(),
         domain_type: DomainType::Qemu,
         user: "kvirt".into(),
+        probe_owner: Some(Owner { uid: 999, gid: 999 }),
         slice: "machine-kvirt.slice".into(),
         overhead_bytes: 256 << 20,
         tasks_max: 1024,
@@ -195,13 +197,14 @@ async fn a_removed_vmi_is_shut_down_gracefully_then_destroyed() {
         "{calls:?}"
     );
     assert_eq!(
-        calls[calls.len() - 6..],
+        calls[calls.len() - 7..],
         [
             "stop kvirt-vm@default_vm1.service",
             "net teardown default_vm1",
             "netns del kvirt-default_vm1",
             "rmdir /var/lib/kvirt/vms/default_vm1",
             "rmdir /run/kvirt/vms/default_vm1",
+            "revoke 100000",
             "identity release default_vm1",
         ]
     );
@@ -992,4 +995,33 @@ async fn each_vm_has_an_identity_of_its_own_for_everything_of_it() {
     ctl.reconcile("default_vm1").await.unwrap();
     assert!(!host.state().identities.contains_key("default_vm1"));
     assert_eq!(host.state().identities["default_vm2"], two);
+}
+
+/// kvirt's own daemon probes QEMU as kvirt's user, then goes: a daemon
+/// left by a kvirtd that died mid-probe is stopped first.
+#[tokio::test]
+async fn the_capability_probe_runs_as_kvirt_and_stops() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    ctl.refresh_capabilities().await.unwrap();
+    let calls = host.take_calls();
+    assert_eq!(
+        calls,
+        [
+            "mkdir probe 999",
+            "stop kvirt-probe.service",
+            "start kvirt-probe.service",
+            "probe qemu:///session?socket=/run/kvirt/probe/libvirt/virtqemud-sock",
+            "stop kvirt-probe.service",
+        ]
+    );
+    let spec = host.state().unit_specs["kvirt-probe.service"].clone();
+    assert!(spec.properties.contains(&Prop::Str("User", "kvirt".into())));
+    // A failed probe still stops the daemon, and says why.
+    host.fail("probe");
+    assert!(ctl.refresh_capabilities().await.is_err());
+    assert_eq!(
+        host.take_calls().last().map(String::as_str),
+        Some("stop kvirt-probe.service")
+    );
 }

@@ -245,6 +245,8 @@ fn the_rpm_carries_the_same_files_and_declares_its_dependencies() {
         "iproute2",
         "xorriso",
         "libvirt0",
+        // Each VM's user is a userdb record, which nss-systemd serves.
+        "libnss-systemd",
     ] {
         assert!(deps.contains(dep), "{dep} not in Depends: {deps}");
     }

@@ -64,8 +64,14 @@ fn a_manifest_becomes_a_running_vm_that_survives_kvirtd_restarts() {
     );
     assert_eq!(st["guestOSInfo"]["id"], "kvirt-test", "{st}");
     assert!(st["guestOSInfo"]["kernelRelease"].is_string(), "{st}");
-    // QEMU's capability probe landed in the cache every VM shares.
-    h.ok("ls /var/cache/kvirt/qemu-capabilities/*.xml");
+    // QEMU's capabilities, probed by kvirt's own daemon as kvirt's user
+    // (no VM runs as it); each VM starts from a copy of its own.
+    h.wait(
+        "the capability probe",
+        Duration::from_secs(60),
+        "ls /var/cache/kvirt/probe/cache/libvirt/qemu/cache/capabilities/*.xml",
+    );
+    h.ok("ls /var/lib/kvirt/vms/default_alpha/cache/libvirt/qemu/cache/capabilities/*.xml");
     h.console_shows("alpha", "KVIRT-GUEST");
     let node = h.ok("hostname");
     assert_eq!(h.status("alpha")["status"]["nodeName"], node.as_str());
@@ -524,9 +530,11 @@ spec:
     );
     h.wait_phase("kb1", "Running", BOOT);
     h.serial_log_shows("kb1", "KVIRT-GUEST-READY");
+    let user = h.ok("systemctl show -p User --value kvirt-vm@default_kb1");
+    assert!(user.starts_with("kvirt-vm-"), "{user}");
     assert_eq!(
         h.ok("stat -c '%U %a' /var/lib/kvirt/vms/default_kb1/disks/kernel"),
-        "kvirt 640"
+        format!("{user} 640")
     );
     assert_eq!(h.ok("ls /var/cache/kvirt/images/sha256 | wc -l"), "2");
 

@@ -19,7 +19,7 @@ use kvirt::host::machined::Machined;
 use kvirt::host::netns::KernelNetns;
 use kvirt::host::network::{HostNetwork, NetworkSettings};
 use kvirt::host::qemulog::Forwarder;
-use kvirt::host::storage::HostStorage;
+use kvirt::host::storage::{HostStorage, Owner};
 use kvirt::host::systemd::SystemdBus;
 use kvirt::sources::cluster;
 use kvirt::sources::manifest::{self, FileStatusStore};
@@ -216,6 +216,9 @@ fn settings(config: &Config) -> Result<Settings> {
         daemon_path,
         domain_type,
         user: config.vm.user.clone(),
+        probe_owner: Owner::lookup(&config.vm.user)
+            .inspect_err(|e| warn!("{e}: no capability probe, each new VM probes QEMU itself"))
+            .ok(),
         slice: config.vm.slice.clone(),
         overhead_bytes: config.vm.overhead_mib << 20,
         tasks_max: config.vm.tasks_max,

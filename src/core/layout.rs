@@ -3,6 +3,10 @@
 use crate::core::key::VmKey;
 use std::path::{Path, PathBuf};
 
+/// Where session libvirt keeps its QEMU capability cache, below
+/// `$XDG_CACHE_HOME`.
+const CAPABILITIES: &str = "libvirt/qemu/cache/capabilities";
+
 /// The status file's name in a VM's runtime directory before 0.2.
 pub const LEGACY_STATUS: &str = "status.json";
 
@@ -68,10 +72,35 @@ impl HostLayout {
         self.cache_dir.join("images")
     }
 
-    /// QEMU capability cache shared by every VM's daemon: the first define on
-    /// a fresh daemon probes QEMU for ~0.5 s, later ones reuse this.
-    pub fn qemu_capabilities_dir(&self) -> PathBuf {
-        self.cache_dir.join("qemu-capabilities")
+    /// kvirt's own libvirt daemon that probes QEMU once (as kvirt's user,
+    /// which no VM runs as): its config and cache...
+    pub fn probe_dir(&self) -> PathBuf {
+        self.cache_dir.join("probe")
+    }
+
+    /// ...its socket...
+    pub fn probe_runtime_dir(&self) -> PathBuf {
+        self.runtime_dir.join("probe")
+    }
+
+    pub fn probe_uri(&self, daemon: DaemonKind) -> String {
+        let socket = self
+            .probe_runtime_dir()
+            .join("libvirt")
+            .join(daemon.socket_name());
+        format!("qemu:///session?socket={}", socket.display())
+    }
+
+    /// ...and the capability cache it leaves, which each VM starts from (a
+    /// copy of its own): a fresh daemon would probe QEMU for ~0.5 s.
+    pub fn probe_capabilities_dir(&self) -> PathBuf {
+        self.probe_dir().join("cache").join(CAPABILITIES)
+    }
+
+    /// Which hostDisks each VM identity was given (POSIX ACL entries), by
+    /// uid: taken back when the identity goes.
+    pub fn grants_dir(&self) -> PathBuf {
+        self.state_dir.join("grants")
     }
 
     /// EFI variables kept for VMs that ask for them (`efi.persistent`),
@@ -142,10 +171,9 @@ impl VmPaths {
         self.state_dir.join("cache")
     }
 
-    /// Where the shared capability cache is bound into this VM's cache
-    /// (session libvirt keeps it under `$XDG_CACHE_HOME/libvirt/qemu/cache`).
-    pub fn capabilities_mount(&self) -> PathBuf {
-        self.xdg_cache_dir().join("libvirt/qemu/cache/capabilities")
+    /// The VM's own capability cache, started from the probe's.
+    pub fn capabilities_dir(&self) -> PathBuf {
+        self.xdg_cache_dir().join(CAPABILITIES)
     }
 
     pub fn libvirt_socket(&self, daemon: DaemonKind) -> PathBuf {

@@ -7,6 +7,7 @@
 //! systemd unit) → `plan` (steps from desired and observed state) →
 //! `status` (what the VMI reports), with `phase` the transition table.
 
+pub mod acl;
 pub mod convert;
 pub mod dhcp;
 pub mod efivars;

@@ -81,6 +81,8 @@ pub struct UnitInput<'a> {
     /// Files and directories QEMU only reads: containerDisk images in the
     /// image cache, ephemeral bases.
     pub extra_ro_paths: Vec<PathBuf>,
+    /// The hostDisk roots, hidden but for the VM's own disks in them.
+    pub hidden_roots: Vec<PathBuf>,
 }
 
 /// systemd's CPUWeight for a Kubernetes CPU request: 1 CPU = the default
@@ -105,6 +107,19 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
     ];
     let mut rw = vec![s(&p.state_dir), s(&p.runtime_dir)];
     rw.extend(i.extra_rw_paths.iter().map(|x| s(x)));
+    // The VM's own directories, and its hostDisks, bound over the tmpfs
+    // that hides every other VM's and every other disk under the roots.
+    let mut binds = vec![
+        (s(&p.state_dir), s(&p.state_dir)),
+        (s(&p.runtime_dir), s(&p.runtime_dir)),
+    ];
+    binds.extend(i.extra_rw_paths.iter().map(|x| (s(x), s(x))));
+    let mut hidden = vec![
+        (s(&i.host.vms_state_dir()), "ro".to_owned()),
+        (s(&i.host.vms_runtime_dir()), "ro".to_owned()),
+        (s(&i.host.cache_dir), "ro".to_owned()),
+    ];
+    hidden.extend(i.hidden_roots.iter().map(|r| (s(r), "ro".to_owned())));
 
     let mut properties = vec![
         Prop::Str("Description", format!("kvirt VM {}", i.key)),
@@ -116,8 +131,11 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
         // start job completing means the socket is there.
         Prop::Str("Type", "notify".into()),
         Prop::Str("NotifyAccess", "main".into()),
+        // The VM's own identity: no other VM's process can signal, trace
+        // or read it, and its files are its own (no group shares them).
         Prop::Str("User", i.user.into()),
         Prop::Str("Group", i.user.into()),
+        Prop::U32("UMask", 0o077),
         Prop::Strs("Environment", env),
         Prop::Str(
             "NetworkNamespacePath",
@@ -128,11 +146,34 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
         Prop::U64("MemoryMax", i.memory_max_bytes),
         Prop::U64("CPUWeight", i.cpu_weight),
         Prop::U64("TasksMax", i.tasks_max),
-        Prop::U32("UMask", 0o007),
         // kvirtd shuts the guest down first; this only bounds a stuck daemon.
         Prop::U64("TimeoutStopUSec", 30_000_000),
-        // Sandboxing: the VM sees its own directories and nothing of other
-        // VMs; the daemon and QEMU need no privileges at all.
+    ];
+    properties.extend(sandbox());
+    properties.extend([
+        Prop::TmpFs("TemporaryFileSystem", hidden),
+        Prop::Binds("BindPaths", binds),
+        Prop::Strs("ReadWritePaths", rw),
+    ]);
+    if !i.extra_ro_paths.is_empty() {
+        // Bound over the tmpfs that hides the image cache: the VM sees its
+        // own images and no others.
+        properties.push(Prop::Binds(
+            "BindReadOnlyPaths",
+            i.extra_ro_paths.iter().map(|x| (s(x), s(x))).collect(),
+        ));
+    }
+    UnitSpec {
+        name: i.key.unit_name(),
+        properties,
+    }
+}
+
+/// What every unit that runs libvirt and QEMU for kvirt keeps out:
+/// privileges, kernel knobs, foreign ABIs, and devices other than KVM's
+/// and the tun driver's.
+fn sandbox() -> Vec<Prop> {
+    vec![
         Prop::Bool("NoNewPrivileges", true),
         Prop::U64("CapabilityBoundingSet", 0),
         Prop::Str("ProtectSystem", "strict".into()),
@@ -149,9 +190,12 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
         Prop::Bool("LockPersonality", true),
         // No namespaces of its own (session libvirt makes none), no foreign
         // ABIs, only the sockets libvirt and QEMU use. Not here:
-        // MemoryDenyWriteExecute (QEMU's TCG writes the code it runs) and
+        // MemoryDenyWriteExecute (QEMU's TCG writes the code it runs),
         // ProtectProc=invisible (libvirt reads its client's /proc entry to
-        // identify kvirtd).
+        // identify kvirtd: root's connection fails, "Cannot find start
+        // time for pid") and PrivatePIDs= (libvirt as its PID 1 leaves
+        // QEMU zombies: a define or destroy then waits 40 s), both measured
+        // with systemd 257 and libvirt 11.3.
         Prop::U64("RestrictNamespaces", 0),
         Prop::Strs("SystemCallArchitectures", vec!["native".into()]),
         Prop::AllowList(
@@ -174,37 +218,65 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
                 ("/dev/net/tun".into(), "rw".into()),
             ],
         ),
+    ]
+}
+
+/// The unit of kvirt's capability probe.
+pub const PROBE_UNIT: &str = "kvirt-probe.service";
+
+/// What the probe's unit needs to know.
+#[derive(Clone, Debug)]
+pub struct ProbeInput<'a> {
+    pub host: &'a HostLayout,
+    pub daemon_path: PathBuf,
+    /// kvirt's own user, which no VM runs as: what it leaves no VM wrote.
+    pub user: &'a str,
+    pub slice: &'a str,
+}
+
+/// kvirt's own libvirt daemon, run once per kvirtd start to probe QEMU,
+/// so each VM starts from a capability cache that no VM wrote. It sees no
+/// VM and has no network.
+pub fn probe_spec(i: &ProbeInput) -> UnitSpec {
+    let s = |v: &std::path::Path| v.display().to_string();
+    let (dir, run) = (i.host.probe_dir(), i.host.probe_runtime_dir());
+    let mut properties = vec![
+        Prop::Str("Description", "kvirt QEMU capability probe".into()),
+        Prop::Exec(
+            "ExecStart",
+            vec![s(&i.daemon_path), "--timeout".into(), "0".into()],
+        ),
+        Prop::Str("Type", "notify".into()),
+        Prop::Str("NotifyAccess", "main".into()),
+        Prop::Str("User", i.user.into()),
+        Prop::Str("Group", i.user.into()),
+        Prop::U32("UMask", 0o077),
+        Prop::Strs(
+            "Environment",
+            vec![
+                format!("XDG_RUNTIME_DIR={}", s(&run)),
+                format!("XDG_CONFIG_HOME={}", s(&dir.join("config"))),
+                format!("XDG_CACHE_HOME={}", s(&dir.join("cache"))),
+                format!("HOME={}", s(&dir)),
+            ],
+        ),
+        Prop::Str("Slice", i.slice.into()),
+        Prop::Str("CollectMode", "inactive-or-failed".into()),
+        Prop::Bool("PrivateNetwork", true),
+    ];
+    properties.extend(sandbox());
+    properties.extend([
         Prop::TmpFs(
             "TemporaryFileSystem",
             vec![
                 (s(&i.host.vms_state_dir()), "ro".into()),
                 (s(&i.host.vms_runtime_dir()), "ro".into()),
-                (s(&i.host.cache_dir), "ro".into()),
             ],
         ),
-        Prop::Binds(
-            "BindPaths",
-            vec![
-                (s(&p.state_dir), s(&p.state_dir)),
-                (s(&p.runtime_dir), s(&p.runtime_dir)),
-                (
-                    s(&i.host.qemu_capabilities_dir()),
-                    s(&p.capabilities_mount()),
-                ),
-            ],
-        ),
-        Prop::Strs("ReadWritePaths", rw),
-    ];
-    if !i.extra_ro_paths.is_empty() {
-        // Bound over the tmpfs that hides the image cache: the VM sees its
-        // own images and no others.
-        properties.push(Prop::Binds(
-            "BindReadOnlyPaths",
-            i.extra_ro_paths.iter().map(|x| (s(x), s(x))).collect(),
-        ));
-    }
+        Prop::Strs("ReadWritePaths", vec![s(&dir), s(&run)]),
+    ]);
     UnitSpec {
-        name: i.key.unit_name(),
+        name: PROBE_UNIT.into(),
         properties,
     }
 }
@@ -229,6 +301,7 @@ mod tests {
             grace_seconds: 30,
             extra_rw_paths: vec!["/var/lib/kvirt/images/a.img".into()],
             extra_ro_paths: vec![],
+            hidden_roots: vec!["/var/lib/kvirt/images".into(), "/srv/vms".into()],
         }
     }
 
@@ -280,14 +353,20 @@ mod tests {
         };
         assert!(hidden.contains(&("/var/lib/kvirt/vms".into(), "ro".into())));
         assert!(hidden.contains(&("/run/kvirt/vms".into(), "ro".into())));
+        // Every hostDisk root is hidden; the VM's own disk is bound in.
+        assert!(hidden.contains(&("/var/lib/kvirt/images".into(), "ro".into())));
+        assert!(hidden.contains(&("/srv/vms".into(), "ro".into())));
         let Prop::Binds(_, binds) = find(&u, "BindPaths") else {
             panic!()
         };
         assert!(binds.iter().all(|(src, _)| !src.contains("vm2")));
         assert!(binds.contains(&(
-            "/var/cache/kvirt/qemu-capabilities".into(),
-            "/var/lib/kvirt/vms/default_vm1/cache/libvirt/qemu/cache/capabilities".into()
+            "/var/lib/kvirt/images/a.img".into(),
+            "/var/lib/kvirt/images/a.img".into()
         )));
+        // Nothing is shared with other VMs: no capability cache, no group.
+        assert!(binds.iter().all(|(src, _)| !src.starts_with("/var/cache")));
+        assert_eq!(find(&u, "UMask"), &Prop::U32("UMask", 0o077));
         assert_eq!(
             find(&u, "CapabilityBoundingSet"),
             &Prop::U64("CapabilityBoundingSet", 0)
@@ -313,6 +392,35 @@ mod tests {
         assert_eq!(
             find(&u, "BindReadOnlyPaths"),
             &Prop::Binds("BindReadOnlyPaths", vec![(image.into(), image.into())])
+        );
+    }
+
+    #[test]
+    fn the_probe_runs_as_kvirt_and_sees_no_vm() {
+        let host = HostLayout::default();
+        let u = probe_spec(&ProbeInput {
+            host: &host,
+            daemon_path: "/usr/sbin/virtqemud".into(),
+            user: "kvirt",
+            slice: "machine-kvirt.slice",
+        });
+        assert_eq!(u.name, PROBE_UNIT);
+        assert_eq!(find(&u, "User"), &Prop::Str("User", "kvirt".into()));
+        assert_eq!(
+            find(&u, "PrivateNetwork"),
+            &Prop::Bool("PrivateNetwork", true)
+        );
+        let Prop::Strs(_, env) = find(&u, "Environment") else {
+            panic!()
+        };
+        assert!(env.contains(&"XDG_CACHE_HOME=/var/cache/kvirt/probe/cache".to_string()));
+        let Prop::TmpFs(_, hidden) = find(&u, "TemporaryFileSystem") else {
+            panic!()
+        };
+        assert!(hidden.contains(&("/var/lib/kvirt/vms".into(), "ro".into())));
+        assert_eq!(
+            host.probe_capabilities_dir(),
+            PathBuf::from("/var/cache/kvirt/probe/cache/libvirt/qemu/cache/capabilities")
         );
     }
 

@@ -366,6 +366,17 @@ impl Hypervisor for FakeHost {
 
     async fn forget(&self, _id: &str) {}
 
+    async fn probe(&self, uri: &str) -> Result<(), LibvirtError> {
+        if self.call(format!("probe {uri}")) {
+            return Err(LibvirtError::Call {
+                id: "probe".into(),
+                op: "capabilities",
+                message: injected("probe"),
+            });
+        }
+        Ok(())
+    }
+
     async fn guest_agent(&self, d: &DomainRef) -> Result<Option<GuestAgent>, LibvirtError> {
         let s = self.state();
         let running = s
@@ -439,6 +450,16 @@ impl Storage for FakeHost {
             });
         }
         self.state().kept_efi_vars.remove(id);
+        Ok(())
+    }
+
+    async fn revoke_grants(&self, uid: u32) -> Result<(), StorageError> {
+        self.call(format!("revoke {uid}"));
+        Ok(())
+    }
+
+    async fn create_probe_dirs(&self, owner: Owner) -> Result<(), StorageError> {
+        self.call(format!("mkdir probe {}", owner.uid));
         Ok(())
     }
 

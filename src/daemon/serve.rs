@@ -59,6 +59,13 @@ pub async fn serve<A: Adapters>(
     ]);
     info!("ready: {status}");
     (sources.ready)(tx.clone()).map_err(ServeError::Source)?;
+    let probe = ctl.clone();
+    tokio::spawn(async move {
+        match probe.refresh_capabilities().await {
+            Ok(()) => info!("QEMU capabilities probed for new VMs to start from"),
+            Err(e) => warn!("QEMU capability probe: {e}; new VMs probe QEMU themselves"),
+        }
+    });
 
     if let Some(listener) = metrics {
         if let Ok(addr) = listener.local_addr() {

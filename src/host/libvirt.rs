@@ -56,6 +56,9 @@ pub trait Hypervisor: Send + Sync + 'static {
         &self,
         d: &DomainRef,
     ) -> impl Future<Output = Result<Option<GuestAgent>, LibvirtError>> + Send;
+    /// Asks the daemon at `uri` for the host's capabilities, which makes it
+    /// probe QEMU and save its capability cache.
+    fn probe(&self, uri: &str) -> impl Future<Output = Result<(), LibvirtError>> + Send;
 }
 
 /// The agent's channel is connected: the guest opened its end.
@@ -427,6 +430,19 @@ impl Hypervisor for Libvirt {
             Ok(Some(GuestAgent { os_info }))
         })
         .await
+    }
+
+    async fn probe(&self, uri: &str) -> Result<(), LibvirtError> {
+        let uri = uri.to_owned();
+        tokio::task::spawn_blocking(move || {
+            let err = |op| Libvirt::err("probe", op);
+            let mut conn = Connect::open(Some(&uri)).map_err(err("connect"))?;
+            let caps = conn.get_capabilities().map_err(err("capabilities"));
+            let _ = conn.close();
+            caps.map(drop)
+        })
+        .await
+        .map_err(|_| LibvirtError::Thread { id: "probe".into() })?
     }
 
     async fn forget(&self, id: &str) {

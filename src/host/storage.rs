@@ -6,6 +6,7 @@
 //! VM (overlays, ISOs, copies) are made in a root-only staging directory
 //! and renamed into place.
 
+use crate::core::acl;
 use crate::core::convert::seed::Seed;
 use crate::core::convert::{Backing, DiskPrep};
 use crate::core::efivars::{self, Kept};
@@ -35,6 +36,7 @@ use nix::unistd::{Gid, Uid};
 use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+use tracing::warn;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StorageError {
@@ -106,6 +108,13 @@ pub trait Storage: Send + Sync + 'static {
         id: &str,
     ) -> impl Future<Output = Result<(), StorageError>> + Send;
     fn exists(&self, dir: &Path) -> impl Future<Output = bool> + Send;
+    /// Takes back every hostDisk given to identity `uid` (its VM is gone).
+    fn revoke_grants(&self, uid: u32) -> impl Future<Output = Result<(), StorageError>> + Send;
+    /// The capability probe's directories, for kvirt's own user.
+    fn create_probe_dirs(
+        &self,
+        owner: Owner,
+    ) -> impl Future<Output = Result<(), StorageError>> + Send;
     /// Ids of VMs that have a state or runtime directory.
     fn list_ids(&self) -> impl Future<Output = Vec<String>> + Send;
 }
@@ -115,6 +124,8 @@ pub trait Storage: Send + Sync + 'static {
 const EFI_VARS: &str = "VARS.fd";
 const EFI_OWNER: &str = "owner";
 const EFI_ACTIVE: &str = "active";
+/// Far above libvirt's QEMU capabilities (about 1 MiB), far below harm.
+const MAX_CAPABILITIES: u64 = 32 << 20;
 /// Far above any OVMF variable store (540 KiB), far below harm.
 const MAX_EFI_VARS: u64 = 16 << 20;
 
@@ -159,6 +170,52 @@ impl HostStorage {
                 .map_err(|e| io(path, "chown")(e.into()))?;
         }
         Ok(())
+    }
+
+    /// The probe's capability cache, as a copy of the VM's own: whatever
+    /// its libvirt writes there, no other VM reads.
+    fn copy_capabilities(&self, to: &Beneath) -> std::io::Result<()> {
+        let probe = self.host.probe_dir();
+        let from = self.host.probe_capabilities_dir();
+        let Ok(from) =
+            Beneath::open(&probe).and_then(|p| p.dir(from.strip_prefix(&probe).unwrap_or(&from)))
+        else {
+            return Ok(());
+        };
+        for name in from.entries()? {
+            let Some(name) = name.to_str().filter(|n| n.ends_with(".xml")) else {
+                continue;
+            };
+            let xml = from.read(name, MAX_CAPABILITIES)?;
+            to.write(name, &xml, 0o600, self.ids())?;
+        }
+        Ok(())
+    }
+
+    /// The probe's directories, kvirt's user's.
+    fn create_probe_dirs_blocking(&self, owner: Owner) -> Result<(), StorageError> {
+        let ids = Some((owner.uid, owner.gid));
+        let made = |base: &Path, dir: &Path, subdirs: &[&str]| -> Result<(), StorageError> {
+            let name = dir.strip_prefix(base).unwrap_or(dir);
+            let d = Beneath::open(base)
+                .and_then(|b| b.mkdir(&name.to_string_lossy(), 0o700, ids))
+                .map_err(io(dir, "create directory"))?;
+            for sub in subdirs {
+                d.mkdir(sub, 0o700, ids)
+                    .map_err(io(&dir.join(sub), "create directory"))?;
+            }
+            Ok(())
+        };
+        std::fs::create_dir_all(&self.host.cache_dir)
+            .map_err(io(&self.host.cache_dir, "create directory"))?;
+        std::fs::create_dir_all(&self.host.runtime_dir)
+            .map_err(io(&self.host.runtime_dir, "create directory"))?;
+        made(
+            &self.host.cache_dir,
+            &self.host.probe_dir(),
+            &["config", "cache"],
+        )?;
+        made(&self.host.runtime_dir, &self.host.probe_runtime_dir(), &[])
     }
 
     /// A directory on a path only root controls (`/var/lib/kvirt/vms`...).
@@ -223,7 +280,6 @@ impl HostStorage {
         for parent in [self.host.vms_state_dir(), self.host.vms_runtime_dir()] {
             self.mkdir(&parent, 0o711, false)?;
         }
-        self.mkdir(&self.host.qemu_capabilities_dir(), 0o700, true)?;
         let ids = self.ids();
         let made =
             |base: &Path, dir: &Path, subdirs: &[PathBuf]| -> Result<Beneath, StorageError> {
@@ -248,8 +304,16 @@ impl HostStorage {
         let state = made(
             &self.host.vms_state_dir(),
             &p.state_dir,
-            &[p.xdg_config_dir(), p.capabilities_mount(), p.disk_dir()],
+            &[p.xdg_config_dir(), p.disk_dir()],
         )?;
+        let caps = p.capabilities_dir();
+        let caps_dir = state
+            .mkdir_all(caps.strip_prefix(&p.state_dir).unwrap_or(&caps), 0o700, ids)
+            .map_err(io(&caps, "create directory"))?;
+        // A VM that starts before the probe has finished probes QEMU itself.
+        if let Err(e) = self.copy_capabilities(&caps_dir) {
+            warn!("capability cache not copied to {}: {e}", caps.display());
+        }
         let conf = p.qemu_conf();
         let conf_dir = conf.parent().expect("qemu.conf has a parent");
         let rel = conf_dir.strip_prefix(&p.state_dir).unwrap_or(conf_dir);
@@ -337,7 +401,7 @@ impl HostStorage {
                     f.set_len(*size_bytes).map_err(io(path, "size disk"))?;
                 }
                 check_under_roots(path, roots, false)?;
-                self.own(path)
+                self.grant(path, acl::READ | acl::WRITE)
             }
             DiskPrep::SeedIso { path, seed, .. } => self.seed_iso(path, seed),
             DiskPrep::EfiVars {
@@ -360,10 +424,172 @@ impl HostStorage {
                     });
                 }
                 check_under_roots(path, roots, false)?;
-                self.own(path)
+                self.grant(path, acl::READ | acl::WRITE)
             }
         }
     }
+
+    /// Gives the VM's identity `perm` on a hostDisk for the VM's life: an
+    /// ACL entry, so the file keeps its owner and mode, other VMs sharing
+    /// it keep theirs, and [`HostStorage::revoke_grants`] leaves it as it
+    /// was. Recorded first, so a crash leaves nothing that is not taken back.
+    fn grant(&self, path: &Path, perm: u16) -> Result<(), StorageError> {
+        let Some(owner) = self.owner else {
+            return Ok(());
+        };
+        let real = std::fs::canonicalize(path).map_err(io(path, "resolve"))?;
+        let file = open_disk(&real)?;
+        let record = self.host.grants_dir().join(format!("{}.json", owner.uid));
+        let mut granted = read_grants(&record)?;
+        if !granted.contains(&real) {
+            granted.push(real.clone());
+            write_grants(&record, &granted)?;
+        }
+        let mut a = read_acl(&file).map_err(io(&real, "read ACL"))?;
+        a.grant(owner.uid, perm);
+        write_acl(&file, &a).map_err(|e| acl_err(&real, e))
+    }
+
+    /// Takes back every hostDisk given to `uid`; a file gone or replaced
+    /// since is skipped (its new self was never given).
+    fn revoke_grants_blocking(&self, uid: u32) -> Result<(), StorageError> {
+        let record = self.host.grants_dir().join(format!("{uid}.json"));
+        for path in read_grants(&record)? {
+            // Gone, or replaced by a link or something else since: that
+            // was never given, and is not followed.
+            let file = match open_disk(&path) {
+                Ok(f) => f,
+                Err(StorageError::Io { source, .. })
+                    if source.kind() == std::io::ErrorKind::NotFound
+                        || source.raw_os_error() == Some(libc::ELOOP) =>
+                {
+                    continue
+                }
+                Err(StorageError::Disk { .. }) => continue,
+                Err(e) => return Err(e),
+            };
+            let mut a = read_acl(&file).map_err(io(&path, "read ACL"))?;
+            if a.perm_of(uid).is_none() {
+                continue;
+            }
+            a.revoke(uid);
+            write_acl(&file, &a).map_err(|e| acl_err(&path, e))?;
+        }
+        match std::fs::remove_file(&record) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&record, "remove")(e)),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// A hostDisk by its real path: a regular file, not a link, never blocking.
+fn open_disk(real: &Path) -> Result<std::fs::File, StorageError> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
+        .open(real)
+        .map_err(io(real, "open"))?;
+    if !f.metadata().map_err(io(real, "stat"))?.is_file() {
+        return Err(StorageError::Disk {
+            path: real.to_owned(),
+            message: "not a regular file".into(),
+        });
+    }
+    Ok(f)
+}
+
+fn acl_err(path: &Path, e: std::io::Error) -> StorageError {
+    if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
+        return StorageError::Disk {
+            path: path.to_owned(),
+            message: "its file system has no POSIX ACLs: a VM cannot be given this hostDisk".into(),
+        };
+    }
+    io(path, "write ACL")(e)
+}
+
+const ACL_XATTR: &std::ffi::CStr = c"system.posix_acl_access";
+
+/// The file's access ACL, or its mode bits as one when it has none.
+fn read_acl(f: &std::fs::File) -> std::io::Result<acl::Acl> {
+    use std::os::fd::AsRawFd;
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: buf is writable for its length; the name is NUL-terminated.
+    let n = unsafe {
+        libc::fgetxattr(
+            f.as_raw_fd(),
+            ACL_XATTR.as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    if n < 0 {
+        let e = std::io::Error::last_os_error();
+        if e.raw_os_error() == Some(libc::ENODATA) {
+            let mode = f.metadata()?.permissions().mode();
+            return Ok(acl::Acl::from_mode(mode));
+        }
+        return Err(e);
+    }
+    buf.truncate(n as usize);
+    acl::Acl::decode(&buf).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
+}
+
+/// Sets the file's access ACL; a minimal one goes back to plain mode bits.
+fn write_acl(f: &std::fs::File, a: &acl::Acl) -> std::io::Result<()> {
+    use std::os::fd::AsRawFd;
+    let fd = f.as_raw_fd();
+    if a.is_minimal() {
+        // SAFETY: the name is NUL-terminated.
+        let r = unsafe { libc::fremovexattr(fd, ACL_XATTR.as_ptr()) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::ENODATA) {
+                return Err(e);
+            }
+        }
+        let mode = f.metadata()?.permissions().mode() & !0o777 | a.mode_bits();
+        return f.set_permissions(std::fs::Permissions::from_mode(mode));
+    }
+    let bytes = a.encode();
+    // SAFETY: bytes is readable for its length; the name is NUL-terminated.
+    let r = unsafe {
+        libc::fsetxattr(
+            fd,
+            ACL_XATTR.as_ptr(),
+            bytes.as_ptr().cast(),
+            bytes.len(),
+            0,
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// The hostDisks an identity was given, from root's own record.
+fn read_grants(record: &Path) -> Result<Vec<PathBuf>, StorageError> {
+    match std::fs::read(record) {
+        Ok(text) => serde_json::from_slice(&text).map_err(|e| StorageError::Disk {
+            path: record.to_owned(),
+            message: format!("unreadable: {e}"),
+        }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
+        Err(e) => Err(io(record, "read")(e)),
+    }
+}
+
+fn write_grants(record: &Path, granted: &[PathBuf]) -> Result<(), StorageError> {
+    let dir = record.parent().expect("grants/ has a parent");
+    std::fs::create_dir_all(dir).map_err(io(dir, "create directory"))?;
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
+        .map_err(io(dir, "chmod"))?;
+    let tmp = record.with_extension("json.tmp");
+    let text = serde_json::to_vec(granted).expect("paths serialize");
+    std::fs::write(&tmp, text).map_err(io(&tmp, "write"))?;
+    std::fs::rename(&tmp, record).map_err(io(record, "rename"))
 }
 
 /// The VM's variables into its kept directory, when a VM that keeps them
@@ -455,19 +681,8 @@ impl HostStorage {
             .and_then(|f| std::io::Read::read_to_end(&mut std::io::Read::take(f, 104), &mut header))
             .map_err(io(&real, "read"))?;
         let format = crate::core::image::disk_format(&header).map_err(disk_err)?;
-        let meta = std::fs::metadata(&real).map_err(io(&real, "stat"))?;
-        let readable = meta.permissions().mode() & 0o004 != 0
-            || self.owner.is_none_or(|o| {
-                use std::os::unix::fs::MetadataExt;
-                (meta.uid() == o.uid && meta.mode() & 0o400 != 0)
-                    || (meta.gid() == o.gid && meta.mode() & 0o040 != 0)
-            });
-        if !readable {
-            return Err(disk_err(
-                "the VM's user cannot read the ephemeral base (make it readable, it is never written)"
-                    .into(),
-            ));
-        }
+        // Only read, through the VM's own overlay.
+        self.grant(&real, acl::READ)?;
         Ok((real, format))
     }
 
@@ -736,6 +951,16 @@ impl Storage for HostStorage {
         dir.exists()
     }
 
+    async fn revoke_grants(&self, uid: u32) -> Result<(), StorageError> {
+        let this = self.clone();
+        blocking(move || this.revoke_grants_blocking(uid)).await
+    }
+
+    async fn create_probe_dirs(&self, owner: Owner) -> Result<(), StorageError> {
+        let this = self.clone();
+        blocking(move || this.create_probe_dirs_blocking(owner)).await
+    }
+
     async fn list_ids(&self) -> Vec<String> {
         let mut ids: Vec<String> = [self.host.vms_state_dir(), self.host.vms_runtime_dir()]
             .iter()
@@ -852,7 +1077,7 @@ mod tests {
     #[tokio::test]
     async fn creates_and_removes_a_vms_directories() {
         let (_tmp, s, p) = vm_dirs().await;
-        assert!(p.capabilities_mount().is_dir());
+        assert!(p.capabilities_dir().is_dir());
         assert!(p.xdg_runtime_dir().is_dir());
         let conf = std::fs::read_to_string(p.qemu_conf()).unwrap();
         assert!(conf.contains("stdio_handler = \"file\""), "{conf}");
@@ -1213,5 +1438,96 @@ mod tests {
 
         assert_eq!(listing(), before, "root wrote outside the VM's directories");
         assert_eq!(std::fs::read(outside.join("qemu.conf")).unwrap(), b"root's");
+    }
+
+    /// Each VM starts from a copy of the probe's capability cache, its own
+    /// to write: none reads what another wrote.
+    #[tokio::test]
+    async fn vms_start_from_their_own_copy_of_the_probes_capabilities() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = storage(tmp.path());
+        let me = Owner {
+            uid: nix::unistd::getuid().as_raw(),
+            gid: nix::unistd::getgid().as_raw(),
+        };
+        s.create_probe_dirs(me).await.unwrap();
+        let caps = s.host.probe_capabilities_dir();
+        std::fs::create_dir_all(&caps).unwrap();
+        std::fs::write(caps.join("0123.xml"), b"<qemuCaps/>").unwrap();
+        std::fs::write(caps.join("notes.txt"), b"ignored").unwrap();
+        let a = s.host.vm(&VmKey::new("ns", "a").unwrap());
+        let b = s.host.vm(&VmKey::new("ns", "b").unwrap());
+        s.create_dirs(&a, None).await.unwrap();
+        // VM a's libvirt rewrites its copy; b still gets the probe's.
+        std::fs::write(a.capabilities_dir().join("0123.xml"), b"<evil/>").unwrap();
+        s.create_dirs(&b, None).await.unwrap();
+        assert_eq!(
+            std::fs::read(b.capabilities_dir().join("0123.xml")).unwrap(),
+            b"<qemuCaps/>"
+        );
+        assert!(!b.capabilities_dir().join("notes.txt").exists());
+        assert_eq!(
+            std::fs::read(caps.join("0123.xml")).unwrap(),
+            b"<qemuCaps/>"
+        );
+    }
+
+    /// hostDisks are given to each VM's identity by an ACL entry for its
+    /// life: the owner and mode stay, a disk shared by two VMs is each's,
+    /// and when both have gone the file is exactly as it was.
+    #[tokio::test]
+    async fn host_disks_are_lent_by_acl_and_given_back_as_they_were() {
+        use std::os::unix::fs::MetadataExt;
+        let tmp = tempfile::tempdir().unwrap();
+        let s = storage(tmp.path());
+        let root = tmp.path().join("images");
+        std::fs::create_dir_all(&root).unwrap();
+        let disk = root.join("shared.img");
+        std::fs::write(&disk, b"disk").unwrap();
+        std::fs::set_permissions(&disk, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let before = std::fs::metadata(&disk).unwrap();
+        let prep = DiskPrep::RequireExisting {
+            volume: "v".into(),
+            path: disk.clone(),
+        };
+        let roots = vec![root.clone()];
+        let vm = |uid| Some(Owner { uid, gid: uid });
+        for uid in [300_001, 300_002] {
+            s.prepare_disk(&prep, &roots, &Pulled::new(), vm(uid))
+                .await
+                .unwrap();
+        }
+        let acl_of = || read_acl(&std::fs::File::open(&disk).unwrap()).unwrap();
+        assert_eq!(acl_of().perm_of(300_001), Some(6));
+        assert_eq!(acl_of().perm_of(300_002), Some(6));
+        let during = std::fs::metadata(&disk).unwrap();
+        assert_eq!(
+            (during.uid(), during.gid()),
+            (before.uid(), before.gid()),
+            "owner kept"
+        );
+
+        s.revoke_grants(300_001).await.unwrap();
+        assert_eq!(acl_of().perm_of(300_001), None);
+        assert_eq!(acl_of().perm_of(300_002), Some(6), "the other VM keeps it");
+        s.revoke_grants(300_002).await.unwrap();
+        s.revoke_grants(300_002).await.unwrap();
+        let after = std::fs::metadata(&disk).unwrap();
+        assert!(acl_of().is_minimal());
+        assert_eq!(after.mode(), before.mode(), "mode as it was");
+        assert_eq!((after.uid(), after.gid()), (before.uid(), before.gid()));
+
+        // Replaced by a link while lent: the link is not followed back.
+        s.prepare_disk(&prep, &roots, &Pulled::new(), vm(300_003))
+            .await
+            .unwrap();
+        let outside = tmp.path().join("outside.img");
+        std::fs::write(&outside, b"root's").unwrap();
+        std::fs::remove_file(&disk).unwrap();
+        std::os::unix::fs::symlink(&outside, &disk).unwrap();
+        s.revoke_grants(300_003).await.unwrap();
+        assert!(read_acl(&std::fs::File::open(&outside).unwrap())
+            .unwrap()
+            .is_minimal());
     }
 }

@@ -80,6 +80,18 @@ pub enum HostDiskRoots {
 }
 
 impl HostDiskRoots {
+    /// Every root of every namespace: what a VM's unit hides (but its own
+    /// disks).
+    pub fn all(&self) -> Vec<PathBuf> {
+        let mut all: Vec<PathBuf> = match self {
+            Self::Host(roots) => roots.clone(),
+            Self::Namespaces(by_ns) => by_ns.values().flatten().cloned().collect(),
+        };
+        all.sort();
+        all.dedup();
+        all
+    }
+
     /// The roots a VMI of `namespace` may use.
     pub fn of(&self, namespace: &str) -> &[PathBuf] {
         match self {

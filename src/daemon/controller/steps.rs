@@ -141,6 +141,14 @@ impl<A: Adapters> Controller<A> {
     }
 
     async fn release_identity(&self, id: &str) -> Result<(), ControllerError> {
+        if let Some(owner) = self.owner(id) {
+            // The hostDisks it was given first: on error the identity stays.
+            let storage = &self.deps.storage;
+            storage
+                .revoke_grants(owner.uid)
+                .await
+                .map_err(storage_err(id))?;
+        }
         self.deps.users.release(id).await.map_err(identity_err(id))
     }
 
@@ -275,6 +283,7 @@ impl<A: Adapters> Controller<A> {
                 .map_or(30, |v| v.termination_grace_period().as_secs()),
             extra_rw_paths: writable_disks(conv),
             extra_ro_paths: read_only_disks(conv, c.images),
+            hidden_roots: self.settings.host_disk_roots.all(),
         });
         self.deps.units.start(&spec).await.map_err(sd_err(c.id))
     }
