@@ -161,11 +161,14 @@ fn installed_observed_upgraded_removed_and_purged_as_a_package() {
     ] {
         h.ok(&format!("test ! -e {gone}"));
     }
-    h.ok("! pgrep -u kvirt qemu-system");
+    h.ok("! pgrep qemu-system");
+    h.ok("! ls /run/userdb/kvirt-vm-* 2>/dev/null");
+    h.ok("! find /run/userdb -lname 'kvirt-vm-*' 2>/dev/null | grep -q .");
     h.ok("[ \"$(systemctl show -P LoadState kvirt-vm@default_pkg.service)\" = not-found ]");
     h.ok("! ip netns list | grep -q kvirt-");
     h.ok("! ip link show kvirt0 2>/dev/null");
     h.ok("! nft list table ip kvirt 2>/dev/null");
+    h.ok("! nft list table bridge kvirt 2>/dev/null");
     h.ok("! machinectl list --no-legend | grep -q default.pkg");
 }
 

@@ -191,7 +191,7 @@ impl Host {
 
     pub fn qemu_pid(&self, vm: &str) -> String {
         self.ok(&format!(
-            "pgrep -u kvirt -f 'qemu-system.*guest=default_{vm},' | head -n1"
+            "pgrep -f 'qemu-system.*guest=default_{vm},' | head -n1"
         ))
     }
 
@@ -210,7 +210,7 @@ impl Host {
                  ! ip netns list | grep -qw 'kvirt-default_{vm}'
                  [ ! -e /run/netns/kvirt-default_{vm} ]
                  [ ! -e /var/lib/kvirt/vms/default_{vm} ] && [ ! -e /run/kvirt/vms/default_{vm} ]
-                 ! pgrep -u kvirt -f 'guest=default_{vm},'"
+                 ! pgrep -f 'qemu-system.*guest=default_{vm},'"
             ),
         );
     }
