@@ -744,3 +744,249 @@ fn hugepages_back_a_guest_and_a_vm_that_does_not_fit_fails_with_why() {
     assert!(h.succeeds("[ ! -e /dev/hugepages/kvirt/default_hp ]"));
     assert_eq!(available_2m(), available, "the pages are back");
 }
+
+// ------------------------------------------------------------------ hostile
+//
+// The guest is hostile, and after an escape it runs as its QEMU: these tests
+// act as a VM's QEMU would, from inside its unit's namespaces with its uid.
+
+/// Runs `script` as VM `vm`'s QEMU would: in its mount and network
+/// namespaces, as its own user, without capabilities.
+fn as_vm(h: &Host, vm: &str, script: &str) -> String {
+    let pid = h.qemu_pid(vm);
+    h.ok(&format!(
+        "uid=$(stat -c %u /proc/{pid})
+         nsenter -t {pid} -m -n -S $uid -G $uid -- /bin/busybox sh -c '{}'",
+        script.replace('\'', "'\\''")
+    ))
+}
+
+/// Every line of `out` that says something leaked.
+fn leaks(out: &str) -> Vec<&str> {
+    out.lines().filter(|l| l.starts_with("LEAK")).collect()
+}
+
+#[test]
+fn a_vm_that_escaped_into_its_qemu_reaches_nothing_of_another() {
+    let Some(h) = host() else { return };
+    let _g = serial();
+    h.create_vm("ea", "run");
+    h.create_vm("eb", "run");
+    for vm in ["ea", "eb"] {
+        h.wait_phase(vm, "Running", BOOT);
+        h.serial_log_shows(vm, "KVIRT-GUEST-READY");
+    }
+    let b = h.qemu_pid("eb");
+    let (ua, ub) = (
+        h.ok(&format!("stat -c %U /proc/{}", h.qemu_pid("ea"))),
+        h.ok(&format!("stat -c %U /proc/{b}")),
+    );
+    assert!(
+        ua.starts_with("kvirt-vm-") && ub.starts_with("kvirt-vm-") && ua != ub,
+        "{ua} {ub}"
+    );
+    let tries = [
+        ("signal B's QEMU", format!("kill -0 {b}")),
+        ("B's environment", format!("head -c1 /proc/{b}/environ")),
+        ("B's memory", format!("head -c1 /proc/{b}/mem")),
+        ("B's open files", format!("ls /proc/{b}/fd")),
+        ("B's root", format!("ls /proc/{b}/root/")),
+        (
+            "B's disk via its root",
+            format!("head -c1 /proc/{b}/root/var/lib/kvirt/images/eb.raw"),
+        ),
+        ("B's disk", "head -c1 /var/lib/kvirt/images/eb.raw".into()),
+        ("B's state", "ls /var/lib/kvirt/vms/default_eb".into()),
+        (
+            "B's overlay or ISOs",
+            "ls /var/lib/kvirt/vms/default_eb/disks".into(),
+        ),
+        (
+            "B's console log",
+            "head -c1 /run/kvirt/vms/default_eb/console.log".into(),
+        ),
+        (
+            "B's libvirt socket",
+            "ls /run/kvirt/vms/default_eb/xdg".into(),
+        ),
+        (
+            "the probe's capability cache",
+            "ls /var/cache/kvirt/probe".into(),
+        ),
+        (
+            "a write to the capability cache",
+            "touch /var/cache/kvirt/probe/cache/x".into(),
+        ),
+    ];
+    let script: String = tries
+        .iter()
+        .map(|(what, cmd)| format!("if {cmd} >/dev/null 2>&1; then echo \"LEAK {what}\"; fi\n"))
+        .collect();
+    // What A may do, so the attempts above are known to run as A, in A.
+    let own = "if [ \"$(ls /var/lib/kvirt/images/)\" != ea.raw ]; then echo LEAK other hostDisks listed; fi
+               head -c1 /var/lib/kvirt/images/ea.raw >/dev/null && \
+               head -c1 /run/kvirt/vms/default_ea/console.log >/dev/null && \
+               [ $(id -u) != 0 ] && echo OWN-OK";
+    let out = as_vm(&h, "ea", &format!("{script}{own}"));
+    assert!(leaks(&out).is_empty(), "{out}");
+    assert!(out.contains("OWN-OK"), "{out}");
+    // Seen but untouchable: without ProtectProc=invisible (it breaks
+    // libvirt's check of its client, kvirtd) B's QEMU is listed.
+    h.remove_vm_and_wait_gone("ea");
+    h.remove_vm_and_wait_gone("eb");
+}
+
+#[test]
+fn links_and_fifos_a_vm_plants_never_steer_kvirtd() {
+    let Some(h) = host() else { return };
+    let _g = serial();
+    h.create_vm("pa", "run");
+    h.create_vm("pb", "run");
+    for vm in ["pa", "pb"] {
+        h.wait_phase(vm, "Running", BOOT);
+    }
+    let fingerprint = "stat -c '%n %u %g %a' /etc /etc/shadow /etc/passwd /etc/kvirt /dev/zero; sha256sum /etc/shadow /etc/passwd";
+    let before = h.ok(fingerprint);
+    // Everywhere A can write that kvirtd reads or writes: links to root's
+    // files and to an endless device, and FIFOs.
+    as_vm(
+        &h,
+        "pa",
+        "set -e
+         rt=/run/kvirt/vms/default_pa st=/var/lib/kvirt/vms/default_pa
+         mv $rt/console.log $rt/console.log.real
+         ln -s /etc/shadow $rt/console.log
+         ln -s /etc/passwd $rt/console.log.1
+         mkfifo $rt/status.json
+         for p in $rt/xdg/libvirt/qemu/run/*.pid; do rm -f $p; ln -s /etc/shadow $p; done
+         mkdir -p $st/cache/libvirt/qemu/log
+         for l in $st/cache/libvirt/qemu/log/*.log; do rm -f $l; mkfifo $l; done
+         ln -s /dev/zero $st/cache/libvirt/qemu/log/zero.log
+         rm -rf $st/config/libvirt/qemu/nvram
+         ln -s /etc $st/config/libvirt/qemu/nvram
+         rm -rf $st/cache/libvirt/qemu/cache/capabilities
+         ln -s /etc $st/cache/libvirt/qemu/cache/capabilities",
+    );
+    // Passes of the log forwarder and the console cap; a restart (adoption,
+    // status migration); then the VM's teardown.
+    h.restart_kvirtd();
+    h.wait(
+        "kvirtd tried the planted console log",
+        Duration::from_secs(30),
+        "journalctl -u kvirtd --no-pager -o cat | grep -q 'console log /run/kvirt/vms/default_pa/console.log'",
+    );
+    h.restart_kvirtd();
+    h.wait_phase("pb", "Running", BOOT);
+    h.remove_vm_and_wait_gone("pa");
+    h.ok("systemctl is-active -q kvirtd");
+    assert_eq!(
+        h.ok(fingerprint),
+        before,
+        "root touched a file through a VM's link"
+    );
+    assert_eq!(h.status("pb")["status"]["phase"], "Running");
+    h.remove_vm_and_wait_gone("pb");
+}
+
+#[test]
+fn a_guest_printing_forever_leaves_its_console_log_at_its_cap() {
+    let Some(h) = host() else { return };
+    let _g = serial();
+    let seed = "      - name: cloudinit\n        disk: {bus: virtio}\n";
+    let manifest = support::vmi_manifest("flood", "", "", seed)
+        + "  - name: cloudinit\n    cloudInitNoCloud:\n      userData: |\n        #!/bin/sh\n        line=$(printf 'KVIRT-FLOOD-%0240d' 0)\n        ( while :; do echo \"$line\"; done >/dev/console ) &\n";
+    h.put_manifest("flood", "run", &manifest);
+    h.wait_phase("flood", "Running", BOOT);
+    let log = "/run/kvirt/vms/default_flood/console.log";
+    h.wait(
+        "the console log rotated at its cap",
+        Duration::from_secs(300),
+        &format!("[ -s {log}.1 ]"),
+    );
+    const CAP: u64 = 2 << 20;
+    // Samples while the guest goes on printing: the log never grows past
+    // its cap by more than a second's output (kvirtd looks once a second).
+    let mut largest = 0;
+    for _ in 0..10 {
+        let sizes = h.ok(&format!("stat -c %s {log} {log}.1"));
+        let mut s = sizes.lines().map(|l| l.parse::<u64>().unwrap());
+        let (now, backup) = (s.next().unwrap(), s.next().unwrap());
+        assert!(backup <= CAP, "backup {backup}");
+        largest = largest.max(now);
+        std::thread::sleep(Duration::from_millis(700));
+    }
+    assert!(largest <= 2 * CAP, "the log reached {largest} bytes");
+    assert!(h
+        .ok(&format!("tail -c 300 {log}.1"))
+        .contains("KVIRT-FLOOD"));
+    h.remove_vm_and_wait_gone("flood");
+}
+
+#[test]
+fn spoofed_addresses_and_macs_from_a_guest_reach_neither_the_host_nor_another_vm() {
+    let Some(h) = host() else { return };
+    let _g = serial();
+    net_vm(&h, "victim", &[]);
+    h.wait_phase("victim", "Running", BOOT);
+    let victim = pod_ip(&h, "victim");
+    // Counters, by packet length (the ping sizes below), on the host and in
+    // the victim's namespace: outside kvirt's tables, which it recreates.
+    let spy = |netns: &str| {
+        let rules: String = [1139, 1250, 1361, 1472, 1583]
+            .iter()
+            .map(|len| format!("    ip length {len} counter\n"))
+            .collect();
+        h.ok(&format!(
+            "{netns}nft -f - <<'NFT'\ntable ip kvirt_spy {{\n  chain pre {{\n    type filter hook prerouting priority -300; policy accept;\n{rules}  }}\n}}\nNFT"
+        ));
+    };
+    spy("");
+    spy("ip netns exec kvirt-default_victim ");
+    let count = |netns: Option<&str>, len: u32| -> u64 {
+        let prefix = netns.map_or(String::new(), |n| format!("ip netns exec {n} "));
+        h.ok(&format!(
+            "{prefix}nft list chain ip kvirt_spy pre | grep 'ip length {len} ' | sed 's/.*packets \\([0-9]*\\).*/\\1/'"
+        ))
+        .parse()
+        .unwrap()
+    };
+    // The hostile guest: legit pings first (they must arrive), then from
+    // another pod's address, then with another MAC.
+    let script = format!(
+        "#!/bin/sh\n(\n  while ! ip -4 addr show eth0 | grep -q 'inet 10.0.2.2'; do sleep 1; done\n  ping -c 3 -s 1111 10.213.0.1 >/dev/null 2>&1\n  ping -c 3 -s 1444 {victim} >/dev/null 2>&1\n  ip addr add 10.213.0.99/32 dev eth0\n  ping -c 3 -s 1222 -I 10.213.0.99 10.213.0.1 >/dev/null 2>&1\n  ping -c 3 -s 1222 -I 10.213.0.99 {victim} >/dev/null 2>&1\n  ip link set eth0 down\n  ip link set eth0 address 02:de:ad:be:ef:01\n  ip link set eth0 up\n  ip route add default via 10.0.2.1 2>/dev/null\n  ping -c 3 -s 1333 10.213.0.1 >/dev/null 2>&1\n  ping -c 3 -s 1555 {victim} >/dev/null 2>&1\n  echo KVIRT-SPOOF-DONE\n) &\n"
+    );
+    let user_data: String = script.lines().map(|l| format!("        {l}\n")).collect();
+    let seed = "      - name: cloudinit\n        disk: {bus: virtio}\n";
+    let manifest = support::vmi_manifest(
+        "spoofer",
+        "",
+        "  networks: [{name: default, pod: {}}]\n",
+        &format!("      interfaces: [{{name: default, masquerade: {{}}}}]\n{seed}"),
+    ) + "  - name: cloudinit\n    cloudInitNoCloud:\n      userData: |\n"
+        + &user_data;
+    h.put_manifest("spoofer", "run", &manifest);
+    h.wait_phase("spoofer", "Running", BOOT);
+    h.serial_log_shows("spoofer", "KVIRT-SPOOF-DONE");
+    // 1111 and 1444 byte pings (IP lengths 1139 and 1472) are the guest's
+    // own: they arrive, so the counters count.
+    assert!(count(None, 1139) > 0, "the guest's own pings to the host");
+    assert!(
+        count(Some("kvirt-default_victim"), 1472) > 0,
+        "its own to the victim"
+    );
+    for (netns, len) in [
+        (None, 1250),
+        (Some("kvirt-default_victim"), 1250),
+        (None, 1361),
+        (Some("kvirt-default_victim"), 1583),
+    ] {
+        assert_eq!(
+            count(netns, len),
+            0,
+            "spoofed ({len} bytes) reached {netns:?}"
+        );
+    }
+    h.ok("nft delete table ip kvirt_spy");
+    h.remove_vm_and_wait_gone("spoofer");
+    h.remove_vm_and_wait_gone("victim");
+}
