@@ -27,6 +27,10 @@ pub enum IdentityStoreError {
     Allocate { id: String, source: IdentityError },
     #[error("the VM has no identity (made by an older kvirt?)")]
     Missing,
+    #[error(
+        "user {uid} does not resolve: VM identities need nss-systemd (libnss-systemd, with \"systemd\" in the passwd and group lines of /etc/nsswitch.conf)"
+    )]
+    Unresolvable { uid: u32 },
 }
 
 /// The users VMs run as, as the loop sees them: one per VM, acquired before
@@ -55,9 +59,17 @@ pub struct HostUsers(pub std::sync::Arc<IdentityStore>);
 impl VmUsers for HostUsers {
     async fn acquire(&self, id: &str, vm: &str) -> Result<u32, IdentityStoreError> {
         let (store, id, vm) = (self.0.clone(), id.to_owned(), vm.to_owned());
-        tokio::task::spawn_blocking(move || store.acquire(&id, &vm))
-            .await
-            .map_err(|e| thread_died(e.to_string()))?
+        tokio::task::spawn_blocking(move || {
+            let uid = store.acquire(&id, &vm)?;
+            // systemd would fail the unit with 217/USER; say why here.
+            let user = nix::unistd::User::from_uid(nix::unistd::Uid::from_raw(uid));
+            match user {
+                Ok(Some(_)) => Ok(uid),
+                _ => Err(IdentityStoreError::Unresolvable { uid }),
+            }
+        })
+        .await
+        .map_err(|e| thread_died(e.to_string()))?
     }
 
     async fn release(&self, id: &str) -> Result<(), IdentityStoreError> {

@@ -397,7 +397,14 @@ impl HostStorage {
                     if let Some(parent) = path.parent() {
                         std::fs::create_dir_all(parent).map_err(io(parent, "create directory"))?;
                     }
-                    let f = std::fs::File::create_new(path).map_err(io(path, "create disk"))?;
+                    // root's, 0600: the VM is given it by an ACL entry.
+                    use std::os::unix::fs::OpenOptionsExt;
+                    let f = std::fs::OpenOptions::new()
+                        .write(true)
+                        .create_new(true)
+                        .mode(0o600)
+                        .open(path)
+                        .map_err(io(path, "create disk"))?;
                     f.set_len(*size_bytes).map_err(io(path, "size disk"))?;
                 }
                 check_under_roots(path, roots, false)?;
