@@ -7,6 +7,7 @@ use kvirt::core::key::VmKey;
 use kvirt::core::layout::HostLayout;
 use kvirt::core::vmi::VirtualMachineInstance;
 use kvirt::daemon::config::{Config, DEFAULT_PATH};
+use kvirt::host::beneath::Beneath;
 use kvirt::sources::manifest::read_all_status;
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -193,8 +194,13 @@ fn status(layout: &HostLayout, vm: &str) -> Result<()> {
 
 fn console(layout: &HostLayout, vm: &str) -> Result<()> {
     let key = VmKey::parse(vm)?;
-    let path = layout.vm(&key).serial_socket();
-    let stream = UnixStream::connect(&path)
+    let paths = layout.vm(&key);
+    let path = paths.serial_socket();
+    // The VM's user can plant a link there: the socket is found beneath
+    // its runtime directory, never followed elsewhere.
+    let stream = Beneath::open(&paths.runtime_dir)
+        .and_then(|d| d.socket(path.strip_prefix(&paths.runtime_dir).unwrap_or(&path)))
+        .and_then(|s| UnixStream::connect(s.path()))
         .with_context(|| format!("connecting to {key}'s serial console at {}", path.display()))?;
     let tty = nix::unistd::isatty(std::io::stdin()).unwrap_or(false);
     if tty {

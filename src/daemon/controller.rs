@@ -19,7 +19,7 @@ use crate::daemon::metrics::{Adoption, Metrics};
 use crate::host::identity::{IdentityStoreError, VmUsers};
 use crate::host::image::{ImageError, Images};
 use crate::host::journal;
-use crate::host::libvirt::{DomainRef, Hypervisor, LibvirtError};
+use crate::host::libvirt::{DomainRef, Hypervisor, LibvirtError, VmSocket};
 use crate::host::machined::Machines;
 use crate::host::netns::{Netns, NetnsError};
 use crate::host::network::{Network, NetworkError};
@@ -359,12 +359,20 @@ impl<A: Adapters> Controller<A> {
     }
 
     fn domain_ref(&self, id: &str, daemon: Option<DaemonKind>, name: &str) -> DomainRef {
+        let paths = self.paths(id);
+        let daemon = daemon.unwrap_or(self.settings.daemon);
+        let socket = paths.libvirt_socket(daemon);
         DomainRef {
             id: id.into(),
-            uri: self
-                .paths(id)
-                .libvirt_uri(daemon.unwrap_or(self.settings.daemon)),
+            uri: paths.libvirt_uri(daemon),
             name: name.into(),
+            socket: socket
+                .strip_prefix(&paths.runtime_dir)
+                .ok()
+                .map(|rel| VmSocket {
+                    dir: paths.runtime_dir.clone(),
+                    rel: rel.to_owned(),
+                }),
         }
     }
 

@@ -200,6 +200,29 @@ impl Beneath {
         give(&fd, mode, owner)
     }
 
+    /// The unix socket `rel`, to connect to by [`SocketPath::path`]: the
+    /// socket found beneath this directory, never one a link points at
+    /// (`connect()` by name would follow it).
+    pub fn socket(&self, rel: impl AsRef<Path>) -> io::Result<SocketPath> {
+        let rel = rel.as_ref();
+        // O_PATH takes no other flags with openat2.
+        let how = OpenHow::new()
+            .flags(OFlag::O_PATH | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW)
+            .resolve(
+                ResolveFlag::RESOLVE_BENEATH
+                    | ResolveFlag::RESOLVE_NO_SYMLINKS
+                    | ResolveFlag::RESOLVE_NO_MAGICLINKS,
+            );
+        let fd = openat2(&self.fd, rel, how)?;
+        if !is(&fd, SFlag::S_IFSOCK)? {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("{} is not a socket", self.path.join(rel).display()),
+            ));
+        }
+        Ok(SocketPath(fd))
+    }
+
     /// Removes the file (or link, or FIFO) `name`; one that is not there is fine.
     pub fn remove(&self, name: &str) -> io::Result<()> {
         one_component(name)?;
@@ -223,6 +246,18 @@ impl Beneath {
         }
         names.sort();
         Ok(names)
+    }
+}
+
+/// A socket opened beneath a directory; its path goes through this
+/// process's fd table, so connecting reaches exactly the socket found.
+#[derive(Debug)]
+pub struct SocketPath(OwnedFd);
+
+impl SocketPath {
+    pub fn path(&self) -> PathBuf {
+        use std::os::fd::AsRawFd;
+        PathBuf::from(format!("/proc/self/fd/{}", self.0.as_raw_fd()))
     }
 }
 
@@ -342,5 +377,27 @@ mod tests {
         assert_eq!(d.entries().unwrap(), [OsString::from("f")]);
         assert!(b.mkdir("a/b", 0o700, None).is_err(), "one name only");
         assert!(b.write("../f", b"", 0o600, None).is_err());
+    }
+
+    /// A link planted where a socket should be is refused; the socket
+    /// itself is reached through the fd, whatever happens to its name.
+    #[test]
+    fn sockets_are_reached_beneath_and_never_through_a_link() {
+        let (t, b) = setup();
+        let elsewhere = tempfile::tempdir().unwrap();
+        let real = std::os::unix::net::UnixListener::bind(t.path().join("s.sock")).unwrap();
+        let other =
+            std::os::unix::net::UnixListener::bind(elsewhere.path().join("o.sock")).unwrap();
+        std::os::unix::fs::symlink(elsewhere.path().join("o.sock"), t.path().join("link.sock"))
+            .unwrap();
+        let sock = b.socket("s.sock").unwrap();
+        std::os::unix::net::UnixStream::connect(sock.path()).unwrap();
+        real.accept().unwrap();
+        assert!(b.socket("link.sock").is_err());
+        std::fs::write(t.path().join("file"), b"").unwrap();
+        let e = b.socket("file").unwrap_err();
+        assert!(e.to_string().contains("not a socket"), "{e}");
+        other.set_nonblocking(true).unwrap();
+        assert!(other.accept().is_err(), "nothing reached the other socket");
     }
 }

@@ -5,6 +5,7 @@
 //! thread and are forwarded as VM ids to the controller's queue.
 
 use crate::core::plan::{DomainObs, DomainState, GuestAgent};
+use crate::host::beneath::Beneath;
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex, Once};
@@ -31,6 +32,16 @@ pub struct DomainRef {
     pub id: String,
     pub uri: String,
     pub name: String,
+    /// The daemon's socket, below the VM's runtime directory (which the
+    /// VM's user can write): connected to beneath that directory, never
+    /// through a link planted there.
+    pub socket: Option<VmSocket>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct VmSocket {
+    pub dir: std::path::PathBuf,
+    pub rel: std::path::PathBuf,
 }
 
 pub trait Hypervisor: Send + Sync + 'static {
@@ -203,7 +214,23 @@ impl Libvirt {
         if let Some(old) = conns.remove(&d.id) {
             close(old);
         }
-        let conn = Connect::open(Some(&d.uri)).map_err(Self::err(&d.id, "connect"))?;
+        let conn = match &d.socket {
+            None => Connect::open(Some(&d.uri)),
+            Some(s) => {
+                let sock = Beneath::open(&s.dir)
+                    .and_then(|dir| dir.socket(&s.rel))
+                    .map_err(|e| LibvirtError::Call {
+                        id: d.id.clone(),
+                        op: "connect",
+                        message: format!("{}: {e}", s.dir.join(&s.rel).display()),
+                    })?;
+                Connect::open(Some(&format!(
+                    "qemu:///session?socket={}",
+                    sock.path().display()
+                )))
+            }
+        }
+        .map_err(Self::err(&d.id, "connect"))?;
         // Notices a daemon that died without closing the socket.
         let _ = conn.set_keep_alive(5, 3);
         // Lifecycle changes, and the guest agent (dis)connecting, wake the VM.
@@ -530,6 +557,7 @@ mod tests {
             id: "test".into(),
             uri: "test:///default".into(),
             name: "test".into(),
+            socket: None,
         };
         let obs = lv.observe(&d).await.unwrap().unwrap();
         assert_eq!(obs.state, DomainState::Running);
