@@ -59,6 +59,21 @@ fn phase(host: &FakeHost, name: &str) -> Option<Phase> {
         .and_then(|v| v.status.phase)
 }
 
+/// Why the VMI was refused: it is Failed with `Synchronized=False`.
+fn refused(host: &FakeHost, namespace: &str, name: &str) -> String {
+    let st = host.state().statuses[&VmKey::new(namespace, name).unwrap()].clone();
+    assert_eq!(st.status.phase, Some(Phase::Failed));
+    let sync = st
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Synchronized")
+        .unwrap()
+        .clone();
+    assert_eq!(sync.status, "False");
+    sync.message.unwrap_or_default()
+}
+
 fn reasons(host: &FakeHost) -> Vec<EventReason> {
     host.state().events.iter().map(|e| e.1).collect()
 }
@@ -249,22 +264,8 @@ async fn an_invalid_vmi_fails_alone_and_touches_nothing() {
     ctl.set_vmis(set(&[bad, vmi("good", "u3", "")])).await;
     assert!(ctl.reconcile_all().await.is_empty());
 
-    let st = host.state().statuses[&VmKey::new("default", "bad").unwrap()].clone();
-    assert_eq!(st.status.phase, Some(Phase::Failed));
-    let sync = st
-        .status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Synchronized")
-        .unwrap();
-    assert_eq!(sync.status, "False");
-    assert!(
-        sync.message
-            .as_deref()
-            .unwrap()
-            .contains("spec.volumes[0].hostDisk.path"),
-        "{sync:?}"
-    );
+    let why = refused(&host, "default", "bad");
+    assert!(why.contains("spec.volumes[0].hostDisk.path"), "{why}");
     assert!(host
         .state()
         .events
@@ -932,16 +933,7 @@ async fn a_tenant_reaches_only_the_host_disk_roots_of_its_namespace() {
     .await;
     assert!(ctl.reconcile_all().await.is_empty());
 
-    let thief = host.state().statuses[&VmKey::new("y", "thief").unwrap()].clone();
-    assert_eq!(thief.status.phase, Some(Phase::Failed));
-    let sync = thief
-        .status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Synchronized")
-        .unwrap();
-    assert_eq!(sync.status, "False");
-    let why = sync.message.as_deref().unwrap();
+    let why = refused(&host, "y", "thief");
     assert!(why.contains("spec.volumes[0].hostDisk.path"), "{why}");
     assert!(why.contains("none are granted to namespace y"), "{why}");
     let touched: Vec<String> = host
