@@ -953,7 +953,7 @@ fn spoofed_addresses_and_macs_from_a_guest_reach_neither_the_host_nor_another_vm
     // The hostile guest: legit pings first (they must arrive), then from
     // another pod's address, then with another MAC.
     let script = format!(
-        "#!/bin/sh\n(\n  while ! ip -4 addr show eth0 | grep -q 'inet 10.0.2.2'; do sleep 1; done\n  ping -c 3 -s 1111 10.213.0.1 >/dev/null 2>&1\n  ping -c 3 -s 1444 {victim} >/dev/null 2>&1\n  ip addr add 10.213.0.99/32 dev eth0\n  ping -c 3 -s 1222 -I 10.213.0.99 10.213.0.1 >/dev/null 2>&1\n  ping -c 3 -s 1222 -I 10.213.0.99 {victim} >/dev/null 2>&1\n  ip link set eth0 down\n  ip link set eth0 address 02:de:ad:be:ef:01\n  ip link set eth0 up\n  ip route add default via 10.0.2.1 2>/dev/null\n  ping -c 3 -s 1333 10.213.0.1 >/dev/null 2>&1\n  ping -c 3 -s 1555 {victim} >/dev/null 2>&1\n  echo KVIRT-SPOOF-DONE\n) &\n"
+        "#!/bin/sh\n(\n  while ! ip addr show eth0 | grep -q 'inet 10.0.2.2'; do sleep 1; done\n  ping -c 3 -s 1111 10.213.0.1 >/dev/null 2>&1\n  ping -c 3 -s 1444 {victim} >/dev/null 2>&1\n  ip addr add 10.213.0.99/32 dev eth0\n  ping -c 3 -s 1222 -I 10.213.0.99 10.213.0.1 >/dev/null 2>&1\n  ping -c 3 -s 1222 -I 10.213.0.99 {victim} >/dev/null 2>&1\n  ip link set eth0 down\n  ip link set eth0 address 02:de:ad:be:ef:01\n  ip link set eth0 up\n  ip route add default via 10.0.2.1 2>/dev/null\n  ping -c 3 -s 1333 10.213.0.1 >/dev/null 2>&1\n  ping -c 3 -s 1555 {victim} >/dev/null 2>&1\n  echo KVIRT-SPOOF-DONE\n) &\n"
     );
     let user_data: String = script.lines().map(|l| format!("        {l}\n")).collect();
     let seed = "      - name: cloudinit\n        disk: {bus: virtio}\n";
