@@ -4,9 +4,14 @@
 //! no planted link, `..` or magic link leads out; never blocking on a FIFO
 //! (`O_NONBLOCK`), only regular files read, and never more than asked;
 //! ownership and modes changed through the fd, never by name.
+//!
+//! Where `openat2` is missing (a kernel before 5.6, or a seccomp filter that
+//! answers `ENOSYS`, as systemd-nspawn 252's does), the same rules hold one
+//! component at a time: each opened with `O_NOFOLLOW` beneath the last,
+//! `..` and absolute paths refused.
 
 use nix::errno::Errno;
-use nix::fcntl::{openat2, renameat, OFlag, OpenHow, ResolveFlag, AT_FDCWD};
+use nix::fcntl::{openat, openat2, renameat, OFlag, OpenHow, ResolveFlag, AT_FDCWD};
 use nix::sys::stat::{fchmod, fstat, mkdirat, Mode, SFlag};
 use nix::unistd::{fchown, unlinkat, Gid, Uid, UnlinkatFlags};
 use std::ffi::OsString;
@@ -26,15 +31,62 @@ pub struct Beneath {
     path: PathBuf,
 }
 
-fn how(flags: OFlag) -> OpenHow {
-    OpenHow::new()
-        .flags(flags | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK)
-        .mode(Mode::empty())
-        .resolve(
+/// The flags every open beneath takes: no following, no waiting.
+fn safe(flags: OFlag) -> OFlag {
+    flags | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK
+}
+
+/// Set once `openat2` answered `ENOSYS`: from then on, [`walk`].
+static NO_OPENAT2: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// `rel` below `dir`, opened with exactly `flags` (and `mode` for a new
+/// file), never leaving `dir` and never through a link.
+fn open_beneath(dir: &OwnedFd, rel: &Path, flags: OFlag, mode: Mode) -> io::Result<OwnedFd> {
+    use std::sync::atomic::Ordering::Relaxed;
+    if !NO_OPENAT2.load(Relaxed) {
+        let how = OpenHow::new().flags(flags).mode(mode).resolve(
             ResolveFlag::RESOLVE_BENEATH
                 | ResolveFlag::RESOLVE_NO_SYMLINKS
                 | ResolveFlag::RESOLVE_NO_MAGICLINKS,
-        )
+        );
+        match openat2(dir, rel, how) {
+            Err(Errno::ENOSYS) => NO_OPENAT2.store(true, Relaxed),
+            r => return Ok(r?),
+        }
+    }
+    walk(dir, rel, flags, mode)
+}
+
+/// [`open_beneath`] without `openat2`: every directory on the way opened
+/// with `O_NOFOLLOW` (a link there fails as not a directory), the last
+/// component too; `..` and absolute paths leave, so they are refused.
+fn walk(dir: &OwnedFd, rel: &Path, flags: OFlag, mode: Mode) -> io::Result<OwnedFd> {
+    use std::path::Component;
+    let mut names = Vec::new();
+    for c in rel.components() {
+        match c {
+            Component::Normal(n) => names.push(n),
+            Component::CurDir => {}
+            _ => return Err(Errno::EXDEV.into()),
+        }
+    }
+    let Some((last, on_the_way)) = names.split_last() else {
+        return Ok(openat(dir, ".", flags, mode)?);
+    };
+    let step = OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let mut cur: Option<OwnedFd> = None;
+    for name in on_the_way {
+        let next = match &cur {
+            None => openat(dir, *name, step, Mode::empty()),
+            Some(c) => openat(c, *name, step, Mode::empty()),
+        }?;
+        cur = Some(next);
+    }
+    let fd = match &cur {
+        None => openat(dir, *last, flags | OFlag::O_NOFOLLOW, mode),
+        Some(c) => openat(c, *last, flags | OFlag::O_NOFOLLOW, mode),
+    }?;
+    Ok(fd)
 }
 
 fn not_regular(what: &Path) -> io::Error {
@@ -82,7 +134,8 @@ impl Beneath {
     /// The directory `rel` below this one.
     pub fn dir(&self, rel: impl AsRef<Path>) -> io::Result<Self> {
         let rel = rel.as_ref();
-        let fd = openat2(&self.fd, rel, how(OFlag::O_RDONLY | OFlag::O_DIRECTORY))?;
+        let flags = safe(OFlag::O_RDONLY | OFlag::O_DIRECTORY);
+        let fd = open_beneath(&self.fd, rel, flags, Mode::empty())?;
         Ok(Self {
             fd,
             path: self.path.join(rel),
@@ -94,7 +147,7 @@ impl Beneath {
     /// is an error, and opening it never blocks.
     pub fn file(&self, rel: impl AsRef<Path>, flags: OFlag) -> io::Result<File> {
         let rel = rel.as_ref();
-        let fd = openat2(&self.fd, rel, how(flags))?;
+        let fd = open_beneath(&self.fd, rel, safe(flags), Mode::empty())?;
         if !is(&fd, SFlag::S_IFREG)? {
             return Err(not_regular(&self.path.join(rel)));
         }
@@ -160,11 +213,11 @@ impl Beneath {
         one_component(name)?;
         let tmp = format!(".{name}.kvirt-{}", std::process::id());
         let _ = unlinkat(&self.fd, tmp.as_str(), UnlinkatFlags::NoRemoveDir);
-        let fd = openat2(
+        let fd = open_beneath(
             &self.fd,
-            tmp.as_str(),
-            how(OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL)
-                .mode(Mode::from_bits_truncate(0o600)),
+            Path::new(&tmp),
+            safe(OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL),
+            Mode::from_bits_truncate(0o600),
         )?;
         let mut f = File::from(fd);
         let written = f
@@ -193,7 +246,7 @@ impl Beneath {
         owner: Option<Ids>,
     ) -> io::Result<()> {
         let rel = rel.as_ref();
-        let fd = openat2(&self.fd, rel, how(OFlag::O_RDONLY))?;
+        let fd = open_beneath(&self.fd, rel, safe(OFlag::O_RDONLY), Mode::empty())?;
         if !(is(&fd, SFlag::S_IFREG)? || is(&fd, SFlag::S_IFDIR)?) {
             return Err(not_regular(&self.path.join(rel)));
         }
@@ -206,14 +259,8 @@ impl Beneath {
     pub fn socket(&self, rel: impl AsRef<Path>) -> io::Result<SocketPath> {
         let rel = rel.as_ref();
         // O_PATH takes no other flags with openat2.
-        let how = OpenHow::new()
-            .flags(OFlag::O_PATH | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW)
-            .resolve(
-                ResolveFlag::RESOLVE_BENEATH
-                    | ResolveFlag::RESOLVE_NO_SYMLINKS
-                    | ResolveFlag::RESOLVE_NO_MAGICLINKS,
-            );
-        let fd = openat2(&self.fd, rel, how)?;
+        let flags = OFlag::O_PATH | OFlag::O_CLOEXEC | OFlag::O_NOFOLLOW;
+        let fd = open_beneath(&self.fd, rel, flags, Mode::empty())?;
         if !is(&fd, SFlag::S_IFSOCK)? {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidData,
@@ -235,7 +282,8 @@ impl Beneath {
     /// The names in this directory, `.` and `..` left out.
     pub fn entries(&self) -> io::Result<Vec<OsString>> {
         use std::os::unix::ffi::OsStrExt;
-        let fd = openat2(&self.fd, ".", how(OFlag::O_RDONLY | OFlag::O_DIRECTORY))?;
+        let flags = safe(OFlag::O_RDONLY | OFlag::O_DIRECTORY);
+        let fd = open_beneath(&self.fd, Path::new("."), flags, Mode::empty())?;
         let mut dir = nix::dir::Dir::from_fd(fd)?;
         let mut names = Vec::new();
         for e in dir.iter() {
@@ -399,5 +447,32 @@ mod tests {
         assert!(e.to_string().contains("not a socket"), "{e}");
         other.set_nonblocking(true).unwrap();
         assert!(other.accept().is_err(), "nothing reached the other socket");
+    }
+
+    /// The resolver used where openat2 is missing keeps the same rules.
+    #[test]
+    fn without_openat2_links_and_dotdot_are_refused_too() {
+        let (t, b) = setup();
+        let outside = tempfile::tempdir().unwrap();
+        std::fs::write(outside.path().join("secret"), "root's").unwrap();
+        std::fs::create_dir_all(t.path().join("a/b")).unwrap();
+        std::fs::write(t.path().join("a/b/f"), "mine").unwrap();
+        std::os::unix::fs::symlink(outside.path(), t.path().join("a/out")).unwrap();
+        std::os::unix::fs::symlink(outside.path().join("secret"), t.path().join("a/link")).unwrap();
+        let rd = OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NONBLOCK;
+        let read = |rel: &str| {
+            walk(&b.fd, Path::new(rel), rd, Mode::empty()).map(|fd| {
+                let mut s = String::new();
+                File::from(fd).read_to_string(&mut s).unwrap();
+                s
+            })
+        };
+        assert_eq!(read("a/b/f").unwrap(), "mine");
+        assert_eq!(read("./a/b/f").unwrap(), "mine");
+        for bad in ["a/out/secret", "a/link", "a/../a/b/f", "../x"] {
+            assert!(read(bad).is_err(), "{bad}");
+        }
+        let abs = outside.path().join("secret");
+        assert!(read(abs.to_str().unwrap()).is_err());
     }
 }
