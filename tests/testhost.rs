@@ -32,11 +32,13 @@ fn a_manifest_becomes_a_running_vm_that_survives_kvirtd_restarts() {
         cgroup.contains("kvirt-vm@default_alpha.service"),
         "{cgroup}"
     );
-    // QEMU runs in the VM's own network namespace, as the unprivileged user.
+    // QEMU runs in the VM's own network namespace, as the VM's own user.
     h.ok(&format!(
         "[ \"$(stat -L -c %i /run/netns/kvirt-default_alpha)\" = \"$(stat -L -c %i /proc/{pid}/ns/net)\" ]"
     ));
-    assert_eq!(h.ok(&format!("ps -o user= -p {pid}")), "kvirt");
+    let user = h.ok("systemctl show -p User --value kvirt-vm@default_alpha");
+    assert!(user.starts_with("kvirt-vm-"), "{user}");
+    assert_eq!(h.ok(&format!("stat -c %U /proc/{pid}")), user);
     // The unit carries the VM's limits: guest memory plus the overhead.
     assert_eq!(
         h.ok("systemctl show -p MemoryMax --value kvirt-vm@default_alpha"),
@@ -204,15 +206,19 @@ spec:
     h.ok("[ \"$(systemctl show -p LoadState --value kvirt-vm@default_bad-field.service)\" = not-found ]");
     h.ok("[ ! -e /run/netns/kvirt-default_bad-disk ]");
     h.wait_phase("delta", "Running", BOOT);
-    // A VM's unit sees its own directories only, not the others' (the bad
-    // VMIs have runtime directories for their status).
+    // A VM's unit sees its own directories only, not the others'.
     let pid = h.qemu_pid("delta");
     let seen = h.ok(&format!(
         "nsenter -t {pid} -m ls /run/kvirt/vms /var/lib/kvirt/vms"
     ));
     assert!(seen.contains("default_delta"), "{seen}");
-    assert!(!seen.contains("bad-field"), "{seen}");
-    assert!(h.succeeds("ls /run/kvirt/vms | grep -q bad-field"));
+    assert!(
+        !seen.contains("bad-field") && !seen.contains("bad-disk"),
+        "{seen}"
+    );
+    // Nothing of the bad VMIs was made: only their status exists.
+    assert!(h.succeeds("ls /run/kvirt/status | grep -q bad-field"));
+    assert!(h.succeeds("! ls /run/kvirt/vms /var/lib/kvirt/vms | grep -q bad-"));
     h.ok("rm /etc/kvirt/vmis.d/bad-field.yaml /etc/kvirt/vmis.d/bad-disk.yaml");
     h.wait_gone("bad-field");
     h.wait_gone("bad-disk");
@@ -961,7 +967,7 @@ fn spoofed_addresses_and_macs_from_a_guest_reach_neither_the_host_nor_another_vm
         "spoofer",
         "",
         "  networks: [{name: default, pod: {}}]\n",
-        &format!("      interfaces: [{{name: default, masquerade: {{}}}}]\n{seed}"),
+        &format!("{seed}      interfaces: [{{name: default, masquerade: {{}}}}]\n"),
     ) + "  - name: cloudinit\n    cloudInitNoCloud:\n      userData: |\n"
         + &user_data;
     h.put_manifest("spoofer", "run", &manifest);

@@ -191,7 +191,8 @@ impl Host {
 
     pub fn qemu_pid(&self, vm: &str) -> String {
         self.ok(&format!(
-            "pgrep -f 'qemu-system.*guest=default_{vm},' | head -n1"
+            // [q]: the pattern must not match this script's own command line.
+            "pgrep -f '[q]emu-system.*guest=default_{vm},' | head -n1"
         ))
     }
 
@@ -210,7 +211,7 @@ impl Host {
                  ! ip netns list | grep -qw 'kvirt-default_{vm}'
                  [ ! -e /run/netns/kvirt-default_{vm} ]
                  [ ! -e /var/lib/kvirt/vms/default_{vm} ] && [ ! -e /run/kvirt/vms/default_{vm} ]
-                 ! pgrep -f 'qemu-system.*guest=default_{vm},'"
+                 ! pgrep -f '[q]emu-system.*guest=default_{vm},'"
             ),
         );
     }
