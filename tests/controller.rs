@@ -5,7 +5,7 @@ use kvirt::core::convert::{DiskPrep, DomainType, HostDiskRoots};
 use kvirt::core::key::VmKey;
 use kvirt::core::layout::{DaemonKind, HostLayout};
 use kvirt::core::objects::ObjectRef;
-use kvirt::core::plan::{DomainState, GuestAgent};
+use kvirt::core::plan::{DomainState, GuestAgent, UnitActivity};
 use kvirt::core::trigger::Trigger;
 use kvirt::core::unit::Prop;
 use kvirt::core::vmi::{Phase, VirtualMachineInstance};
@@ -34,6 +34,7 @@ fn settings() -> Settings {
         overhead_bytes: 256 << 20,
         tasks_max: 1024,
         shutdown_resend: Duration::from_secs(5),
+        capacity: None,
     }
 }
 
@@ -154,6 +155,90 @@ async fn a_restarted_daemon_adopts_without_touching_the_vm() {
     assert!(host.take_calls().is_empty(), "adoption must not act");
     assert_eq!(host.state().statuses, before, "no status flapping");
     assert_eq!(host.state().events.len(), events, "no duplicate events");
+}
+
+#[tokio::test]
+async fn a_vms_daemon_restarted_by_systemd_is_an_event_and_nothing_else() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    ctl.set_vmis(set(&[vmi("vm1", "u1", "")])).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    let before = host.state().statuses.clone();
+    host.take_calls();
+    let unit = "kvirt-vm@default_vm1.service";
+    // Between passes systemd restarted the daemon (its QEMU ran on), then
+    // the daemon is up again with the domain it reconnected to.
+    host.state().units.get_mut(unit).unwrap().activity = UnitActivity::Activating;
+    ctl.reconcile("default_vm1").await.unwrap();
+    {
+        let mut s = host.state();
+        let u = s.units.get_mut(unit).unwrap();
+        u.activity = UnitActivity::Active;
+        u.restarts = 1;
+    }
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert!(host.take_calls().is_empty(), "the VM was touched");
+    assert_eq!(host.state().statuses, before, "status flapped");
+    assert_eq!(reasons(&host).last(), Some(&EventReason::DaemonRestarted));
+    // Once: the next pass has nothing new to say.
+    let n = host.state().events.len();
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert_eq!(host.state().events.len(), n);
+}
+
+#[tokio::test]
+async fn a_daemon_that_does_not_answer_is_reported_and_its_vm_left_alone() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    ctl.set_vmis(set(&[vmi("vm1", "u1", ""), vmi("vm2", "u2", "")]))
+        .await;
+    assert!(ctl.reconcile_all().await.is_empty());
+    host.take_calls();
+    host.state().unresponsive.insert("default_vm1".into());
+    assert!(ctl.reconcile_all().await.is_empty());
+    let calls = host.take_calls();
+    assert!(
+        calls.iter().all(|c| c.starts_with("save")),
+        "the VMs were touched: {calls:?}"
+    );
+    let ready = |name: &str| {
+        let st = host.state().statuses[&VmKey::new("default", name).unwrap()].clone();
+        assert_eq!(st.status.phase, Some(Phase::Running));
+        let c = st
+            .status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Ready")
+            .unwrap()
+            .clone();
+        (c.status, c.reason)
+    };
+    assert_eq!(
+        ready("vm1"),
+        ("False".into(), Some("DaemonUnresponsive".into()))
+    );
+    assert_eq!(ready("vm2").0, "True");
+    assert_eq!(
+        reasons(&host).last(),
+        Some(&EventReason::DaemonUnresponsive)
+    );
+    // Once per episode; and Ready again once it answers.
+    let n = host.state().events.len();
+    assert!(ctl.reconcile_all().await.is_empty());
+    assert_eq!(host.state().events.len(), n);
+    host.state().unresponsive.clear();
+    assert!(ctl.reconcile_all().await.is_empty());
+    assert_eq!(ready("vm1").0, "True");
+    assert!(host.take_calls().iter().all(|c| c.starts_with("save")));
+
+    // Deleted while it does not answer: its unit's stop takes it all.
+    host.state().unresponsive.insert("default_vm1".into());
+    ctl.set_vmis(set(&[vmi("vm2", "u2", "")])).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert!(!host
+        .state()
+        .units
+        .contains_key("kvirt-vm@default_vm1.service"));
 }
 
 #[tokio::test]
@@ -347,7 +432,7 @@ async fn the_loop_runs_vms_from_triggers() {
     let host = FakeHost::default();
     let ctl = controller(&host);
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    let task = tokio::spawn(ctl.clone().run(tx.clone(), rx));
+    let task = tokio::spawn(ctl.clone().run(tx.clone(), rx, None));
     tx.send(Trigger::Vmis(set(&[
         vmi("a", "ua", ""),
         vmi("b", "ub", ""),
@@ -861,7 +946,7 @@ async fn kept_efi_variables_go_once_their_virtual_machine_is_gone() {
 
     // The loop sweeps on its trigger.
     let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    let task = tokio::spawn(ctl.clone().run(tx.clone(), rx));
+    let task = tokio::spawn(ctl.clone().run(tx.clone(), rx, None));
     tx.send(Trigger::EfiVars).unwrap();
     wait_for(|| !host.state().kept_efi_vars.contains_key("default_c")).await;
     assert_eq!(

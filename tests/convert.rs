@@ -83,6 +83,7 @@ fn convert_fixture(
         domain_type: f.domain_type,
         host_disk_roots: &roots,
         cluster: f.cluster,
+        capacity: None,
     };
     let all = convert_all_errors(&vmi, &ctx);
     // `convert` must agree with `convert_all_errors` and report the first.
@@ -199,6 +200,7 @@ fn error_display_names_the_field() {
             domain_type: DomainType::Kvm,
             host_disk_roots: &[PathBuf::from(HOST_DISK_ROOT)],
             cluster: false,
+            capacity: None,
         },
     )
     .unwrap_err();

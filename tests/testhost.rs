@@ -410,6 +410,7 @@ fn the_test_manifests_convert() {
             domain_type: DomainType::Qemu,
             host_disk_roots: &["/var/lib/kvirt/images".into()],
             cluster: false,
+            capacity: None,
         };
         let c = convert(&vmi, &ctx).unwrap_or_else(|e| panic!("{e}\n{m}"));
         assert!(c.network.is_some());
@@ -995,4 +996,421 @@ fn spoofed_addresses_and_macs_from_a_guest_reach_neither_the_host_nor_another_vm
     h.ok("nft delete table ip kvirt_spy");
     h.remove_vm_and_wait_gone("spoofer");
     h.remove_vm_and_wait_gone("victim");
+}
+
+/// The unit's main process: the VM's libvirt daemon.
+fn daemon_pid(h: &Host, vm: &str) -> String {
+    h.ok(&format!("systemctl show -P MainPID kvirt-vm@default_{vm}"))
+}
+
+#[test]
+fn a_vm_outlives_its_libvirt_daemon_but_not_a_stop_on_purpose() {
+    let Some(h) = host() else { return };
+    let _g = serial();
+    h.create_vm("phoenix", "run");
+    h.wait_phase("phoenix", "Running", BOOT);
+    h.console_shows("phoenix", "KVIRT-GUEST-ALIVE");
+    let (qemu, daemon) = (h.qemu_pid("phoenix"), daemon_pid(&h, "phoenix"));
+    let transitions = h.status("phoenix")["status"]["phaseTransitionTimestamps"].clone();
+
+    // The daemon dies hard: systemd starts another in the same unit, and
+    // the VM never notices.
+    h.ok(&format!("kill -KILL {daemon}"));
+    h.wait(
+        "the VM's daemon started again",
+        Duration::from_secs(60),
+        &format!(
+            "systemctl is-active -q kvirt-vm@default_phoenix
+             [ \"$(systemctl show -P NRestarts kvirt-vm@default_phoenix)\" = 1 ]
+             [ \"$(systemctl show -P MainPID kvirt-vm@default_phoenix)\" != {daemon} ]"
+        ),
+    );
+    assert_eq!(h.qemu_pid("phoenix"), qemu, "QEMU was restarted");
+    h.wait(
+        "kvirtd's Event about it",
+        Duration::from_secs(60),
+        "journalctl -u kvirtd --no-pager | grep -q 'default/phoenix: .*reason=DaemonRestarted'",
+    );
+    let st = h.status("phoenix");
+    assert_eq!(st["status"]["phase"], "Running");
+    assert_eq!(
+        st["status"]["phaseTransitionTimestamps"], transitions,
+        "status flapped"
+    );
+    // The guest runs on and the new daemon serves it: its guest agent,
+    // then a graceful shutdown asked through it.
+    h.console_shows("phoenix", "KVIRT-GUEST-ALIVE");
+    h.wait(
+        "the agent through the new daemon",
+        Duration::from_secs(60),
+        "grep -q '\"prettyName\": \"kvirt test guest 1\"' /run/kvirt/status/default_phoenix.json",
+    );
+
+    // A stop on purpose takes QEMU with it.
+    h.ok("systemctl stop kvirt-vm@default_phoenix");
+    h.wait(
+        "QEMU gone with its unit",
+        Duration::from_secs(60),
+        &format!("! kill -0 {qemu} 2>/dev/null"),
+    );
+    h.wait_phase("phoenix", "Failed", Duration::from_secs(60));
+    h.remove_vm_and_wait_gone("phoenix");
+
+    // kvirtd's own teardown, through a restarted daemon: graceful.
+    h.create_vm("phoenix", "run");
+    h.wait_phase("phoenix", "Running", BOOT);
+    h.console_shows("phoenix", "KVIRT-GUEST-READY");
+    h.ok(&format!("kill -KILL {}", daemon_pid(&h, "phoenix")));
+    h.wait(
+        "the VM's daemon started again",
+        Duration::from_secs(60),
+        "systemctl is-active -q kvirt-vm@default_phoenix
+         [ \"$(systemctl show -P NRestarts kvirt-vm@default_phoenix)\" = 1 ]",
+    );
+    let since = h.ok("date +%s");
+    h.remove_vm_and_wait_gone("phoenix");
+    let log = h.ok(&format!(
+        "journalctl -u kvirtd --no-pager --since @{since} | grep default/phoenix || true"
+    ));
+    assert!(!log.contains("grace period over"), "{log}");
+}
+
+#[test]
+fn a_stopped_libvirt_daemon_holds_up_only_its_own_vm() {
+    let Some(h) = host() else { return };
+    let _g = serial();
+    h.create_vm("frozen", "run");
+    h.wait_phase("frozen", "Running", BOOT);
+    let daemon = daemon_pid(&h, "frozen");
+    h.ok(&format!("kill -STOP {daemon}"));
+    // Undone whatever happens below: a stopped daemon would outlive the test.
+    struct Cont<'a>(&'a Host, String);
+    impl Drop for Cont<'_> {
+        fn drop(&mut self) {
+            self.0.sh(&format!("kill -CONT {}", self.1));
+        }
+    }
+    let _cont = Cont(&h, daemon.clone());
+
+    // Another VM comes and goes as usual meanwhile.
+    h.create_vm("thawed", "run");
+    h.wait_phase("thawed", "Running", BOOT);
+    h.console_shows("thawed", "KVIRT-GUEST-READY");
+    h.remove_vm_and_wait_gone("thawed");
+
+    // The stuck one is reported: not Ready, with why, an Event, and in ls.
+    h.wait(
+        "frozen reported",
+        Duration::from_secs(90),
+        "grep -q DaemonUnresponsive /run/kvirt/status/default_frozen.json",
+    );
+    assert_eq!(h.status("frozen")["status"]["phase"], "Running");
+    let ls = h.ok("kvirtctl ls");
+    assert!(
+        ls.lines()
+            .any(|l| l.contains("frozen") && l.contains("False (DaemonUnresponsive)")),
+        "{ls}"
+    );
+    h.ok("journalctl -u kvirtd --no-pager | grep -q 'default/frozen: .*reason=DaemonUnresponsive'");
+    h.ok("systemctl is-active -q kvirtd");
+
+    // Continued, it is Ready again, the same VM.
+    let qemu = h.qemu_pid("frozen");
+    h.ok(&format!("kill -CONT {daemon}"));
+    h.wait(
+        "frozen Ready again",
+        Duration::from_secs(90),
+        "! grep -q DaemonUnresponsive /run/kvirt/status/default_frozen.json",
+    );
+    assert_eq!(h.qemu_pid("frozen"), qemu);
+    h.remove_vm_and_wait_gone("frozen");
+}
+
+#[test]
+fn kvirtd_is_ready_at_once_while_a_vm_waits_out_its_grace_period() {
+    let Some(h) = host() else { return };
+    let _g = serial();
+    // A guest that ignores the power button: its deletion waits out the
+    // whole grace period.
+    let seed = "      - name: cloudinit\n        disk: {bus: virtio}\n";
+    let manifest = support::vmi_manifest("stubborn", "", "", seed)
+        .replace(
+            "terminationGracePeriodSeconds: 15",
+            "terminationGracePeriodSeconds: 300",
+        )
+        + "  - name: cloudinit\n    cloudInitNoCloud:\n      userData: |\n        #!/bin/sh\n        killall acpid && echo KVIRT-DEAF\n";
+    h.put_manifest("stubborn", "run", &manifest);
+    h.wait_phase("stubborn", "Running", BOOT);
+    h.serial_log_shows("stubborn", "KVIRT-GUEST-READY");
+    h.serial_log_shows("stubborn", "KVIRT-DEAF");
+    let since = h.ok("date +%s");
+    h.ok("rm /etc/kvirt/vmis.d/stubborn.yaml");
+    h.wait(
+        "the shutdown under way",
+        Duration::from_secs(30),
+        &format!(
+            "journalctl -u kvirtd --no-pager --since @{since} | grep -q 'default/stubborn: acting.*ShutdownDomain'"
+        ),
+    );
+    // systemctl restart returns once the new kvirtd said READY.
+    let took = h
+        .ok("s=$(date +%s%N); systemctl restart kvirtd; echo $(( ($(date +%s%N) - s) / 1000000 ))");
+    let ms: u64 = took.parse().unwrap();
+    eprintln!("kvirtd restarted and READY in {ms} ms during a 300 s grace period");
+    assert!(ms < 30_000, "READY waited: {ms} ms");
+    // The deletion is still under way. Rather than wait out 300 s, the
+    // domain is ended by hand: the new kvirtd finishes the deletion.
+    h.ok("systemctl is-active -q kvirt-vm@default_stubborn");
+    h.ok("virsh -c 'qemu:///session?socket=/run/kvirt/vms/default_stubborn/xdg/libvirt/virtqemud-sock' destroy default_stubborn >/dev/null");
+    h.wait_gone("stubborn");
+    h.ok("rm -f /var/lib/kvirt/images/stubborn.raw");
+}
+
+#[test]
+fn long_names_run_and_what_cannot_fit_is_refused_up_front() {
+    let Some(h) = host() else { return };
+    let _g = serial();
+    // Long enough that libvirt's monitor socket under the VM's state
+    // directory would pass the Unix socket path limit.
+    let long = "a-vm-whose-name-is-long-enough-to-matter";
+    h.create_vm(long, "run");
+    h.wait_phase(long, "Running", BOOT);
+    h.serial_log_shows(long, "KVIRT-GUEST-READY");
+    h.remove_vm_and_wait_gone(long);
+
+    // Too long for the sockets at all, and too large for the host: refused
+    // with the limits named, and nothing of them made.
+    let too_long = "x".repeat(70);
+    let huge = "huge";
+    h.create_vm(&too_long, "");
+    h.put_manifest(
+        huge,
+        "",
+        &support::vmi_manifest(huge, "", "", "").replace("guest: 128Mi", "guest: 1Ti"),
+    );
+    for (vm, why) in [
+        (too_long.as_str(), "characters together"),
+        (huge, "of guest memory does not fit this host's"),
+    ] {
+        h.wait_phase(vm, "Failed", Duration::from_secs(60));
+        let st = h.status(vm)["status"].clone();
+        assert!(st["reason"].as_str().unwrap_or("").contains(why), "{st}");
+        h.ok(&format!(
+            "[ \"$(systemctl show -p LoadState --value kvirt-vm@default_{vm}.service)\" = not-found ]
+             [ ! -e /var/lib/kvirt/vms/default_{vm} ]"
+        ));
+        h.remove_vm_and_wait_gone(vm);
+    }
+}
+
+/// xorshift64*: the chaos test's choices, repeatable from a printed seed.
+struct Chaos(u64);
+
+impl Chaos {
+    fn below(&mut self, n: u64) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d) % n
+    }
+}
+
+#[derive(Default)]
+struct ChaosVm {
+    present: bool,
+    generation: u32,
+    /// Its QEMU or its daemon was killed before it ran: Failed is as
+    /// right as Running.
+    may_fail: bool,
+    /// QEMU's PID when last seen running, for the same-QEMU check.
+    qemu: Option<String>,
+}
+
+/// SIGKILLs of kvirtd, of VMs' libvirt daemons and of QEMUs at random
+/// points among creates, deletes and edits; then everything converges:
+/// each VM that should run runs (the same QEMU unless it was touched),
+/// nothing is left of the others. `KVIRT_CHAOS_SEED` repeats a run,
+/// `KVIRT_CHAOS_CYCLES` (default 30) makes it longer.
+#[test]
+fn chaos_kills_at_random_points_and_everything_converges() {
+    let Some(h) = host() else { return };
+    let _g = serial();
+    let seed: u64 = std::env::var("KVIRT_CHAOS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| {
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos() as u64
+                | 1
+        });
+    let cycles: u32 = std::env::var("KVIRT_CHAOS_CYCLES")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(30);
+    eprintln!("chaos: seed {seed}, {cycles} cycles (KVIRT_CHAOS_SEED={seed} repeats it)");
+    let mut rng = Chaos(seed);
+    let names = ["chaos0", "chaos1", "chaos2"];
+    let mut vms: std::collections::BTreeMap<&str, ChaosVm> =
+        names.iter().map(|n| (*n, ChaosVm::default())).collect();
+    for n in names {
+        h.ok(&format!(
+            "cp /srv/guest/run.raw /var/lib/kvirt/images/{n}.raw"
+        ));
+    }
+    let manifest = |vm: &str, generation: u32| {
+        support::vmi_manifest(
+            vm,
+            &format!("generation: \"{generation}\""),
+            "  networks: [{name: default, pod: {}}]\n",
+            "      interfaces: [{name: default, masquerade: {}}]\n",
+        )
+    };
+    let running = |vm: &str| {
+        h.succeeds(&format!(
+            "grep -q '\"phase\": \"Running\"' /run/kvirt/status/default_{vm}.json"
+        ))
+    };
+    for cycle in 0..cycles {
+        let vm = names[rng.below(names.len() as u64) as usize];
+        let op = rng.below(100);
+        let state = vms.get_mut(vm).unwrap();
+        let did = match op {
+            0..=29 if !state.present => {
+                state.present = true;
+                state.generation += 1;
+                state.may_fail = false;
+                state.qemu = None;
+                h.put_manifest(vm, "", &manifest(vm, state.generation));
+                format!("create {vm}")
+            }
+            30..=44 if state.present => {
+                state.present = false;
+                h.ok(&format!("rm /etc/kvirt/vmis.d/{vm}.yaml"));
+                format!("delete {vm}")
+            }
+            0..=59 if state.present => {
+                state.generation += 1;
+                state.may_fail = false;
+                state.qemu = None;
+                h.put_manifest(vm, "", &manifest(vm, state.generation));
+                format!("edit {vm} (generation {})", state.generation)
+            }
+            60..=74 => {
+                let main = h.ok("systemctl show -P MainPID kvirtd");
+                h.ok("systemctl kill -s KILL kvirtd");
+                h.wait_new_kvirtd("SIGKILL", "MainPID", &main);
+                "kill -9 kvirtd".into()
+            }
+            75..=87 => {
+                let pid = daemon_pid(&h, vm);
+                if pid == "0" || pid.is_empty() {
+                    continue;
+                }
+                if !running(vm) {
+                    state.may_fail = true;
+                }
+                h.sh(&format!("kill -KILL {pid}"));
+                format!("kill -9 {vm}'s daemon")
+            }
+            88..=99 => {
+                let pid = h.ok(&format!(
+                    "pgrep -f '[q]emu-system.*guest=default_{vm},' | head -n1"
+                ));
+                if pid.is_empty() {
+                    continue;
+                }
+                state.may_fail = true;
+                state.qemu = None;
+                h.sh(&format!("kill -KILL {pid}"));
+                format!("kill -9 {vm}'s QEMU")
+            }
+            _ => continue,
+        };
+        eprintln!("chaos {cycle}: {did}");
+        // Pacing, so kills land at different points of kvirtd's work.
+        std::thread::sleep(Duration::from_millis(rng.below(1500)));
+        for (vm, s) in vms.iter_mut() {
+            if s.present && !s.may_fail && s.qemu.is_none() && running(vm) {
+                let pid = h.ok(&format!(
+                    "pgrep -f '[q]emu-system.*guest=default_{vm},' | head -n1"
+                ));
+                s.qemu = (!pid.is_empty()).then_some(pid);
+            }
+        }
+    }
+
+    for (vm, s) in &vms {
+        if !s.present {
+            h.wait_gone(vm);
+            continue;
+        }
+        if s.may_fail {
+            h.wait(
+                &format!("{vm} settled"),
+                BOOT,
+                &format!(
+                    "grep -Eq '\"phase\": \"(Running|Failed)\"' /run/kvirt/status/default_{vm}.json"
+                ),
+            );
+            if !running(vm) {
+                // Failed: nothing of it runs any more.
+                h.wait(
+                    &format!("{vm}'s unit gone"),
+                    Duration::from_secs(60),
+                    &format!(
+                        "[ \"$(systemctl show -p LoadState --value kvirt-vm@default_{vm}.service)\" = not-found ]
+                         ! pgrep -f '[q]emu-system.*guest=default_{vm},'
+                         [ ! -e /run/netns/kvirt-default_{vm} ]"
+                    ),
+                );
+                continue;
+            }
+        }
+        h.wait_phase(vm, "Running", BOOT);
+        h.wait(
+            &format!("{vm}'s QEMU"),
+            BOOT,
+            &format!("pgrep -f '[q]emu-system.*guest=default_{vm},'"),
+        );
+        if let (Some(before), false) = (&s.qemu, s.may_fail) {
+            assert_eq!(&h.qemu_pid(vm), before, "{vm}'s QEMU was replaced");
+        }
+        h.ok(&format!("systemctl is-active -q kvirt-vm@default_{vm}"));
+    }
+    // Every address leased and every anti-spoofing element belongs to a
+    // VM that runs.
+    let runs: Vec<&str> = vms
+        .iter()
+        .filter(|(vm, s)| s.present && running(vm))
+        .map(|(vm, _)| *vm)
+        .collect();
+    let leases = h.ok("cat /var/lib/kvirt/network/leases.json");
+    for vm in names {
+        assert_eq!(
+            leases.contains(&format!("default_{vm}\"")),
+            runs.contains(&vm),
+            "{vm}: {leases}"
+        );
+    }
+    // The host's anti-spoofing set holds exactly the running VMs' pod
+    // addresses (other VMs on the host included).
+    let ip = "grep -oE '([0-9]+\\.){3}[0-9]+'";
+    let elements = h.ok(&format!(
+        "{{ nft list set bridge kvirt vm_sources | {ip} || true; }} | sort -u"
+    ));
+    let addresses = h.ok(&format!(
+        "{{ cat /run/kvirt/status/*.json | grep '\"ipAddress\"' | {ip} || true; }} | sort -u"
+    ));
+    assert_eq!(elements, addresses, "{runs:?}");
+
+    for vm in names {
+        h.ok(&format!("rm -f /etc/kvirt/vmis.d/{vm}.yaml"));
+    }
+    for vm in names {
+        h.wait_gone(vm);
+        h.ok(&format!("rm -f /var/lib/kvirt/images/{vm}.raw"));
+    }
+    h.ok("! grep -q '\"ip\"' /var/lib/kvirt/network/leases.json");
 }

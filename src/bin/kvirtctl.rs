@@ -136,7 +136,7 @@ fn age(created: Option<&str>) -> String {
 }
 
 fn ls(layout: &HostLayout) -> Result<()> {
-    let rows: Vec<[String; 6]> = read_all_status(layout)
+    let rows: Vec<[String; 7]> = read_all_status(layout)
         .iter()
         .map(|v| {
             let ip = v
@@ -158,13 +158,14 @@ fn ls(layout: &HostLayout) -> Result<()> {
                     .unwrap_or_else(|| "default".into()),
                 v.metadata.name.clone().unwrap_or_default(),
                 v.status.phase.map(|p| format!("{p:?}")).unwrap_or_default(),
+                ready(v),
                 ip.to_owned(),
                 v.status.node_name.clone().unwrap_or_default(),
                 age(created.as_deref()),
             ]
         })
         .collect();
-    let header = ["NAMESPACE", "NAME", "PHASE", "IP", "NODE", "AGE"].map(String::from);
+    let header = ["NAMESPACE", "NAME", "PHASE", "READY", "IP", "NODE", "AGE"].map(String::from);
     let mut widths = header.clone().map(|h| h.len());
     for r in &rows {
         for (w, c) in widths.iter_mut().zip(r) {
@@ -180,7 +181,26 @@ fn ls(layout: &HostLayout) -> Result<()> {
             .collect();
         writeln!(out, "{}", line.join("   ").trim_end())?;
     }
+    let unusable = kvirt::sources::manifest::read_manifest_errors(&layout.manifest_errors_file());
+    if !unusable.is_empty() {
+        writeln!(out, "\nMANIFESTS NOT USED")?;
+        for (path, error) in unusable {
+            writeln!(out, "{path}: {error}")?;
+        }
+    }
     Ok(())
+}
+
+/// The `Ready` condition, with its reason when not ready for a reason
+/// other than not running (`False (DaemonUnresponsive)`).
+fn ready(v: &kvirt::core::vmi::VirtualMachineInstance) -> String {
+    let Some(c) = v.status.conditions.iter().find(|c| c.type_ == "Ready") else {
+        return String::new();
+    };
+    match c.reason.as_deref() {
+        Some(r) if c.status != "True" && r != "NotRunning" => format!("{} ({r})", c.status),
+        _ => c.status.clone(),
+    }
 }
 
 fn status(layout: &HostLayout, vm: &str) -> Result<()> {
@@ -292,6 +312,8 @@ fn domxml(config: &Config, file: &Path, domain_type: DomainTypeArg) -> Result<()
         host_disk_roots: roots.of(key.namespace()),
         // The XML does not depend on what the objects hold.
         cluster: true,
+        // Nor on the host it is made on: it may be for another.
+        capacity: None,
     };
     match convert::convert_all_errors(&vmi, &ctx) {
         Ok(c) => {

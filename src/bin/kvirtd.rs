@@ -223,6 +223,11 @@ fn settings(config: &Config) -> Result<Settings> {
         overhead_bytes: config.vm.overhead_mib << 20,
         tasks_max: config.vm.tasks_max,
         shutdown_resend: Duration::from_secs(5),
+        capacity: kvirt::host::capacity::read()
+            .inspect_err(|e| {
+                warn!("the host's memory and CPUs: {e}; VMs are not checked against them")
+            })
+            .ok(),
     })
 }
 
@@ -295,14 +300,16 @@ async fn run(config: Config) -> Result<()> {
             let status = FileStatusStore {
                 host: settings.layout.clone(),
             };
-            let initial = manifest::scan(&dir).vmis;
-            let watch = dir.clone();
-            let ready = move |tx: UnboundedSender<Trigger>| manifest::watch(watch, tx);
-            let list = move || manifest::scan(&dir).vmis;
+            let manifests = Arc::new(manifest::ManifestDir::new(
+                dir,
+                Some(settings.layout.manifest_errors_file()),
+            ));
+            let initial = manifests.scan().vmis;
+            let ready = move |tx: UnboundedSender<Trigger>| manifests.watch(tx, resync);
             let sources = Sources {
                 initial,
                 ready,
-                list,
+                list: None::<fn() -> _>,
                 resync,
                 efi_vars_check: None,
             };
@@ -339,7 +346,7 @@ async fn run(config: Config) -> Result<()> {
             let sources = Sources {
                 initial,
                 ready,
-                list,
+                list: Some(list),
                 resync,
                 efi_vars_check: Some(Duration::from_secs(k.efi_vars_check_seconds.max(1))),
             };

@@ -159,7 +159,10 @@ pub fn handle_datagram(
     datagram: &[u8],
     lease: &LeaseConfig,
 ) -> Result<Option<(Message, Message, SocketAddrV4)>, DecodeError> {
-    let request = Message::decode(&mut Decoder::new(datagram))?;
+    // dhcproto asserts on some malformed option lengths (in debug builds):
+    // a guest's packet is refused, never a panic in kvirtd.
+    let request = std::panic::catch_unwind(|| Message::decode(&mut Decoder::new(datagram)))
+        .map_err(|_| DecodeError::InvalidData(0, "malformed option"))??;
     Ok(respond(&request, lease).map(|reply| {
         let to = reply_destination(&request, &reply);
         (request, reply, to)

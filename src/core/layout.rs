@@ -34,6 +34,9 @@ impl DaemonKind {
     }
 }
 
+/// The most bytes of a Unix socket path (`sun_path`, its NUL excluded).
+pub const MAX_SOCKET_PATH: usize = 107;
+
 /// The host-wide roots, from the config.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct HostLayout {
@@ -65,6 +68,11 @@ impl HostLayout {
     /// reach (a VM's own directories are its user's to plant links in).
     pub fn status_dir(&self) -> PathBuf {
         self.runtime_dir.join("status")
+    }
+
+    /// The manifests kvirtd cannot use, with why (for `kvirtctl ls`).
+    pub fn manifest_errors_file(&self) -> PathBuf {
+        self.runtime_dir.join("manifest-errors.json")
     }
 
     /// containerDisk images, shared by every VM (see `image`).
@@ -160,6 +168,41 @@ impl VmPaths {
 
     pub fn xdg_config_dir(&self) -> PathBuf {
         self.state_dir.join("config")
+    }
+
+    /// Where the VM's unit sees [`Self::xdg_config_dir`]: a short fixed
+    /// path on the tmpfs that hides the other VMs. libvirt binds the QEMU
+    /// monitor below it (`libvirt/qemu/lib/domain-<n>-<name>/monitor.sock`),
+    /// which under the state directory would pass the Unix socket path
+    /// limit for all but the shortest names.
+    pub fn unit_config_dir(&self) -> PathBuf {
+        self.runtime_dir
+            .parent()
+            .unwrap_or(&self.runtime_dir)
+            .join(".config")
+    }
+
+    /// The longest Unix socket path the VM's libvirt daemon and QEMU bind
+    /// for a domain of this name: the daemon's admin socket and QEMU's in
+    /// the runtime directory, and the monitor in libvirt's per-domain
+    /// directory (`domain-<id>-<the name's first 20 characters>`; the id
+    /// assumed below 1000).
+    pub fn longest_socket_path(&self, domain_name: &str) -> usize {
+        let short: String = domain_name.chars().take(20).collect();
+        let monitor = self
+            .unit_config_dir()
+            .join(format!("libvirt/qemu/lib/domain-999-{short}/monitor.sock"));
+        [
+            self.xdg_runtime_dir().join("libvirt/virtqemud-admin-sock"),
+            self.serial_socket(),
+            self.guest_agent_socket(),
+            self.vnc_socket(),
+            monitor,
+        ]
+        .iter()
+        .map(|p| p.as_os_str().len())
+        .max()
+        .unwrap_or(0)
     }
 
     /// Session libvirt reads its QEMU driver config from here.

@@ -33,6 +33,8 @@ pub struct UnitObs {
     pub domain_name: Option<String>,
     /// systemd's `Result` (e.g. `exit-code`) for a failed unit.
     pub result: String,
+    /// How often systemd restarted the daemon in this unit (`NRestarts`).
+    pub restarts: u32,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,6 +78,9 @@ pub struct Observed {
     pub machine: Option<bool>,
     /// The VM has an identity (a uid of its own) allocated.
     pub identity: bool,
+    /// The unit runs but its libvirt daemon did not answer: what the
+    /// domain does is unknown.
+    pub unresponsive: bool,
 }
 
 impl Observed {
@@ -179,6 +184,9 @@ pub enum Outcome {
     Failed(String),
     /// Nothing to report (the VMI is gone, or the host is still settling).
     Unchanged,
+    /// The VM's libvirt daemon does not answer: the phase stays, the VM is
+    /// not Ready, and nothing is done to it until it answers again.
+    Unresponsive(String),
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -306,6 +314,14 @@ pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
                 unit.result
             )),
         ),
+        UnitActivity::Active if obs.unresponsive => {
+            let mut p = Plan::new(
+                vec![],
+                Outcome::Unresponsive("the VM's libvirt daemon does not answer".into()),
+            );
+            p.requeue = true;
+            p
+        }
         UnitActivity::Active => match obs.domain.as_ref().map(|dom| dom.state) {
             None => Plan::new(
                 [Step::SetupNetwork, Step::DefineDomain, Step::StartDomain]
@@ -363,6 +379,7 @@ mod tests {
             grace: Some(Duration::from_secs(5)),
             domain_name: Some("ns_vm".into()),
             result: "success".into(),
+            restarts: 0,
         })
     }
 
@@ -383,7 +400,25 @@ mod tests {
             domain: dom(state),
             machine: None,
             identity: true,
+            unresponsive: false,
         }
+    }
+
+    #[test]
+    fn a_daemon_that_does_not_answer_keeps_its_vm_and_only_a_teardown_acts() {
+        let stuck = Observed {
+            domain: None,
+            unresponsive: true,
+            ..running_host(DomainState::Running)
+        };
+        let p = plan(Some(&desired(Some(Phase::Running))), &stuck);
+        assert!(p.steps.is_empty(), "{:?}", p.steps);
+        assert!(matches!(p.outcome, Outcome::Unresponsive(_)));
+        assert!(p.requeue);
+        // Deleted meanwhile: the unit's stop takes QEMU along, with no
+        // shutdown asked of a daemon that would not pass it on.
+        let gone = plan(None, &stuck).steps;
+        assert_eq!(gone.first(), Some(&Step::StopUnit), "{gone:?}");
     }
 
     #[test]

@@ -21,6 +21,18 @@ pub fn next_status(
 ) -> Result<Option<VmiStatus>, phase::TransitionError> {
     let (phase, failure) = match outcome {
         Outcome::Unchanged => return Ok(None),
+        Outcome::Unresponsive(message) => {
+            let mut next = prev.clone();
+            set_condition(
+                &mut next.conditions,
+                READY,
+                false,
+                Some("DaemonUnresponsive"),
+                Some(message),
+                now,
+            );
+            return Ok((next != *prev).then_some(next));
+        }
         Outcome::Phase(p) => (*p, None),
         Outcome::Failed(reason) => (Phase::Failed, Some(("Failed", reason.as_str(), false))),
         Outcome::Invalid(reason) => (Phase::Failed, Some(("SyncFailed", reason.as_str(), true))),
@@ -196,6 +208,34 @@ mod tests {
             next_status(&s2, &Outcome::Phase(Phase::Running), "n1", "t3").unwrap(),
             None
         );
+    }
+
+    #[test]
+    fn an_unanswering_daemon_makes_a_running_vm_not_ready_until_it_answers() {
+        let running = next_status(
+            &VmiStatus::default(),
+            &Outcome::Phase(Phase::Running),
+            "n1",
+            "t1",
+        )
+        .unwrap()
+        .unwrap();
+        let stuck = Outcome::Unresponsive("no answer".into());
+        let s = next_status(&running, &stuck, "n1", "t2").unwrap().unwrap();
+        assert_eq!(s.phase, Some(Phase::Running));
+        assert_eq!(
+            s.phase_transition_timestamps,
+            running.phase_transition_timestamps
+        );
+        let ready = cond(&s, READY).unwrap();
+        assert_eq!(ready.status, "False");
+        assert_eq!(ready.reason.as_deref(), Some("DaemonUnresponsive"));
+        // Said once, not at every pass.
+        assert_eq!(next_status(&s, &stuck, "n1", "t3").unwrap(), None);
+        let back = next_status(&s, &Outcome::Phase(Phase::Running), "n1", "t4")
+            .unwrap()
+            .unwrap();
+        assert_eq!(cond(&back, READY).unwrap().status, "True");
     }
 
     #[test]

@@ -96,7 +96,7 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
     let s = |v: &std::path::Path| v.display().to_string();
     let env = vec![
         format!("XDG_RUNTIME_DIR={}", s(&p.xdg_runtime_dir())),
-        format!("XDG_CONFIG_HOME={}", s(&p.xdg_config_dir())),
+        format!("XDG_CONFIG_HOME={}", s(&p.unit_config_dir())),
         format!("XDG_CACHE_HOME={}", s(&p.xdg_cache_dir())),
         format!("HOME={}", s(&p.state_dir)),
         format!("{ENV_UID}={}", i.uid),
@@ -112,6 +112,7 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
     let mut binds = vec![
         (s(&p.state_dir), s(&p.state_dir)),
         (s(&p.runtime_dir), s(&p.runtime_dir)),
+        (s(&p.xdg_config_dir()), s(&p.unit_config_dir())),
     ];
     binds.extend(i.extra_rw_paths.iter().map(|x| (s(x), s(x))));
     let mut hidden = vec![
@@ -148,6 +149,21 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
         Prop::U64("TasksMax", i.tasks_max),
         // kvirtd shuts the guest down first; this only bounds a stuck daemon.
         Prop::U64("TimeoutStopUSec", 30_000_000),
+        // The daemon dying (signal, OOM, crash) is not the VM's end, as
+        // with libvirtd.service: systemd kills only the daemon and starts
+        // it again in the same unit, where it reconnects to the running
+        // QEMU from its state files.
+        Prop::Str("KillMode", "process".into()),
+        Prop::Str("Restart", "on-failure".into()),
+        Prop::U64("RestartUSec", 200_000),
+        // A stop on purpose (kvirtd's teardown, `systemctl stop`) still
+        // takes all of it: ExecStop= runs for those and not when the
+        // daemon died. kill(-1) as the VM's own user reaches exactly the
+        // VM's processes.
+        Prop::Exec(
+            "ExecStop",
+            vec!["/bin/sh".into(), "-c".into(), "kill -TERM -1".into()],
+        ),
     ];
     properties.extend(sandbox());
     properties.extend([
@@ -310,6 +326,26 @@ mod tests {
             .iter()
             .find(|p| p.name() == name)
             .unwrap_or_else(|| panic!("{name} missing"))
+    }
+
+    #[test]
+    fn a_dying_daemon_is_restarted_without_its_qemu_but_a_stop_takes_all() {
+        let host = HostLayout::default();
+        let key = VmKey::new("default", "vm1").unwrap();
+        let paths = host.vm(&key);
+        let u = unit_spec(&input(&key, &paths, &host));
+        assert_eq!(
+            find(&u, "KillMode"),
+            &Prop::Str("KillMode", "process".into())
+        );
+        assert_eq!(
+            find(&u, "Restart"),
+            &Prop::Str("Restart", "on-failure".into())
+        );
+        let Prop::Exec(_, stop) = find(&u, "ExecStop") else {
+            panic!()
+        };
+        assert_eq!(stop.last().map(String::as_str), Some("kill -TERM -1"));
     }
 
     #[test]

@@ -6,11 +6,15 @@
 mod inputs;
 mod steps;
 
-use crate::core::convert::{self, ConvertContext, Converted, DomainType, HostDiskRoots};
+use crate::core::convert::{
+    self, ConvertContext, Converted, DomainType, HostCapacity, HostDiskRoots,
+};
 use crate::core::efivars;
 use crate::core::key::{self, VmKey};
 use crate::core::layout::{DaemonKind, HostLayout, VmPaths};
-use crate::core::plan::{self, Desired, GuestAgent, Observed, Outcome, Step, UnitActivity};
+use crate::core::plan::{
+    self, Desired, GuestAgent, Observed, Outcome, Step, UnitActivity, UnitObs,
+};
 use crate::core::status;
 use crate::core::trigger::Trigger;
 use crate::core::unit;
@@ -33,6 +37,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use steps::StepCtx;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
+use tokio::sync::oneshot;
 use tracing::{info, warn, Instrument};
 
 #[derive(Debug, thiserror::Error)]
@@ -126,6 +131,8 @@ pub struct Settings {
     pub tasks_max: u64,
     /// How often the graceful shutdown re-sends the ACPI power button.
     pub shutdown_resend: Duration,
+    /// The host's memory and CPUs; `None`: VMs are not checked against them.
+    pub capacity: Option<HostCapacity>,
 }
 
 /// The systems one controller drives, named once: the host's adapters and
@@ -175,6 +182,9 @@ pub struct Controller<A: Adapters> {
     metrics: Metrics,
     /// The last heartbeat the loop answered.
     heartbeat: AtomicU64,
+    /// Each unit's `NRestarts` when last seen: a rise is the VM's daemon
+    /// having died and come back.
+    restarts: Mutex<HashMap<String, u32>>,
 }
 
 type Phases = BTreeMap<String, usize>;
@@ -188,6 +198,7 @@ impl<A: Adapters> Controller<A> {
             unsaved: Mutex::default(),
             metrics: Metrics::default(),
             heartbeat: AtomicU64::new(0),
+            restarts: Mutex::default(),
         })
     }
 
@@ -201,6 +212,20 @@ impl<A: Adapters> Controller<A> {
 
     fn vmis(&self) -> std::sync::MutexGuard<'_, HashMap<String, VirtualMachineInstance>> {
         self.vmis.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether the unit's daemon was restarted since the last pass saw it.
+    fn daemon_restarted(&self, id: &str, unit: Option<&UnitObs>) -> bool {
+        let mut seen = self.restarts.lock().unwrap_or_else(|p| p.into_inner());
+        match unit {
+            Some(u) => seen
+                .insert(id.into(), u.restarts)
+                .is_some_and(|n| n < u.restarts),
+            None => {
+                seen.remove(id);
+                false
+            }
+        }
     }
 
     /// VM counts per phase, for `STATUS=` and `kvirtctl`.
@@ -285,6 +310,7 @@ impl<A: Adapters> Controller<A> {
                 domain_type: self.settings.domain_type,
                 host_disk_roots: self.settings.host_disk_roots.of(key.namespace()),
                 cluster: self.settings.cluster,
+                capacity: self.settings.capacity,
             },
         )
         .map_err(|e| e.to_string())
@@ -333,6 +359,7 @@ impl<A: Adapters> Controller<A> {
             domain: None,
             unit,
             identity: self.deps.users.uid_of(id).is_some(),
+            unresponsive: false,
         };
         if let Some(u) = obs
             .unit
@@ -347,12 +374,11 @@ impl<A: Adapters> Controller<A> {
                     .map(|n| self.domain_ref(id, u.daemon, n)),
             };
             if let Some(d) = dom {
-                obs.domain = self
-                    .deps
-                    .hypervisor
-                    .observe(&d)
-                    .await
-                    .map_err(|source| ControllerError::Libvirt { source })?;
+                match self.deps.hypervisor.observe(&d).await {
+                    Ok(domain) => obs.domain = domain,
+                    Err(e) if e.is_unresponsive() => obs.unresponsive = true,
+                    Err(source) => return Err(ControllerError::Libvirt { source }),
+                }
             }
         }
         Ok(obs)
@@ -398,6 +424,17 @@ impl<A: Adapters> Controller<A> {
             .as_ref()
             .map(|k| self.domain_ref(id, None, &k.domain_name()));
         let obs = self.observe(id, dom.as_ref()).await?;
+        if self.daemon_restarted(id, obs.unit.as_ref()) {
+            warn!("the VM's libvirt daemon died and was started again; the VM kept running");
+            if let Some(v) = &vmi {
+                self.deps.recorder.record(
+                    v,
+                    EventReason::DaemonRestarted,
+                    "the VM's libvirt daemon died and was started again; the VM kept running",
+                    true,
+                );
+            }
+        }
         // A VMI being deleted is wanted no more: tear down, then let it go.
         let deleting = vmi
             .as_ref()
@@ -473,6 +510,9 @@ impl<A: Adapters> Controller<A> {
                 id: id.into(),
                 errors: teardown_errors,
             });
+        }
+        if vmi.is_none() {
+            self.deps.status.forget(id).await;
         }
         // A running VM's DHCP lives in kvirtd: after a restart it is
         // attached again here (idempotent), the VM untouched.
@@ -556,7 +596,7 @@ impl<A: Adapters> Controller<A> {
                 };
             next.and_then(|mut next| {
                 // A pass that saw nothing settled says nothing about these.
-                if *outcome != Outcome::Unchanged {
+                if !matches!(outcome, Outcome::Unchanged | Outcome::Unresponsive(_)) {
                     next.interfaces = interfaces;
                     status::set_guest_agent(&mut next, agent, &now);
                 }
@@ -570,6 +610,11 @@ impl<A: Adapters> Controller<A> {
         let current = self.vmis().get(&id).cloned();
         if let (Some((old, new)), Some(vmi)) = (changed, &current) {
             self.unsaved().insert(id.clone());
+            if let Outcome::Unresponsive(m) = outcome {
+                warn!("{m}");
+                let r = &self.deps.recorder;
+                r.record(vmi, EventReason::DaemonUnresponsive, m, true);
+            }
             if old != new {
                 info!(phase = ?new, "phase changed");
                 let r = &self.deps.recorder;
@@ -749,16 +794,22 @@ impl<A: Adapters> Controller<A> {
     }
 
     /// The loop: runs until `triggers` closes. At most one reconcile per id
-    /// at a time; a trigger during one marks it to run again.
+    /// at a time; a trigger during one marks it to run again. It starts
+    /// with a pass over every id (adoption) and says on `adopted` when each
+    /// has had one, so a slow VM (a grace period, a stuck daemon) never
+    /// holds up the others or kvirtd's readiness.
     pub async fn run(
         self: Arc<Self>,
         triggers: UnboundedSender<Trigger>,
         mut rx: UnboundedReceiver<Trigger>,
+        adopted: Option<oneshot::Sender<()>>,
     ) {
         let (done_tx, mut done_rx) = unbounded_channel::<(String, Result<Reconciled, String>)>();
         let mut running: HashSet<String> = HashSet::new();
         let mut dirty: HashSet<String> = HashSet::new();
         let mut failures: HashMap<String, u32> = HashMap::new();
+        let mut adopted = adopted;
+        let mut first_pass: HashSet<String> = self.all_ids().await.into_iter().collect();
         let spawn = |id: String, running: &mut HashSet<String>, dirty: &mut HashSet<String>| {
             if !running.insert(id.clone()) {
                 dirty.insert(id);
@@ -774,7 +825,15 @@ impl<A: Adapters> Controller<A> {
                 let _ = done.send((id, r));
             });
         };
+        for id in first_pass.clone() {
+            spawn(id, &mut running, &mut dirty);
+        }
         loop {
+            if first_pass.is_empty() {
+                if let Some(tx) = adopted.take() {
+                    let _ = tx.send(());
+                }
+            }
             tokio::select! {
                 t = rx.recv() => match t {
                     None => break,
@@ -797,9 +856,13 @@ impl<A: Adapters> Controller<A> {
                 },
                 Some((id, result)) = done_rx.recv() => {
                     running.remove(&id);
+                    let first = first_pass.remove(&id);
                     let delay = match result {
                         Ok(r) => {
                             failures.remove(&id);
+                            if let (true, Some(a)) = (first, r.found) {
+                                self.metrics.adoption(a);
+                            }
                             r.requeue_after
                         }
                         Err(e) => {

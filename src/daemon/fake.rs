@@ -55,6 +55,8 @@ pub struct HostState {
     pub calls: Vec<String>,
     /// Calls (by their recorded text prefix) that fail.
     pub fail: BTreeSet<String>,
+    /// VM ids whose libvirt daemon does not answer.
+    pub unresponsive: BTreeSet<String>,
     /// Whether guests power off when the ACPI button is pressed.
     pub guests_ignore_acpi: bool,
     /// Machines machined knows, by name.
@@ -173,6 +175,7 @@ impl Units for FakeHost {
                 .zip(env_of(spec, ENV_NAME))
                 .map(|(a, b)| format!("{a}_{b}")),
             result: "success".into(),
+            restarts: 0,
         };
         let mut s = self.state();
         s.units.insert(spec.name.clone(), obs);
@@ -306,7 +309,15 @@ impl Netns for FakeHost {
 
 impl Hypervisor for FakeHost {
     async fn observe(&self, d: &DomainRef) -> Result<Option<DomainObs>, LibvirtError> {
-        Ok(self.state().domains.get(&d.id).cloned())
+        let s = self.state();
+        if s.unresponsive.contains(&d.id) {
+            return Err(LibvirtError::Unresponsive {
+                id: d.id.clone(),
+                op: "observe",
+                timeout: Duration::from_secs(15),
+            });
+        }
+        Ok(s.domains.get(&d.id).cloned())
     }
 
     async fn define(&self, d: &DomainRef, xml: &str) -> Result<(), LibvirtError> {

@@ -6,7 +6,6 @@ use crate::core::key::VmKey;
 use crate::core::trigger::Trigger;
 use crate::core::vmi::VirtualMachineInstance;
 use crate::daemon::controller::{Adapters, Controller, Deps, Settings};
-use crate::host::journal;
 use std::collections::BTreeMap;
 use std::time::Duration;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
@@ -27,12 +26,16 @@ pub enum ServeError {
 pub struct Sources<Ready, List> {
     pub initial: BTreeMap<VmKey, VirtualMachineInstance>,
     pub ready: Ready,
-    pub list: List,
+    /// `None` where the change feed resyncs itself (the manifest directory).
+    pub list: Option<List>,
     pub resync: Duration,
     /// How often to look for EFI variables whose VirtualMachine is gone;
     /// only a cluster has VirtualMachines.
     pub efi_vars_check: Option<Duration>,
 }
+
+/// How long READY waits for the first pass over every VM.
+const ADOPTION_WAIT: Duration = Duration::from_millis(500);
 
 /// Adopts, reports ready, then runs the loop until SIGTERM.
 pub async fn serve<A: Adapters>(
@@ -47,10 +50,15 @@ pub async fn serve<A: Adapters>(
 ) -> Result<(), ServeError> {
     let ctl = Controller::new(deps, settings);
 
-    // Adoption before serving: every VM the host has is matched or cleaned.
+    // Adoption before serving: every VM the host has is matched or cleaned
+    // by the loop's first pass. READY waits for that pass only briefly: a
+    // VM in its grace period, or whose daemon does not answer, finishes
+    // in the loop while kvirtd serves the rest.
     ctl.set_vmis(sources.initial).await;
-    for (id, e) in ctl.reconcile_all().await {
-        journal::vm_span(&id, None).in_scope(|| warn!("first pass: {e}"));
+    let (adopted_tx, adopted) = tokio::sync::oneshot::channel();
+    let loop_task = tokio::spawn(ctl.clone().run(tx.clone(), rx, Some(adopted_tx)));
+    if tokio::time::timeout(ADOPTION_WAIT, adopted).await.is_err() {
+        info!("ready before every VM's first pass ended: the rest finish in the loop");
     }
     let status = status_line(&ctl.phase_counts());
     let _ = sd_notify::notify(&[
@@ -84,7 +92,9 @@ pub async fn serve<A: Adapters>(
         tick.tick().await;
         loop {
             tick.tick().await;
-            let _ = ticker_tx.send(Trigger::Vmis(list()));
+            if let Some(list) = &list {
+                let _ = ticker_tx.send(Trigger::Vmis(list()));
+            }
             let _ = ticker_tx.send(Trigger::Resync);
         }
     });
@@ -112,7 +122,6 @@ pub async fn serve<A: Adapters>(
         },
     ));
 
-    let loop_task = tokio::spawn(ctl.run(tx, rx));
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
         .map_err(ServeError::Signal)?;
     tokio::select! {

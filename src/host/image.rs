@@ -767,6 +767,51 @@ mod tests {
         gz.finish().unwrap()
     }
 
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig {
+            failure_persistence: None,
+            ..proptest::prelude::ProptestConfig::default()
+        })]
+
+        /// A hostile registry's layer: arbitrary bytes, or a real layer
+        /// with bytes changed. It unpacks or fails, never panics, and
+        /// nothing appears beside the tree it unpacks into.
+        #[test]
+        fn any_layer_unpacks_or_fails_inside_its_tree(
+            raw in proptest::collection::vec(proptest::prelude::any::<u8>(), 0..2048),
+            edits in proptest::collection::vec((0usize..4096, proptest::prelude::any::<u8>()), 0..6),
+            gzip in proptest::prelude::any::<bool>(),
+            real in proptest::prelude::any::<bool>(),
+        ) {
+            let mut layer = if real {
+                tar_of(
+                    &[("disk", None), ("disk/a.img", Some(b"data")), ("disk/b", Some(b"y"))],
+                    gzip,
+                )
+            } else {
+                raw
+            };
+            for (at, byte) in edits {
+                if !layer.is_empty() {
+                    let i = at % layer.len();
+                    layer[i] = byte;
+                }
+            }
+            let t = tempfile::tempdir().unwrap();
+            let file = t.path().join("layer");
+            std::fs::write(&file, &layer).unwrap();
+            let into = t.path().join("root");
+            std::fs::create_dir(&into).unwrap();
+            let _ = unpack_layer(std::fs::File::open(&file).unwrap(), &into);
+            let mut beside: Vec<_> = std::fs::read_dir(t.path())
+                .unwrap()
+                .map(|e| e.unwrap().file_name())
+                .collect();
+            beside.sort();
+            proptest::prop_assert_eq!(beside, vec!["layer", "root"]);
+        }
+    }
+
     #[test]
     fn layers_unpack_in_order_with_whiteouts_and_nothing_escapes() {
         let t = tempfile::tempdir().unwrap();

@@ -9,6 +9,7 @@ use crate::host::beneath::Beneath;
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex, Once};
+use std::time::Duration;
 use tokio::sync::mpsc::UnboundedSender;
 use virt::connect::Connect;
 use virt::domain::Domain;
@@ -24,6 +25,20 @@ pub enum LibvirtError {
     },
     #[error("VM {id}: worker thread died")]
     Thread { id: String },
+    /// The daemon did not answer in time (stopped, hung, overloaded); the
+    /// call may still complete or fail later, on its own thread.
+    #[error("VM {id}: its libvirt daemon did not answer {op} within {timeout:?}")]
+    Unresponsive {
+        id: String,
+        op: &'static str,
+        timeout: std::time::Duration,
+    },
+}
+
+impl LibvirtError {
+    pub fn is_unresponsive(&self) -> bool {
+        matches!(self, LibvirtError::Unresponsive { .. })
+    }
 }
 
 /// Which VM's daemon, and which domain in it.
@@ -157,11 +172,23 @@ struct EventCtx {
     tx: UnboundedSender<String>,
 }
 
+/// One VM's connection. Calls to one daemon take turns; calls to
+/// different daemons never wait on each other.
+type Slot = Arc<tokio::sync::Mutex<Option<Conn>>>;
+
 #[derive(Clone)]
 pub struct Libvirt {
-    conns: Arc<Mutex<HashMap<String, Conn>>>,
+    /// Held only to find or add a VM's slot, never across a call.
+    conns: Arc<Mutex<HashMap<String, Slot>>>,
     events: UnboundedSender<String>,
 }
+
+/// How long one call (or the wait for the VM's previous call) may take:
+/// a daemon that is stopped or hung holds up only its own VM, and only
+/// this long.
+const CALL_TIMEOUT: Duration = Duration::from_secs(15);
+/// Starting a domain probes QEMU when its capability cache is cold.
+const START_TIMEOUT: Duration = Duration::from_secs(120);
 
 static EVENT_LOOP: Once = Once::new();
 
@@ -204,14 +231,13 @@ impl Libvirt {
 
     /// A live connection to the VM's daemon, opened (with event callbacks)
     /// on first use and reopened when the old one died.
-    fn connect(&self, d: &DomainRef) -> Result<ConnRef, LibvirtError> {
-        let mut conns = self.conns.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(c) = conns.get(&d.id) {
+    fn connect(&self, slot: &mut Option<Conn>, d: &DomainRef) -> Result<ConnRef, LibvirtError> {
+        if let Some(c) = slot.as_ref() {
             if c.conn.is_alive().unwrap_or(false) {
                 return Ok(ConnRef(c.conn.clone()));
             }
         }
-        if let Some(old) = conns.remove(&d.id) {
+        if let Some(old) = slot.take() {
             close(old);
         }
         let conn = match &d.socket {
@@ -243,7 +269,7 @@ impl Libvirt {
         .filter(|id| *id >= 0)
         .collect();
         let c = ConnRef(conn.clone());
-        conns.insert(d.id.clone(), Conn { conn, callback_ids });
+        *slot = Some(Conn { conn, callback_ids });
         Ok(c)
     }
 
@@ -289,21 +315,47 @@ impl Libvirt {
         callback_id
     }
 
+    fn slot(&self, id: &str) -> Slot {
+        let mut conns = self.conns.lock().unwrap_or_else(|p| p.into_inner());
+        conns.entry(id.to_owned()).or_default().clone()
+    }
+
+    /// Runs `f` on the blocking pool with the VM's connection, bounded by
+    /// `timeout` twice: waiting for the VM's previous call, then the call.
+    /// A call that times out keeps its thread and the VM's slot until the
+    /// daemon answers or its keepalive gives up; later calls for that VM
+    /// fail fast meanwhile, and no other VM notices.
     async fn blocking<T: Send + 'static>(
         &self,
         d: &DomainRef,
-        f: impl FnOnce(&Self, &DomainRef) -> Result<T, LibvirtError> + Send + 'static,
+        op: &'static str,
+        timeout: Duration,
+        f: impl FnOnce(&Self, &mut Option<Conn>, &DomainRef) -> Result<T, LibvirtError> + Send + 'static,
     ) -> Result<T, LibvirtError> {
-        let this = self.clone();
-        let d = d.clone();
-        let id = d.id.clone();
-        tokio::task::spawn_blocking(move || f(&this, &d))
+        let unresponsive = || LibvirtError::Unresponsive {
+            id: d.id.clone(),
+            op,
+            timeout,
+        };
+        let mut slot = tokio::time::timeout(timeout, self.slot(&d.id).lock_owned())
             .await
-            .map_err(|_| LibvirtError::Thread { id })?
+            .map_err(|_| unresponsive())?;
+        let this = self.clone();
+        let dr = d.clone();
+        let call = tokio::task::spawn_blocking(move || f(&this, &mut slot, &dr));
+        match tokio::time::timeout(timeout, call).await {
+            Err(_) => Err(unresponsive()),
+            Ok(Err(_)) => Err(LibvirtError::Thread { id: d.id.clone() }),
+            Ok(Ok(r)) => r,
+        }
     }
 
-    fn lookup(&self, d: &DomainRef) -> Result<(ConnRef, Option<Domain>), LibvirtError> {
-        let conn = self.connect(d)?;
+    fn lookup(
+        &self,
+        slot: &mut Option<Conn>,
+        d: &DomainRef,
+    ) -> Result<(ConnRef, Option<Domain>), LibvirtError> {
+        let conn = self.connect(slot, d)?;
         match Domain::lookup_by_name(&conn.0, &d.name) {
             Ok(dom) => Ok((conn, Some(dom))),
             Err(e) if e.code() == virt::error::ErrorNumber::NoDomain => Ok((conn, None)),
@@ -368,8 +420,8 @@ fn metadata_uid(xml: &str) -> Option<String> {
 
 impl Hypervisor for Libvirt {
     async fn observe(&self, d: &DomainRef) -> Result<Option<DomainObs>, LibvirtError> {
-        self.blocking(d, |this, d| {
-            let (_conn, dom) = this.lookup(d)?;
+        self.blocking(d, "observe", CALL_TIMEOUT, |this, slot, d| {
+            let (_conn, dom) = this.lookup(slot, d)?;
             let Some(dom) = dom else { return Ok(None) };
             let (state, reason) = dom
                 .get_state()
@@ -387,8 +439,8 @@ impl Hypervisor for Libvirt {
 
     async fn define(&self, d: &DomainRef, xml: &str) -> Result<(), LibvirtError> {
         let xml = xml.to_owned();
-        self.blocking(d, move |this, d| {
-            let conn = this.connect(d)?;
+        self.blocking(d, "define", START_TIMEOUT, move |this, slot, d| {
+            let conn = this.connect(slot, d)?;
             Domain::define_xml(&conn.0, &xml).map_err(Libvirt::err(&d.id, "define"))?;
             Ok(())
         })
@@ -396,8 +448,8 @@ impl Hypervisor for Libvirt {
     }
 
     async fn start(&self, d: &DomainRef) -> Result<(), LibvirtError> {
-        self.blocking(d, |this, d| {
-            let (_c, dom) = this.lookup(d)?;
+        self.blocking(d, "start", START_TIMEOUT, |this, slot, d| {
+            let (_c, dom) = this.lookup(slot, d)?;
             let dom = dom.ok_or_else(|| LibvirtError::Call {
                 id: d.id.clone(),
                 op: "start",
@@ -410,8 +462,8 @@ impl Hypervisor for Libvirt {
     }
 
     async fn shutdown(&self, d: &DomainRef) -> Result<(), LibvirtError> {
-        self.blocking(d, |this, d| {
-            if let (_c, Some(dom)) = this.lookup(d)? {
+        self.blocking(d, "shutdown", CALL_TIMEOUT, |this, slot, d| {
+            if let (_c, Some(dom)) = this.lookup(slot, d)? {
                 dom.shutdown_flags(sys::VIR_DOMAIN_SHUTDOWN_ACPI_POWER_BTN)
                     .map_err(Libvirt::err(&d.id, "shutdown"))?;
             }
@@ -421,8 +473,8 @@ impl Hypervisor for Libvirt {
     }
 
     async fn destroy(&self, d: &DomainRef) -> Result<(), LibvirtError> {
-        self.blocking(d, |this, d| {
-            if let (_c, Some(dom)) = this.lookup(d)? {
+        self.blocking(d, "destroy", CALL_TIMEOUT, |this, slot, d| {
+            if let (_c, Some(dom)) = this.lookup(slot, d)? {
                 if dom.is_active().unwrap_or(false) {
                     dom.destroy().map_err(Libvirt::err(&d.id, "destroy"))?;
                 }
@@ -433,8 +485,8 @@ impl Hypervisor for Libvirt {
     }
 
     async fn guest_agent(&self, d: &DomainRef) -> Result<Option<GuestAgent>, LibvirtError> {
-        self.blocking(d, |this, d| {
-            let (_conn, Some(dom)) = this.lookup(d)? else {
+        self.blocking(d, "ask the guest agent", CALL_TIMEOUT, |this, slot, d| {
+            let (_conn, Some(dom)) = this.lookup(slot, d)? else {
                 return Ok(None);
             };
             if !dom.is_active().unwrap_or(false) {
@@ -473,15 +525,18 @@ impl Hypervisor for Libvirt {
     }
 
     async fn forget(&self, id: &str) {
-        let this = self.clone();
-        let id = id.to_owned();
+        let slot = self
+            .conns
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
+        // A slot still held by a stuck call is left to it: the daemon is
+        // being stopped, which ends the call.
+        let Some(mut conn) = slot.and_then(|s| s.try_lock_owned().ok()) else {
+            return;
+        };
         let _ = tokio::task::spawn_blocking(move || {
-            let old = this
-                .conns
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(&id);
-            if let Some(c) = old {
+            if let Some(c) = conn.take() {
                 close(c);
             }
         })

@@ -5,6 +5,7 @@
 //! Everything here touches the host; what it decides comes from `core`.
 
 pub mod beneath;
+pub mod capacity;
 pub mod consolelog;
 pub mod dhcp;
 pub mod hugepages;

@@ -180,10 +180,17 @@ impl Units for SystemdBus {
                 m.stop_unit(name, "replace".into()).await
             })
             .await;
-        // Stopping can leave it failed (e.g. killed by the stop timeout).
         if let Ok(Some(o)) = self.get(unit).await {
+            let manager = self.manager().await?;
+            // KillMode=process spares QEMU when only the daemon dies; a
+            // stop on purpose leaves nothing, not even a process that
+            // ignored its SIGTERM.
+            let _ = manager
+                .kill_unit(unit.into(), "all".into(), libc::SIGKILL)
+                .await;
+            // Stopping can leave it failed (e.g. killed by the stop timeout).
             if o.activity == UnitActivity::Failed {
-                let _ = self.manager().await?.reset_failed_unit(unit.into()).await;
+                let _ = manager.reset_failed_unit(unit.into()).await;
             }
         }
         res
@@ -217,6 +224,7 @@ impl Units for SystemdBus {
         }
         let env = svc.environment().await.unwrap_or_default();
         let result = svc.result().await.unwrap_or_default();
+        let restarts = svc.n_restarts().await.unwrap_or_default();
         let var = |k: &str| {
             env.iter()
                 .find_map(|e| e.strip_prefix(k).and_then(|r| r.strip_prefix('=')))
@@ -237,6 +245,7 @@ impl Units for SystemdBus {
                 .zip(var(ENV_NAME))
                 .map(|(ns, n)| format!("{ns}_{n}")),
             result,
+            restarts,
         }))
     }
 

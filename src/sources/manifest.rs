@@ -8,7 +8,7 @@ use crate::core::layout::HostLayout;
 use crate::core::trigger::Trigger;
 use crate::core::vmi::{VirtualMachineInstance, VmiStatus};
 use sha2::{Digest, Sha256};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use tokio::sync::mpsc::UnboundedSender;
@@ -22,100 +22,323 @@ pub struct Snapshot {
     pub errors: Vec<SourceError>,
 }
 
-/// Reads every `*.yaml`, `*.yml` and `*.json` file in `dir`, sorted by name;
-/// a file may hold several YAML documents. The first manifest of a name wins,
-/// later duplicates are errors.
-pub fn scan_dir(dir: &Path) -> Snapshot {
-    let mut snap = Snapshot::default();
-    let mut files: Vec<PathBuf> = match std::fs::read_dir(dir) {
-        Ok(entries) => entries.filter_map(|e| Some(e.ok()?.path())).collect(),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return snap,
-        Err(source) => {
-            snap.errors.push(SourceError::Io {
-                path: dir.into(),
-                op: "read directory",
-                source,
-            });
-            return snap;
+/// Kubernetes refuses objects larger than this (etcd's request limit);
+/// so does kvirt, before parsing.
+pub const MAX_MANIFEST: u64 = 1536 << 10;
+
+/// What is known of one file: the identity it was read at, and what it held.
+#[derive(Debug)]
+struct Reading {
+    stamp: Stamp,
+    result: Result<Vec<VirtualMachineInstance>, String>,
+}
+
+/// Device, inode, size and modification time: a file whose stamp is
+/// unchanged is not read again.
+type Stamp = (u64, u64, u64, i64, i64);
+
+#[derive(Debug, Default)]
+struct DirState {
+    readings: BTreeMap<PathBuf, Reading>,
+    /// Files opened for writing and not closed yet: their last complete
+    /// reading stands until they are.
+    writing: BTreeSet<PathBuf>,
+    /// Each unusable file's error as last reported: said once per change.
+    reported: BTreeMap<PathBuf, String>,
+}
+
+/// The manifest directory as kvirtd sees it. Each file is read only when
+/// complete (closed after writing, or moved in) and when it changed; only
+/// regular files (a link is followed only to one), opened without
+/// blocking and read up to [`MAX_MANIFEST`]. Unusable files are reported
+/// once per change, in the log and in `manifest-errors.json` for
+/// `kvirtctl ls`.
+#[derive(Debug)]
+pub struct ManifestDir {
+    dir: PathBuf,
+    errors_file: Option<PathBuf>,
+    state: std::sync::Mutex<DirState>,
+}
+
+impl ManifestDir {
+    pub fn new(dir: PathBuf, errors_file: Option<PathBuf>) -> Self {
+        Self {
+            dir,
+            errors_file,
+            state: Default::default(),
         }
-    };
-    files.retain(|p| {
-        p.extension()
-            .and_then(|e| e.to_str())
-            .is_some_and(|e| matches!(e, "yaml" | "yml" | "json"))
-            && !p
-                .file_name()
-                .is_some_and(|n| n.to_string_lossy().starts_with('.'))
-    });
-    files.sort();
-    for path in files {
-        match read_manifest(&path) {
-            Ok(vmis) => {
-                for vmi in vmis {
-                    let key = match vmi.key() {
-                        Ok(k) => k,
-                        Err(e) => {
-                            snap.errors.push(SourceError::Manifest {
-                                path: path.clone(),
-                                message: e.to_string(),
-                            });
-                            continue;
-                        }
-                    };
-                    if snap.vmis.contains_key(&key) {
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, DirState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Reads what changed and returns every VMI the directory defines.
+    pub fn scan(&self) -> Snapshot {
+        let mut st = self.state();
+        self.scan_locked(&mut st)
+    }
+
+    fn scan_locked(&self, st: &mut DirState) -> Snapshot {
+        let mut snap = Snapshot::default();
+        let files = match manifest_files(&self.dir) {
+            Ok(f) => f,
+            Err(source) => {
+                // Nothing is known: keep every VM as last read rather than
+                // stop them all for a directory that cannot be listed.
+                snap.errors.push(SourceError::Io {
+                    path: self.dir.clone(),
+                    op: "read directory",
+                    source,
+                });
+                return self.assemble(st, snap);
+            }
+        };
+        st.readings.retain(|p, _| files.contains(p));
+        st.writing.retain(|p| files.contains(p));
+        for path in &files {
+            if st.writing.contains(path) {
+                continue;
+            }
+            let stamp = stamp_of(path);
+            if let (Some(r), Ok(s)) = (st.readings.get(path), &stamp) {
+                if r.stamp == *s {
+                    continue;
+                }
+            }
+            let reading = match stamp {
+                Ok(stamp) => Reading {
+                    stamp,
+                    result: read_manifest(path).map_err(|e| e.to_string()),
+                },
+                Err(e) => Reading {
+                    stamp: Default::default(),
+                    result: Err(e.to_string()),
+                },
+            };
+            st.readings.insert(path.clone(), reading);
+        }
+        self.assemble(st, snap)
+    }
+
+    /// The snapshot from the readings: the first manifest of a name wins,
+    /// later duplicates are errors. Errors new since the last report are
+    /// logged and written for `kvirtctl ls`.
+    fn assemble(&self, st: &mut DirState, mut snap: Snapshot) -> Snapshot {
+        for (path, r) in &st.readings {
+            let vmis = match &r.result {
+                Ok(v) => v,
+                Err(message) => {
+                    snap.errors.push(SourceError::Manifest {
+                        path: path.clone(),
+                        message: message.clone(),
+                    });
+                    continue;
+                }
+            };
+            for vmi in vmis {
+                let key = match vmi.key() {
+                    Ok(k) => k,
+                    Err(e) => {
                         snap.errors.push(SourceError::Manifest {
                             path: path.clone(),
-                            message: format!("VMI {key} is already defined by another manifest"),
+                            message: e.to_string(),
                         });
                         continue;
                     }
-                    snap.vmis.insert(key, vmi);
+                };
+                if snap.vmis.contains_key(&key) {
+                    snap.errors.push(SourceError::Manifest {
+                        path: path.clone(),
+                        message: format!("VMI {key} is already defined by another manifest"),
+                    });
+                    continue;
+                }
+                snap.vmis.insert(key, vmi.clone());
+            }
+        }
+        let mut now: BTreeMap<PathBuf, String> = BTreeMap::new();
+        for e in &snap.errors {
+            let (path, message) = match e {
+                SourceError::Manifest { path, message } => (path.clone(), message.clone()),
+                other => (self.dir.clone(), other.to_string()),
+            };
+            if st.reported.get(&path) != Some(&message) {
+                warn!("manifest {}: {message}", path.display());
+            }
+            now.insert(path, message);
+        }
+        if now != st.reported {
+            if let Some(file) = &self.errors_file {
+                if let Err(e) = write_errors(file, &now) {
+                    warn!("writing {}: {e}", file.display());
                 }
             }
-            Err(e) => snap.errors.push(e),
+            st.reported = now;
         }
+        snap
     }
-    snap
-}
 
-/// [`scan_dir`], each manifest that could not be read logged.
-pub fn scan(dir: &Path) -> Snapshot {
-    let snap = scan_dir(dir);
-    for e in &snap.errors {
-        warn!("manifest skipped: {e}");
-    }
-    snap
-}
-
-/// inotify on the manifest directory: every change sends a fresh scan.
-pub fn watch(dir: PathBuf, tx: UnboundedSender<Trigger>) -> std::io::Result<()> {
-    use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
-    let inotify = Inotify::init(InitFlags::IN_CLOEXEC)?;
-    inotify.add_watch(
-        &dir,
-        AddWatchFlags::IN_CREATE
-            | AddWatchFlags::IN_DELETE
-            | AddWatchFlags::IN_CLOSE_WRITE
-            | AddWatchFlags::IN_MOVED_TO
-            | AddWatchFlags::IN_MOVED_FROM
-            | AddWatchFlags::IN_MODIFY,
-    )?;
-    std::thread::Builder::new()
-        .name("manifest-watch".into())
-        .spawn(move || loop {
-            match inotify.read_events() {
-                Ok(_) => {
-                    if tx.send(Trigger::Vmis(scan(&dir).vmis)).is_err() {
+    /// Watches the directory on a thread of its own: a file is read once
+    /// it is complete, and the whole directory again every `resync` (in
+    /// case an event was missed). Each snapshot is sent while the state is
+    /// held, so snapshots arrive in the order they were taken.
+    pub fn watch(
+        self: std::sync::Arc<Self>,
+        tx: UnboundedSender<Trigger>,
+        resync: std::time::Duration,
+    ) -> std::io::Result<()> {
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        use nix::sys::inotify::{AddWatchFlags, InitFlags, Inotify};
+        use std::os::fd::AsFd;
+        let inotify = Inotify::init(InitFlags::IN_CLOEXEC | InitFlags::IN_NONBLOCK)?;
+        inotify.add_watch(
+            &self.dir,
+            AddWatchFlags::IN_CREATE
+                | AddWatchFlags::IN_MODIFY
+                | AddWatchFlags::IN_CLOSE_WRITE
+                | AddWatchFlags::IN_MOVED_TO
+                | AddWatchFlags::IN_MOVED_FROM
+                | AddWatchFlags::IN_DELETE
+                | AddWatchFlags::IN_ATTRIB,
+        )?;
+        let timeout = PollTimeout::try_from(resync).unwrap_or(PollTimeout::MAX);
+        std::thread::Builder::new()
+            .name("manifest-watch".into())
+            .spawn(move || loop {
+                let mut fds = [PollFd::new(inotify.as_fd(), PollFlags::POLLIN)];
+                if let Err(e) = poll(&mut fds, timeout) {
+                    if e != nix::errno::Errno::EINTR {
+                        error!("watching {}: {e}", self.dir.display());
                         break;
                     }
                 }
-                Err(e) => {
-                    error!("watching {}: {e}", dir.display());
+                let events = match inotify.read_events() {
+                    Ok(ev) => ev,
+                    Err(nix::errno::Errno::EAGAIN) => Vec::new(),
+                    Err(e) => {
+                        error!("watching {}: {e}", self.dir.display());
+                        break;
+                    }
+                };
+                let mut st = self.state();
+                for ev in &events {
+                    let Some(name) = &ev.name else { continue };
+                    let path = self.dir.join(name);
+                    // Data written, not yet closed. (Creating alone is
+                    // not writing: a link or a hard link is complete.)
+                    if ev.mask.contains(AddWatchFlags::IN_MODIFY) {
+                        st.writing.insert(path);
+                    } else if ev.mask.intersects(
+                        AddWatchFlags::IN_CLOSE_WRITE
+                            | AddWatchFlags::IN_MOVED_TO
+                            | AddWatchFlags::IN_MOVED_FROM
+                            | AddWatchFlags::IN_DELETE,
+                    ) {
+                        st.writing.remove(&path);
+                    }
+                }
+                let snap = self.scan_locked(&mut st);
+                if tx.send(Trigger::Vmis(snap.vmis)).is_err() {
                     break;
                 }
-            }
-        })?;
-    Ok(())
+            })?;
+        Ok(())
+    }
+}
+
+/// The candidate files: `*.yaml`, `*.yml`, `*.json`, not hidden (editors'
+/// and tools' temporary files are).
+fn manifest_files(dir: &Path) -> std::io::Result<BTreeSet<PathBuf>> {
+    let entries = match std::fs::read_dir(dir) {
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(BTreeSet::new()),
+        r => r?,
+    };
+    Ok(entries
+        .filter_map(|e| Some(e.ok()?.path()))
+        .filter(|p| {
+            p.extension()
+                .and_then(|e| e.to_str())
+                .is_some_and(|e| matches!(e, "yaml" | "yml" | "json"))
+                && !p
+                    .file_name()
+                    .is_some_and(|n| n.to_string_lossy().starts_with('.'))
+        })
+        .collect())
+}
+
+fn stamp_of(path: &Path) -> std::io::Result<Stamp> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path)?;
+    Ok((m.dev(), m.ino(), m.size(), m.mtime(), m.mtime_nsec()))
+}
+
+/// `manifest-errors.json`: `[{"path": ..., "error": ...}]`, replaced
+/// atomically (only root writes where it lives).
+fn write_errors(file: &Path, errors: &BTreeMap<PathBuf, String>) -> std::io::Result<()> {
+    let list: Vec<serde_json::Value> = errors
+        .iter()
+        .map(|(p, e)| serde_json::json!({"path": p, "error": e}))
+        .collect();
+    if let Some(dir) = file.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
+    let tmp = file.with_extension("json.tmp");
+    std::fs::write(&tmp, serde_json::to_vec_pretty(&list).expect("JSON"))?;
+    std::fs::rename(&tmp, file)
+}
+
+/// The manifests kvirtd reported as unusable: (path, error).
+pub fn read_manifest_errors(file: &Path) -> Vec<(String, String)> {
+    let Some(text) = read_status(file) else {
+        return vec![];
+    };
+    let list: Vec<serde_json::Value> = serde_json::from_str(&text).unwrap_or_default();
+    list.iter()
+        .filter_map(|v| {
+            Some((
+                v.get("path")?.as_str()?.to_owned(),
+                v.get("error")?.as_str()?.to_owned(),
+            ))
+        })
+        .collect()
+}
+
+/// One manifest's text: a regular file (links followed to one), opened
+/// without blocking, at most [`MAX_MANIFEST`] bytes.
+fn read_text(path: &Path) -> Result<String, SourceError> {
+    use std::io::Read;
+    use std::os::unix::fs::OpenOptionsExt;
+    let io = |op| {
+        move |source| SourceError::Io {
+            path: path.into(),
+            op,
+            source,
+        }
+    };
+    let bad = |message: String| SourceError::Manifest {
+        path: path.into(),
+        message,
+    };
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK | libc::O_NOCTTY)
+        .open(path)
+        .map_err(io("open"))?;
+    let meta = f.metadata().map_err(io("stat"))?;
+    if !meta.is_file() {
+        return Err(bad(format!("not a regular file ({:?})", meta.file_type())));
+    }
+    let mut bytes = Vec::new();
+    f.take(MAX_MANIFEST + 1)
+        .read_to_end(&mut bytes)
+        .map_err(io("read"))?;
+    if bytes.len() as u64 > MAX_MANIFEST {
+        return Err(bad(format!(
+            "larger than {MAX_MANIFEST} bytes, the most Kubernetes accepts for an object"
+        )));
+    }
+    String::from_utf8(bytes).map_err(|_| bad("not UTF-8 text".into()))
 }
 
 fn read_manifest(path: &Path) -> Result<Vec<VirtualMachineInstance>, SourceError> {
@@ -123,11 +346,7 @@ fn read_manifest(path: &Path) -> Result<Vec<VirtualMachineInstance>, SourceError
         path: path.into(),
         message,
     };
-    let text = std::fs::read_to_string(path).map_err(|source| SourceError::Io {
-        path: path.into(),
-        op: "read",
-        source,
-    })?;
+    let text = read_text(path)?;
     let docs: Vec<serde_json::Value> = if path.extension().is_some_and(|e| e == "json") {
         vec![serde_json::from_str(&text).map_err(|e| bad(e.to_string()))?]
     } else {
@@ -226,6 +445,16 @@ impl StatusStore for FileStatusStore {
         tokio::fs::write(&tmp, json).await.map_err(io("write"))?;
         tokio::fs::rename(&tmp, &path).await.map_err(io("rename"))
     }
+
+    async fn forget(&self, id: &str) {
+        let path = self.host.vm_by_id(id).status_file;
+        match tokio::fs::remove_file(&path).await {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                warn!("removing {}: {e}", path.display())
+            }
+            _ => {}
+        }
+    }
 }
 
 /// A VMI's status is its whole object: far below this, unless a manifest
@@ -276,6 +505,10 @@ mod tests {
 
     const VMI: &str = "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata:\n  name: a\nspec:\n  domain:\n    devices: {}\n";
 
+    fn scan_dir(dir: &Path) -> Snapshot {
+        ManifestDir::new(dir.into(), None).scan()
+    }
+
     #[test]
     fn scans_manifests_with_stable_uids_and_reports_bad_ones() {
         let tmp = tempfile::tempdir().unwrap();
@@ -308,6 +541,90 @@ mod tests {
         assert_ne!(scan_dir(tmp.path()).vmis[&key].uid().unwrap(), uid);
     }
 
+    #[test]
+    fn only_bounded_regular_files_are_read_and_errors_said_once() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path();
+        std::fs::write(d.join("a.yaml"), VMI).unwrap();
+        std::os::unix::fs::symlink("/dev/zero", d.join("zero.yaml")).unwrap();
+        nix::unistd::mkfifo(&d.join("fifo.yaml"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        let big = format!("{VMI}#{}\n", "x".repeat(MAX_MANIFEST as usize));
+        std::fs::write(d.join("big.yaml"), big).unwrap();
+        // A link to a regular file is a manifest like any other.
+        let elsewhere = tempfile::tempdir().unwrap();
+        let target = elsewhere.path().join("b.yaml");
+        std::fs::write(&target, VMI.replace("name: a", "name: b")).unwrap();
+        std::os::unix::fs::symlink(&target, d.join("b.yaml")).unwrap();
+
+        let errors = elsewhere.path().join("errors.json");
+        let m = ManifestDir::new(d.into(), Some(errors.clone()));
+        let s = m.scan();
+        let names: Vec<&str> = s.vmis.keys().map(|k| k.name()).collect();
+        assert_eq!(names, ["a", "b"]);
+        let said: Vec<(String, String)> = read_manifest_errors(&errors);
+        assert_eq!(said.len(), 3, "{said:?}");
+        let of = |f: &str| {
+            said.iter()
+                .find(|(p, _)| p.ends_with(f))
+                .map(|(_, e)| e.clone())
+                .unwrap_or_default()
+        };
+        assert!(of("zero.yaml").contains("not a regular file"), "{said:?}");
+        assert!(of("fifo.yaml").contains("not a regular file"), "{said:?}");
+        assert!(of("big.yaml").contains("larger than"), "{said:?}");
+        // Unchanged, nothing is written (or logged) again; fixed, it goes.
+        let written = std::fs::metadata(&errors).unwrap().modified().unwrap();
+        m.scan();
+        assert_eq!(
+            std::fs::metadata(&errors).unwrap().modified().unwrap(),
+            written
+        );
+        std::fs::remove_file(d.join("big.yaml")).unwrap();
+        m.scan();
+        assert_eq!(read_manifest_errors(&errors).len(), 2);
+    }
+
+    async fn next(
+        rx: &mut tokio::sync::mpsc::UnboundedReceiver<Trigger>,
+    ) -> BTreeMap<VmKey, VirtualMachineInstance> {
+        match tokio::time::timeout(std::time::Duration::from_secs(10), rx.recv()).await {
+            Ok(Some(Trigger::Vmis(v))) => v,
+            other => panic!("no snapshot: {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_manifest_is_read_once_it_is_complete() {
+        use std::io::Write;
+        let tmp = tempfile::tempdir().unwrap();
+        let m = std::sync::Arc::new(ManifestDir::new(tmp.path().into(), None));
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        m.clone()
+            .watch(tx, std::time::Duration::from_secs(3600))
+            .unwrap();
+        // Half of it written, still open: not read (nor reported).
+        let path = tmp.path().join("a.yaml");
+        let mut f = std::fs::File::create(&path).unwrap();
+        let (head, tail) = VMI.split_at(VMI.len() / 2);
+        f.write_all(head.as_bytes()).unwrap();
+        f.flush().unwrap();
+        loop {
+            let snap = next(&mut rx).await;
+            assert!(snap.is_empty(), "read half-written: {snap:?}");
+            if m.state().writing.contains(&path) {
+                break;
+            }
+        }
+        f.write_all(tail.as_bytes()).unwrap();
+        drop(f);
+        loop {
+            if !next(&mut rx).await.is_empty() {
+                break;
+            }
+        }
+        assert!(m.scan().errors.is_empty());
+    }
+
     #[tokio::test]
     async fn status_round_trips() {
         let tmp = tempfile::tempdir().unwrap();
@@ -327,5 +644,9 @@ mod tests {
             vmi.status.phase
         );
         assert_eq!(read_all_status(&store.host).len(), 1);
+        // A VM gone for good takes its status with it.
+        store.forget(&key.id()).await;
+        assert!(store.load(&key).await.is_none());
+        assert!(read_all_status(&store.host).is_empty());
     }
 }

@@ -61,6 +61,12 @@ pub trait StatusStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), SourceError>> + Send {
         async { Ok(()) }
     }
+    /// Called once the VM of a VMI that is no longer wanted is entirely
+    /// gone from the host: its status goes too, so the same manifest put
+    /// back later (the same UID) starts afresh.
+    fn forget(&self, _id: &str) -> impl Future<Output = ()> + Send {
+        async {}
+    }
     /// An object in the VMI's namespace its volumes name, `None` when it
     /// does not exist. Only a cluster has them.
     fn object(
@@ -102,6 +108,10 @@ pub enum EventReason {
     /// A Secret, ConfigMap or ServiceAccount a volume names cannot be read
     /// (kubelet's reason when a pod's volume cannot be set up).
     FailedMount,
+    /// The VM's libvirt daemon died and systemd started it again.
+    DaemonRestarted,
+    /// The VM's libvirt daemon does not answer.
+    DaemonUnresponsive,
 }
 
 /// Where Events about a VMI go (the log in standalone mode, Event objects

@@ -28,7 +28,7 @@ pub mod network;
 pub mod seed;
 
 use crate::core::key::VmKey;
-use crate::core::layout::VmPaths;
+use crate::core::layout::{VmPaths, MAX_SOCKET_PATH};
 use crate::core::vmi::{Extra, VirtualMachineInstance};
 use std::fmt;
 use std::path::PathBuf;
@@ -111,6 +111,15 @@ pub struct ConvertContext<'a> {
     /// Whether the VMI comes from a cluster, whose Secrets, ConfigMaps and
     /// ServiceAccounts its volumes may name.
     pub cluster: bool,
+    /// What the host has: a VM asking for more is refused up front, as
+    /// kubelet refuses a pod that cannot fit. `None`: not checked.
+    pub capacity: Option<HostCapacity>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct HostCapacity {
+    pub memory_bytes: u64,
+    pub cpus: u32,
 }
 
 #[derive(Clone, Debug, PartialEq)]
@@ -339,6 +348,9 @@ pub fn convert_all_errors(
     let memory_bytes = memory::guest_memory(dom.memory.as_ref(), &res, &mut errs);
     let hugepage = memory::hugepage_size(dom.memory.as_ref(), memory_bytes, &mut errs);
     let (cpu, vcpus) = cpu::convert(dom.cpu.as_ref(), &res, ctx.domain_type, &mut errs);
+    if let Some(cap) = ctx.capacity {
+        check_fits(memory_bytes, vcpus, cap, &mut errs);
+    }
     let (uuid, os, sysinfo, needs) = firmware::convert(vmi, ctx.key, dom, &mut errs);
     let features = features::convert(dom.features.as_ref(), needs, ctx.domain_type, &mut errs);
     let clock = clock::convert(dom.clock.as_ref(), &mut errs);
@@ -451,12 +463,46 @@ pub fn convert_all_errors(
 /// domain under another VM's name.
 fn check_identity(vmi: &VirtualMachineInstance, ctx: &ConvertContext, errs: &mut Errors) {
     match vmi.key() {
-        Ok(key) if &key == ctx.key => {}
+        Ok(key) if &key == ctx.key => {
+            let longest = ctx.paths.longest_socket_path(&key.domain_name());
+            if longest > MAX_SOCKET_PATH {
+                let id = key.id();
+                let fits = id.len() - (longest - MAX_SOCKET_PATH);
+                errs.add(
+                    "metadata.name",
+                    format!(
+                        "{key} is too long for kvirt: the VM's sockets under {} would be {longest} bytes, past the {MAX_SOCKET_PATH} a Unix socket path may have; namespace and name may have {} characters together",
+                        ctx.paths.state_dir.display(),
+                        fits.saturating_sub(1),
+                    ),
+                )
+            }
+        }
         Ok(key) => errs.add(
             "metadata",
             format!("VMI is {key}, but the conversion is for {}", ctx.key),
         ),
         Err(e) => errs.add("metadata.name", e.to_string()),
+    }
+}
+
+fn check_fits(memory_bytes: u64, vcpus: u32, cap: HostCapacity, errs: &mut Errors) {
+    let gib = |b: u64| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64);
+    if memory_bytes > cap.memory_bytes {
+        errs.add(
+            "spec.domain.memory",
+            format!(
+                "{} of guest memory does not fit this host's {}",
+                gib(memory_bytes),
+                gib(cap.memory_bytes)
+            ),
+        );
+    }
+    if vcpus > cap.cpus {
+        errs.add(
+            "spec.domain.cpu",
+            format!("{vcpus} vCPUs do not fit this host's {} CPUs", cap.cpus),
+        );
     }
 }
 
@@ -550,6 +596,10 @@ pub(crate) mod test_support {
                 domain_type,
                 host_disk_roots: &roots,
                 cluster: false,
+                capacity: Some(HostCapacity {
+                    memory_bytes: 64 << 30,
+                    cpus: 64,
+                }),
             },
         )
     }
@@ -569,6 +619,59 @@ pub(crate) mod test_support {
 mod tests {
     use super::test_support::*;
     use super::*;
+
+    #[test]
+    fn a_vm_larger_than_the_host_is_refused_with_the_figures() {
+        let big = vmi("domain: {memory: {guest: 1Ti}, cpu: {cores: 128}}");
+        let errs = run(&big, DomainType::Kvm).expect_err("it does not fit");
+        let text: Vec<String> = errs.iter().map(|e| e.to_string()).collect();
+        assert!(
+            text.iter()
+                .any(|e| e.contains("1024.0 GiB of guest memory does not fit this host's 64.0 GiB")),
+            "{text:?}"
+        );
+        assert!(
+            text.iter()
+                .any(|e| e.contains("128 vCPUs do not fit this host's 64 CPUs")),
+            "{text:?}"
+        );
+    }
+
+    #[test]
+    fn a_name_too_long_for_the_vms_sockets_is_refused_with_the_limit() {
+        let layout = crate::core::layout::HostLayout::default();
+        let fits = |name: &str| {
+            let key = VmKey::new("ns", name).unwrap();
+            layout.vm(&key).longest_socket_path(&key.domain_name()) <= MAX_SOCKET_PATH
+        };
+        let mut longest = 1;
+        while fits(&"a".repeat(longest + 1)) {
+            longest += 1;
+        }
+        let name = "a".repeat(longest + 1);
+        let mut long = vmi(MEM);
+        long.metadata.name = Some(name.clone());
+        let key = VmKey::new("ns", &name).unwrap();
+        let paths = crate::core::layout::HostLayout::default().vm(&key);
+        let errs = convert_all_errors(
+            &long,
+            &ConvertContext {
+                key: &key,
+                paths: &paths,
+                domain_type: DomainType::Kvm,
+                host_disk_roots: &[],
+                cluster: false,
+                capacity: None,
+            },
+        )
+        .expect_err("too long");
+        let e = errs[0].to_string();
+        assert!(e.starts_with("metadata.name:"), "{e}");
+        assert!(
+            e.contains(&format!("may have {} characters together", longest + 2)),
+            "{e}"
+        );
+    }
 
     #[test]
     fn minimal_defaults() {

@@ -91,6 +91,7 @@ impl<A: Adapters> Controller<A> {
                     domain: None,
                     machine: None,
                     identity: false,
+                    unresponsive: false,
                 }
             }
         };
