@@ -238,6 +238,12 @@ impl VmPaths {
     }
 
     /// Where session libvirt records QEMU's PID for a domain.
+    /// The VM's libvirt daemon's pid files (one of them exists).
+    pub fn daemon_pid_files(&self) -> [PathBuf; 2] {
+        let dir = self.xdg_runtime_dir().join("libvirt");
+        [dir.join("virtqemud.pid"), dir.join("libvirtd.pid")]
+    }
+
     pub fn qemu_pid_file(&self, domain_name: &str) -> PathBuf {
         self.xdg_runtime_dir()
             .join("libvirt/qemu/run")

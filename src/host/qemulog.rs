@@ -119,9 +119,16 @@ impl<K: Sink> Forwarder<K> {
         };
         let unit = key::unit_name_of(id);
         let vm = VmKey::parse(id).map_or_else(|_| id.to_owned(), |k| k.to_string());
-        // Shown as qemu[<pid>]: QEMU's own, from libvirt's pid file; none
-        // before QEMU exists (libvirt logs its command line first).
-        let pid = self.qemu_pid(id, domain);
+        // Shown as qemu[<pid>] with QEMU's own pid, never kvirtd's. Before
+        // QEMU exists libvirt writes its command line here: those lines
+        // wait for QEMU's pid file a little; when there is none (QEMU did
+        // not start, or has gone) they are the writer's, libvirt's daemon.
+        let paths = self.layout.vm_by_id(id);
+        let pid = match first_pid(&paths, &[paths.qemu_pid_file(domain)]) {
+            Some(p) => Some(p),
+            None if written_within(&meta, QEMU_PID_WAIT) => return Ok(()),
+            None => first_pid(&paths, &paths.daemon_pid_files()),
+        };
         for line in String::from_utf8_lossy(&buf[..upto]).lines() {
             if line.is_empty() {
                 continue;
@@ -143,17 +150,28 @@ impl<K: Sink> Forwarder<K> {
         std::fs::write(&tmp, format!("{} {}\n", meta.ino(), offset + upto as u64))?;
         std::fs::rename(&tmp, &pos_file)
     }
+}
 
-    fn qemu_pid(&self, id: &str, domain: &str) -> Option<String> {
-        let paths = self.layout.vm_by_id(id);
-        let file = paths.qemu_pid_file(domain);
+/// The pid in the first of `files` (below the VM's runtime directory)
+/// that holds one.
+fn first_pid(paths: &crate::core::layout::VmPaths, files: &[PathBuf]) -> Option<String> {
+    let dir = Beneath::open(&paths.runtime_dir).ok()?;
+    files.iter().find_map(|file| {
         let rel = file.strip_prefix(&paths.runtime_dir).ok()?;
-        let text = Beneath::open(&paths.runtime_dir)
-            .and_then(|d| d.read(rel, MAX_PID_FILE))
-            .ok()?;
+        let text = dir.read(rel, MAX_PID_FILE).ok()?;
         let pid = String::from_utf8(text).ok()?.trim().to_owned();
         pid.parse::<u32>().is_ok().then_some(pid)
-    }
+    })
+}
+
+/// How long lines wait for QEMU's pid file after the log was last written.
+const QEMU_PID_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+fn written_within(meta: &std::fs::Metadata, wait: std::time::Duration) -> bool {
+    meta.modified()
+        .ok()
+        .and_then(|m| m.elapsed().ok())
+        .is_some_and(|age| age < wait)
 }
 
 #[cfg(test)]
@@ -184,6 +202,36 @@ mod tests {
             .drain(..)
             .map(|e| field(&e, "MESSAGE").unwrap().to_owned())
             .collect()
+    }
+
+    /// The log as last written a minute ago.
+    fn age(path: &Path) {
+        let f = std::fs::File::options().append(true).open(path).unwrap();
+        f.set_modified(std::time::SystemTime::now() - std::time::Duration::from_secs(60))
+            .unwrap();
+    }
+
+    #[test]
+    fn lines_before_qemu_exists_wait_for_its_pid_then_are_the_daemons() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = host(dir.path());
+        let path = log_path(&layout, "default_vm1");
+        let rec = Recording::default();
+        let fwd = Forwarder::new(rec.clone(), layout.clone());
+        std::fs::write(&path, "LC_ALL=C /usr/bin/qemu-system-x86_64 \\\n").unwrap();
+        fwd.pass();
+        assert!(
+            messages(&rec).is_empty(),
+            "sent before QEMU's pid was known"
+        );
+        // QEMU never came: the daemon, which wrote them, is named.
+        let daemon = layout.vm_by_id("default_vm1").daemon_pid_files()[0].clone();
+        std::fs::create_dir_all(daemon.parent().unwrap()).unwrap();
+        std::fs::write(&daemon, "77\n").unwrap();
+        age(&path);
+        fwd.pass();
+        let e = rec.0.lock().unwrap()[0].clone();
+        assert_eq!(field(&e, "SYSLOG_PID"), Some("77"));
     }
 
     #[test]
@@ -263,6 +311,7 @@ mod tests {
         let number = dir.path().join("number");
         std::fs::write(&number, "1\n").unwrap();
         std::os::unix::fs::symlink(&number, &pid_file).unwrap();
+        age(&good);
 
         let rec = Recording::default();
         let fwd = Forwarder::new(rec.clone(), layout.clone());
