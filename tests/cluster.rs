@@ -110,6 +110,18 @@ fn a_vmi_for_this_node_runs_reports_and_is_deleted_cleanly() {
     let ev = events(&a, "k-alpha");
     assert!(ev.contains(&"Created".to_string()), "{ev:?}");
 
+    // The status patch kvirtd sends names the VMI's uid: for a VMI deleted
+    // and made anew meanwhile, the API server refuses it and nothing
+    // changes (kvirtd then drops it).
+    let stale = a.sh(
+        "kubectl patch vmi k-other --type merge -p '{\"metadata\":{\"uid\":\"00000000-0000-0000-0000-000000000000\"},\"status\":{\"phase\":\"Failed\"}}' 2>&1",
+    );
+    let said = String::from_utf8_lossy(&stale.stdout);
+    assert!(!stale.status.success(), "{said}");
+    assert!(
+        said.contains("UID in precondition") || said.contains("metadata.uid"),
+        "{said}"
+    );
     let other = kubectl(&a, "get vmi k-other -o json");
     assert!(!other.contains("\"phase\""), "{other}");
     assert!(!other.contains("kvirt.io/host-cleanup"), "{other}");

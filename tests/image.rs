@@ -127,11 +127,12 @@ async fn container_disks_from_a_real_registry() {
     );
     assert_eq!(da.format, "raw");
     assert_eq!(da.path, da.root.join("disk/guest.raw"));
-    assert!(da.root.starts_with(cache.join("sha256")));
+    assert!(da.root.starts_with(cache.join("repos")));
     assert_eq!(std::fs::read(&da.path).unwrap(), bytes);
     use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(&da.path).unwrap().permissions().mode();
-    assert_eq!(mode & 0o777, 0o644, "world-readable, never writable");
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&da.path), 0o600, "root's alone: a VM is given its own");
+    assert_eq!(mode(&cache), 0o700, "no local user reaches the cache");
     let leftovers = std::fs::read_dir(cache.join("blobs")).unwrap().count();
     assert_eq!(leftovers, 0, "layers are dropped once unpacked");
     let missing = images
@@ -267,7 +268,7 @@ async fn private_images_need_their_credentials_even_from_the_cache() {
 
     // In the cache now, and still not for a VM without the credentials
     // (nor with wrong ones): the registry is asked, as a pull would.
-    let before = std::fs::read_dir(cache.join("sha256")).unwrap().count();
+    let before = snapshot(&cache);
     for wrong in [None, Some(user("wrong"))] {
         let err = pull(wrong).await.unwrap_err();
         assert!(
@@ -277,6 +278,215 @@ async fn private_images_need_their_credentials_even_from_the_cache() {
     }
     let again = pull(Some(user("s3cret"))).await.unwrap();
     assert_eq!(again, d);
-    let after = std::fs::read_dir(cache.join("sha256")).unwrap().count();
-    assert_eq!(before, after);
+    assert_eq!(before, snapshot(&cache));
+
+    // The same digest named through another repository of this registry,
+    // or through another registry that lacks it: neither reaches the
+    // cached private image.
+    let digest = d.digest.clone();
+    let public_dir = tmp.path().join("public");
+    std::fs::create_dir_all(&public_dir).unwrap();
+    let public = start_registry(&public_dir).unwrap();
+    for other in [
+        format!("127.0.0.1:{}/team/public@{digest}", registry.port),
+        format!("127.0.0.1:{}/team/private@{digest}", public.port),
+    ] {
+        let err = images
+            .disk(&other, PullPolicy::IfNotPresent, None, None, &|_| {})
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("registry"), "{other}: {err}");
+    }
+    assert_eq!(before, snapshot(&cache));
+}
+
+/// Every file under `dir` with its size: what a failed pull must not change.
+fn snapshot(dir: &Path) -> Vec<(String, u64)> {
+    let mut out = Vec::new();
+    let mut stack = vec![dir.to_owned()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            let m = e.metadata().unwrap();
+            let rel = e.path().strip_prefix(dir).unwrap().display().to_string();
+            if m.is_dir() {
+                stack.push(e.path());
+                out.push((rel, 0));
+            } else {
+                out.push((rel, m.len()));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+/// Pushes an image of these gzipped layers, each declared with its size
+/// plus `skew` (a hostile manifest), and returns its reference.
+async fn push_layers(port: u16, repo: &str, layers: Vec<Vec<u8>>, skew: i64) -> String {
+    use oci_client::client::{ClientConfig, ClientProtocol, Config, ImageLayer};
+    use oci_client::manifest::OciImageManifest;
+    let image = format!("127.0.0.1:{port}/{repo}:1");
+    let r: oci_client::Reference = image.parse().unwrap();
+    let layers: Vec<ImageLayer> = layers
+        .into_iter()
+        .map(|l| ImageLayer::oci_v1_gzip(l, None))
+        .collect();
+    let config = Config::oci_v1(br#"{"architecture":"amd64","os":"linux"}"#.to_vec(), None);
+    let mut manifest = OciImageManifest::build(&layers, &config, None);
+    for l in &mut manifest.layers {
+        l.size += skew;
+    }
+    let _ = rustls::crypto::ring::default_provider().install_default();
+    let client = oci_client::Client::new(ClientConfig {
+        protocol: ClientProtocol::Http,
+        ..Default::default()
+    });
+    client
+        .push(
+            &r,
+            &layers,
+            config,
+            &oci_client::secrets::RegistryAuth::Anonymous,
+            Some(manifest),
+        )
+        .await
+        .unwrap();
+    image
+}
+
+/// One gzipped layer holding `disk/<name>` with `data`.
+fn disk_layer(name: &str, data: &[u8]) -> Vec<u8> {
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    {
+        let mut tar = tar::Builder::new(&mut gz);
+        let mut h = tar::Header::new_gnu();
+        h.set_size(data.len() as u64);
+        h.set_mode(0o444);
+        tar.append_data(&mut h, format!("disk/{name}"), data)
+            .unwrap();
+        tar.finish().unwrap();
+    }
+    gz.finish().unwrap()
+}
+
+/// A hostile registry's images: a layer declared huge, a layer bigger
+/// than it declares, a decompression bomb. Each fails as too big, and the
+/// cache is byte for byte what it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_images_fail_cleanly_and_leave_the_cache_as_it_was() {
+    use kvirt::core::image::ImageLimits;
+    let tmp = tempfile::tempdir().unwrap();
+    let Some(registry) = start_registry(tmp.path()) else {
+        return;
+    };
+    let limits = ImageLimits {
+        max_layer_bytes: 4 << 20,
+        max_image_bytes: 6 << 20,
+        max_unpacked_bytes: 8 << 20,
+        max_entries: 100,
+    };
+    let cache = tmp.path().join("cache");
+    let images = OciImages::new(cache.clone(), vec![]).with_limits(limits);
+    let pull = |image: String| {
+        let images = &images;
+        async move {
+            images
+                .disk(&image, PullPolicy::IfNotPresent, None, None, &|_| {})
+                .await
+        }
+    };
+    let good = push_layers(
+        registry.port,
+        "ok/guest",
+        vec![disk_layer("a.raw", &[7u8; 4096])],
+        0,
+    )
+    .await;
+    pull(good).await.unwrap();
+    let before = snapshot(&cache);
+
+    let noise: Vec<u8> = (0..1u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    let declared_huge = push_layers(
+        registry.port,
+        "bad/huge",
+        vec![disk_layer("a.raw", &noise)],
+        1 << 40,
+    )
+    .await;
+    let bigger = push_layers(
+        registry.port,
+        "bad/bigger",
+        vec![disk_layer("b.raw", &noise)],
+        -4096,
+    )
+    .await;
+    let bomb = push_layers(
+        registry.port,
+        "bad/bomb",
+        vec![disk_layer("c.raw", &vec![0u8; 64 << 20])],
+        0,
+    )
+    .await;
+    for (image, why) in [
+        (declared_huge, "declares"),
+        (bigger, "larger than the"),
+        (bomb, "unpacks to more than 8388608 bytes"),
+    ] {
+        let err = pull(image.clone()).await.unwrap_err().to_string();
+        assert!(
+            err.contains("too big") && err.contains(why),
+            "{image}: {err}"
+        );
+        assert_eq!(before, snapshot(&cache), "{image} left something");
+    }
+}
+
+/// Two references to one digest (its tag and the digest itself) pulled at
+/// once, again and again: one complete entry, nothing left over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_pulls_of_one_digest_make_one_correct_entry() {
+    let tmp = tempfile::tempdir().unwrap();
+    let Some(registry) = start_registry(tmp.path()) else {
+        return;
+    };
+    let data: Vec<u8> = (0..1u32 << 20).map(|i| (i % 251) as u8).collect();
+    let tag = push_layers(
+        registry.port,
+        "race/guest",
+        vec![disk_layer("d.raw", &data)],
+        0,
+    )
+    .await;
+    for round in 0..8 {
+        let cache = tmp.path().join(format!("cache{round}"));
+        let images = OciImages::new(cache.clone(), vec![]);
+        let first = images
+            .disk(&tag, PullPolicy::Always, None, None, &|_| {})
+            .await
+            .unwrap();
+        std::fs::remove_dir_all(&cache).unwrap();
+        let by_digest = format!("{}@{}", tag.trim_end_matches(":1"), first.digest);
+        let (a, b) = tokio::join!(
+            images.disk(&tag, PullPolicy::Always, None, None, &|_| {}),
+            images.disk(&by_digest, PullPolicy::IfNotPresent, None, None, &|_| {}),
+        );
+        let (a, b) = (a.unwrap(), b.unwrap());
+        assert_eq!(a.path, b.path, "round {round}");
+        assert_eq!(std::fs::read(&a.path).unwrap(), data);
+        let entries: Vec<_> = snapshot(&cache)
+            .into_iter()
+            .filter(|(p, _)| p.starts_with("repos/") && p.matches('/').count() == 2)
+            .collect();
+        assert_eq!(entries.len(), 1, "round {round}: {entries:?}");
+        assert_eq!(
+            std::fs::read_dir(cache.join(".tmp")).map_or(0, |d| d.count()),
+            0
+        );
+        assert_eq!(
+            std::fs::read_dir(cache.join("blobs")).map_or(0, |d| d.count()),
+            0
+        );
+    }
 }

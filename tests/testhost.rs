@@ -8,7 +8,7 @@
 mod support;
 
 use std::time::{Duration, Instant};
-use support::{serial, Host, BOOT};
+use support::{Host, BOOT};
 
 fn host() -> Option<Host> {
     support::host("KVIRT_TESTHOST_PID")
@@ -17,7 +17,7 @@ fn host() -> Option<Host> {
 #[test]
 fn a_manifest_becomes_a_running_vm_that_survives_kvirtd_restarts() {
     let Some(h) = host() else { return };
-    let _g = serial();
+    let _g = h.turn();
     h.create_vm("alpha", "run");
     h.wait_phase("alpha", "Running", BOOT);
 
@@ -111,7 +111,7 @@ fn a_manifest_becomes_a_running_vm_that_survives_kvirtd_restarts() {
 #[test]
 fn a_guest_powering_off_is_succeeded_and_its_unit_collected() {
     let Some(h) = host() else { return };
-    let _g = serial();
+    let _g = h.turn();
     h.create_vm("bravo", "poweroff");
     h.wait_phase("bravo", "Succeeded", BOOT);
     h.wait(
@@ -132,7 +132,7 @@ fn a_guest_powering_off_is_succeeded_and_its_unit_collected() {
 #[test]
 fn a_removed_manifest_shuts_the_vm_down_within_its_grace_period() {
     let Some(h) = host() else { return };
-    let _g = serial();
+    let _g = h.turn();
     h.create_vm("charlie", "run");
     h.wait_phase("charlie", "Running", BOOT);
     // Printed once at boot: the serial log has it even if nobody listened.
@@ -156,7 +156,7 @@ fn a_removed_manifest_shuts_the_vm_down_within_its_grace_period() {
 #[test]
 fn bad_vmis_fail_clearly_while_others_run() {
     let Some(h) = host() else { return };
-    let _g = serial();
+    let _g = h.turn();
     h.create_vm("delta", "run");
     h.put_manifest(
         "bad-field",
@@ -228,7 +228,7 @@ spec:
 #[test]
 fn libvirtd_works_as_the_vms_daemon_too() {
     let Some(h) = host() else { return };
-    let _g = serial();
+    let _g = h.turn();
     h.ok("sed -i 's/^daemon = .*/daemon = \"libvirtd\"/' /etc/kvirt/kvirtd.toml.d/50-test.toml && grep -q 'daemon = \"libvirtd\"' /etc/kvirt/kvirtd.toml.d/50-test.toml");
     h.restart_kvirtd();
     h.create_vm("echo", "run");
@@ -284,7 +284,7 @@ fn http(h: &Host, from_netns: Option<&str>, ip: &str, port: u16) -> bool {
 #[test]
 fn vms_get_a_pod_like_network_with_dhcp_and_port_forwarding() {
     let Some(h) = host() else { return };
-    let _g = serial();
+    let _g = h.turn();
     net_vm(&h, "web", &[8080]);
     net_vm(&h, "any", &[]);
     for vm in ["web", "any"] {
@@ -353,7 +353,7 @@ fn vms_get_a_pod_like_network_with_dhcp_and_port_forwarding() {
 #[test]
 fn twenty_vms_come_and_go_leaving_no_network_state() {
     let Some(h) = host() else { return };
-    let _g = serial();
+    let _g = h.turn();
     let mut seen = std::collections::BTreeMap::new();
     for round in 0..4 {
         let names: Vec<String> = (0..5).map(|i| format!("loop-{round}-{i}")).collect();
@@ -420,7 +420,7 @@ fn the_test_manifests_convert() {
 #[test]
 fn cloud_init_and_downward_api_disks_reach_the_guest() {
     let Some(h) = host() else { return };
-    let _g = serial();
+    let _g = h.turn();
     let seed_disk = "      - name: cloudinit\n        disk: {bus: virtio}\n";
     let nocloud = support::vmi_manifest("nocloud", "", "", seed_disk)
         + "  - name: cloudinit\n    cloudInitNoCloud:\n      userData: |\n        #!/bin/sh\n        echo KVIRT-CLOUDINIT-$((6 * 7))\n";
@@ -457,7 +457,7 @@ fn cloud_init_and_downward_api_disks_reach_the_guest() {
 #[test]
 fn container_disks_kernel_boot_and_ephemeral_volumes_boot_over_read_only_bases() {
     let Some(h) = host() else { return };
-    let _g = serial();
+    let _g = h.turn();
     // A real registry (Debian's docker-registry) on the test host's loopback.
     h.start_registry("test-registry", 5000, None);
     // The test guest as a qcow2 containerDisk, pushed by kvirtctl.
@@ -479,8 +479,14 @@ fn container_disks_kernel_boot_and_ephemeral_volumes_boot_over_read_only_bases()
     }
     // One copy in the cache, pulled once; each VM writes to its own overlay
     // over it, through a read-only bind of that image only.
-    assert_eq!(h.ok("ls /var/cache/kvirt/images/sha256 | wc -l"), "1");
-    let cached = h.ok("ls /var/cache/kvirt/images/sha256/*/disk/guest.qcow2");
+    assert_eq!(h.ok("ls -d /var/cache/kvirt/images/repos/*/* | wc -l"), "1");
+    let cached = h.ok("ls /var/cache/kvirt/images/repos/*/*/disk/guest.qcow2");
+    // The cache is root's; the VMs read their image by grants of their own.
+    h.ok(&format!(
+        "[ \"$(stat -c %U {cached})\" = root ]
+         ! setpriv --reuid=65534 --regid=65534 --clear-groups head -c1 {cached} >/dev/null 2>&1
+         ! setpriv --reuid=65534 --regid=65534 --clear-groups ls /var/cache/kvirt/images >/dev/null 2>&1"
+    ));
     let said = |what: &str| {
         h.ok(&format!(
             "journalctl -u kvirtd -o cat | grep -o 'default/cd[12]: {what}' | sort -u | wc -l"
@@ -503,7 +509,7 @@ fn container_disks_kernel_boot_and_ephemeral_volumes_boot_over_read_only_bases()
         let binds = h.ok(&format!(
             "systemctl show -p BindReadOnlyPaths --value kvirt-vm@default_{vm}.service"
         ));
-        assert!(binds.contains("/var/cache/kvirt/images/sha256/"), "{binds}");
+        assert!(binds.contains("/var/cache/kvirt/images/repos/"), "{binds}");
     }
     // Direct kernel boot from an image of the same cache: the test guest's
     // kernel and initrd, copied into the VM's own directory.
@@ -543,7 +549,7 @@ spec:
         h.ok("stat -c '%U %a' /var/lib/kvirt/vms/default_kb1/disks/kernel"),
         format!("{user} 640")
     );
-    assert_eq!(h.ok("ls /var/cache/kvirt/images/sha256 | wc -l"), "2");
+    assert_eq!(h.ok("ls -d /var/cache/kvirt/images/repos/*/* | wc -l"), "2");
 
     // An ephemeral volume: the same overlay, over a hostDisk that is only read.
     h.ok("cp /srv/guest/run.raw /var/lib/kvirt/images/golden.raw
@@ -579,7 +585,7 @@ spec:
 #[test]
 fn efi_guests_boot_through_ovmf_and_secure_boot_refuses_an_unsigned_loader() {
     let Some(h) = host() else { return };
-    let _g = serial();
+    let _g = h.turn();
     // The test guest's disk has an unsigned GRUB as its removable-media
     // loader: plain OVMF boots it; Secure Boot (the default, as in KubeVirt)
     // refuses it, which shows its keys are enrolled and enforced. One at a
@@ -701,7 +707,7 @@ impl Drop for ReservedHugepages {
 #[test]
 fn hugepages_back_a_guest_and_a_vm_that_does_not_fit_fails_with_why() {
     let Some(h) = host() else { return };
-    let _g = serial();
+    let _g = h.turn();
     let _pages = ReservedHugepages::more(64);
     let available = available_2m();
     assert!(available >= 64, "{available}");
@@ -776,7 +782,7 @@ fn leaks(out: &str) -> Vec<&str> {
 #[test]
 fn a_vm_that_escaped_into_its_qemu_reaches_nothing_of_another() {
     let Some(h) = host() else { return };
-    let _g = serial();
+    let _g = h.turn();
     h.create_vm("ea", "run");
     h.create_vm("eb", "run");
     for vm in ["ea", "eb"] {
@@ -846,7 +852,7 @@ fn a_vm_that_escaped_into_its_qemu_reaches_nothing_of_another() {
 #[test]
 fn links_and_fifos_a_vm_plants_never_steer_kvirtd() {
     let Some(h) = host() else { return };
-    let _g = serial();
+    let _g = h.turn();
     h.create_vm("pa", "run");
     h.create_vm("pb", "run");
     for vm in ["pa", "pb"] {
@@ -898,7 +904,7 @@ fn links_and_fifos_a_vm_plants_never_steer_kvirtd() {
 #[test]
 fn a_guest_printing_forever_leaves_its_console_log_at_its_cap() {
     let Some(h) = host() else { return };
-    let _g = serial();
+    let _g = h.turn();
     let seed = "      - name: cloudinit\n        disk: {bus: virtio}\n";
     let manifest = support::vmi_manifest("flood", "", "", seed)
         + "  - name: cloudinit\n    cloudInitNoCloud:\n      userData: |\n        #!/bin/sh\n        line=$(printf 'KVIRT-FLOOD-%0240d' 0)\n        ( while :; do echo \"$line\"; done >/dev/console ) &\n";
@@ -932,7 +938,7 @@ fn a_guest_printing_forever_leaves_its_console_log_at_its_cap() {
 #[test]
 fn spoofed_addresses_and_macs_from_a_guest_reach_neither_the_host_nor_another_vm() {
     let Some(h) = host() else { return };
-    let _g = serial();
+    let _g = h.turn();
     net_vm(&h, "victim", &[]);
     h.wait_phase("victim", "Running", BOOT);
     let victim = pod_ip(&h, "victim");
@@ -1006,7 +1012,7 @@ fn daemon_pid(h: &Host, vm: &str) -> String {
 #[test]
 fn a_vm_outlives_its_libvirt_daemon_but_not_a_stop_on_purpose() {
     let Some(h) = host() else { return };
-    let _g = serial();
+    let _g = h.turn();
     h.create_vm("phoenix", "run");
     h.wait_phase("phoenix", "Running", BOOT);
     h.console_shows("phoenix", "KVIRT-GUEST-ALIVE");
@@ -1023,6 +1029,8 @@ fn a_vm_outlives_its_libvirt_daemon_but_not_a_stop_on_purpose() {
     h.ok(&format!(
         "! journalctl -t qemu KVIRT_VM=default/phoenix --no-pager | grep -q 'qemu\\[{kvirtd}\\]'"
     ));
+    // journald itself places them in the VM's unit, from QEMU's cgroup.
+    h.ok("journalctl -t qemu _SYSTEMD_UNIT=kvirt-vm@default_phoenix.service --no-pager | grep -q -- '-name guest=default_phoenix'");
 
     // The daemon dies hard: systemd starts another in the same unit, and
     // the VM never notices.
@@ -1089,7 +1097,7 @@ fn a_vm_outlives_its_libvirt_daemon_but_not_a_stop_on_purpose() {
 #[test]
 fn a_stopped_libvirt_daemon_holds_up_only_its_own_vm() {
     let Some(h) = host() else { return };
-    let _g = serial();
+    let _g = h.turn();
     h.create_vm("frozen", "run");
     h.wait_phase("frozen", "Running", BOOT);
     let daemon = daemon_pid(&h, "frozen");
@@ -1140,7 +1148,7 @@ fn a_stopped_libvirt_daemon_holds_up_only_its_own_vm() {
 #[test]
 fn kvirtd_is_ready_at_once_while_a_vm_waits_out_its_grace_period() {
     let Some(h) = host() else { return };
-    let _g = serial();
+    let _g = h.turn();
     // A guest that ignores the power button: its deletion waits out the
     // whole grace period.
     let seed = "      - name: cloudinit\n        disk: {bus: virtio}\n";
@@ -1180,7 +1188,7 @@ fn kvirtd_is_ready_at_once_while_a_vm_waits_out_its_grace_period() {
 #[test]
 fn long_names_run_and_what_cannot_fit_is_refused_up_front() {
     let Some(h) = host() else { return };
-    let _g = serial();
+    let _g = h.turn();
     // Long enough that libvirt's monitor socket under the VM's state
     // directory would pass the Unix socket path limit.
     let long = "a-vm-whose-name-is-long-enough-to-matter";
@@ -1245,7 +1253,7 @@ struct ChaosVm {
 #[test]
 fn chaos_kills_at_random_points_and_everything_converges() {
     let Some(h) = host() else { return };
-    let _g = serial();
+    let _g = h.turn();
     let seed: u64 = std::env::var("KVIRT_CHAOS_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -1432,7 +1440,7 @@ fn chaos_kills_at_random_points_and_everything_converges() {
 #[test]
 fn the_manifest_directory_survives_links_fifos_huge_and_half_written_files() {
     let Some(h) = host() else { return };
-    let _g = serial();
+    let _g = h.turn();
     let dir = "/etc/kvirt/vmis.d";
     h.ok(&format!(
         "ln -s /dev/zero {dir}/zero.yaml

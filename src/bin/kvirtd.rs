@@ -270,17 +270,34 @@ async fn run(config: Config) -> Result<()> {
     for d in dropped {
         warn!("{d}");
     }
+    let storage = HostStorage::new(settings.layout.clone());
+    match storage.sweep_staging() {
+        Ok(0) => {}
+        Ok(n) => info!("removed {n} half-made files a previous kvirtd left in staging"),
+        Err(e) => warn!("sweeping staging: {e}"),
+    }
     let host = Host {
         units: systemd,
         network,
         hypervisor: Libvirt::new(lv_tx),
         machines,
-        storage: HostStorage::new(settings.layout.clone()),
+        storage,
         users: HostUsers(Arc::new(identities)),
-        images: OciImages::new(
-            settings.layout.images_dir(),
-            config.storage.insecure_registries.clone(),
-        ),
+        images: {
+            let layout = settings.layout.clone();
+            OciImages::new(
+                settings.layout.images_dir(),
+                config.storage.insecure_registries.clone(),
+            )
+            .with_limits(config.storage.image_limits().map_err(anyhow::Error::msg)?)
+            .with_budget(
+                config
+                    .storage
+                    .image_cache_bytes()
+                    .map_err(anyhow::Error::msg)?,
+                Box::new(move || kvirt::host::storage::granted_paths(&layout)),
+            )
+        },
     };
     let resync = Duration::from_secs(config.source.resync_seconds);
     tend_vm_logs(settings.layout.clone())?;

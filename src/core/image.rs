@@ -114,3 +114,84 @@ mod tests {
         assert!(p(None, "").is_err());
     }
 }
+
+/// What one image may make kvirtd download and write: a registry is not
+/// trusted to stay small.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ImageLimits {
+    /// One layer as downloaded (compressed).
+    pub max_layer_bytes: u64,
+    /// All layers as downloaded.
+    pub max_image_bytes: u64,
+    /// All layers unpacked: every byte that comes out of decompression.
+    pub max_unpacked_bytes: u64,
+    /// Files and directories in the unpacked image.
+    pub max_entries: u64,
+}
+
+impl Default for ImageLimits {
+    fn default() -> Self {
+        const GI: u64 = 1 << 30;
+        Self {
+            max_layer_bytes: 10 * GI,
+            max_image_bytes: 20 * GI,
+            max_unpacked_bytes: 40 * GI,
+            max_entries: 100_000,
+        }
+    }
+}
+
+impl ImageLimits {
+    /// The layers' declared sizes checked before a byte is downloaded:
+    /// their total, or why the image is refused.
+    pub fn check_declared(&self, layers: &[(&str, i64)]) -> Result<u64, String> {
+        let mut total: u64 = 0;
+        for (digest, size) in layers {
+            let size = u64::try_from(*size)
+                .map_err(|_| format!("layer {digest} declares a negative size ({size})"))?;
+            if size > self.max_layer_bytes {
+                return Err(format!(
+                    "layer {digest} declares {size} bytes, over the limit of {} per layer",
+                    self.max_layer_bytes
+                ));
+            }
+            total = total.saturating_add(size);
+        }
+        if total > self.max_image_bytes {
+            return Err(format!(
+                "the layers declare {total} bytes, over the limit of {} per image",
+                self.max_image_bytes
+            ));
+        }
+        Ok(total)
+    }
+}
+
+#[cfg(test)]
+mod limit_tests {
+    use super::ImageLimits;
+
+    #[test]
+    fn declared_sizes_are_checked_per_layer_and_in_total() {
+        let l = ImageLimits {
+            max_layer_bytes: 100,
+            max_image_bytes: 150,
+            ..ImageLimits::default()
+        };
+        assert_eq!(l.check_declared(&[("a", 100), ("b", 50)]), Ok(150));
+        assert!(l
+            .check_declared(&[("a", 101)])
+            .unwrap_err()
+            .contains("layer a declares 101 bytes"));
+        assert!(l
+            .check_declared(&[("a", 100), ("b", 51)])
+            .unwrap_err()
+            .contains("declare 151 bytes"));
+        assert!(l
+            .check_declared(&[("a", -1)])
+            .unwrap_err()
+            .contains("negative"));
+        let huge = [("a", i64::MAX); 4];
+        assert!(ImageLimits::default().check_declared(&huge).is_err());
+    }
+}

@@ -3,6 +3,8 @@
 
 use crate::core::convert::HostDiskRoots;
 use crate::core::identity::IdRange;
+use crate::core::image::ImageLimits;
+use crate::core::quantity::parse_bytes;
 
 /// 0x70000000 and the 64Ki above: in the range systemd leaves unused,
 /// clear of system, login, dynamic and container users.
@@ -191,6 +193,32 @@ pub struct StorageConfig {
     /// containerDisk registries (`host:port`) spoken to over plain HTTP;
     /// loopback registries always are.
     pub insecure_registries: Vec<String>,
+    /// A containerDisk image may be at most this per layer and in all as
+    /// downloaded, and this unpacked (quantities such as "10Gi"), with at
+    /// most `image_max_files` files and directories.
+    pub image_max_layer: String,
+    pub image_max_download: String,
+    pub image_max_unpacked: String,
+    pub image_max_files: u64,
+    /// The image cache is collected down to this after each pull, least
+    /// recently used first; images in use are kept.
+    pub image_cache_max: String,
+}
+
+impl StorageConfig {
+    pub fn image_limits(&self) -> Result<ImageLimits, String> {
+        let bytes = |key: &str, v: &str| parse_bytes(v).map_err(|e| format!("storage.{key}: {e}"));
+        Ok(ImageLimits {
+            max_layer_bytes: bytes("image_max_layer", &self.image_max_layer)?,
+            max_image_bytes: bytes("image_max_download", &self.image_max_download)?,
+            max_unpacked_bytes: bytes("image_max_unpacked", &self.image_max_unpacked)?,
+            max_entries: self.image_max_files,
+        })
+    }
+
+    pub fn image_cache_bytes(&self) -> Result<u64, String> {
+        parse_bytes(&self.image_cache_max).map_err(|e| format!("storage.image_cache_max: {e}"))
+    }
 }
 
 impl Default for SourceConfig {
@@ -235,6 +263,11 @@ impl Default for StorageConfig {
             host_disk_roots: vec!["/var/lib/kvirt/images".into()],
             host_disk_roots_by_namespace: BTreeMap::new(),
             insecure_registries: Vec::new(),
+            image_max_layer: "10Gi".into(),
+            image_max_download: "20Gi".into(),
+            image_max_unpacked: "40Gi".into(),
+            image_max_files: 100_000,
+            image_cache_max: "50Gi".into(),
         }
     }
 }
@@ -313,6 +346,8 @@ impl Config {
                 self.metrics.listen
             )));
         }
+        self.storage.image_limits().map_err(invalid)?;
+        self.storage.image_cache_bytes().map_err(invalid)?;
         for root in &self.storage.host_disk_roots {
             if !root.is_absolute() {
                 return Err(invalid(format!(
@@ -549,5 +584,22 @@ mod shipped {
         let parsed = Config::parse(text, Path::new("systemd/kvirtd.toml")).unwrap();
         let defaults = Config::parse("", Path::new("x")).unwrap();
         assert_eq!(parsed, defaults);
+    }
+
+    #[test]
+    fn image_limits_are_quantities() {
+        let c = Config::parse(
+            "[storage]\nimage_max_layer = \"1Mi\"\nimage_max_files = 7\nimage_cache_max = \"2Gi\"\n",
+            Path::new("x"),
+        )
+        .unwrap();
+        let l = c.storage.image_limits().unwrap();
+        assert_eq!((l.max_layer_bytes, l.max_entries), (1 << 20, 7));
+        assert_eq!(l.max_image_bytes, 20 << 30);
+        assert_eq!(c.storage.image_cache_bytes().unwrap(), 2 << 30);
+        let err = Config::parse("[storage]\nimage_max_unpacked = \"lots\"\n", Path::new("x"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("storage.image_max_unpacked"), "{err}");
     }
 }

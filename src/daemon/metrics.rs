@@ -145,51 +145,98 @@ impl Metrics {
 
 pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
+/// How many scrapes are served at once, and how long one may take: a
+/// client that connects and says nothing holds a slot that long at most.
+#[derive(Clone, Copy, Debug)]
+pub struct ServeLimits {
+    pub connections: usize,
+    pub per_connection: Duration,
+}
+
+impl Default for ServeLimits {
+    fn default() -> Self {
+        Self {
+            connections: 16,
+            per_connection: Duration::from_secs(5),
+        }
+    }
+}
+
 /// A minimal HTTP/1.1 server: `GET /metrics` answers `render()`, anything
 /// else 404. One request per connection; nothing here is worth a framework.
 pub async fn serve(listener: TcpListener, render: impl Fn() -> String + Send + Sync + 'static) {
+    serve_with(listener, render, ServeLimits::default(), Default::default()).await
+}
+
+/// [`serve`] with its limits; `busy` counts the connections being served.
+pub async fn serve_with(
+    listener: TcpListener,
+    render: impl Fn() -> String + Send + Sync + 'static,
+    limits: ServeLimits,
+    busy: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
+    use std::sync::atomic::Ordering;
     let render = std::sync::Arc::new(render);
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(limits.connections));
+    let mut backoff = Duration::ZERO;
     loop {
-        let Ok((mut conn, _)) = listener.accept().await else {
-            continue;
+        // Past the limit, connections wait in the kernel's backlog.
+        let Ok(slot) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        let mut conn = match listener.accept().await {
+            Ok((conn, _)) => {
+                backoff = Duration::ZERO;
+                conn
+            }
+            Err(e) => {
+                // Out of file descriptors, say: retrying at once would spin.
+                if backoff.is_zero() {
+                    tracing::warn!("metrics endpoint: accept: {e}; backing off");
+                }
+                backoff = (backoff * 2).clamp(Duration::from_millis(50), Duration::from_secs(2));
+                tokio::time::sleep(backoff).await;
+                continue;
+            }
         };
         let render = render.clone();
+        let busy = busy.clone();
+        busy.fetch_add(1, Ordering::SeqCst);
         tokio::spawn(async move {
-            let mut buf = vec![0u8; 4096];
-            let mut len = 0;
-            // Read up to the end of the headers (or give up on a huge request).
-            let read = tokio::time::timeout(Duration::from_secs(5), async {
-                while len < buf.len() {
-                    match conn.read(&mut buf[len..]).await {
-                        Ok(0) | Err(_) => break,
-                        Ok(n) => len += n,
-                    }
-                    if buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
-                        break;
-                    }
-                }
-            })
-            .await;
-            if read.is_err() {
-                return;
-            }
-            let head = String::from_utf8_lossy(&buf[..len]);
-            let mut parts = head.split_whitespace();
-            let response = match (parts.next(), parts.next()) {
-                (Some("GET"), Some("/metrics")) => {
-                    let body = render();
-                    format!(
-                        "HTTP/1.1 200 OK\r\nContent-Type: {CONTENT_TYPE}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                        body.len()
-                    )
-                }
-                _ => "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-                    .to_string(),
-            };
-            let _ = conn.write_all(response.as_bytes()).await;
-            let _ = conn.shutdown().await;
+            let _ = tokio::time::timeout(limits.per_connection, answer(&mut conn, &*render)).await;
+            busy.fetch_sub(1, Ordering::SeqCst);
+            drop(slot);
         });
     }
+}
+
+async fn answer(conn: &mut tokio::net::TcpStream, render: &(dyn Fn() -> String + Send + Sync)) {
+    let mut buf = vec![0u8; 4096];
+    let mut len = 0;
+    // Read up to the end of the headers (or give up on a huge request).
+    while len < buf.len() {
+        match conn.read(&mut buf[len..]).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => len += n,
+        }
+        if buf[..len].windows(4).any(|w| w == b"\r\n\r\n") {
+            break;
+        }
+    }
+    let head = String::from_utf8_lossy(&buf[..len]);
+    let mut parts = head.split_whitespace();
+    let response = match (parts.next(), parts.next()) {
+        (Some("GET"), Some("/metrics")) => {
+            let body = render();
+            format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: {CONTENT_TYPE}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            )
+        }
+        _ => "HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_string(),
+    };
+    let _ = conn.write_all(response.as_bytes()).await;
+    let _ = conn.shutdown().await;
 }
 
 #[cfg(test)]
@@ -238,5 +285,56 @@ mod tests {
         assert!(ok.contains(CONTENT_TYPE));
         assert!(ok.ends_with("\r\n\r\nkvirt_vms 1\n"), "{ok}");
         assert!(get("/").await.starts_with("HTTP/1.1 404"));
+    }
+
+    /// Clients that connect and say nothing hold at most the limit of
+    /// slots, each for at most its time; a scrape behind them is served.
+    #[tokio::test]
+    async fn idle_connections_cannot_exhaust_the_endpoint() {
+        use std::sync::atomic::{AtomicUsize, Ordering};
+        use std::sync::Arc;
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let busy = Arc::new(AtomicUsize::new(0));
+        let limits = ServeLimits {
+            connections: 3,
+            per_connection: Duration::from_millis(300),
+        };
+        tokio::spawn(serve_with(
+            listener,
+            || "kvirt_vms 1\n".into(),
+            limits,
+            busy.clone(),
+        ));
+        let mut idle = Vec::new();
+        for _ in 0..30 {
+            idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+        }
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+        let mut most = 0;
+        while most < 3 {
+            most = most.max(busy.load(Ordering::SeqCst));
+            assert!(tokio::time::Instant::now() < deadline, "never busy");
+            tokio::task::yield_now().await;
+        }
+        let scrape = async {
+            let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+            c.write_all(b"GET /metrics HTTP/1.1\r\n\r\n").await.unwrap();
+            let mut out = String::new();
+            c.read_to_string(&mut out).await.unwrap();
+            out
+        };
+        tokio::pin!(scrape);
+        let out = loop {
+            tokio::select! {
+                out = &mut scrape => break out,
+                _ = tokio::time::sleep(Duration::from_millis(5)) => {
+                    most = most.max(busy.load(Ordering::SeqCst));
+                    assert!(tokio::time::Instant::now() < deadline, "scrape starved");
+                }
+            }
+        };
+        assert!(out.ends_with("kvirt_vms 1\n"), "{out}");
+        assert_eq!(most, 3, "never more than the limit at once");
     }
 }

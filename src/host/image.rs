@@ -1,17 +1,29 @@
-//! containerDisk images: pulled from their registry once per manifest
-//! digest into a shared, read-only cache that every VM of that image uses as
-//! the backing file of its own overlay.
+//! containerDisk images: pulled from their registry once per repository
+//! and manifest digest into a read-only cache that every VM of that image
+//! uses as the backing file of its own overlay.
 //!
-//! Cache layout under `/var/cache/kvirt/images`:
-//! - `sha256/<manifest digest>/`: the image's files, complete (made in
-//!   `.tmp/` and renamed into place, so a directory here is never partial);
+//! The registry is not trusted: declared sizes are checked before a byte is
+//! downloaded, actual bytes counted while streaming and unpacking (against
+//! [`ImageLimits`]), every layer verified against its digest, and every
+//! entry name checked before it becomes a path.
+//!
+//! Cache layout under `/var/cache/kvirt/images` (root's, 0700):
+//! - `repos/<repository key>/<manifest digest>/`: the image's files,
+//!   complete (unpacked in `.tmp/` and renamed into place, so a directory
+//!   here is never partial). Keyed by registry and repository too, so
+//!   naming a digest through another repository never reaches an image
+//!   pulled from this one. Directories 0711, files 0600: a VM reads its
+//!   disk through an ACL entry of its own identity, nobody else at all;
 //! - `blobs/<digest>[.partial]`: layers being downloaded; a `.partial` left
 //!   by a restart is resumed with a range request, and checked against its
 //!   digest before use;
 //! - `refs/<sha256 of the reference>`: the digest a tag resolved to, for
-//!   `IfNotPresent`.
+//!   `IfNotPresent`;
+//! - `private/<repository key>-<digest>`: images pulled with credentials;
+//!   each use asks the registry whether the VM's credentials may;
+//! - `sha256/<digest>/`: entries of earlier releases, left alone.
 
-use crate::core::image::{disk_format, parse_reference, PullPolicy};
+use crate::core::image::{disk_format, parse_reference, ImageLimits, PullPolicy};
 use crate::core::pullsecret::Credentials;
 use oci_client::client::{BlobResponse, ClientConfig, ClientProtocol};
 use oci_client::manifest::OciDescriptor;
@@ -47,6 +59,8 @@ pub enum ImageError {
     },
     #[error("{image}: {message}")]
     Content { image: String, message: String },
+    #[error("{image}: too big: {message}")]
+    TooBig { image: String, message: String },
     #[error("{image}: imagePullSecret {secret:?}: {message}")]
     PullSecret {
         image: String,
@@ -173,16 +187,29 @@ pub trait Images: Send + Sync + 'static {
     ) -> impl Future<Output = Result<ImageDisk, ImageError>> + Send;
 }
 
+/// The files VMs use now (their granted disks): entries holding one are
+/// never collected.
+pub type InUse = Box<dyn Fn() -> Vec<PathBuf> + Send + Sync>;
+
 /// Images from OCI registries, with the cache on the host.
 pub struct OciImages {
     dir: PathBuf,
     https: Client,
     http: Client,
     insecure: Vec<String>,
-    /// One lock per image reference: the second VM waits for the first
-    /// one's pull and then finds the image cached.
+    limits: ImageLimits,
+    /// The cache is collected down to this size after each pull.
+    budget: u64,
+    in_use: InUse,
+    /// One lock per cache entry and per layer: the second VM waits for the
+    /// first one's pull and then finds the image cached, whatever
+    /// reference each named it by.
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
+
+/// An entry used this recently is kept whatever the budget: its VM may be
+/// between pulling it and taking its grant.
+const RECENT: std::time::Duration = std::time::Duration::from_secs(600);
 
 /// Registries spoken to over plain HTTP: loopback ones (as Docker and
 /// containerd do) and those configured as insecure.
@@ -215,22 +242,52 @@ impl OciImages {
     /// `.tmp/` is dropped (its `.partial` downloads are kept and resumed).
     pub fn new(dir: PathBuf, insecure: Vec<String>) -> Self {
         let _ = std::fs::remove_dir_all(dir.join(".tmp"));
+        // Earlier releases made it world-readable.
+        if dir.is_dir() {
+            let _ = std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700));
+        }
         Self {
             dir,
             https: client(ClientProtocol::Https),
             http: client(ClientProtocol::Http),
             insecure,
+            limits: ImageLimits::default(),
+            budget: u64::MAX,
+            in_use: Box::new(Vec::new),
             locks: Mutex::default(),
         }
     }
 
-    fn lock_for(&self, image: &str) -> Arc<tokio::sync::Mutex<()>> {
-        let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
-        locks.entry(image.to_owned()).or_default().clone()
+    pub fn with_limits(mut self, limits: ImageLimits) -> Self {
+        self.limits = limits;
+        self
     }
 
-    fn entry(&self, image: &str, digest: &str) -> Option<CachedImage> {
-        let root = self.dir.join("sha256").join(hex_of(digest)?);
+    /// Collected down to `budget` bytes after each pull, least recently
+    /// used first, never an entry holding one of `in_use`'s files.
+    pub fn with_budget(mut self, budget: u64, in_use: InUse) -> Self {
+        self.budget = budget;
+        self.in_use = in_use;
+        self
+    }
+
+    fn lock_for(&self, key: String) -> Arc<tokio::sync::Mutex<()>> {
+        let mut locks = self.locks.lock().unwrap_or_else(|p| p.into_inner());
+        locks.entry(key).or_default().clone()
+    }
+
+    /// Where an image of this repository with this digest lives.
+    fn entry_root(&self, r: &Reference, digest: &str) -> Option<PathBuf> {
+        Some(
+            self.dir
+                .join("repos")
+                .join(repo_key(r))
+                .join(hex_of(digest)?),
+        )
+    }
+
+    fn entry(&self, image: &str, r: &Reference, digest: &str) -> Option<CachedImage> {
+        let root = self.entry_root(r, digest)?;
         root.is_dir().then(|| CachedImage {
             image: image.to_owned(),
             digest: digest.to_owned(),
@@ -250,13 +307,14 @@ impl OciImages {
             Some(d) => d.to_owned(),
             None => std::fs::read_to_string(self.ref_file(image)).ok()?,
         };
-        self.entry(image, digest.trim())
+        self.entry(image, r, digest.trim())
     }
 
     fn remember(&self, image: &str, digest: &str) -> Result<(), ImageError> {
         let f = self.ref_file(image);
         let dir = f.parent().expect("refs/ has a parent");
-        mkdir(dir).map_err(io_err(image, dir, "create directory"))?;
+        self.private_dir(dir)
+            .map_err(io_err(image, dir, "create directory"))?;
         let tmp = f.with_extension("tmp");
         std::fs::write(&tmp, digest)
             .and_then(|_| std::fs::rename(&tmp, &f))
@@ -280,25 +338,40 @@ impl OciImages {
             .pull_image_manifest(r, &registry_auth)
             .await
             .map_err(registry)?;
-        if auth.is_some() {
-            // Marked before the first byte lands in the cache, so a crash
-            // can never leave a private image looking public.
-            if let Some(m) = self.private_marker(&digest) {
-                let dir = m.parent().expect("private/ has a parent");
-                mkdir(dir).map_err(io_err(image, dir, "create directory"))?;
-                std::fs::write(&m, b"").map_err(io_err(image, &m, "write"))?;
-            }
-        }
-        if let Some(c) = self.entry(image, &digest) {
-            self.remember(image, &digest)?;
-            return Ok(c);
-        }
         let content = |message: String| ImageError::Content {
             image: image.to_owned(),
             message,
         };
-        let hex = hex_of(&digest).ok_or_else(|| content(format!("manifest digest {digest:?}")))?;
-        let total = manifest.layers.iter().map(|l| l.size.max(0) as u64).sum();
+        let root = self
+            .entry_root(r, &digest)
+            .ok_or_else(|| content(format!("manifest digest {digest:?}")))?;
+        if auth.is_some() {
+            // Marked before the first byte lands in the cache, so a crash
+            // can never leave a private image looking public.
+            let m = self.private_marker(r, &digest).expect("digest checked");
+            let dir = m.parent().expect("private/ has a parent");
+            self.private_dir(dir)
+                .map_err(io_err(image, dir, "create directory"))?;
+            std::fs::write(&m, b"").map_err(io_err(image, &m, "write"))?;
+        }
+        let lock = self.lock_for(format!("entry {}", root.display()));
+        let _one_pull = lock.lock().await;
+        if let Some(c) = self.entry(image, r, &digest) {
+            self.remember(image, &digest)?;
+            return Ok(c);
+        }
+        let declared: Vec<(&str, i64)> = manifest
+            .layers
+            .iter()
+            .map(|l| (l.digest.as_str(), l.size))
+            .collect();
+        let total =
+            self.limits
+                .check_declared(&declared)
+                .map_err(|message| ImageError::TooBig {
+                    image: image.to_owned(),
+                    message,
+                })?;
         let mut done = 0;
         let mut blobs = Vec::new();
         for layer in &manifest.layers {
@@ -309,19 +382,29 @@ impl OciImages {
                         total,
                     })
                 })
-                .await?;
+                .await;
+            match blob {
+                Ok(b) => blobs.push(b),
+                Err(e) => {
+                    remove_all(&blobs);
+                    return Err(e);
+                }
+            }
             done += layer.size.max(0) as u64;
-            blobs.push(blob);
         }
-        let (dir, img) = (self.dir.clone(), image.to_owned());
+        let (dir, img, limits) = (self.dir.clone(), image.to_owned(), self.limits);
         let layers = blobs.clone();
-        let root = tokio::task::spawn_blocking(move || unpack(&dir, &img, &hex, &layers))
-            .await
-            .map_err(|_| content("unpacking: worker thread died".into()))??;
+        let into = root.clone();
+        let unpacked =
+            tokio::task::spawn_blocking(move || unpack(&dir, &img, &into, &layers, &limits))
+                .await
+                .map_err(|_| content("unpacking: worker thread died".into()))
+                .and_then(|r| r);
+        // Unpacked or not, the layers are of no more use.
+        remove_all(&blobs);
+        unpacked?;
         self.remember(image, &digest)?;
-        for b in blobs {
-            let _ = std::fs::remove_file(b);
-        }
+        touch(&root);
         Ok(CachedImage {
             image: image.to_owned(),
             digest,
@@ -344,15 +427,29 @@ impl OciImages {
         };
         let hex = hex_of(&layer.digest)
             .ok_or_else(|| content(format!("layer digest {:?}", layer.digest)))?;
+        let lock = self.lock_for(format!("blob {hex}"));
+        let _one_download = lock.lock().await;
         let dir = self.dir.join("blobs");
-        mkdir(&dir).map_err(io_err(image, &dir, "create directory"))?;
+        self.private_dir(&dir)
+            .map_err(io_err(image, &dir, "create directory"))?;
         let done = dir.join(&hex);
         if done.is_file() {
             return Ok(done);
         }
         let partial = dir.join(format!("{hex}.partial"));
-        let have = std::fs::metadata(&partial).map_or(0, |m| m.len());
         let size = layer.size.max(0) as u64;
+        let mut have = std::fs::metadata(&partial).map_or(0, |m| m.len());
+        if have > size {
+            let _ = std::fs::remove_file(&partial);
+            have = 0;
+        }
+        let too_big = || ImageError::TooBig {
+            image: image.to_owned(),
+            message: format!(
+                "layer {} is larger than the {size} bytes it declares",
+                layer.digest
+            ),
+        };
         if have < size {
             let response = client
                 .pull_blob_stream_partial(r, layer, have, None)
@@ -377,6 +474,11 @@ impl OciImages {
             use futures::StreamExt;
             while let Some(chunk) = stream.next().await {
                 let chunk = chunk.map_err(io_err(image, &partial, "download"))?;
+                if at + chunk.len() as u64 > size {
+                    drop(file);
+                    let _ = std::fs::remove_file(&partial);
+                    return Err(too_big());
+                }
                 file.write_all(&chunk)
                     .await
                     .map_err(io_err(image, &partial, "write"))?;
@@ -430,11 +532,9 @@ impl OciImages {
             image: image.to_owned(),
             message,
         })?;
-        let lock = self.lock_for(image);
-        let _one_pull = lock.lock().await;
         if policy != PullPolicy::Always {
             if let Some(c) = self.cached(image, &r) {
-                if self.is_private(&c.digest) {
+                if self.is_private(&r, &c.digest) {
                     // A private image in the cache is not a licence to use
                     // it: the registry must say these credentials may.
                     let (client, registry_auth) = self.client_for(&r, auth);
@@ -446,6 +546,7 @@ impl OciImages {
                             source,
                         })?;
                 }
+                touch(&c.root);
                 return Ok(c);
             }
         }
@@ -454,7 +555,54 @@ impl OciImages {
                 image: image.to_owned(),
             });
         }
-        self.pull(image, &r, auth, progress).await
+        let pulled = self.pull(image, &r, auth, progress).await?;
+        self.collect();
+        Ok(pulled)
+    }
+
+    /// Drops least recently used entries until the cache is within its
+    /// budget; never one that holds a file in use or was used in the last
+    /// minutes. Each goes by rename first, so a crash never leaves half an
+    /// entry where a VM would find it. Returns what went.
+    pub fn collect(&self) -> Vec<PathBuf> {
+        if self.budget == u64::MAX {
+            return Vec::new();
+        }
+        let in_use = (self.in_use)();
+        let mut entries: Vec<(std::time::SystemTime, u64, PathBuf)> = Vec::new();
+        for repo in read_dirs(&self.dir.join("repos")) {
+            for root in read_dirs(&repo) {
+                let used = std::fs::metadata(&root)
+                    .and_then(|m| m.modified())
+                    .unwrap_or(std::time::UNIX_EPOCH);
+                entries.push((used, tree_size(&root), root));
+            }
+        }
+        let mut total: u64 = entries.iter().map(|e| e.1).sum();
+        entries.sort();
+        let mut gone = Vec::new();
+        for (used, size, root) in entries {
+            if total <= self.budget {
+                break;
+            }
+            let recent = used.elapsed().map_or(true, |age| age < RECENT);
+            if recent || in_use.iter().any(|p| p.starts_with(&root)) {
+                continue;
+            }
+            let trash =
+                self.dir
+                    .join(".tmp")
+                    .join(format!("gc-{}-{}", std::process::id(), gone.len()));
+            if self.private_dir(&self.dir.join(".tmp")).is_err()
+                || std::fs::rename(&root, &trash).is_err()
+            {
+                continue;
+            }
+            let _ = std::fs::remove_dir_all(&trash);
+            total = total.saturating_sub(size);
+            gone.push(root);
+        }
+        gone
     }
 
     /// The client and credentials for a registry. A pull with credentials
@@ -485,14 +633,70 @@ impl OciImages {
         }
     }
 
-    /// Images pulled with credentials are marked, by digest.
-    fn private_marker(&self, digest: &str) -> Option<PathBuf> {
-        Some(self.dir.join("private").join(hex_of(digest)?))
+    /// Images pulled with credentials are marked, by repository and digest.
+    fn private_marker(&self, r: &Reference, digest: &str) -> Option<PathBuf> {
+        let name = format!("{}-{}", repo_key(r), hex_of(digest)?);
+        Some(self.dir.join("private").join(name))
     }
 
-    fn is_private(&self, digest: &str) -> bool {
-        self.private_marker(digest).is_some_and(|m| m.exists())
+    fn is_private(&self, r: &Reference, digest: &str) -> bool {
+        self.private_marker(r, digest).is_some_and(|m| m.exists())
     }
+
+    /// A directory of the cache's own (root's, 0700), and the cache's top.
+    fn private_dir(&self, dir: &Path) -> std::io::Result<()> {
+        for d in [&self.dir, dir] {
+            std::fs::create_dir_all(d)?;
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o700))?;
+        }
+        Ok(())
+    }
+}
+
+/// The cache's name for a registry and repository: a path component
+/// whatever the reference held.
+fn repo_key(r: &Reference) -> String {
+    let h = Sha256::digest(format!("{}/{}", r.resolve_registry(), r.repository()).as_bytes());
+    h.iter().take(16).map(|b| format!("{b:02x}")).collect()
+}
+
+fn remove_all(files: &[PathBuf]) {
+    for f in files {
+        let _ = std::fs::remove_file(f);
+    }
+}
+
+/// Marks an entry used now (its directory's mtime), for collection.
+fn touch(root: &Path) {
+    if let Ok(d) = std::fs::File::open(root) {
+        let _ = d.set_modified(std::time::SystemTime::now());
+    }
+}
+
+fn read_dirs(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+        .map(|e| e.path())
+        .collect()
+}
+
+/// Bytes of the regular files under `root` (links are not followed).
+fn tree_size(root: &Path) -> u64 {
+    let mut total = 0;
+    let mut stack = vec![root.to_owned()];
+    while let Some(d) = stack.pop() {
+        for e in std::fs::read_dir(&d).into_iter().flatten().flatten() {
+            match e.metadata() {
+                Ok(m) if m.is_dir() => stack.push(e.path()),
+                Ok(m) if m.is_file() => total += m.len(),
+                _ => {}
+            }
+        }
+    }
+    total
 }
 
 fn io_err(image: &str, path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> ImageError {
@@ -515,9 +719,11 @@ fn hex_of(digest: &str) -> Option<String> {
     .then(|| hex.to_owned())
 }
 
+/// A directory inside an image: the VM that uses the image may pass
+/// through, nobody may list it.
 fn mkdir(dir: &Path) -> std::io::Result<()> {
     std::fs::create_dir_all(dir)?;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o755))
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711))
 }
 
 fn sha256_file(path: &Path) -> std::io::Result<String> {
@@ -533,33 +739,109 @@ fn sha256_file(path: &Path) -> std::io::Result<String> {
     Ok(h.finalize().iter().map(|b| format!("{b:02x}")).collect())
 }
 
-/// Applies the layers in order into `.tmp/` and renames the result to
-/// `sha256/<hex>`. Only directories and regular files are made (root's,
-/// world-readable): links, devices and paths leaving the tree are skipped.
-fn unpack(dir: &Path, image: &str, hex: &str, layers: &[PathBuf]) -> Result<PathBuf, ImageError> {
+/// What is left of an image's [`ImageLimits`] while it unpacks.
+struct Budget {
+    /// Bytes out of decompression (a bomb stops here).
+    stream: std::cell::Cell<u64>,
+    /// Bytes written to files (sparse entries expand here).
+    files: u64,
+    entries: u64,
+    /// Which limit was hit, once one was.
+    over: std::cell::Cell<Option<&'static str>>,
+    limits: ImageLimits,
+}
+
+impl Budget {
+    fn new(limits: &ImageLimits) -> Self {
+        Self {
+            stream: std::cell::Cell::new(limits.max_unpacked_bytes),
+            files: limits.max_unpacked_bytes,
+            entries: limits.max_entries,
+            over: std::cell::Cell::new(None),
+            limits: *limits,
+        }
+    }
+
+    fn exceeded(&self, what: &'static str) -> std::io::Error {
+        self.over.set(Some(what));
+        std::io::Error::other(format!("over the limit of {what}"))
+    }
+
+    fn message(&self) -> Option<String> {
+        let what = self.over.get()?;
+        Some(match what {
+            "entries" => format!(
+                "it unpacks to more than {} files and directories",
+                self.limits.max_entries
+            ),
+            _ => format!(
+                "it unpacks to more than {} bytes",
+                self.limits.max_unpacked_bytes
+            ),
+        })
+    }
+}
+
+/// A reader that fails once it has given more than the budget allows.
+struct Counted<'a, R> {
+    inner: R,
+    budget: &'a Budget,
+}
+
+impl<R: Read> Read for Counted<'_, R> {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        let left = self.budget.stream.get();
+        if n as u64 > left {
+            return Err(self.budget.exceeded("bytes"));
+        }
+        self.budget.stream.set(left - n as u64);
+        Ok(n)
+    }
+}
+
+/// Applies the layers in order into a fresh directory under `.tmp/` and
+/// renames the result to `root`. Only directories and regular files are
+/// made: links, devices and paths leaving the tree are skipped, whiteouts
+/// may name only what is in the tree. Past a limit, nothing stays.
+fn unpack(
+    dir: &Path,
+    image: &str,
+    root: &Path,
+    layers: &[PathBuf],
+    limits: &ImageLimits,
+) -> Result<(), ImageError> {
     let io = |path: &Path, op| io_err(image, path, op);
     let tmp_parent = dir.join(".tmp");
-    mkdir(&tmp_parent).map_err(io(&tmp_parent, "create directory"))?;
-    let tmp = tmp_parent.join(format!("{hex}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&tmp);
-    mkdir(&tmp).map_err(io(&tmp, "create directory"))?;
+    std::fs::create_dir_all(&tmp_parent).map_err(io(&tmp_parent, "create directory"))?;
+    let tmp = nix::unistd::mkdtemp(&tmp_parent.join("unpack-XXXXXX"))
+        .map_err(|e| io(&tmp_parent, "create directory")(e.into()))?;
+    let mut budget = Budget::new(limits);
     let result = (|| {
+        mkdir(&tmp).map_err(io(&tmp, "create directory"))?;
         for layer in layers {
             let f = std::fs::File::open(layer).map_err(io(layer, "open"))?;
-            unpack_layer(f, &tmp).map_err(io(layer, "unpack"))?;
+            if let Err(e) = unpack_layer(f, &tmp, &mut budget) {
+                return Err(match budget.message() {
+                    Some(message) => ImageError::TooBig {
+                        image: image.to_owned(),
+                        message,
+                    },
+                    None => io(layer, "unpack")(e),
+                });
+            }
         }
-        let root = dir.join("sha256").join(hex);
-        let parent = root.parent().expect("sha256/ has a parent");
-        mkdir(parent).map_err(io(parent, "create directory"))?;
-        std::fs::rename(&tmp, &root).map_err(io(&root, "rename"))?;
-        Ok(root)
+        let parent = root.parent().expect("an entry has a parent");
+        std::fs::create_dir_all(parent).map_err(io(parent, "create directory"))?;
+        std::fs::rename(&tmp, root).map_err(io(root, "rename"))
     })();
     let _ = std::fs::remove_dir_all(&tmp);
     result
 }
 
-fn unpack_layer(mut f: std::fs::File, into: &Path) -> std::io::Result<()> {
+fn unpack_layer(mut f: std::fs::File, into: &Path, budget: &mut Budget) -> std::io::Result<()> {
     use std::io::{Seek, SeekFrom};
+    use std::os::unix::fs::OpenOptionsExt;
     let mut magic = [0u8; 4];
     let n = read_up_to(&mut f, &mut magic)?;
     f.seek(SeekFrom::Start(0))?;
@@ -572,9 +854,18 @@ fn unpack_layer(mut f: std::fs::File, into: &Path) -> std::io::Result<()> {
         }
         _ => Box::new(f),
     };
-    let mut archive = tar::Archive::new(reader);
+    let shared: &Budget = budget;
+    let mut archive = tar::Archive::new(Counted {
+        inner: reader,
+        budget: shared,
+    });
+    let mut entries_left = shared.entries;
+    let mut files_left = shared.files;
     for entry in archive.entries()? {
         let mut entry = entry?;
+        entries_left = entries_left
+            .checked_sub(1)
+            .ok_or_else(|| shared.exceeded("entries"))?;
         let Some(rel) = relative(&entry.path()?) else {
             continue;
         };
@@ -590,6 +881,13 @@ fn unpack_layer(mut f: std::fs::File, into: &Path) -> std::io::Result<()> {
             continue;
         }
         if let Some(gone) = name.strip_prefix(".wh.") {
+            // `.wh..` or `.wh...` would name the directory or its parent.
+            if gone.is_empty() || gone == "." || gone == ".." {
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    format!("whiteout {:?} names no file", rel.display().to_string()),
+                ));
+            }
             remove_any(&parent.join(gone))?;
             continue;
         }
@@ -601,16 +899,26 @@ fn unpack_layer(mut f: std::fs::File, into: &Path) -> std::io::Result<()> {
                 }
                 mkdir(&target)?;
             }
-            tar::EntryType::Regular | tar::EntryType::Continuous => {
+            // Sparse entries are files too: their holes come out as zeros.
+            tar::EntryType::Regular | tar::EntryType::Continuous | tar::EntryType::GNUSparse => {
                 mkdir(&parent)?;
                 remove_any(&target)?;
-                let mut out = std::fs::File::create_new(&target)?;
-                std::io::copy(&mut entry, &mut out)?;
-                out.set_permissions(std::fs::Permissions::from_mode(0o644))?;
+                let mut out = std::fs::OpenOptions::new()
+                    .write(true)
+                    .create_new(true)
+                    .mode(0o600)
+                    .open(&target)?;
+                let copied = std::io::copy(&mut (&mut entry).take(files_left + 1), &mut out)?;
+                files_left = files_left
+                    .checked_sub(copied)
+                    .ok_or_else(|| shared.exceeded("bytes"))?;
+                out.set_permissions(std::fs::Permissions::from_mode(0o600))?;
             }
             _ => {}
         }
     }
+    budget.entries = entries_left;
+    budget.files = files_left;
     Ok(())
 }
 
@@ -802,7 +1110,8 @@ mod tests {
             std::fs::write(&file, &layer).unwrap();
             let into = t.path().join("root");
             std::fs::create_dir(&into).unwrap();
-            let _ = unpack_layer(std::fs::File::open(&file).unwrap(), &into);
+            let mut budget = Budget::new(&ImageLimits::default());
+            let _ = unpack_layer(std::fs::File::open(&file).unwrap(), &into, &mut budget);
             let mut beside: Vec<_> = std::fs::read_dir(t.path())
                 .unwrap()
                 .map(|e| e.unwrap().file_name())
@@ -850,24 +1159,15 @@ mod tests {
 
         let cache = t.path().join("cache");
         let hex = "ab".repeat(32);
-        let root = unpack(&cache, "img", &hex, &[l1, l2]).unwrap();
-        assert_eq!(root, cache.join("sha256").join(&hex));
+        let root = cache.join("repos/r").join(&hex);
+        unpack(&cache, "img", &root, &[l1, l2], &ImageLimits::default()).unwrap();
         let mut files: Vec<_> = walk(&root);
         files.sort();
         assert_eq!(files, ["disk", "disk/new.img", "etc"]);
-        let mode = std::fs::metadata(root.join("disk/new.img"))
-            .unwrap()
-            .permissions()
-            .mode();
-        assert_eq!(mode & 0o777, 0o644);
-        assert_eq!(
-            std::fs::metadata(root.join("disk"))
-                .unwrap()
-                .permissions()
-                .mode()
-                & 0o777,
-            0o755
-        );
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&root.join("disk/new.img")), 0o600, "root's alone");
+        assert_eq!(mode(&root.join("disk")), 0o711, "passable, not listable");
+        assert_eq!(mode(&root), 0o711);
         assert_eq!(std::fs::read_dir(cache.join(".tmp")).unwrap().count(), 0);
 
         let img = CachedImage {
@@ -893,6 +1193,120 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("not a file"));
+    }
+
+    fn unpack_one(
+        layer: Vec<u8>,
+        limits: ImageLimits,
+    ) -> (tempfile::TempDir, Result<(), ImageError>) {
+        let t = tempfile::tempdir().unwrap();
+        let file = t.path().join("layer");
+        std::fs::write(&file, layer).unwrap();
+        let cache = t.path().join("cache");
+        let root = cache.join("repos/r/e");
+        let r = unpack(&cache, "img", &root, &[file], &limits);
+        (t, r)
+    }
+
+    fn left_in(t: &tempfile::TempDir) -> Vec<String> {
+        let cache = t.path().join("cache");
+        let mut all = walk(&cache);
+        all.retain(|p| p != ".tmp" && p != "repos" && p != "repos/r");
+        all
+    }
+
+    /// A decompression bomb, a tree of too many entries, and sparse
+    /// entries that expand: each stops at its limit and leaves nothing.
+    #[test]
+    fn unpacking_stops_at_the_limits_and_leaves_nothing() {
+        let small = ImageLimits {
+            max_unpacked_bytes: 1 << 20,
+            max_entries: 10,
+            ..ImageLimits::default()
+        };
+        // 16 MiB of zeros: ~16 KiB of gzip.
+        let zeros = vec![0u8; 16 << 20];
+        let bomb = tar_of(&[("disk/", None), ("disk/bomb.img", Some(&zeros))], true);
+        assert!(bomb.len() < 100 << 10, "{}", bomb.len());
+        let (t, r) = unpack_one(bomb, small);
+        let err = r.unwrap_err();
+        assert!(matches!(err, ImageError::TooBig { .. }), "{err}");
+        assert!(err.to_string().contains("more than 1048576 bytes"), "{err}");
+        assert_eq!(left_in(&t), Vec::<String>::new());
+
+        let names: Vec<String> = (0..20).map(|i| format!("f{i}")).collect();
+        let many: Vec<(&str, Option<&[u8]>)> = names
+            .iter()
+            .map(|n| (n.as_str(), Some(&b"x"[..])))
+            .collect();
+        let (t, r) = unpack_one(tar_of(&many, false), small);
+        let err = r.unwrap_err().to_string();
+        assert!(err.contains("more than 10 files"), "{err}");
+        assert_eq!(left_in(&t), Vec::<String>::new());
+
+        // A GNU sparse entry: a few bytes in the archive, 64 MiB as a file.
+        let mut b = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_gnu();
+        h.set_entry_type(tar::EntryType::GNUSparse);
+        h.set_size(1);
+        {
+            let gnu = h.as_gnu_mut().unwrap();
+            // One byte of data at the end; the rest is a hole.
+            let octal = |n: u64| format!("{n:011o}\0").into_bytes();
+            gnu.sparse[0].offset.copy_from_slice(&octal((64 << 20) - 1));
+            gnu.sparse[0].numbytes.copy_from_slice(&octal(1));
+            gnu.realsize.copy_from_slice(&octal(64 << 20));
+        }
+        h.set_path("sparse.img").unwrap();
+        h.set_cksum();
+        b.append(&h, &b"x"[..]).unwrap();
+        let (t, r) = unpack_one(b.into_inner().unwrap(), small);
+        let err = r.unwrap_err().to_string();
+        assert!(err.contains("more than 1048576 bytes"), "{err}");
+        assert_eq!(left_in(&t), Vec::<String>::new());
+    }
+
+    /// `.wh..` and `.wh...` would delete the directory or its parent.
+    #[test]
+    fn whiteouts_naming_no_file_are_refused() {
+        for bad in ["disk/.wh..", "disk/.wh...", ".wh..."] {
+            let layer = tar_of(
+                &[("disk/", None), ("disk/a", Some(b"a")), (bad, Some(b""))],
+                false,
+            );
+            let (t, r) = unpack_one(layer, ImageLimits::default());
+            let err = r.unwrap_err().to_string();
+            assert!(err.contains("names no file"), "{bad}: {err}");
+            assert_eq!(left_in(&t), Vec::<String>::new(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn collection_keeps_what_is_in_use_or_recent_and_drops_the_oldest() {
+        let t = tempfile::tempdir().unwrap();
+        let cache = t.path().join("cache");
+        let entry = |repo: &str, name: &str, bytes: usize, age_s: u64| {
+            let root = cache.join("repos").join(repo).join(name);
+            std::fs::create_dir_all(root.join("disk")).unwrap();
+            std::fs::write(root.join("disk/d.img"), vec![1u8; bytes]).unwrap();
+            let d = std::fs::File::open(&root).unwrap();
+            d.set_modified(std::time::SystemTime::now() - std::time::Duration::from_secs(age_s))
+                .unwrap();
+            root
+        };
+        let oldest = entry("a", "1", 400, 9000);
+        let used = entry("a", "2", 400, 8000);
+        let older = entry("b", "3", 400, 7000);
+        let recent = entry("b", "4", 400, 10);
+        let in_use = used.join("disk/d.img");
+        let images = OciImages::new(cache.clone(), vec![])
+            .with_budget(900, Box::new(move || vec![in_use.clone()]));
+        let gone = images.collect();
+        // 1600 bytes, budget 900: the oldest two that may go, in age order.
+        assert_eq!(gone, [oldest.clone(), older.clone()]);
+        assert!(!oldest.exists() && !older.exists());
+        assert!(used.exists() && recent.exists());
+        assert!(images.collect().is_empty(), "within budget, or kept");
     }
 
     fn walk(root: &Path) -> Vec<String> {

@@ -32,14 +32,26 @@ const CHUNK: u64 = 1 << 20;
 /// libvirt's pid file holds a number and a newline.
 const MAX_PID_FILE: u64 = 32;
 
+/// Which unit a process runs in (`unit_of_process`, or a fake in tests).
+pub type UnitOf = Box<dyn Fn(u32) -> Option<String> + Send + Sync>;
+
 pub struct Forwarder<K: Sink> {
     sink: K,
     layout: HostLayout,
+    unit_of: UnitOf,
 }
 
 impl<K: Sink> Forwarder<K> {
     pub fn new(sink: K, layout: HostLayout) -> Self {
-        Self { sink, layout }
+        Self::with_units(sink, layout, Box::new(unit_of_process))
+    }
+
+    pub fn with_units(sink: K, layout: HostLayout, unit_of: UnitOf) -> Self {
+        Self {
+            sink,
+            layout,
+            unit_of,
+        }
     }
 
     fn offsets_dir(&self) -> PathBuf {
@@ -119,31 +131,49 @@ impl<K: Sink> Forwarder<K> {
         };
         let unit = key::unit_name_of(id);
         let vm = VmKey::parse(id).map_or_else(|_| id.to_owned(), |k| k.to_string());
-        // Shown as qemu[<pid>] with QEMU's own pid, never kvirtd's. Before
-        // QEMU exists libvirt writes its command line here: those lines
-        // wait for QEMU's pid file a little; when there is none (QEMU did
-        // not start, or has gone) they are the writer's, libvirt's daemon.
+        // QEMU's lines are QEMU's in the journal (`qemu[<its pid>]`, its
+        // unit), never kvirtd's, which only forwards them. Before QEMU
+        // exists libvirt writes its command line here: those lines wait
+        // for QEMU's pid file a little; when there is none (QEMU did not
+        // start, or has gone) they are the writer's, the VM's libvirt
+        // daemon. A pid is taken only of a process in the VM's own unit:
+        // the pid files are the VM's, and could name anyone.
         let paths = self.layout.vm_by_id(id);
-        let pid = match first_pid(&paths, &[paths.qemu_pid_file(domain)]) {
+        let ours = |pid: &u32| (self.unit_of)(*pid).as_deref() == Some(unit.as_str());
+        let mut writer = match first_pid(&paths, &[paths.qemu_pid_file(domain)]).filter(ours) {
             Some(p) => Some(p),
             None if written_within(&meta, QEMU_PID_WAIT) => return Ok(()),
-            None => first_pid(&paths, &paths.daemon_pid_files()),
+            None => first_pid(&paths, &paths.daemon_pid_files()).filter(ours),
         };
         for line in String::from_utf8_lossy(&buf[..upto]).lines() {
             if line.is_empty() {
                 continue;
             }
-            let mut fields = vec![
+            let fields = [
                 ("PRIORITY", "6"),
-                ("SYSLOG_IDENTIFIER", "qemu"),
                 ("OBJECT_SYSTEMD_UNIT", unit.as_str()),
                 (VM_FIELD, vm.as_str()),
-                ("MESSAGE", line),
             ];
-            if let Some(p) = &pid {
-                fields.push(("SYSLOG_PID", p));
+            if let Some(pid) = writer {
+                let pid_text = pid.to_string();
+                let mut as_writer = fields.to_vec();
+                as_writer.extend([
+                    ("SYSLOG_IDENTIFIER", "qemu"),
+                    ("SYSLOG_PID", pid_text.as_str()),
+                    ("MESSAGE", line),
+                ]);
+                match self.sink.send_as(pid, &as_writer) {
+                    Ok(()) => continue,
+                    // Gone since: the rest are forwarded as kvirtd's.
+                    Err(e) if e.raw_os_error() == Some(libc::ESRCH) => writer = None,
+                    Err(e) => return Err(e),
+                }
             }
-            self.sink.send(&fields)?;
+            // No process of the VM's to name: kvirtd says it forwards them.
+            let message = format!("{vm}: QEMU log: {line}");
+            let mut as_kvirtd = fields.to_vec();
+            as_kvirtd.extend([("SYSLOG_IDENTIFIER", "kvirtd"), ("MESSAGE", &message)]);
+            self.sink.send(&as_kvirtd)?;
         }
         std::fs::create_dir_all(self.offsets_dir())?;
         let tmp = pos_file.with_extension("tmp");
@@ -154,14 +184,33 @@ impl<K: Sink> Forwarder<K> {
 
 /// The pid in the first of `files` (below the VM's runtime directory)
 /// that holds one.
-fn first_pid(paths: &crate::core::layout::VmPaths, files: &[PathBuf]) -> Option<String> {
+fn first_pid(paths: &crate::core::layout::VmPaths, files: &[PathBuf]) -> Option<u32> {
     let dir = Beneath::open(&paths.runtime_dir).ok()?;
     files.iter().find_map(|file| {
         let rel = file.strip_prefix(&paths.runtime_dir).ok()?;
         let text = dir.read(rel, MAX_PID_FILE).ok()?;
-        let pid = String::from_utf8(text).ok()?.trim().to_owned();
-        pid.parse::<u32>().is_ok().then_some(pid)
+        String::from_utf8(text).ok()?.trim().parse::<u32>().ok()
     })
+}
+
+/// The systemd unit process `pid` runs in, from its cgroup: the first
+/// component below the slices. Deeper ones prove nothing: below its unit a
+/// process may create cgroups of any name.
+pub fn unit_of_process(pid: u32) -> Option<String> {
+    let mut text = String::new();
+    std::fs::File::open(format!("/proc/{pid}/cgroup"))
+        .ok()?
+        .take(4096)
+        .read_to_string(&mut text)
+        .ok()?;
+    unit_in_cgroup(text.lines().find_map(|l| l.strip_prefix("0::"))?)
+}
+
+fn unit_in_cgroup(path: &str) -> Option<String> {
+    path.split('/')
+        .filter(|c| !c.is_empty())
+        .find(|c| !c.ends_with(".slice"))
+        .map(str::to_owned)
 }
 
 /// How long lines wait for QEMU's pid file after the log was last written.
@@ -195,6 +244,19 @@ mod tests {
         p
     }
 
+    /// Pids 77 and 4242 run in vm1's unit, 999 in another VM's.
+    fn forwarder(rec: &Recording, layout: &HostLayout) -> Forwarder<Recording> {
+        Forwarder::with_units(
+            rec.clone(),
+            layout.clone(),
+            Box::new(|pid| match pid {
+                77 | 4242 => Some("kvirt-vm@default_vm1.service".into()),
+                999 => Some("kvirt-vm@default_other.service".into()),
+                _ => None,
+            }),
+        )
+    }
+
     fn messages(rec: &Recording) -> Vec<String> {
         rec.0
             .lock()
@@ -217,7 +279,7 @@ mod tests {
         let layout = host(dir.path());
         let path = log_path(&layout, "default_vm1");
         let rec = Recording::default();
-        let fwd = Forwarder::new(rec.clone(), layout.clone());
+        let fwd = forwarder(&rec, &layout);
         std::fs::write(&path, "LC_ALL=C /usr/bin/qemu-system-x86_64 \\\n").unwrap();
         fwd.pass();
         assert!(
@@ -232,6 +294,56 @@ mod tests {
         fwd.pass();
         let e = rec.0.lock().unwrap()[0].clone();
         assert_eq!(field(&e, "SYSLOG_PID"), Some("77"));
+        assert_eq!(field(&e, "_PID"), Some("77"), "sent as the daemon's");
+    }
+
+    /// A pid file naming another VM's QEMU, or a process that is not
+    /// there: the lines are not passed off as that process's.
+    #[test]
+    fn a_pid_outside_the_vms_unit_is_not_taken() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = host(dir.path());
+        let path = log_path(&layout, "default_vm1");
+        let rec = Recording::default();
+        let fwd = forwarder(&rec, &layout);
+        let paths = layout.vm_by_id("default_vm1");
+        let pid_file = paths.qemu_pid_file("default_vm1");
+        std::fs::create_dir_all(pid_file.parent().unwrap()).unwrap();
+        std::fs::write(&pid_file, "999\n").unwrap();
+        let daemon = paths.daemon_pid_files()[0].clone();
+        std::fs::create_dir_all(daemon.parent().unwrap()).unwrap();
+        std::fs::write(&daemon, "31337\n").unwrap();
+        std::fs::write(&path, "planted\n").unwrap();
+        fwd.pass();
+        assert!(messages(&rec).is_empty(), "999 is another VM's QEMU");
+        age(&path);
+        fwd.pass();
+        let e = rec.0.lock().unwrap()[0].clone();
+        assert_eq!(field(&e, "_PID"), None);
+        assert_eq!(field(&e, "SYSLOG_PID"), None);
+        assert_eq!(field(&e, "SYSLOG_IDENTIFIER"), Some("kvirtd"));
+        assert_eq!(field(&e, "MESSAGE"), Some("default/vm1: QEMU log: planted"));
+        assert_eq!(
+            field(&e, "OBJECT_SYSTEMD_UNIT"),
+            Some("kvirt-vm@default_vm1.service")
+        );
+    }
+
+    #[test]
+    fn a_process_unit_is_the_first_cgroup_below_the_slices() {
+        let unit = |p| unit_in_cgroup(p);
+        assert_eq!(
+            unit("/machine.slice/machine-kvirt.slice/kvirt-vm@default_a.service").as_deref(),
+            Some("kvirt-vm@default_a.service")
+        );
+        assert_eq!(
+            unit("/machine.slice/kvirt-vm@default_a.service/kvirt-vm@default_b.service").as_deref(),
+            Some("kvirt-vm@default_a.service")
+        );
+        assert_eq!(unit("/"), None);
+        assert_eq!(unit("/user.slice"), None);
+        let me = unit_of_process(std::process::id());
+        assert!(me.is_none() || !me.unwrap().ends_with(".slice"));
     }
 
     #[test]
@@ -240,7 +352,7 @@ mod tests {
         let layout = host(dir.path());
         let path = log_path(&layout, "default_vm1");
         let rec = Recording::default();
-        let fwd = Forwarder::new(rec.clone(), layout.clone());
+        let fwd = forwarder(&rec, &layout);
 
         let pid_file = layout.vm_by_id("default_vm1").qemu_pid_file("default_vm1");
         std::fs::create_dir_all(pid_file.parent().unwrap()).unwrap();
@@ -249,6 +361,7 @@ mod tests {
         assert!(fwd.pass().is_empty());
         let e = rec.0.lock().unwrap()[0].clone();
         assert_eq!(field(&e, "SYSLOG_PID"), Some("4242"));
+        assert_eq!(field(&e, "_PID"), Some("4242"), "sent as QEMU's");
         assert_eq!(
             field(&e, "OBJECT_SYSTEMD_UNIT"),
             Some("kvirt-vm@default_vm1.service")
@@ -265,7 +378,7 @@ mod tests {
         assert_eq!(messages(&rec), ["half a line", "next"]);
 
         // A restarted forwarder continues where the last one stopped.
-        let again = Forwarder::new(rec.clone(), layout.clone());
+        let again = forwarder(&rec, &layout);
         again.pass();
         assert!(messages(&rec).is_empty());
 
@@ -314,7 +427,7 @@ mod tests {
         age(&good);
 
         let rec = Recording::default();
-        let fwd = Forwarder::new(rec.clone(), layout.clone());
+        let fwd = forwarder(&rec, &layout);
         let (tx, rx) = std::sync::mpsc::channel();
         std::thread::spawn(move || tx.send(fwd.pass()).unwrap());
         let errors = rx
@@ -328,9 +441,12 @@ mod tests {
         assert_eq!(refused, ["fifo.log", "link.log", "zero.log"], "{errors:?}");
         let sent = rec.0.lock().unwrap().clone();
         assert_eq!(sent.len(), 1, "only the real log");
-        assert_eq!(field(&sent[0], "MESSAGE"), Some("real line"));
         assert_eq!(
-            field(&sent[0], "SYSLOG_PID"),
+            field(&sent[0], "MESSAGE"),
+            Some("default/vm1: QEMU log: real line")
+        );
+        assert_eq!(
+            field(&sent[0], "_PID"),
             None,
             "a linked pid file is not read"
         );

@@ -151,6 +151,24 @@ impl HostStorage {
         Self { host, owner: None }
     }
 
+    /// What a predecessor killed mid-way left in the staging directory:
+    /// seed ISOs (secrets, tokens) and half-made disks nobody will finish.
+    /// For kvirtd's start, before any VM is prepared.
+    pub fn sweep_staging(&self) -> std::io::Result<usize> {
+        let staging = self.host.state_dir.join(".staging");
+        let mut swept = 0;
+        let entries = match std::fs::read_dir(&staging) {
+            Ok(e) => e,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(0),
+            Err(e) => return Err(e),
+        };
+        for e in entries.flatten() {
+            remove_tree(&e.path())?;
+            swept += 1;
+        }
+        Ok(swept)
+    }
+
     /// This storage, making files for the VM whose identity is `owner`.
     fn for_vm(&self, owner: Option<Owner>) -> Self {
         Self {
@@ -377,7 +395,12 @@ impl HostStorage {
                             message: format!("{image} is not in the image cache"),
                         })
                     }
-                    (Backing::Image { .. }, Some(d)) => (d.path.clone(), d.format),
+                    (Backing::Image { .. }, Some(d)) => {
+                        // The cache is root's alone: the VM reads its own
+                        // image, for its life, and no other.
+                        self.grant(&d.path, acl::READ)?;
+                        (d.path.clone(), d.format)
+                    }
                     (Backing::HostDisk(base), _) => self.ephemeral_base(base, roots)?,
                 };
                 // A fresh write layer on every start, as KubeVirt's is.
@@ -577,6 +600,28 @@ fn write_acl(f: &std::fs::File, a: &acl::Acl) -> std::io::Result<()> {
 }
 
 /// The hostDisks an identity was given, from root's own record.
+/// Every file some VM has been given and not yet given back: what the
+/// image cache must keep.
+pub fn granted_paths(host: &HostLayout) -> Vec<PathBuf> {
+    std::fs::read_dir(host.grants_dir())
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+        .flat_map(|e| read_grants(&e.path()).unwrap_or_default())
+        .collect()
+}
+
+/// A file or a directory tree, without following links.
+fn remove_tree(p: &Path) -> std::io::Result<()> {
+    match std::fs::symlink_metadata(p) {
+        Ok(m) if m.is_dir() => std::fs::remove_dir_all(p),
+        Ok(_) => std::fs::remove_file(p),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
 fn read_grants(record: &Path) -> Result<Vec<PathBuf>, StorageError> {
     match std::fs::read(record) {
         Ok(text) => serde_json::from_slice(&text).map_err(|e| StorageError::Disk {
@@ -1001,6 +1046,25 @@ mod tests {
             runtime_dir: root.join("run"),
             cache_dir: root.join("cache"),
         })
+    }
+
+    /// A kill -9 mid-way through making a seed ISO leaves its secrets in
+    /// staging; the next start sweeps them, links and all, following none.
+    #[test]
+    fn the_next_start_sweeps_staging() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = storage(tmp.path());
+        assert_eq!(s.sweep_staging().unwrap(), 0, "nothing there yet");
+        let staging = tmp.path().join("lib/.staging");
+        std::fs::create_dir_all(staging.join("seed-abc123/cidata")).unwrap();
+        std::fs::write(staging.join("seed-abc123/cidata/user-data"), "password: x").unwrap();
+        let outside = tmp.path().join("keep");
+        std::fs::create_dir(&outside).unwrap();
+        std::fs::write(outside.join("f"), "kept").unwrap();
+        std::os::unix::fs::symlink(&outside, staging.join("link")).unwrap();
+        assert_eq!(s.sweep_staging().unwrap(), 2);
+        assert_eq!(std::fs::read_dir(&staging).unwrap().count(), 0);
+        assert_eq!(std::fs::read_to_string(outside.join("f")).unwrap(), "kept");
     }
 
     #[tokio::test]

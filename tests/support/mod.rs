@@ -75,7 +75,46 @@ pub struct Host {
     pub pid: String,
 }
 
+/// A test's turn on a host. When the test fails, what it left is cleared
+/// away (its VMs, a stopped daemon, a stopped kvirtd), so the next test
+/// fails only of its own.
+pub struct Turn<'a> {
+    host: &'a Host,
+    _serial: std::sync::MutexGuard<'static, ()>,
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            return;
+        }
+        // No asserting here: a second panic would abort every test.
+        let h = self.host;
+        h.sh("pkill -CONT -f 'virtqemud|libvirtd' || true
+              systemctl start kvirtd || true
+              rm -f /etc/kvirt/vmis.d/*.yaml /etc/kvirt/vmis.d/.*.tmp");
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while Instant::now() < deadline
+            && !h.succeeds(
+                "! systemctl list-units --all --plain --no-legend 'kvirt-vm@*' | grep -q .",
+            )
+        {
+            std::thread::sleep(Duration::from_millis(500));
+        }
+        h.sh("rm -f /var/lib/kvirt/images/*.raw");
+    }
+}
+
 impl Host {
+    /// This test's turn: tests sharing a host and its kvirtd run one at a
+    /// time, and a failed one leaves nothing behind.
+    pub fn turn(&self) -> Turn<'_> {
+        Turn {
+            host: self,
+            _serial: serial(),
+        }
+    }
+
     /// Runs a shell snippet inside the host as a real service (the
     /// container's own capabilities, not ours).
     pub fn sh(&self, script: &str) -> Output {

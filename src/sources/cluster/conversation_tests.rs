@@ -99,9 +99,38 @@ async fn status_is_one_merge_patch_of_owned_fields() {
         assert_eq!(ctype, "application/merge-patch+json");
         assert_eq!(
             body,
-            json!({"status": {"phase": "Running", "nodeName": "node-1"}})
+            json!({"metadata": {"uid": "u1"}, "status": {"phase": "Running", "nodeName": "node-1"}})
         );
         reply(send, 200, object(&[]));
+    });
+    KubeStatus {
+        client,
+        ca_pem: None,
+    }
+    .save(&v)
+    .await
+    .unwrap();
+    server.await.unwrap();
+}
+
+/// The VMI was deleted and made anew under its name while this status
+/// was on its way: the API server refuses the patch by its uid, and that
+/// is the end of it (the new object gets its own status).
+#[tokio::test]
+async fn a_status_for_a_replaced_vmi_is_refused_and_dropped() {
+    let (client, mut api) = client();
+    let mut v = vmi();
+    v.status.phase = Some(Phase::Running);
+    let server = tokio::spawn(async move {
+        let (method, _, _, body, send) = next(&mut api).await;
+        assert_eq!(method, "PATCH");
+        assert_eq!(body["metadata"]["uid"], "u1");
+        fail(
+            send,
+            409,
+            Some("Conflict"),
+            "Operation cannot be fulfilled on virtualmachineinstances.kubevirt.io \"vm1\": Precondition failed: UID in precondition: u1, UID in object meta: u2",
+        );
     });
     KubeStatus {
         client,

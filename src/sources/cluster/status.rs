@@ -24,14 +24,32 @@ const OWNED: &[&str] = &[
     "guestOSInfo",
 ];
 
-/// The merge patch that writes kvirtd's part of the status (pure).
+/// The merge patch that writes kvirtd's part of the status (pure). It
+/// names the object's uid, as kubelet's pod status patches do: the API
+/// server refuses it for another object of the same name (the VMI deleted
+/// and made anew while this status was on its way).
 pub fn status_patch(vmi: &VirtualMachineInstance) -> Value {
     let status = serde_json::to_value(&vmi.status).unwrap_or_default();
     let owned: Map<String, Value> = OWNED
         .iter()
         .filter_map(|k| status.get(*k).map(|v| ((*k).to_owned(), v.clone())))
         .collect();
-    json!({ "status": owned })
+    match vmi.metadata.uid.as_deref() {
+        Some(uid) => json!({ "metadata": { "uid": uid }, "status": owned }),
+        None => json!({ "status": owned }),
+    }
+}
+
+/// The API server's answer to a patch whose uid is not the object's: a
+/// conflict (or, from some versions, an immutable-field error naming it).
+fn is_uid_mismatch(e: &kube::Error) -> bool {
+    match e {
+        kube::Error::Api(s) => {
+            s.code == 409 && s.message.contains("UID")
+                || s.code == 422 && s.message.contains("metadata.uid")
+        }
+        _ => false,
+    }
 }
 
 /// The finalizer list with ours added, or `None` when it is there already.
@@ -118,16 +136,23 @@ impl StatusStore for KubeStatus {
 
     async fn save(&self, vmi: &VirtualMachineInstance) -> Result<(), SourceError> {
         let name = vmi.metadata.name.clone().unwrap_or_default();
-        self.api(vmi)
+        match self
+            .api(vmi)
             .patch(
                 &name,
                 &PatchParams::default(),
                 &Patch::Merge(status_patch(vmi)),
             )
             .await
-            .map_err(api_err(vmi, "patch status"))
-            .map_err(source_err)?;
-        Ok(())
+        {
+            Ok(_) => Ok(()),
+            // Another object of that name now: this status was never its.
+            Err(e) if is_uid_mismatch(&e) => {
+                tracing::debug!("status not written: {name} was replaced: {e}");
+                Ok(())
+            }
+            Err(e) => Err(source_err(api_err(vmi, "patch status")(e))),
+        }
     }
 
     async fn hold(&self, vmi: &VirtualMachineInstance) -> Result<(), SourceError> {
@@ -258,6 +283,8 @@ mod tests {
         assert_eq!(p["status"]["nodeName"], "n1");
         assert!(p["status"].get("migrationState").is_none(), "{p}");
         assert!(p.get("spec").is_none() && p.get("metadata").is_none());
+        vmi.metadata.uid = Some("u-1".into());
+        assert_eq!(status_patch(&vmi)["metadata"], json!({"uid": "u-1"}));
     }
 
     #[test]
