@@ -134,6 +134,74 @@ fn a_vmi_for_this_node_runs_reports_and_is_deleted_cleanly() {
     kubectl(&a, "delete vmi k-other --timeout=30s");
 }
 
+/// kvirtd reads Secrets, ConfigMaps and tokens only in namespaces an
+/// administrator opted in: elsewhere the API server denies it, and the VMI
+/// says why and how to opt in.
+#[test]
+fn a_namespace_not_opted_in_keeps_its_secrets_from_kvirtd() {
+    let Some((a, _b)) = hosts() else { return };
+    let _g = serial();
+    let can_i = |ns: &str| {
+        a.sh(&format!(
+            "kubectl auth can-i get secret/k-userdata -n {ns} --as=system:kvirt:node-a --as-group=kvirt:nodes"
+        ))
+        .status
+        .success()
+    };
+    assert!(can_i("default"), "the tests' namespace is opted in");
+    apply(
+        &a,
+        "apiVersion: v1
+kind: Namespace
+metadata: {name: k-closed}
+---
+apiVersion: v1
+kind: Secret
+metadata: {name: k-userdata, namespace: k-closed}
+stringData: {userdata: \"#!/bin/sh\\necho closed\\n\"}
+---
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata:
+  name: k-closed
+  namespace: k-closed
+  labels: {kubevirt.io/nodeName: node-a}
+spec:
+  domain:
+    memory: {guest: 128Mi}
+    devices:
+      disks:
+      - {name: cloudinit, disk: {bus: virtio}}
+  volumes:
+  - name: cloudinit
+    cloudInitNoCloud: {secretRef: {name: k-userdata}}
+",
+    );
+    assert!(
+        !can_i("k-closed"),
+        "kvirtd may read a closed namespace's Secret"
+    );
+    a.wait(
+        "Synchronized=False for the closed namespace",
+        WAIT,
+        "[ \"$(kubectl get vmi k-closed -n k-closed -o jsonpath='{.status.conditions[?(@.type==\"Synchronized\")].reason}')\" = NamespaceNotOptedIn ]",
+    );
+    let message = kubectl(
+        &a,
+        "get vmi k-closed -n k-closed -o jsonpath='{.status.conditions[?(@.type==\"Synchronized\")].message}'",
+    );
+    assert!(
+        message.contains("namespace k-closed is not opted in")
+            && message.contains("kvirtd --print-rbac --namespace k-closed"),
+        "{message}"
+    );
+    assert_ne!(
+        a.ok("systemctl show -p LoadState --value kvirt-vm@k-closed_k-closed.service"),
+        "loaded"
+    );
+    kubectl(&a, "delete namespace k-closed --timeout=90s");
+}
+
 #[test]
 fn secrets_config_maps_and_service_accounts_reach_the_guest() {
     let Some((a, _b)) = hosts() else { return };

@@ -87,7 +87,11 @@ kvirt_k8s_cluster() {
   th_k8s_up "$a" >&2 || return
   th_copy_in "$a" "$top/packaging/kubernetes/crd.yaml" /etc/kvirt/manifests/crd.yaml || return
   th_copy_in "$a" "$top/packaging/kubernetes/rbac.yaml" /etc/kvirt/manifests/rbac.yaml || return
-  th_k8s_kubectl "$a" apply -f /etc/kvirt/manifests/crd.yaml -f /etc/kvirt/manifests/rbac.yaml >&2 || return
+  # The tests' namespace is opted in (Secrets, ConfigMaps, tokens); others are not.
+  "$top/target/debug/kvirtd" --print-rbac --namespace default >"$TH_STATE/kvirt-rbac-default.yaml" || return
+  th_copy_in "$a" "$TH_STATE/kvirt-rbac-default.yaml" /etc/kvirt/manifests/rbac-default.yaml || return
+  th_k8s_kubectl "$a" apply -f /etc/kvirt/manifests/crd.yaml -f /etc/kvirt/manifests/rbac.yaml \
+    -f /etc/kvirt/manifests/rbac-default.yaml >&2 || return
   th_k8s_kubectl "$a" wait --for=condition=Established --timeout=60s crd/virtualmachineinstances.kubevirt.io >&2 || return
   pb=$(TH_NETNS_OF=$a TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud $k8s" th_boot "$b") || return
   # nspawn mounts /proc/sys/net read-only in a container without a network

@@ -861,6 +861,57 @@ async fn cluster_objects_are_read_at_start_and_a_missing_one_is_waited_for() {
     assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
 }
 
+/// A namespace an administrator has not opted in: its VMI that reads a
+/// Secret is refused with why and how to fix it (Synchronized=False),
+/// nothing is made, other VMs run; opted in, it runs.
+#[tokio::test]
+async fn objects_of_a_namespace_not_opted_in_are_refused_with_why() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    host.state().closed_namespaces.insert("default".into());
+    ctl.set_vmis(set(&[
+        with_config_volumes("vm1", "u1"),
+        vmi("vm2", "u2", ""),
+    ]))
+    .await;
+    let err = ctl.reconcile("default_vm1").await.unwrap_err();
+    assert_eq!(err.reason(), "objects");
+    ctl.reconcile("default_vm2").await.unwrap();
+    let message = waits_with_nothing_made(&host, "vm1", EventReason::NamespaceNotOptedIn);
+    assert!(
+        message.contains("namespace default is not opted in")
+            && message.contains("kvirtd --print-rbac --namespace default"),
+        "{message}"
+    );
+    let sync = |host: &FakeHost| {
+        host.state().statuses[&VmKey::new("default", "vm1").unwrap()]
+            .status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Synchronized")
+            .map(|c| (c.status.clone(), c.reason.clone()))
+    };
+    assert_eq!(
+        sync(&host),
+        Some(("False".into(), Some("NamespaceNotOptedIn".into())))
+    );
+    assert_eq!(phase(&host, "vm2"), Some(Phase::Running));
+
+    // Opted in (and the objects there): it runs, in sync.
+    host.state().closed_namespaces.clear();
+    for (r, k) in [
+        (ObjectRef::Secret("userdata".into()), "userdata"),
+        (ObjectRef::ConfigMap("app-config".into()), "app.conf"),
+        (ObjectRef::ServiceAccountToken("default".into()), "token"),
+    ] {
+        let data = [(k.to_string(), b"x".to_vec())].into_iter().collect();
+        host.state().objects.insert(("default".into(), r), data);
+    }
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
+    assert_eq!(sync(&host), None);
+}
+
 #[tokio::test]
 async fn a_pull_secret_gives_the_pull_its_registry_credentials() {
     let host = FakeHost::default();

@@ -72,6 +72,11 @@ struct Args {
     /// Print the least-privilege RBAC kvirtd needs in a cluster and exit.
     #[arg(long)]
     print_rbac: bool,
+    /// With --print-rbac: opt this namespace in (repeatable), letting
+    /// kvirtd read the Secrets, ConfigMaps and ServiceAccount tokens its
+    /// VMIs' volumes name there. Namespaces not opted in get none.
+    #[arg(long = "namespace", requires = "print_rbac", value_name = "NS")]
+    namespaces: Vec<String>,
     /// Print this manual page (roff) for packaging.
     #[arg(long, hide = true)]
     print_man: bool,
@@ -95,6 +100,12 @@ fn main() -> Result<()> {
         }
         if args.print_rbac {
             print!("{}", cluster::RBAC_YAML);
+            for ns in &args.namespaces {
+                if kvirt::core::key::VmKey::new(ns, "x").is_err() {
+                    anyhow::bail!("--namespace {ns:?}: not a namespace name");
+                }
+                print!("---\n{}", cluster::opt_in_yaml(ns));
+            }
         }
         return Ok(());
     }

@@ -118,6 +118,18 @@ const GUEST_OS_INFO: &str = "guestOSInfo";
 /// A VM that is not running yet says why in its Ready condition (a
 /// containerDisk being pulled, or failing to be); the phase stays.
 pub fn waiting(prev: &VmiStatus, reason: &str, message: &str, now: &str) -> Option<VmiStatus> {
+    waiting_as(prev, reason, message, false, now)
+}
+
+/// [`waiting`] for what only someone else can fix (an administrator, the
+/// VMI's author): `Synchronized=False` too, with the same reason.
+pub fn waiting_as(
+    prev: &VmiStatus,
+    reason: &str,
+    message: &str,
+    unsynchronized: bool,
+    now: &str,
+) -> Option<VmiStatus> {
     if prev.phase == Some(Phase::Running) {
         return None;
     }
@@ -130,6 +142,16 @@ pub fn waiting(prev: &VmiStatus, reason: &str, message: &str, now: &str) -> Opti
         Some(message),
         now,
     );
+    if unsynchronized {
+        set_condition(
+            &mut next.conditions,
+            SYNCHRONIZED,
+            false,
+            Some(reason),
+            Some(message),
+            now,
+        );
+    }
     (next != *prev).then_some(next)
 }
 

@@ -69,6 +69,8 @@ pub struct HostState {
     pub agents: BTreeMap<String, GuestAgent>,
     /// Cluster objects, by namespace and reference.
     pub objects: BTreeMap<(String, ObjectRef), ObjectData>,
+    /// Namespaces whose objects kvirtd may not read (not opted in).
+    pub closed_namespaces: BTreeSet<String>,
     /// Kept EFI variables, by VM id.
     pub kept_efi_vars: BTreeMap<String, crate::core::efivars::Kept>,
     /// VirtualMachines that exist, as `namespace/name uid`; `None`: there
@@ -534,6 +536,12 @@ impl StatusStore for FakeHost {
                 namespace: namespace.into(),
                 object: object.clone(),
                 message: injected("read"),
+            });
+        }
+        if self.state().closed_namespaces.contains(namespace) {
+            return Err(SourceError::NotOptedIn {
+                namespace: namespace.into(),
+                object: object.clone(),
             });
         }
         let key = (namespace.to_owned(), object.clone());

@@ -30,6 +30,17 @@ pub enum SourceError {
         object: ObjectRef,
         message: String,
     },
+    /// kvirtd may not read the namespace's Secrets, ConfigMaps and tokens:
+    /// an administrator has not opted it in.
+    #[error(
+        "namespace {namespace} is not opted in: kvirtd may not read its Secrets, ConfigMaps or \
+         ServiceAccount tokens ({object}); an administrator opts it in with \
+         `kvirtd --print-rbac --namespace {namespace} | kubectl apply -f -`"
+    )]
+    NotOptedIn {
+        namespace: String,
+        object: ObjectRef,
+    },
     #[error("reading VirtualMachine {namespace}/{name}: {message}")]
     VirtualMachine {
         namespace: String,
@@ -108,6 +119,9 @@ pub enum EventReason {
     /// A Secret, ConfigMap or ServiceAccount a volume names cannot be read
     /// (kubelet's reason when a pod's volume cannot be set up).
     FailedMount,
+    /// A volume reads Secrets, ConfigMaps or tokens of a namespace an
+    /// administrator has not opted in.
+    NamespaceNotOptedIn,
     /// The VM's libvirt daemon died and systemd started it again.
     DaemonRestarted,
     /// The VM's libvirt daemon does not answer.

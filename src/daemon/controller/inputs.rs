@@ -10,7 +10,7 @@ use crate::core::pullsecret::{self, Credentials};
 use crate::core::status;
 use crate::core::vmi::VirtualMachineInstance;
 use crate::host::image::{ImageDisk, ImageError, Images, Progress};
-use crate::sources::{EventReason, Recorder, StatusStore};
+use crate::sources::{EventReason, Recorder, SourceError, StatusStore};
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::Mutex;
@@ -35,6 +35,7 @@ impl<A: Adapters> Controller<A> {
             _ => Vec::new(),
         });
         let mut result = Ok(());
+        let mut reason = EventReason::FailedMount;
         for r in refs {
             if objects.contains_key(r) {
                 continue;
@@ -44,6 +45,9 @@ impl<A: Adapters> Controller<A> {
                     objects.insert(r.clone(), data);
                 }
                 Err(e) => {
+                    if matches!(e, SourceError::NotOptedIn { .. }) {
+                        reason = EventReason::NamespaceNotOptedIn;
+                    }
                     result = Err(e.to_string());
                     break;
                 }
@@ -67,8 +71,7 @@ impl<A: Adapters> Controller<A> {
         match disks {
             Ok(d) => Ok(d),
             Err(message) => {
-                self.wait_for(vmi, key, EventReason::FailedMount, &message)
-                    .await;
+                self.wait_for(vmi, key, reason, &message).await;
                 Err(ControllerError::Objects {
                     id: key.id(),
                     message,
@@ -87,7 +90,10 @@ impl<A: Adapters> Controller<A> {
         message: &str,
     ) {
         self.deps.recorder.record(vmi, reason, message, true);
-        self.set_waiting(key, &format!("{reason:?}"), message).await;
+        // Only an administrator can fix this one: not a passing wait.
+        let unsynchronized = reason == EventReason::NamespaceNotOptedIn;
+        self.set_waiting_as(key, &format!("{reason:?}"), message, unsynchronized)
+            .await;
     }
 
     /// containerDisks (and kernelBoot images) are pulled before anything is
@@ -198,11 +204,17 @@ impl<A: Adapters> Controller<A> {
     /// Why a VM that is not running yet is waiting (the Ready condition),
     /// saved at once; a failed save is retried by the next report.
     pub(super) async fn set_waiting(&self, key: &VmKey, reason: &str, message: &str) {
+        self.set_waiting_as(key, reason, message, false).await
+    }
+
+    async fn set_waiting_as(&self, key: &VmKey, reason: &str, message: &str, unsynchronized: bool) {
         let id = key.id();
         let vmi = {
             let mut vmis = self.vmis();
             let Some(vmi) = vmis.get_mut(&id) else { return };
-            let Some(next) = status::waiting(&vmi.status, reason, message, &now_rfc3339()) else {
+            let now = now_rfc3339();
+            let Some(next) = status::waiting_as(&vmi.status, reason, message, unsynchronized, &now)
+            else {
                 return;
             };
             vmi.status = next;

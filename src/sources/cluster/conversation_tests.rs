@@ -339,9 +339,12 @@ async fn objects_are_read_as_a_pod_volume_would_be() {
         .object("ns1", &ObjectRef::Secret("locked".into()))
         .await
         .unwrap_err();
+    // Forbidden: the namespace is not opted in, and the error says how.
+    let err = err.to_string();
     assert!(
-        err.to_string()
-            .contains("reading secret \"locked\" in namespace ns1"),
+        err.contains("namespace ns1 is not opted in")
+            && err.contains("(secret \"locked\")")
+            && err.contains("kvirtd --print-rbac --namespace ns1"),
         "{err}"
     );
     server.await.unwrap();

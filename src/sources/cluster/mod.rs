@@ -26,6 +26,29 @@ pub const CRD_YAML: &str = include_str!("../../../packaging/kubernetes/crd.yaml"
 /// The least-privilege RBAC kvirtd needs.
 pub const RBAC_YAML: &str = include_str!("../../../packaging/kubernetes/rbac.yaml");
 
+/// The RoleBinding that opts `namespace` in: kvirtd may read the Secrets,
+/// ConfigMaps and ServiceAccount tokens its VMIs' volumes name there.
+pub fn opt_in_yaml(namespace: &str) -> String {
+    format!(
+        "apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata:
+  name: kvirt-node-volumes
+  namespace: {namespace}
+  labels:
+    app.kubernetes.io/part-of: kvirt
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: ClusterRole
+  name: kvirt-node-volumes
+subjects:
+- apiGroup: rbac.authorization.k8s.io
+  kind: Group
+  name: kvirt:nodes
+"
+    )
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ClusterError {
     #[error("kubeconfig {path}: {message}")]

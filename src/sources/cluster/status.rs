@@ -180,10 +180,18 @@ impl StatusStore for KubeStatus {
         namespace: &str,
         object: &ObjectRef,
     ) -> Result<Option<ObjectData>, SourceError> {
-        let err = |e: kube::Error| SourceError::Object {
-            namespace: namespace.into(),
-            object: object.clone(),
-            message: e.to_string(),
+        let err = |e: kube::Error| match e {
+            // Access is granted per namespace (a RoleBinding an
+            // administrator makes), as the Node authorizer confines kubelet.
+            kube::Error::Api(s) if s.code == 403 => SourceError::NotOptedIn {
+                namespace: namespace.into(),
+                object: object.clone(),
+            },
+            e => SourceError::Object {
+                namespace: namespace.into(),
+                object: object.clone(),
+                message: e.to_string(),
+            },
         };
         let client = self.client.clone();
         Ok(match object {
