@@ -358,6 +358,7 @@ impl OciImages {
         let _one_pull = lock.lock().await;
         if let Some(c) = self.entry(image, r, &digest) {
             self.remember(image, &digest)?;
+            touch(&c.root);
             return Ok(c);
         }
         let declared: Vec<(&str, i64)> = manifest
