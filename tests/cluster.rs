@@ -360,6 +360,34 @@ fn a_private_container_disk_is_pulled_with_its_pull_secret_only() {
         "{ready}"
     );
     assert!(!unit_loaded(&a, "k-nosecret"));
+    // Its digest named through another repository of that registry, or
+    // through another registry (which lacks it), without credentials: the
+    // cached copy is no use either.
+    let digest = a.ok(&format!(
+        "journalctl -u kvirtd -o cat | grep -o 'default/k-private: pulled {image} (sha256:[0-9a-f]*' | head -n1 | grep -o 'sha256:[0-9a-f]*'"
+    ));
+    assert!(digest.len() == 71, "{digest}");
+    a.start_registry("test-public-registry", 5002, None);
+    for (name, other) in [
+        ("k-otherrepo", format!("127.0.0.1:5001/team/other@{digest}")),
+        ("k-otherreg", format!("127.0.0.1:5002/team/guest@{digest}")),
+    ] {
+        apply(
+            &a,
+            &support::with_boot_source(
+                &support::vmi_manifest(name, "kubevirt.io/nodeName: node-a", "", ""),
+                &format!("containerDisk: {{image: '{other}'}}"),
+            ),
+        );
+        a.wait(
+            &format!("ErrImagePull event of {name}"),
+            WAIT,
+            &format!("kubectl get events --field-selector involvedObject.name={name},reason=ErrImagePull -o name | grep -q ."),
+        );
+        assert!(!unit_loaded(&a, name), "{name} runs");
+        delete(&a, name);
+    }
+    a.ok("systemctl stop test-public-registry");
     delete(&a, "k-nosecret");
     delete(&a, "k-private");
     assert!(host_clean(&a, "k-private") && host_clean(&a, "k-nosecret"));
