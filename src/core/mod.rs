@@ -22,6 +22,7 @@ pub mod phase;
 pub mod plan;
 pub mod pullsecret;
 pub mod quantity;
+pub mod runstrategy;
 pub mod status;
 pub mod trigger;
 pub mod unit;
