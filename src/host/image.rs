@@ -923,7 +923,9 @@ fn unpack_layer(mut f: std::fs::File, into: &Path, budget: &mut Budget) -> std::
     Ok(())
 }
 
-fn remove_any(p: &Path) -> std::io::Result<()> {
+/// A file or a directory tree, without following links; gone already is
+/// fine.
+pub(crate) fn remove_any(p: &Path) -> std::io::Result<()> {
     match std::fs::symlink_metadata(p) {
         Ok(m) if m.is_dir() => std::fs::remove_dir_all(p),
         Ok(_) => std::fs::remove_file(p),

@@ -163,7 +163,7 @@ impl HostStorage {
             Err(e) => return Err(e),
         };
         for e in entries.flatten() {
-            remove_tree(&e.path())?;
+            crate::host::image::remove_any(&e.path())?;
             swept += 1;
         }
         Ok(swept)
@@ -599,7 +599,6 @@ fn write_acl(f: &std::fs::File, a: &acl::Acl) -> std::io::Result<()> {
     Ok(())
 }
 
-/// The hostDisks an identity was given, from root's own record.
 /// Every file some VM has been given and not yet given back: what the
 /// image cache must keep.
 pub fn granted_paths(host: &HostLayout) -> Vec<PathBuf> {
@@ -612,16 +611,7 @@ pub fn granted_paths(host: &HostLayout) -> Vec<PathBuf> {
         .collect()
 }
 
-/// A file or a directory tree, without following links.
-fn remove_tree(p: &Path) -> std::io::Result<()> {
-    match std::fs::symlink_metadata(p) {
-        Ok(m) if m.is_dir() => std::fs::remove_dir_all(p),
-        Ok(_) => std::fs::remove_file(p),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(e),
-    }
-}
-
+/// The hostDisks an identity was given, from root's own record.
 fn read_grants(record: &Path) -> Result<Vec<PathBuf>, StorageError> {
     match std::fs::read(record) {
         Ok(text) => serde_json::from_slice(&text).map_err(|e| StorageError::Disk {
