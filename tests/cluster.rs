@@ -435,7 +435,7 @@ fn a_bad_vmi_fails_with_an_event_while_a_good_one_runs() {
             vmi_yaml(
                 "k-bad",
                 "kubevirt.io/nodeName: node-a",
-                "  startStrategy: Paused\n"
+                "  readinessProbe: {}\n"
             )
         ),
     );
@@ -445,7 +445,7 @@ fn a_bad_vmi_fails_with_an_event_while_a_good_one_runs() {
         "get vmi k-bad -o jsonpath='{.status.conditions[?(@.type==\"Synchronized\")].status} {.status.conditions[?(@.type==\"Synchronized\")].message}'",
     );
     assert!(
-        sync.starts_with("False") && sync.contains("spec.startStrategy"),
+        sync.starts_with("False") && sync.contains("spec.readinessProbe"),
         "{sync}"
     );
     a.wait(

@@ -1498,3 +1498,206 @@ fn the_manifest_directory_survives_links_fifos_huge_and_half_written_files() {
         "! kvirtctl ls | grep -q 'MANIFESTS NOT USED'",
     );
 }
+
+/// A VirtualMachine of the test guests: its template is the test VMI's.
+fn vm_manifest(name: &str, strategy: &str) -> String {
+    let vmi = support::vmi_manifest(name, &format!("app: {name}"), "", "");
+    let spec = vmi.split_once("spec:\n").unwrap().1;
+    let template: String = spec.lines().map(|l| format!("    {l}\n")).collect();
+    format!(
+        "apiVersion: kubevirt.io/v1
+kind: VirtualMachine
+metadata:
+  name: {name}
+  namespace: default
+spec:
+  runStrategy: {strategy}
+  template:
+    metadata:
+      labels: {{app: {name}}}
+    spec:
+{template}"
+    )
+}
+
+/// The VirtualMachine as kvirtd keeps it (object and status).
+fn vm_record(h: &Host, vm: &str) -> serde_json::Value {
+    let out = h.ok(&format!("kvirtctl vm default/{vm}"));
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{e}: {out}"))
+}
+
+fn wait_vm_status(h: &Host, vm: &str, printable: &str, timeout: Duration) {
+    h.wait(
+        &format!("VirtualMachine {vm} {printable}"),
+        timeout,
+        &format!("kvirtctl vm default/{vm} | grep -q '\"printableStatus\": \"{printable}\"'"),
+    );
+}
+
+fn vmi_uid(h: &Host, vm: &str) -> String {
+    h.status(vm)["metadata"]["uid"]
+        .as_str()
+        .unwrap_or("")
+        .to_owned()
+}
+
+/// Waits for the VM's VMI to be another than `before` and Running.
+fn wait_new_vmi_running(h: &Host, vm: &str, before: &str, timeout: Duration) -> String {
+    h.wait(
+        &format!("a new VMI of {vm} running"),
+        timeout,
+        &format!(
+            "f=/run/kvirt/status/default_{vm}.json; grep -q '\"phase\": \"Running\"' $f && ! grep -q '\"uid\": \"{before}\"' $f"
+        ),
+    );
+    vmi_uid(h, vm)
+}
+
+#[test]
+fn virtual_machines_stay_up_by_their_run_strategy_and_obey_kvirtctl() {
+    let Some(h) = host() else { return };
+    let _g = h.turn();
+    // With a CPU limit: a quota on the VM's unit, as on a pod's cgroup.
+    let manifest = vm_manifest("vmr", "RerunOnFailure").replace(
+        "memory: {guest: 128Mi}\n",
+        "memory: {guest: 128Mi}\n        resources: {limits: {cpu: 500m}}\n",
+    );
+    assert!(manifest.contains("cpu: 500m"), "{manifest}");
+    h.put_manifest("vmr", "run", &manifest);
+    wait_vm_status(&h, "vmr", "Running", BOOT);
+    assert_eq!(
+        h.ok("systemctl show -p CPUQuotaPerSecUSec --value kvirt-vm@default_vmr"),
+        "500ms"
+    );
+    let first = vmi_uid(&h, "vmr");
+    let vmi = h.status("vmr");
+    let owner = &vmi["metadata"]["ownerReferences"][0];
+    assert_eq!(owner["kind"], "VirtualMachine", "{vmi}");
+    assert_eq!(owner["controller"], true, "{vmi}");
+    assert_eq!(owner["uid"], vm_record(&h, "vmr")["metadata"]["uid"]);
+    assert_eq!(vmi["metadata"]["labels"]["app"], "vmr");
+    let rec = vm_record(&h, "vmr");
+    assert_eq!(rec["status"]["ready"], true, "{rec}");
+    assert_eq!(rec["status"]["runStrategy"], "RerunOnFailure", "{rec}");
+
+    // QEMU killed: the VMI failed; a new one comes after the backoff.
+    let qemu = h.qemu_pid("vmr");
+    h.ok(&format!("kill -KILL {qemu}"));
+    wait_vm_status(&h, "vmr", "CrashLoopBackOff", Duration::from_secs(30));
+    let rec = vm_record(&h, "vmr");
+    assert_eq!(
+        rec["status"]["startFailure"]["consecutiveFailCount"], 1,
+        "{rec}"
+    );
+    assert_eq!(
+        rec["status"]["startFailure"]["lastFailedVMIUID"],
+        first.as_str()
+    );
+    let second = wait_new_vmi_running(&h, "vmr", &first, BOOT);
+    wait_vm_status(&h, "vmr", "Running", BOOT);
+
+    // restart: a new VMI and a new QEMU.
+    let qemu = h.qemu_pid("vmr");
+    h.ok("kvirtctl restart default/vmr");
+    let third = wait_new_vmi_running(&h, "vmr", &second, BOOT);
+    assert_ne!(h.qemu_pid("vmr"), qemu);
+
+    // stop: gracefully, and it stays stopped across a kvirtd restart.
+    h.serial_log_shows("vmr", "KVIRT-GUEST-READY");
+    h.ok("kvirtctl stop default/vmr");
+    wait_vm_status(&h, "vmr", "Stopped", Duration::from_secs(40));
+    h.wait_gone("vmr");
+    assert_eq!(vm_record(&h, "vmr")["status"]["runStrategy"], "Halted");
+    h.restart_kvirtd();
+    // The new kvirtd's VM loop answers: the VM is still stopped.
+    h.wait(
+        "kvirtd's VM loop after the restart",
+        Duration::from_secs(30),
+        "out=$(kvirtctl stop default/vmr 2>&1 || true); grep -q 'not running' <<<\"$out\"",
+    );
+    wait_vm_status(&h, "vmr", "Stopped", Duration::from_secs(10));
+    h.ok("[ \"$(systemctl show -p LoadState --value kvirt-vm@default_vmr.service)\" = not-found ]");
+
+    // start: running again, a fourth VMI.
+    h.ok("kvirtctl start default/vmr");
+    wait_new_vmi_running(&h, "vmr", &third, BOOT);
+    wait_vm_status(&h, "vmr", "Running", BOOT);
+
+    // A VMI is not a VM: refused, with why.
+    let err = h.ok("kvirtctl stop default/nosuch 2>&1 || true");
+    assert!(err.contains("no VirtualMachine"), "{err}");
+
+    // The manifest removed: the VM and everything of it go.
+    h.ok("rm /etc/kvirt/vmis.d/vmr.yaml");
+    h.wait_gone("vmr");
+    h.wait(
+        "vmr's record removed",
+        Duration::from_secs(30),
+        "[ ! -e /var/lib/kvirt/virtualmachines/default_vmr.json ]",
+    );
+    h.ok("rm -f /var/lib/kvirt/images/vmr.raw");
+}
+
+#[test]
+fn an_always_vm_comes_back_after_poweroff_and_after_a_reboot() {
+    let Some(h) = host() else { return };
+    let _g = h.turn();
+    // A guest that powers itself off after booting: each run ends Succeeded.
+    h.put_manifest("vma", "poweroff", &vm_manifest("vma", "Always"));
+    h.put_manifest("vmh", "run", &vm_manifest("vmh", "Halted"));
+    h.wait(
+        "vma's first VMI",
+        BOOT,
+        "grep -q '\"uid\"' /run/kvirt/status/default_vma.json",
+    );
+    let first = vmi_uid(&h, "vma");
+    h.wait(
+        "vma running a second VMI after its guest powered off",
+        BOOT * 2,
+        &format!(
+            "grep -q '\"uid\"' /run/kvirt/status/default_vma.json && ! grep -q '\"uid\": \"{first}\"' /run/kvirt/status/default_vma.json"
+        ),
+    );
+    assert_eq!(
+        vm_record(&h, "vma")["status"]["startFailure"],
+        serde_json::Value::Null
+    );
+    // Halted: nothing runs.
+    wait_vm_status(&h, "vmh", "Stopped", Duration::from_secs(30));
+    h.ok("[ ! -e /run/kvirt/status/default_vmh.json ]");
+
+    // An edited template: the next run (each poweroff makes one) is of it.
+    h.ok("sed -i 's/app: vma}/app: vma, edited: \"yes\"}/' /etc/kvirt/vmis.d/vma.yaml");
+    h.wait(
+        "a VMI of vma's edited template",
+        BOOT * 2,
+        "grep -q '\"edited\": \"yes\"' /run/kvirt/status/default_vma.json",
+    );
+    assert_eq!(vm_record(&h, "vma")["status"]["desiredGeneration"], 2);
+    // Stopped, given a guest that stays up, started: it runs.
+    h.ok("kvirtctl stop default/vma");
+    wait_vm_status(&h, "vma", "Stopped", Duration::from_secs(40));
+    h.wait_gone("vma");
+    h.ok("cp /srv/guest/run.raw /var/lib/kvirt/images/vma.raw");
+    h.ok("kvirtctl start default/vma");
+    wait_vm_status(&h, "vma", "Running", BOOT);
+    h.serial_log_shows("vma", "KVIRT-GUEST-READY mode=run");
+    let before = vmi_uid(&h, "vma");
+
+    // A reboot, as the host sees one: kvirtd and every VM stop, /run is
+    // emptied. Always runs again (a new VMI), Halted stays down.
+    h.ok("systemctl stop kvirtd
+          systemctl stop 'kvirt-vm@*.service'
+          for n in $(ip netns list | awk '/^kvirt-/ {print $1}'); do ip netns delete $n; done
+          rm -rf /run/kvirt/*
+          systemctl start kvirtd");
+    wait_new_vmi_running(&h, "vma", &before, BOOT);
+    wait_vm_status(&h, "vma", "Running", BOOT);
+    assert_eq!(vm_record(&h, "vmh")["status"]["printableStatus"], "Stopped");
+
+    h.ok("kvirtctl stop --force default/vma");
+    wait_vm_status(&h, "vma", "Stopped", Duration::from_secs(30));
+    for vm in ["vma", "vmh"] {
+        h.remove_vm_and_wait_gone(vm);
+    }
+}

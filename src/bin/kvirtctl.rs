@@ -34,6 +34,35 @@ enum Command {
         /// NAMESPACE/NAME
         vm: String,
     },
+    /// Print one VirtualMachine with its status, as JSON.
+    Vm {
+        /// NAMESPACE/NAME
+        vm: String,
+    },
+    /// Start a VirtualMachine (as `virtctl start`): a Halted one becomes
+    /// Always, a Manual one gets a start request.
+    Start {
+        /// NAMESPACE/NAME
+        vm: String,
+    },
+    /// Stop a VirtualMachine gracefully (as `virtctl stop`): it becomes
+    /// Halted (a Manual one gets a stop request) and stays stopped.
+    Stop {
+        /// NAMESPACE/NAME
+        vm: String,
+        /// Seconds the guest has to shut down (at most its own
+        /// terminationGracePeriodSeconds).
+        #[arg(long)]
+        grace: Option<u64>,
+        /// Do not wait for the guest: with no --grace, 0 seconds.
+        #[arg(long)]
+        force: bool,
+    },
+    /// Restart a VirtualMachine: its VMI is stopped and a new one started.
+    Restart {
+        /// NAMESPACE/NAME
+        vm: String,
+    },
     /// Attach to a VM's serial console (detach with Ctrl-]).
     Console {
         /// NAMESPACE/NAME
@@ -79,6 +108,13 @@ fn main() -> Result<()> {
         Command::Ls => ls(&config()?.layout()),
         Command::Status { vm } => status(&config()?.layout(), &vm),
         Command::Console { vm } => console(&config()?.layout(), &vm),
+        Command::Vm { vm } => show_vm(&config()?.layout(), &vm),
+        Command::Start { vm } => control(&config()?.layout(), "start", &vm, None),
+        Command::Stop { vm, grace, force } => {
+            let grace = grace.or(force.then_some(0));
+            control(&config()?.layout(), "stop", &vm, grace)
+        }
+        Command::Restart { vm } => control(&config()?.layout(), "restart", &vm, None),
         Command::Domxml { file, domain_type } => domxml(&config()?, &file, domain_type),
         Command::PushDisk {
             image,
@@ -165,21 +201,41 @@ fn ls(layout: &HostLayout) -> Result<()> {
             ]
         })
         .collect();
-    let header = ["NAMESPACE", "NAME", "PHASE", "READY", "IP", "NODE", "AGE"].map(String::from);
-    let mut widths = header.clone().map(|h| h.len());
-    for r in &rows {
-        for (w, c) in widths.iter_mut().zip(r) {
-            *w = (*w).max(c.len());
-        }
-    }
     let mut out = std::io::stdout().lock();
-    for r in std::iter::once(&header).chain(&rows) {
-        let line: Vec<String> = r
+    table(
+        &mut out,
+        ["NAMESPACE", "NAME", "PHASE", "READY", "IP", "NODE", "AGE"],
+        &rows,
+    )?;
+    let records = kvirt::sources::manifest::VmRecords {
+        dir: layout.virtual_machines_dir(),
+    }
+    .load_all();
+    if !records.is_empty() {
+        let rows: Vec<[String; 5]> = records
             .iter()
-            .zip(widths)
-            .map(|(c, w)| format!("{c:<w$}"))
+            .map(|(key, r)| {
+                let st = &r.vm.status;
+                let created =
+                    r.vm.metadata
+                        .creation_timestamp
+                        .as_ref()
+                        .map(|t| t.0.to_string());
+                [
+                    key.namespace().to_owned(),
+                    key.name().to_owned(),
+                    age(created.as_deref()),
+                    st["printableStatus"].as_str().unwrap_or("").to_owned(),
+                    if st["ready"] == true { "True" } else { "False" }.into(),
+                ]
+            })
             .collect();
-        writeln!(out, "{}", line.join("   ").trim_end())?;
+        writeln!(out, "\nVIRTUAL MACHINES")?;
+        table(
+            &mut out,
+            ["NAMESPACE", "NAME", "AGE", "STATUS", "READY"],
+            &rows,
+        )?;
     }
     let unusable = kvirt::sources::manifest::read_manifest_errors(&layout.manifest_errors_file());
     if !unusable.is_empty() {
@@ -188,6 +244,62 @@ fn ls(layout: &HostLayout) -> Result<()> {
             writeln!(out, "{path}: {error}")?;
         }
     }
+    Ok(())
+}
+
+/// Columns padded to their widest cell, as kubectl prints them.
+fn table<const N: usize>(
+    out: &mut impl Write,
+    header: [&str; N],
+    rows: &[[String; N]],
+) -> Result<()> {
+    let header = header.map(String::from);
+    let mut widths = header.clone().map(|h| h.len());
+    for r in rows {
+        for (w, c) in widths.iter_mut().zip(r) {
+            *w = (*w).max(c.len());
+        }
+    }
+    for r in std::iter::once(&header).chain(rows) {
+        let line: Vec<String> = r
+            .iter()
+            .zip(widths)
+            .map(|(c, w)| format!("{c:<w$}"))
+            .collect();
+        writeln!(out, "{}", line.join("   ").trim_end())?;
+    }
+    Ok(())
+}
+
+fn show_vm(layout: &HostLayout, vm: &str) -> Result<()> {
+    let key = VmKey::parse(vm)?;
+    let records = kvirt::sources::manifest::VmRecords {
+        dir: layout.virtual_machines_dir(),
+    }
+    .load_all();
+    let r = records
+        .get(&key)
+        .with_context(|| format!("no VirtualMachine {key} on this host"))?;
+    println!("{}", serde_json::to_string_pretty(&r.vm)?);
+    Ok(())
+}
+
+/// One request to kvirtd's control socket; its refusal is an error.
+fn control(layout: &HostLayout, action: &str, vm: &str, grace: Option<u64>) -> Result<()> {
+    let path = layout.control_socket();
+    let answer = kvirt::daemon::control::call(
+        &path,
+        &kvirt::daemon::control::Request {
+            action: action.into(),
+            vm: vm.into(),
+            grace,
+        },
+    )
+    .with_context(|| format!("asking kvirtd at {}", path.display()))?;
+    if !answer.ok {
+        bail!("{}", answer.message);
+    }
+    println!("{}", answer.message);
     Ok(())
 }
 

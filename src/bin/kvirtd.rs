@@ -7,8 +7,10 @@ use kvirt::core::convert::DomainType;
 use kvirt::core::layout::{HostLayout, LEGACY_STATUS};
 use kvirt::core::trigger::Trigger;
 use kvirt::daemon::config::{Config, Emulation, SourceKind, DEFAULT_PATH};
+use kvirt::daemon::control;
 use kvirt::daemon::controller::{Adapters, Deps, LogRecorder, Settings};
 use kvirt::daemon::serve::{serve, Sources};
+use kvirt::daemon::vms::{Input as VmInput, Vms};
 use kvirt::host::beneath::Beneath;
 use kvirt::host::consolelog;
 use kvirt::host::identity::{HostUsers, IdentityStore};
@@ -22,7 +24,7 @@ use kvirt::host::qemulog::Forwarder;
 use kvirt::host::storage::{HostStorage, Owner};
 use kvirt::host::systemd::SystemdBus;
 use kvirt::sources::cluster;
-use kvirt::sources::manifest::{self, FileStatusStore};
+use kvirt::sources::manifest::{self, FileStatusStore, VmRecords};
 use kvirt::sources::{Recorder, StatusStore};
 use std::marker::PhantomData;
 use std::os::unix::fs::PermissionsExt;
@@ -332,8 +334,41 @@ async fn run(config: Config) -> Result<()> {
                 dir,
                 Some(settings.layout.manifest_errors_file()),
             ));
-            let initial = manifests.scan().vmis;
-            let ready = move |tx: UnboundedSender<Trigger>| manifests.watch(tx, resync);
+            // VirtualMachines' VMIs join the manifests' own: kvirtd adopts
+            // what their records say runs before anything moves on.
+            let mut vms = Vms::open(VmRecords {
+                dir: settings.layout.virtual_machines_dir(),
+            });
+            // /run is empty after a reboot: no marker, a new boot.
+            let marker = settings.layout.runtime_dir.join("booted");
+            if !marker.exists() {
+                vms.forget_last_boot();
+                std::fs::create_dir_all(&settings.layout.runtime_dir)
+                    .and_then(|()| std::fs::write(&marker, b""))
+                    .with_context(|| format!("writing {}", marker.display()))?;
+            }
+            let initial = vms.take(manifests.scan());
+            let control_path = settings.layout.control_socket();
+            let control_group = config.control.gid().map_err(anyhow::Error::msg)?;
+            let ready = move |tx: UnboundedSender<Trigger>, view| {
+                let (in_tx, in_rx) = unbounded_channel();
+                let snapshots = in_tx.clone();
+                manifests.watch(
+                    move |snap| snapshots.send(VmInput::Manifests(snap)).is_ok(),
+                    resync,
+                )?;
+                match control::bind(&control_path, control_group) {
+                    Ok(l) => {
+                        tokio::spawn(control::serve(l, control_group, in_tx));
+                    }
+                    Err(e) => error!(
+                        "control socket {}: {e}; kvirtctl start/stop/restart are unavailable",
+                        control_path.display()
+                    ),
+                }
+                tokio::spawn(vms.run(view, in_rx, tx));
+                Ok(())
+            };
             let sources = Sources {
                 initial,
                 ready,
@@ -359,7 +394,7 @@ async fn run(config: Config) -> Result<()> {
             let claim = k
                 .claim
                 .then(|| (client.clone(), node.clone(), k.node_labels.clone()));
-            let ready = move |_tx: UnboundedSender<Trigger>| {
+            let ready = move |_tx: UnboundedSender<Trigger>, _view| {
                 if let Some((client, node, labels)) = claim {
                     cluster::source::claim_unassigned(client, node, labels);
                 }

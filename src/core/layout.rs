@@ -70,6 +70,18 @@ impl HostLayout {
         self.runtime_dir.join("status")
     }
 
+    /// Each VirtualMachine's object, status and kvirt's record of it: kept
+    /// across reboots, as a cluster keeps the object (a stopped VM stays
+    /// stopped).
+    pub fn virtual_machines_dir(&self) -> PathBuf {
+        self.state_dir.join("virtualmachines")
+    }
+
+    /// kvirtd's control socket (`kvirtctl start|stop|...` of standalone VMs).
+    pub fn control_socket(&self) -> PathBuf {
+        self.runtime_dir.join("control.sock")
+    }
+
     /// The manifests kvirtd cannot use, with why (for `kvirtctl ls`).
     pub fn manifest_errors_file(&self) -> PathBuf {
         self.runtime_dir.join("manifest-errors.json")

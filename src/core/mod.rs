@@ -26,4 +26,5 @@ pub mod runstrategy;
 pub mod status;
 pub mod trigger;
 pub mod unit;
+pub mod vm;
 pub mod vmi;

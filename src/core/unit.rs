@@ -74,6 +74,8 @@ pub struct UnitInput<'a> {
     pub slice: &'a str,
     pub memory_max_bytes: u64,
     pub cpu_weight: u64,
+    /// `resources.limits.cpu` in millicores: CPU time per second.
+    pub cpu_limit_millis: Option<u64>,
     pub tasks_max: u64,
     pub grace_seconds: u64,
     /// Files outside the VM's own directories QEMU must write (hostDisks).
@@ -146,6 +148,11 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
         Prop::Str("CollectMode", "inactive-or-failed".into()),
         Prop::U64("MemoryMax", i.memory_max_bytes),
         Prop::U64("CPUWeight", i.cpu_weight),
+        // CPUQuota=: a limit of 500m is 500 ms of CPU per second.
+        Prop::U64(
+            "CPUQuotaPerSecUSec",
+            i.cpu_limit_millis.map_or(u64::MAX, |m| m.max(1) * 1000),
+        ),
         Prop::U64("TasksMax", i.tasks_max),
         // kvirtd shuts the guest down first; this only bounds a stuck daemon.
         Prop::U64("TimeoutStopUSec", 30_000_000),
@@ -313,6 +320,7 @@ mod tests {
             slice: "machine-kvirt.slice",
             memory_max_bytes: 1 << 30,
             cpu_weight: 100,
+            cpu_limit_millis: Some(1500),
             tasks_max: 1024,
             grace_seconds: 30,
             extra_rw_paths: vec!["/var/lib/kvirt/images/a.img".into()],
@@ -371,6 +379,10 @@ mod tests {
             )
         );
         assert_eq!(find(&u, "MemoryMax"), &Prop::U64("MemoryMax", 1 << 30));
+        assert_eq!(
+            find(&u, "CPUQuotaPerSecUSec"),
+            &Prop::U64("CPUQuotaPerSecUSec", 1_500_000)
+        );
         let Prop::Strs(_, env) = find(&u, "Environment") else {
             panic!()
         };

@@ -44,6 +44,29 @@ pub struct Config {
     pub kubernetes: KubernetesConfig,
     pub network: NetworkConfig,
     pub metrics: MetricsConfig,
+    pub control: ControlConfig,
+}
+
+/// kvirtd's control socket (`kvirtctl start|stop|restart`).
+#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ControlConfig {
+    /// A group whose members may use it besides root; empty: root only.
+    pub group: String,
+}
+
+impl ControlConfig {
+    /// The group's id; an unknown group is a configuration error.
+    pub fn gid(&self) -> Result<Option<u32>, String> {
+        if self.group.is_empty() {
+            return Ok(None);
+        }
+        match nix::unistd::Group::from_name(&self.group) {
+            Ok(Some(g)) => Ok(Some(g.gid.as_raw())),
+            Ok(None) => Err(format!("control.group: no group {:?}", self.group)),
+            Err(e) => Err(format!("control.group {:?}: {e}", self.group)),
+        }
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, PartialEq)]

@@ -185,6 +185,38 @@ pub struct Controller<A: Adapters> {
     /// Each unit's `NRestarts` when last seen: a rise is the VM's daemon
     /// having died and come back.
     restarts: Mutex<HashMap<String, u32>>,
+    /// Per id, whether its last pass left nothing of it on the host.
+    gone: Mutex<HashMap<String, bool>>,
+    /// Bumped after each pass: what watches VMIs (VirtualMachines) looks again.
+    passes: tokio::sync::watch::Sender<u64>,
+}
+
+/// What a VMI's loop shows of one id to the VirtualMachines above it.
+pub trait VmiView: Send + Sync + 'static {
+    /// The VMI with the status kvirt reported, and whether nothing of the
+    /// id is left on the host.
+    fn view(&self, id: &str) -> (Option<VirtualMachineInstance>, bool);
+    /// Changes each time a pass ends.
+    fn passes(&self) -> tokio::sync::watch::Receiver<u64>;
+}
+
+impl<A: Adapters> VmiView for Controller<A> {
+    fn view(&self, id: &str) -> (Option<VirtualMachineInstance>, bool) {
+        let vmi = self.vmis().get(id).cloned();
+        let gone = self
+            .gone
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .copied();
+        // Never looked at since kvirtd started: the first pass over every
+        // id the host has covers it, so an unknown one has nothing.
+        (vmi, gone.unwrap_or(true))
+    }
+
+    fn passes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.passes.subscribe()
+    }
 }
 
 type Phases = BTreeMap<String, usize>;
@@ -199,6 +231,8 @@ impl<A: Adapters> Controller<A> {
             metrics: Metrics::default(),
             heartbeat: AtomicU64::new(0),
             restarts: Mutex::default(),
+            gone: Mutex::default(),
+            passes: tokio::sync::watch::Sender::new(0),
         })
     }
 
@@ -239,7 +273,7 @@ impl<A: Adapters> Controller<A> {
     }
 
     /// Takes a new set of VMIs; returns the ids whose VMI appeared, went
-    /// away or changed identity. Known statuses carry over (from memory, or
+    /// away, changed identity or began to be deleted. Known statuses carry over (from memory, or
     /// from the status store after a restart) when the UID matches.
     pub async fn set_vmis(&self, new: BTreeMap<VmKey, VirtualMachineInstance>) -> Vec<String> {
         let mut incoming = HashMap::new();
@@ -258,7 +292,12 @@ impl<A: Adapters> Controller<A> {
         let mut vmis = self.vmis();
         let mut changed: Vec<String> = incoming
             .iter()
-            .filter(|(id, v)| vmis.get(*id).map(|o| o.uid()) != Some(v.uid()))
+            // A new instance, or one now being deleted, needs a pass.
+            .filter(|(id, v)| {
+                vmis.get(*id)
+                    .map(|o| (o.uid(), &o.metadata.deletion_timestamp))
+                    != Some((v.uid(), &v.metadata.deletion_timestamp))
+            })
             .map(|(id, _)| id.clone())
             .collect();
         changed.extend(
@@ -407,7 +446,9 @@ impl<A: Adapters> Controller<A> {
         let vmi = self.vmis().get(id).cloned();
         let key = vmi.as_ref().and_then(|v| v.key().ok());
         let span = journal::vm_span(id, key.as_ref());
-        self.reconcile_inner(id, vmi, key).instrument(span).await
+        let r = self.reconcile_inner(id, vmi, key).instrument(span).await;
+        self.passes.send_modify(|n| *n += 1);
+        r
     }
 
     async fn reconcile_inner(
@@ -423,7 +464,7 @@ impl<A: Adapters> Controller<A> {
         let dom = key
             .as_ref()
             .map(|k| self.domain_ref(id, None, &k.domain_name()));
-        let obs = self.observe(id, dom.as_ref()).await?;
+        let mut obs = self.observe(id, dom.as_ref()).await?;
         if self.daemon_restarted(id, obs.unit.as_ref()) {
             warn!("the VM's libvirt daemon died and was started again; the VM kept running");
             if let Some(v) = &vmi {
@@ -445,6 +486,12 @@ impl<A: Adapters> Controller<A> {
             phase: v.status.phase,
             invalid: converted.as_ref().and_then(|c| c.as_ref().err().cloned()),
         });
+        if let (true, Some(v), Some(u)) = (deleting, &vmi, obs.unit.as_mut()) {
+            // A grace period shortened after the start (`virtctl stop
+            // --grace-period` patches the VMI's) holds for its shutdown.
+            let now = v.termination_grace_period();
+            u.grace = Some(u.grace.map_or(now, |g| g.min(now)));
+        }
         let started = tokio::time::Instant::now();
         let plan = plan::plan(desired.as_ref(), &obs);
         let mut outcome = plan.outcome.clone();
@@ -505,6 +552,10 @@ impl<A: Adapters> Controller<A> {
             }
         }
 
+        self.gone
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.into(), desired.is_none() && teardown_errors.is_empty());
         if !teardown_errors.is_empty() {
             return Err(ControllerError::Teardown {
                 id: id.into(),
@@ -516,11 +567,9 @@ impl<A: Adapters> Controller<A> {
         }
         // A running VM's DHCP lives in kvirtd: after a restart it is
         // attached again here (idempotent), the VM untouched.
-        if let (Outcome::Phase(Phase::Running), Some(v), Some(Ok(conv))) =
-            (&outcome, &vmi, &converted)
-        {
+        if let (Outcome::Phase(Phase::Running), Some(Ok(conv))) = (&outcome, &converted) {
             if let Some(net) = &conv.network {
-                if let Err(e) = self.deps.network.attach(id, &hostname(v), net).await {
+                if let Err(e) = self.deps.network.attach(id, net).await {
                     warn!("re-attaching the network: {e}");
                 }
             }
@@ -895,11 +944,6 @@ fn status_err(id: &str) -> impl FnOnce(SourceError) -> ControllerError + '_ {
         id: id.into(),
         source,
     }
-}
-
-/// The guest's DHCP hostname: the VMI's name, as KubeVirt hands out.
-fn hostname(vmi: &VirtualMachineInstance) -> String {
-    vmi.metadata.name.clone().unwrap_or_default()
 }
 
 /// Kubernetes' timestamp form: RFC 3339, UTC, whole seconds.

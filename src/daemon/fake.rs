@@ -588,7 +588,6 @@ impl crate::host::network::Network for FakeHost {
         &self,
         id: &str,
         _uid: &str,
-        _hostname: &str,
         _net: &crate::core::convert::network::NetSpec,
         tap_owner: (u32, u32),
     ) -> Result<std::net::Ipv4Addr, crate::host::network::NetworkError> {
@@ -609,7 +608,6 @@ impl crate::host::network::Network for FakeHost {
     async fn attach(
         &self,
         id: &str,
-        _hostname: &str,
         _net: &crate::core::convert::network::NetSpec,
     ) -> Result<(), crate::host::network::NetworkError> {
         if self.state().dhcp.insert(id.into()) {

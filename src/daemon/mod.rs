@@ -3,7 +3,9 @@
 //! metrics, and a recording fake of every adapter for the loop's tests.
 
 pub mod config;
+pub mod control;
 pub mod controller;
 pub mod fake;
 pub mod metrics;
 pub mod serve;
+pub mod vms;

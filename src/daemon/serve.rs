@@ -5,7 +5,7 @@
 use crate::core::key::VmKey;
 use crate::core::trigger::Trigger;
 use crate::core::vmi::VirtualMachineInstance;
-use crate::daemon::controller::{Adapters, Controller, Deps, Settings};
+use crate::daemon::controller::{Adapters, Controller, Deps, Settings, VmiView};
 use std::collections::BTreeMap;
 use std::time::Duration;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
@@ -44,7 +44,7 @@ pub async fn serve<A: Adapters>(
     metrics: Option<tokio::net::TcpListener>,
     (tx, rx): (UnboundedSender<Trigger>, UnboundedReceiver<Trigger>),
     sources: Sources<
-        impl FnOnce(UnboundedSender<Trigger>) -> std::io::Result<()>,
+        impl FnOnce(UnboundedSender<Trigger>, std::sync::Arc<dyn VmiView>) -> std::io::Result<()>,
         impl Fn() -> BTreeMap<VmKey, VirtualMachineInstance> + Send + 'static,
     >,
 ) -> Result<(), ServeError> {
@@ -66,7 +66,7 @@ pub async fn serve<A: Adapters>(
         sd_notify::NotifyState::Status(&status),
     ]);
     info!("ready: {status}");
-    (sources.ready)(tx.clone()).map_err(ServeError::Source)?;
+    (sources.ready)(tx.clone(), ctl.clone()).map_err(ServeError::Source)?;
     let probe = ctl.clone();
     tokio::spawn(async move {
         match probe.refresh_capabilities().await {

@@ -362,7 +362,6 @@ pub trait Network: Send + Sync + 'static {
         &self,
         id: &str,
         uid: &str,
-        hostname: &str,
         net: &NetSpec,
         tap_owner: (u32, u32),
     ) -> impl std::future::Future<Output = Result<Ipv4Addr, NetworkError>> + Send;
@@ -371,7 +370,6 @@ pub trait Network: Send + Sync + 'static {
     fn attach(
         &self,
         id: &str,
-        hostname: &str,
         net: &NetSpec,
     ) -> impl std::future::Future<Output = Result<(), NetworkError>> + Send;
     /// Removes everything of the VM's network and releases its address;
@@ -465,7 +463,7 @@ impl HostNetwork {
             .join(crate::core::key::netns_name_of(id))
     }
 
-    fn lease_config(&self, hostname: &str, net: &NetSpec) -> crate::core::dhcp::LeaseConfig {
+    fn lease_config(&self, net: &NetSpec) -> crate::core::dhcp::LeaseConfig {
         let mut l = crate::core::dhcp::LeaseConfig::masquerade(
             net.mac,
             self.settings.dns.clone(),
@@ -476,7 +474,8 @@ impl HostNetwork {
         l.server_id = net.vm_gateway();
         l.netmask = Ipv4Addr::from(u32::MAX << (32 - net.vm_cidr.1));
         l.lease_secs = self.settings.dhcp_lease_secs;
-        l.hostname = Some(hostname.chars().take(63).collect());
+        l.hostname = Some(net.hostname.chars().take(63).collect());
+        l.domain_search = net.domain_search.clone();
         l
     }
 }
@@ -486,7 +485,6 @@ impl Network for HostNetwork {
         &self,
         id: &str,
         uid: &str,
-        hostname: &str,
         net: &NetSpec,
         tap_owner: (u32, u32),
     ) -> Result<Ipv4Addr, NetworkError> {
@@ -525,15 +523,15 @@ impl Network for HostNetwork {
             })
             .await?;
         }
-        self.attach(id, hostname, net).await?;
+        self.attach(id, net).await?;
         Ok(ip)
     }
 
-    async fn attach(&self, id: &str, hostname: &str, net: &NetSpec) -> Result<(), NetworkError> {
+    async fn attach(&self, id: &str, net: &NetSpec) -> Result<(), NetworkError> {
         if self.dhcp.ids().iter().any(|i| i == id) {
             return Ok(());
         }
-        let lease = self.lease_config(hostname, net);
+        let lease = self.lease_config(net);
         self.dhcp
             .start(id, &self.netns_path(id), VM_BRIDGE, lease)
             .await

@@ -5,13 +5,12 @@
 use super::{SourceError, StatusStore};
 use crate::core::key::VmKey;
 use crate::core::layout::HostLayout;
-use crate::core::trigger::Trigger;
+use crate::core::vm::{Book, VirtualMachine};
 use crate::core::vmi::{VirtualMachineInstance, VmiStatus};
 use sha2::{Digest, Sha256};
 use std::collections::{BTreeMap, BTreeSet};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use tokio::sync::mpsc::UnboundedSender;
 use tracing::{error, warn};
 
 /// The VMIs this host should run, keyed by VM, and the manifests that
@@ -19,6 +18,8 @@ use tracing::{error, warn};
 #[derive(Debug, Default)]
 pub struct Snapshot {
     pub vmis: BTreeMap<VmKey, VirtualMachineInstance>,
+    /// VirtualMachines: their VMIs are made by kvirtd (`daemon::vms`).
+    pub vms: BTreeMap<VmKey, VirtualMachine>,
     pub errors: Vec<SourceError>,
 }
 
@@ -30,7 +31,14 @@ pub const MAX_MANIFEST: u64 = 1536 << 10;
 #[derive(Debug)]
 struct Reading {
     stamp: Stamp,
-    result: Result<Vec<VirtualMachineInstance>, String>,
+    result: Result<Vec<Object>, String>,
+}
+
+/// One document of a manifest.
+#[derive(Clone, Debug)]
+enum Object {
+    Vmi(Box<VirtualMachineInstance>),
+    Vm(Box<VirtualMachine>),
 }
 
 /// Device, inode, size and modification time: a file whose stamp is
@@ -136,25 +144,33 @@ impl ManifestDir {
                     continue;
                 }
             };
-            for vmi in vmis {
-                let key = match vmi.key() {
+            for object in vmis {
+                let key = match object {
+                    Object::Vmi(v) => v.key().map_err(|e| e.to_string()),
+                    Object::Vm(v) => v.key().map_err(|e| e.to_string()),
+                };
+                let key = match key {
                     Ok(k) => k,
-                    Err(e) => {
+                    Err(message) => {
                         snap.errors.push(SourceError::Manifest {
                             path: path.clone(),
-                            message: e.to_string(),
+                            message,
                         });
                         continue;
                     }
                 };
-                if snap.vmis.contains_key(&key) {
+                // A VM's VMI has the VM's name: one name, one of either.
+                if snap.vmis.contains_key(&key) || snap.vms.contains_key(&key) {
                     snap.errors.push(SourceError::Manifest {
                         path: path.clone(),
-                        message: format!("VMI {key} is already defined by another manifest"),
+                        message: format!("{key} is already defined by another manifest"),
                     });
                     continue;
                 }
-                snap.vmis.insert(key, vmi.clone());
+                match object {
+                    Object::Vmi(v) => snap.vmis.insert(key, (**v).clone()).is_none(),
+                    Object::Vm(v) => snap.vms.insert(key, (**v).clone()).is_none(),
+                };
             }
         }
         let mut now: BTreeMap<PathBuf, String> = BTreeMap::new();
@@ -185,7 +201,7 @@ impl ManifestDir {
     /// held, so snapshots arrive in the order they were taken.
     pub fn watch(
         self: std::sync::Arc<Self>,
-        tx: UnboundedSender<Trigger>,
+        mut send: impl FnMut(Snapshot) -> bool + Send + 'static,
         resync: std::time::Duration,
     ) -> std::io::Result<()> {
         use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
@@ -238,8 +254,7 @@ impl ManifestDir {
                         st.writing.remove(&path);
                     }
                 }
-                let snap = self.scan_locked(&mut st);
-                if tx.send(Trigger::Vmis(snap.vmis)).is_err() {
+                if !send(self.scan_locked(&mut st)) {
                     break;
                 }
             })?;
@@ -341,7 +356,7 @@ fn read_text(path: &Path) -> Result<String, SourceError> {
     String::from_utf8(bytes).map_err(|_| bad("not UTF-8 text".into()))
 }
 
-fn read_manifest(path: &Path) -> Result<Vec<VirtualMachineInstance>, SourceError> {
+fn read_manifest(path: &Path) -> Result<Vec<Object>, SourceError> {
     let bad = |message: String| SourceError::Manifest {
         path: path.into(),
         message,
@@ -367,8 +382,24 @@ fn read_manifest(path: &Path) -> Result<Vec<VirtualMachineInstance>, SourceError
     docs.into_iter()
         .map(|doc| {
             let kind = doc.get("kind").and_then(|k| k.as_str()).unwrap_or("");
+            if kind == crate::core::vm::KIND {
+                // Its UID and generation are kvirtd's to give (`vm::settle_identity`):
+                // an edited VM is the same VM.
+                let mut vm = VirtualMachine::from_value(doc).map_err(|e| bad(e.to_string()))?;
+                vm.metadata
+                    .namespace
+                    .get_or_insert_with(|| "default".into());
+                if vm.metadata.creation_timestamp.is_none() {
+                    vm.metadata.creation_timestamp =
+                        modified.map(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time);
+                }
+                vm.status = serde_json::Value::Null;
+                return Ok(Object::Vm(Box::new(vm)));
+            }
             if kind != "VirtualMachineInstance" {
-                return Err(bad(format!("kind {kind:?} is not VirtualMachineInstance")));
+                return Err(bad(format!(
+                    "kind {kind:?} is neither VirtualMachineInstance nor VirtualMachine"
+                )));
             }
             // Like a static pod: the manifest's content is its identity, so
             // editing it replaces the VM and an unchanged file keeps it.
@@ -384,7 +415,7 @@ fn read_manifest(path: &Path) -> Result<Vec<VirtualMachineInstance>, SourceError
                     modified.map(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time);
             }
             vmi.status = VmiStatus::default();
-            Ok(vmi)
+            Ok(Object::Vmi(Box::new(vmi)))
         })
         .collect()
 }
@@ -499,9 +530,85 @@ pub fn read_all_status(host: &HostLayout) -> Vec<VirtualMachineInstance> {
     vmis
 }
 
+/// A standalone VirtualMachine as kvirtd keeps it: the object with its
+/// status (what `kvirtctl` shows) and kvirt's record of it ([`Book`]), in
+/// one file so that a crash never separates them.
+#[derive(Clone, Debug, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct VmRecord {
+    pub vm: VirtualMachine,
+    pub book: Book,
+}
+
+/// `/var/lib/kvirt/virtualmachines/<id>.json`, replaced atomically in a
+/// directory only root can enter.
+#[derive(Clone, Debug)]
+pub struct VmRecords {
+    pub dir: PathBuf,
+}
+
+impl VmRecords {
+    fn path(&self, key: &VmKey) -> PathBuf {
+        self.dir.join(format!("{}.json", key.id()))
+    }
+
+    /// Every record that can be read; one that cannot is reported and left
+    /// where it is (never taken for an empty one).
+    pub fn load_all(&self) -> BTreeMap<VmKey, VmRecord> {
+        let mut out = BTreeMap::new();
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return out;
+        };
+        for path in entries.filter_map(|e| Some(e.ok()?.path())) {
+            if path.extension().is_none_or(|e| e != "json") {
+                continue;
+            }
+            let record = read_status(&path)
+                .ok_or_else(|| "not a readable regular file".to_owned())
+                .and_then(|t| serde_json::from_str::<VmRecord>(&t).map_err(|e| e.to_string()))
+                .and_then(|r| Ok((r.vm.key().map_err(|e| e.to_string())?, r)));
+            match record {
+                Ok((key, r)) => {
+                    out.insert(key, r);
+                }
+                Err(e) => warn!("{}: {e}", path.display()),
+            }
+        }
+        out
+    }
+
+    pub fn save(&self, key: &VmKey, record: &VmRecord) -> Result<(), SourceError> {
+        let path = self.path(key);
+        let io = |op| {
+            let path = path.clone();
+            move |source| SourceError::Io { path, op, source }
+        };
+        std::fs::create_dir_all(&self.dir).map_err(io("create directory"))?;
+        std::fs::set_permissions(&self.dir, std::fs::Permissions::from_mode(0o700))
+            .map_err(io("chmod"))?;
+        let tmp = path.with_extension("json.tmp");
+        let json = serde_json::to_vec_pretty(record).expect("a record serializes");
+        std::fs::write(&tmp, json).map_err(io("write"))?;
+        std::fs::File::open(&tmp)
+            .and_then(|f| f.sync_all())
+            .map_err(io("sync"))?;
+        std::fs::rename(&tmp, &path).map_err(io("rename"))
+    }
+
+    pub fn remove(&self, key: &VmKey) {
+        let path = self.path(key);
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                warn!("removing {}: {e}", path.display())
+            }
+            _ => {}
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::core::trigger::Trigger;
 
     const VMI: &str = "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata:\n  name: a\nspec:\n  domain:\n    devices: {}\n";
 
@@ -539,6 +646,25 @@ mod tests {
         )
         .unwrap();
         assert_ne!(scan_dir(tmp.path()).vmis[&key].uid().unwrap(), uid);
+    }
+
+    #[test]
+    fn virtual_machines_are_read_and_share_names_with_no_vmi() {
+        let tmp = tempfile::tempdir().unwrap();
+        let vm = "apiVersion: kubevirt.io/v1\nkind: VirtualMachine\nmetadata:\n  name: a\nspec:\n  runStrategy: Always\n  template:\n    spec:\n      domain: {devices: {}}\n";
+        std::fs::write(tmp.path().join("vm.yaml"), vm).unwrap();
+        std::fs::write(tmp.path().join("z.yaml"), VMI).unwrap();
+        let s = scan_dir(tmp.path());
+        let key = VmKey::new("default", "a").unwrap();
+        assert_eq!(s.vms[&key].spec.run_strategy.as_deref(), Some("Always"));
+        assert!(s.vmis.is_empty());
+        assert!(
+            s.errors
+                .iter()
+                .any(|e| e.to_string().contains("already defined")),
+            "{:?}",
+            s.errors
+        );
     }
 
     #[test]
@@ -600,7 +726,10 @@ mod tests {
         let m = std::sync::Arc::new(ManifestDir::new(tmp.path().into(), None));
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         m.clone()
-            .watch(tx, std::time::Duration::from_secs(3600))
+            .watch(
+                move |s| tx.send(Trigger::Vmis(s.vmis)).is_ok(),
+                std::time::Duration::from_secs(3600),
+            )
             .unwrap();
         // Half of it written, still open: not read (nor reported).
         let path = tmp.path().join("a.yaml");

@@ -204,8 +204,12 @@ mod tests {
         )
         .unwrap();
         assert_eq!(
-            (c.resources.vcpus, c.resources.cpu_request_millis),
-            (3, Some(500))
+            (
+                c.resources.vcpus,
+                c.resources.cpu_request_millis,
+                c.resources.cpu_limit_millis
+            ),
+            (3, Some(500), Some(3000))
         );
     }
 

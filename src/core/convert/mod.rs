@@ -35,8 +35,8 @@ use std::path::PathBuf;
 
 /// Top-level `spec` fields accepted without effect on the domain. They
 /// steer scheduling or live migration on a cluster, which a single host
-/// without pods has no use for; `hostname`/`subdomain` only reach the guest
-/// through DHCP, and there is no network yet. `architecture` is handled
+/// without pods has no use for. `hostname`/`subdomain` reach the guest
+/// through DHCP (`network::guest_names`); `architecture` is handled
 /// separately (only `amd64` is accepted).
 pub const IGNORED_SPEC_FIELDS: &[&str] = &[
     "affinity",
@@ -45,8 +45,6 @@ pub const IGNORED_SPEC_FIELDS: &[&str] = &[
     "schedulerName",
     "priorityClassName",
     "evictionStrategy",
-    "hostname",
-    "subdomain",
 ];
 
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
@@ -295,6 +293,9 @@ pub struct Resources {
     pub memory_limit_bytes: Option<u64>,
     /// `resources.requests.cpu` (defaulting to `limits.cpu`, as Kubernetes does).
     pub cpu_request_millis: Option<u64>,
+    /// `resources.limits.cpu`: a hard quota on the VM's unit, as a pod's
+    /// CPU limit is a CFS quota on its cgroup.
+    pub cpu_limit_millis: Option<u64>,
     /// Guest RAM backed by hugepages, which the kernel charges to the hugetlb
     /// controller, never to the memory cgroup.
     pub hugepage_bytes: u64,
@@ -340,6 +341,7 @@ pub fn convert_all_errors(
     let mut errs = Errors::default();
     check_identity(vmi, ctx, &mut errs);
     check_spec_fields(&vmi.spec.extra, &mut errs);
+    check_annotations(vmi, &mut errs);
 
     let spec = &vmi.spec;
     let dom = &spec.domain;
@@ -385,7 +387,11 @@ pub fn convert_all_errors(
     devices.disks = disk_devs;
     devices.controllers = controllers;
     let default_mac = network::guest_mac(&ctx.key.id());
-    let net = network::convert(spec, default_mac, &mut errs).map(|(iface, net)| {
+    let (hostname, domain_search) =
+        network::guest_names(&spec.extra, ctx.key.name(), ctx.key.namespace(), &mut errs);
+    let net = network::convert(spec, default_mac, &mut errs).map(|(iface, mut net)| {
+        net.hostname = hostname;
+        net.domain_search = domain_search;
         if let Some(b) = &iface.boot {
             if devices.disks.iter().any(|d| d.boot.as_ref() == Some(b)) {
                 errs.add(
@@ -454,6 +460,7 @@ pub fn convert_all_errors(
             vcpus,
             memory_limit_bytes: res.memory_limit,
             cpu_request_millis: res.cpu_request.or(res.cpu_limit),
+            cpu_limit_millis: res.cpu_limit,
             hugepage_bytes: if hugepage.is_some() { memory_bytes } else { 0 },
         },
     })
@@ -508,7 +515,8 @@ fn check_fits(memory_bytes: u64, vcpus: u32, cap: HostCapacity, errs: &mut Error
 
 fn check_spec_fields(extra: &Extra, errs: &mut Errors) {
     for (k, v) in extra {
-        if IGNORED_SPEC_FIELDS.contains(&k.as_str()) {
+        // hostname and subdomain are read by `network::guest_names`.
+        if IGNORED_SPEC_FIELDS.contains(&k.as_str()) || k == "hostname" || k == "subdomain" {
             continue;
         }
         if k == "architecture" {
@@ -521,6 +529,26 @@ fn check_spec_fields(extra: &Extra, errs: &mut Errors) {
             continue;
         }
         errs.add(format!("spec.{k}"), UNSUPPORTED);
+    }
+}
+
+/// Annotations that change what KubeVirt runs for a VMI (extra
+/// containers, a different launcher, config handed to the guest by
+/// QEMU's firmware config): kvirt runs none of that, so it refuses them.
+pub const REFUSED_ANNOTATIONS: &[&str] = &[
+    "hooks.kubevirt.io/hookSidecars",
+    "kubevirt.io/ignitiondata",
+    "kubevirt.io/keep-launcher-alive-after-failure",
+];
+
+fn check_annotations(vmi: &VirtualMachineInstance, errs: &mut Errors) {
+    let Some(annotations) = &vmi.metadata.annotations else {
+        return;
+    };
+    for a in annotations.keys() {
+        if REFUSED_ANNOTATIONS.contains(&a.as_str()) || a.starts_with("hooks.kubevirt.io/") {
+            errs.add(format!("metadata.annotations[{a}]"), UNSUPPORTED);
+        }
     }
 }
 
@@ -689,6 +717,7 @@ mod tests {
                 vcpus: 1,
                 memory_limit_bytes: None,
                 cpu_request_millis: None,
+                cpu_limit_millis: None,
                 hugepage_bytes: 0,
             }
         );
@@ -707,6 +736,48 @@ mod tests {
         );
         let v = vmi(&format!("{MEM}\narchitecture: arm64"));
         assert_eq!(fields(run(&v, DomainType::Kvm)), ["spec.architecture"]);
+    }
+
+    #[test]
+    fn hostname_and_subdomain_reach_the_guest_through_dhcp() {
+        let net = |extra: &str| {
+            run(&vmi(&format!("{MEM}\n{extra}")), DomainType::Kvm)
+                .map(|c| c.network.unwrap())
+                .map(|n| (n.hostname, n.domain_search))
+        };
+        assert_eq!(net("").unwrap(), ("vm".into(), None));
+        assert_eq!(
+            net("hostname: web-1\nsubdomain: backends").unwrap(),
+            ("web-1".into(), Some("backends.ns.svc.cluster.local".into()))
+        );
+        let errs: Vec<String> = net("hostname: Web_1\nsubdomain: \"-x\"")
+            .unwrap_err()
+            .into_iter()
+            .map(|e| e.field)
+            .collect();
+        assert_eq!(errs, ["spec.hostname", "spec.subdomain"]);
+    }
+
+    #[test]
+    fn annotations_that_change_what_runs_are_refused_by_name() {
+        let mut v = vmi(MEM);
+        v.metadata.annotations = Some(
+            [
+                ("hooks.kubevirt.io/hookSidecars", "[{\"image\": \"x\"}]"),
+                ("kubevirt.io/ignitiondata", "{}"),
+                ("note", "harmless"),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_owned(), v.to_owned()))
+            .collect(),
+        );
+        assert_eq!(
+            fields(run(&v, DomainType::Kvm)),
+            [
+                "metadata.annotations[hooks.kubevirt.io/hookSidecars]",
+                "metadata.annotations[kubevirt.io/ignitiondata]"
+            ]
+        );
     }
 
     #[test]

@@ -28,6 +28,10 @@ pub struct NetSpec {
     pub ports: Vec<PortRule>,
     /// The guest network inside the namespace: bridge .1, guest .2.
     pub vm_cidr: (Ipv4Addr, u8),
+    /// What DHCP tells the guest: its host name (`spec.hostname`, else the
+    /// VMI's name) and, with `spec.subdomain`, the domain to search first.
+    pub hostname: String,
+    pub domain_search: Option<String>,
 }
 
 impl NetSpec {
@@ -42,6 +46,45 @@ impl NetSpec {
     pub fn mac_string(&self) -> String {
         format_mac(&self.mac)
     }
+}
+
+/// The cluster DNS domain KubeVirt's DHCP puts after `<subdomain>.<ns>.svc.`.
+pub const CLUSTER_DOMAIN: &str = "cluster.local";
+
+/// `spec.hostname` and `spec.subdomain` as KubeVirt's DHCP hands them out:
+/// the host name (the VMI's name when unset) and the search domain
+/// `<subdomain>.<namespace>.svc.cluster.local`. Each must be a DNS label.
+pub(super) fn guest_names(
+    extra: &crate::core::vmi::Extra,
+    name: &str,
+    namespace: &str,
+    errs: &mut Errors,
+) -> (String, Option<String>) {
+    let mut label = |field: &str| -> Option<String> {
+        let v = extra.get(field)?;
+        match v.as_str() {
+            Some(s) if is_dns_label(s) => Some(s.to_owned()),
+            _ => {
+                errs.add(
+                    format!("spec.{field}"),
+                    format!("{v} is not a DNS label (a-z, 0-9 and '-', at most 63)"),
+                );
+                None
+            }
+        }
+    };
+    let hostname = label("hostname").unwrap_or_else(|| name.chars().take(63).collect());
+    let search = label("subdomain").map(|s| format!("{s}.{namespace}.svc.{CLUSTER_DOMAIN}"));
+    (hostname, search)
+}
+
+fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
 }
 
 pub fn format_mac(m: &[u8; 6]) -> String {
@@ -94,6 +137,8 @@ pub(super) fn convert(
             mac: default_mac,
             ports: vec![],
             vm_cidr: DEFAULT_VM_CIDR,
+            hostname: String::new(),
+            domain_search: None,
         };
         return Some((interface(&net, "virtio"), net));
     }
@@ -215,6 +260,8 @@ pub(super) fn convert(
         mac,
         ports,
         vm_cidr,
+        hostname: String::new(),
+        domain_search: None,
     };
     let mut iface = interface(&net, &model);
     iface.boot = boot;

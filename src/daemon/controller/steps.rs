@@ -225,19 +225,13 @@ impl<A: Adapters> Controller<A> {
     }
 
     async fn setup_network(&self, c: &StepCtx<'_>) -> Result<(), ControllerError> {
-        let (Some(net), Some(v)) = (&c.converted().network, c.vmi) else {
+        let Some(net) = &c.converted().network else {
             return Ok(());
         };
         let owner = self.owner(c.id).ok_or_else(|| no_identity(c.id))?;
         self.deps
             .network
-            .setup(
-                c.id,
-                c.uid(),
-                &super::hostname(v),
-                net,
-                (owner.uid, owner.gid),
-            )
+            .setup(c.id, c.uid(), net, (owner.uid, owner.gid))
             .await
             .map(|_| ())
             .map_err(|source| ControllerError::Network { source })
@@ -277,6 +271,7 @@ impl<A: Adapters> Controller<A> {
             slice: &self.settings.slice,
             memory_max_bytes: conv.resources.cgroup_memory_bytes() + self.settings.overhead_bytes,
             cpu_weight: unit::cpu_weight(conv.resources.cpu_request_millis),
+            cpu_limit_millis: conv.resources.cpu_limit_millis,
             tasks_max: self.settings.tasks_max,
             grace_seconds: self
                 .vmis()

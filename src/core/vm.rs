@@ -1,0 +1,1001 @@
+//! A `VirtualMachine` (`kubevirt.io/v1`) as virt-controller runs it: its
+//! template becomes a VMI of the same name, created, stopped and created
+//! anew by its `runStrategy` ([`runstrategy`]), with KubeVirt's status.
+//! Pure: [`advance`] takes what the VM asks for, what kvirt keeps of it
+//! ([`Book`]) and what its VMI is doing, and says what changes.
+//!
+//! [`runstrategy`]: crate::core::runstrategy
+
+use crate::core::key::{KeyError, VmKey};
+use crate::core::runstrategy::{self, Action, Request, RunStrategy, VmiState};
+use crate::core::vmi::{Condition, Extra, Phase, VirtualMachineInstance, API_VERSION};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+use std::time::Duration;
+
+pub const KIND: &str = "VirtualMachine";
+/// The annotation virt-controller puts on the VMIs it creates: the VM
+/// generation their spec came from.
+pub const GENERATION_ANNOTATION: &str = "kubevirt.io/vm-generation";
+/// A failed run shorter than this counts as a start failure (backed off);
+/// one that ran longer starts the count afresh.
+pub const FAILURE_RESET: Duration = Duration::from_secs(300);
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VirtualMachine {
+    pub api_version: String,
+    pub kind: String,
+    #[serde(default)]
+    pub metadata: ObjectMeta,
+    #[serde(default)]
+    pub spec: VmSpec,
+    #[serde(default, skip_serializing_if = "Value::is_null")]
+    pub status: Value,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct VmSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_strategy: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<Template>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct Template {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub metadata: Option<ObjectMeta>,
+    /// Kept as written: it becomes the VMI's spec verbatim.
+    #[serde(default)]
+    pub spec: Value,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    #[error("invalid VirtualMachine: {0}")]
+    Json(#[from] serde_json::Error),
+    #[error("expected apiVersion {API_VERSION:?} and kind {KIND:?}, got {api_version:?} {kind:?}")]
+    WrongKind { api_version: String, kind: String },
+    #[error("metadata.name is missing")]
+    NoName,
+    #[error(transparent)]
+    Key(#[from] KeyError),
+}
+
+impl VirtualMachine {
+    pub fn from_value(v: Value) -> Result<Self, VmError> {
+        let vm: Self = serde_json::from_value(v)?;
+        if vm.api_version != API_VERSION || vm.kind != KIND {
+            return Err(VmError::WrongKind {
+                api_version: vm.api_version,
+                kind: vm.kind,
+            });
+        }
+        Ok(vm)
+    }
+
+    pub fn key(&self) -> Result<VmKey, VmError> {
+        let name = self.metadata.name.as_deref().ok_or(VmError::NoName)?;
+        let namespace = self.metadata.namespace.as_deref().unwrap_or("default");
+        Ok(VmKey::new(namespace, name)?)
+    }
+
+    /// Its run strategy, or why it has none kvirt can follow. Spec fields
+    /// kvirt does not implement are refused here, never dropped.
+    pub fn strategy(&self) -> Result<RunStrategy, String> {
+        for (field, value) in &self.spec.extra {
+            let empty = value.is_null() || value.as_array().is_some_and(|a| a.is_empty());
+            if !empty {
+                return Err(format!("spec.{field} is not supported by kvirt"));
+            }
+        }
+        if self.spec.template.is_none() {
+            return Err("spec.template is missing".into());
+        }
+        RunStrategy::from_spec(self.spec.run_strategy.as_deref(), self.spec.running)
+    }
+
+    fn generation(&self) -> i64 {
+        self.metadata.generation.unwrap_or(1)
+    }
+}
+
+/// What kvirt keeps of one VirtualMachine between passes and across
+/// restarts (written atomically after each change). Everything a decision
+/// needs that the VM object and its VMI do not say.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Book {
+    /// The VM's UID where its manifest gives none: made once, kept.
+    #[serde(default)]
+    pub vm_uid: String,
+    /// The VM's generation: one more each time its spec changes.
+    #[serde(default)]
+    pub generation: i64,
+    #[serde(default)]
+    pub spec_digest: String,
+    /// How many VMIs this VM has had: each new one's UID derives from it.
+    pub runs: u64,
+    /// The current VMI as created: its spec is the template of the time,
+    /// so an edited template waits for the next start (RestartRequired).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vmi: Option<VirtualMachineInstance>,
+    /// A strategy set by `kvirtctl start`/`stop` (what `virtctl` patches
+    /// into a cluster VM's spec), and the spec's strategy it overrode: an
+    /// edited manifest wins over it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub override_strategy: Option<Override>,
+    /// Pending `start`/`stop` requests, oldest first (KubeVirt's
+    /// `stateChangeRequests`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub requests: Vec<Req>,
+    /// The grace period of an asked-for stop (`--grace`), for the VMI it
+    /// stops.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stop_grace: Option<u64>,
+    pub failures: u32,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failed_uid: Option<String>,
+    /// When the last failed run ended (seconds since the epoch).
+    #[serde(default)]
+    pub last_failed_at: i64,
+    /// When the current VMI was first seen Running.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub running_since: Option<i64>,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Override {
+    pub strategy: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub over: Option<String>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Req {
+    Start,
+    Stop,
+}
+
+/// What the VM's VMI is doing, as the loop that runs it sees it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Seen {
+    /// The VMI with the status kvirt reported, when it is the book's.
+    pub vmi: Option<VirtualMachineInstance>,
+    /// Nothing of the VM is left on the host.
+    pub gone: bool,
+}
+
+/// Gives a manifest's VM what the API server would: a UID (the manifest's
+/// own, or one made once by `fresh_uid`) and a generation that counts spec
+/// changes.
+pub fn settle_identity(
+    vm: &mut VirtualMachine,
+    book: &mut Book,
+    fresh_uid: impl FnOnce() -> String,
+) {
+    match vm.metadata.uid.as_deref().filter(|u| !u.is_empty()) {
+        Some(uid) => book.vm_uid = uid.to_owned(),
+        None => {
+            if book.vm_uid.is_empty() {
+                book.vm_uid = fresh_uid();
+            }
+            vm.metadata.uid = Some(book.vm_uid.clone());
+        }
+    }
+    let spec = serde_json::to_vec(&vm.spec).unwrap_or_default();
+    let digest: String = Sha256::digest(&spec)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    if digest != book.spec_digest {
+        book.spec_digest = digest;
+        book.generation += 1;
+    }
+    vm.metadata.generation = Some(book.generation.max(1));
+}
+
+/// The spec's strategy string, as the book's override compares it.
+fn spec_strategy(vm: &VirtualMachine) -> Option<String> {
+    vm.spec
+        .run_strategy
+        .clone()
+        .or_else(|| vm.spec.running.map(|r| format!("running={r}")))
+}
+
+fn strategy_name(s: RunStrategy) -> &'static str {
+    match s {
+        RunStrategy::Always => "Always",
+        RunStrategy::RerunOnFailure => "RerunOnFailure",
+        RunStrategy::Manual => "Manual",
+        RunStrategy::Halted => "Halted",
+        RunStrategy::Once => "Once",
+    }
+}
+
+/// The strategy in force: the spec's, or what `start`/`stop` set over it.
+pub fn effective(vm: &VirtualMachine, book: &Book) -> Result<RunStrategy, String> {
+    let spec = vm.strategy()?;
+    match &book.override_strategy {
+        Some(o) if o.over == spec_strategy(vm) => RunStrategy::from_spec(Some(&o.strategy), None),
+        _ => Ok(spec),
+    }
+}
+
+/// A UUID-shaped digest, so that a VMI's UID follows from its VM's and its
+/// run number: the same after a crash, new for each run.
+pub fn derived_uid(vm_uid: &str, run: u64) -> String {
+    let h = Sha256::digest(format!("{vm_uid}/{run}").as_bytes());
+    let x: String = h.iter().take(16).map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &x[..8],
+        &x[8..12],
+        &x[12..16],
+        &x[16..20],
+        &x[20..32]
+    )
+}
+
+/// The VMI of run `run`: the template's metadata and spec, the VM's name
+/// and namespace, owned by the VM as virt-controller owns it.
+pub fn instance(vm: &VirtualMachine, run: u64) -> Result<VirtualMachineInstance, String> {
+    let tpl = vm
+        .spec
+        .template
+        .as_ref()
+        .ok_or("spec.template is missing")?;
+    let vm_uid = vm.metadata.uid.clone().unwrap_or_default();
+    let mut meta = tpl.metadata.clone().unwrap_or_default();
+    meta.name = vm.metadata.name.clone();
+    meta.namespace = vm.metadata.namespace.clone();
+    meta.uid = Some(derived_uid(&vm_uid, run));
+    meta.generate_name = None;
+    meta.resource_version = None;
+    meta.owner_references = Some(vec![OwnerReference {
+        api_version: API_VERSION.into(),
+        kind: KIND.into(),
+        name: vm.metadata.name.clone().unwrap_or_default(),
+        uid: vm_uid,
+        controller: Some(true),
+        block_owner_deletion: Some(true),
+    }]);
+    meta.annotations
+        .get_or_insert_with(Default::default)
+        .insert(GENERATION_ANNOTATION.into(), vm.generation().to_string());
+    let doc = json!({
+        "apiVersion": API_VERSION,
+        "kind": crate::core::vmi::KIND,
+        "metadata": meta,
+        "spec": tpl.spec,
+    });
+    serde_json::from_value(doc).map_err(|e| format!("spec.template: {e}"))
+}
+
+fn state_of(book: &Book, seen: &Seen) -> VmiState {
+    let Some(mine) = &book.vmi else {
+        return if seen.gone {
+            VmiState::Absent
+        } else {
+            VmiState::Stopping
+        };
+    };
+    if mine.metadata.deletion_timestamp.is_some() {
+        return VmiState::Stopping;
+    }
+    // What was seen is of an earlier VMI when this one was just made.
+    let seen = seen.vmi.as_ref().filter(|v| v.uid() == mine.uid());
+    match seen.and_then(|v| v.status.phase) {
+        Some(Phase::Succeeded) => VmiState::Succeeded,
+        Some(Phase::Failed) => VmiState::Failed,
+        _ => VmiState::Active,
+    }
+}
+
+/// What one step of [`advance`] did, for the log and the Events.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Change {
+    Created(String),
+    Stopping(String),
+    Removed(String),
+    Halted,
+    /// Waiting out the start-failure backoff.
+    Waiting(Duration),
+}
+
+/// Moves the book on by what the VMI did and what the strategy and the
+/// requests ask for, until nothing more is to be done now. `now` is in
+/// seconds since the epoch. Returns the changes made and, when a start
+/// waits out a backoff, how long.
+pub fn advance(
+    vm: &VirtualMachine,
+    book: &mut Book,
+    seen: &Seen,
+    now: i64,
+    deleted: bool,
+) -> Result<(Vec<Change>, Option<Duration>), String> {
+    let mut changes = Vec::new();
+    // What the VMI did since the last pass.
+    let same = |v: &&VirtualMachineInstance| book.vmi.as_ref().and_then(|b| b.uid()) == v.uid();
+    if let (Some(mine), Some(v)) = (&book.vmi, seen.vmi.as_ref().filter(same)) {
+        let uid = mine.uid().unwrap_or_default().to_owned();
+        match v.status.phase {
+            Some(Phase::Running) if book.running_since.is_none() => book.running_since = Some(now),
+            Some(Phase::Failed) if book.last_failed_uid.as_deref() != Some(&uid) => {
+                let ran = book.running_since.map_or(0, |s| now - s);
+                book.failures = if ran >= FAILURE_RESET.as_secs() as i64 {
+                    1
+                } else {
+                    book.failures.saturating_add(1)
+                };
+                book.last_failed_uid = Some(uid);
+                book.last_failed_at = now;
+            }
+            Some(Phase::Succeeded) => book.failures = 0,
+            _ => {}
+        }
+    }
+    if seen.gone
+        && book
+            .vmi
+            .as_ref()
+            .is_some_and(|v| v.metadata.deletion_timestamp.is_some())
+    {
+        let uid = book.vmi.take().and_then(|v| v.metadata.uid);
+        changes.push(Change::Removed(uid.unwrap_or_default()));
+        book.running_since = None;
+    }
+    if deleted {
+        if book.vmi.is_some() && state_of(book, seen) != VmiState::Stopping {
+            changes.push(stop(book, now));
+        }
+        return Ok((changes, None));
+    }
+    let strategy = effective(vm, book)?;
+    for _ in 0..4 {
+        let state = state_of(book, seen);
+        let request = match book.requests.first() {
+            // A stop asked of a VMI that does not run is done already.
+            Some(Req::Stop) if !matches!(state, VmiState::Active | VmiState::Stopping) => {
+                book.requests.remove(0);
+                continue;
+            }
+            Some(Req::Stop) => Some(Request::Stop),
+            Some(Req::Start) => Some(Request::Start),
+            None => None,
+        };
+        let since = Duration::from_secs((now - book.last_failed_at).max(0) as u64);
+        match runstrategy::decide(strategy, state, request, book.failures, since) {
+            Action::Nothing => return Ok((changes, None)),
+            Action::WaitThenCreate(d) => {
+                changes.push(Change::Waiting(d));
+                return Ok((changes, Some(d)));
+            }
+            Action::Create => {
+                book.runs += 1;
+                let vmi = instance(vm, book.runs)?;
+                changes.push(Change::Created(vmi.uid().unwrap_or_default().into()));
+                book.vmi = Some(vmi);
+                book.running_since = None;
+                book.stop_grace = None;
+                if request == Some(Request::Start) {
+                    book.requests.remove(0);
+                }
+            }
+            Action::Stop => {
+                changes.push(stop(book, now));
+                if request == Some(Request::Stop) {
+                    book.requests.remove(0);
+                }
+            }
+            Action::Remove => changes.push(stop(book, now)),
+            Action::Halt => {
+                book.override_strategy = Some(Override {
+                    strategy: "Halted".into(),
+                    over: spec_strategy(vm),
+                });
+                changes.push(Change::Halted);
+                return Ok((changes, None));
+            }
+        }
+    }
+    Ok((changes, None))
+}
+
+/// Marks the book's VMI deleted, as a delete of the object does: the loop
+/// that runs it shuts it down within this grace period.
+fn stop(book: &mut Book, now: i64) -> Change {
+    let grace = book.stop_grace;
+    let Some(v) = book.vmi.as_mut() else {
+        return Change::Stopping(String::new());
+    };
+    v.metadata.deletion_timestamp = serde_json::from_value(rfc3339(now).into()).ok();
+    shorten_grace(v, grace);
+    Change::Stopping(v.uid().unwrap_or_default().into())
+}
+
+/// The VMI's grace period, shortened to `grace` (never lengthened) as
+/// `virtctl stop --grace-period` patches it: the VMI loop shuts the guest
+/// down within it.
+fn shorten_grace(v: &mut VirtualMachineInstance, grace: Option<u64>) {
+    let own = v.termination_grace_period().as_secs();
+    let g = grace.unwrap_or(own).min(own) as i64;
+    v.spec.termination_grace_period_seconds = Some(g);
+    v.metadata.deletion_grace_period_seconds = Some(g);
+}
+
+/// `kvirtctl start|stop|restart`, as `virtctl` does it to a VM: `start`
+/// and `stop` change the strategy of a VM that follows one (KubeVirt
+/// patches `spec.runStrategy`), and queue a request for a `Manual` one.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Verb {
+    Start,
+    Stop { grace: Option<u64> },
+    Restart,
+}
+
+pub fn request(
+    vm: &VirtualMachine,
+    book: &mut Book,
+    seen: &Seen,
+    verb: Verb,
+) -> Result<(), String> {
+    let strategy = effective(vm, book)?;
+    let state = state_of(book, seen);
+    let running = matches!(state, VmiState::Active);
+    let set = |book: &mut Book, s: RunStrategy| {
+        book.override_strategy = Some(Override {
+            strategy: strategy_name(s).into(),
+            over: spec_strategy(vm),
+        });
+    };
+    match verb {
+        Verb::Start => match strategy {
+            _ if running => Err("VM is already running".into()),
+            RunStrategy::Halted => {
+                set(book, RunStrategy::Always);
+                Ok(())
+            }
+            RunStrategy::Always | RunStrategy::Once => Err(format!(
+                "VM is already started (runStrategy {})",
+                strategy_name(strategy)
+            )),
+            RunStrategy::Manual | RunStrategy::RerunOnFailure => {
+                book.requests.push(Req::Start);
+                Ok(())
+            }
+        },
+        Verb::Stop { grace } => {
+            if strategy == RunStrategy::Halted && !running {
+                return Err("VM is not running".into());
+            }
+            book.stop_grace = grace;
+            if let Some(v) = book
+                .vmi
+                .as_mut()
+                .filter(|v| v.metadata.deletion_timestamp.is_some())
+            {
+                // Already stopping: a shorter grace (`--force`) still applies.
+                shorten_grace(v, grace);
+            }
+            match strategy {
+                RunStrategy::Manual => book.requests.push(Req::Stop),
+                _ => set(book, RunStrategy::Halted),
+            }
+            Ok(())
+        }
+        Verb::Restart => {
+            if strategy == RunStrategy::Halted {
+                return Err("VM is not running: start it instead".into());
+            }
+            book.requests.extend([Req::Stop, Req::Start]);
+            Ok(())
+        }
+    }
+}
+
+/// The VM's status as KubeVirt writes it.
+pub fn status(vm: &VirtualMachine, book: &Book, seen: &Seen, now: i64, deleted: bool) -> Value {
+    let strategy = effective(vm, book);
+    let vmi = seen.vmi.as_ref();
+    let state = state_of(book, seen);
+    let cond = |t: &str| {
+        vmi.and_then(|v| v.status.conditions.iter().find(|c| c.type_ == t))
+            .cloned()
+    };
+    let ready = cond("Ready").is_some_and(|c| c.status == "True");
+    let paused = cond("Paused").is_some_and(|c| c.status == "True");
+    let phase = vmi
+        .filter(|v| book.vmi.as_ref().and_then(|b| b.uid()) == v.uid())
+        .and_then(|v| v.status.phase);
+    let waiting_reason = cond("Ready").and_then(|c| c.reason);
+    let retry_at = book.last_failed_at + runstrategy::backoff(book.failures).as_secs() as i64;
+    let printable = if deleted {
+        "Terminating"
+    } else if state == VmiState::Stopping {
+        "Stopping"
+    } else if strategy.is_err() {
+        "Failure"
+    } else if book.vmi.is_none() {
+        if book.failures > 0 && retry_at > now && strategy != Ok(RunStrategy::Halted) {
+            "CrashLoopBackOff"
+        } else {
+            "Stopped"
+        }
+    } else {
+        match phase {
+            Some(Phase::Running) if paused => "Paused",
+            Some(Phase::Running) => "Running",
+            Some(Phase::Succeeded) => "Stopped",
+            Some(Phase::Failed) => "Stopped",
+            _ => match waiting_reason.as_deref() {
+                Some("ErrImagePull") => "ErrImagePull",
+                _ => "Starting",
+            },
+        }
+    };
+    let mut conditions: Vec<Condition> =
+        ["Ready", "Paused"].iter().filter_map(|t| cond(t)).collect();
+    if let Err(why) = &strategy {
+        conditions.push(condition("Failure", "True", "FailedCreate", why));
+    } else if let Some(c) = cond("Synchronized").filter(|c| c.status == "False") {
+        conditions.push(Condition {
+            type_: "Failure".into(),
+            status: "True".into(),
+            ..c
+        });
+    }
+    if let Some(mine) = book
+        .vmi
+        .as_ref()
+        .filter(|v| v.metadata.deletion_timestamp.is_none())
+    {
+        let tpl = vm.spec.template.as_ref().map(|t| &t.spec);
+        if tpl.is_some_and(|t| serde_json::to_value(&mine.spec).ok().as_ref() != Some(t)) {
+            conditions.push(condition(
+                "RestartRequired",
+                "True",
+                "",
+                "a non-live-updatable field was changed in the template spec",
+            ));
+        }
+    }
+    let observed = book
+        .vmi
+        .as_ref()
+        .and_then(|v| v.metadata.annotations.as_ref())
+        .and_then(|a| a.get(GENERATION_ANNOTATION))
+        .and_then(|g| g.parse::<i64>().ok());
+    let mut st = json!({
+        "printableStatus": printable,
+        "ready": ready,
+        "created": book.vmi.is_some(),
+        "desiredGeneration": vm.generation(),
+        "conditions": conditions,
+    });
+    let o = st.as_object_mut().expect("an object");
+    if let Ok(s) = strategy {
+        o.insert("runStrategy".into(), strategy_name(s).into());
+    }
+    if let Some(g) = observed {
+        o.insert("observedGeneration".into(), g.into());
+    }
+    if book.failures > 0 {
+        o.insert(
+            "startFailure".into(),
+            json!({
+                "consecutiveFailCount": book.failures,
+                "lastFailedVMIUID": book.last_failed_uid,
+                "retryAfterTimestamp": rfc3339(retry_at),
+            }),
+        );
+    }
+    if !book.requests.is_empty() {
+        let uid = book.vmi.as_ref().and_then(|v| v.uid()).map(str::to_owned);
+        let reqs: Vec<Value> = book
+            .requests
+            .iter()
+            .map(|r| match r {
+                Req::Start => json!({"action": "Start"}),
+                Req::Stop => json!({"action": "Stop", "uid": uid}),
+            })
+            .collect();
+        o.insert("stateChangeRequests".into(), reqs.into());
+    }
+    st
+}
+
+fn condition(type_: &str, status: &str, reason: &str, message: &str) -> Condition {
+    Condition {
+        type_: type_.into(),
+        status: status.into(),
+        reason: (!reason.is_empty()).then(|| reason.into()),
+        message: Some(message.into()),
+        last_probe_time: None,
+        last_transition_time: None,
+        extra: Default::default(),
+    }
+}
+
+/// Kubernetes' timestamp form of seconds since the epoch (UTC, whole
+/// seconds), computed here so that this module stays free of clocks.
+pub fn rfc3339(secs: i64) -> String {
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (the proleptic Gregorian
+    // calendar in 400-year eras).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn vm(strategy: &str) -> VirtualMachine {
+        let mut v = VirtualMachine::from_value(json!({
+            "apiVersion": "kubevirt.io/v1",
+            "kind": "VirtualMachine",
+            "metadata": {"name": "web", "namespace": "prod"},
+            "spec": {
+                "runStrategy": strategy,
+                "template": {
+                    "metadata": {"labels": {"app": "web"}},
+                    "spec": {
+                        "terminationGracePeriodSeconds": 30,
+                        "domain": {"devices": {}, "memory": {"guest": "128Mi"}}
+                    }
+                }
+            }
+        }))
+        .unwrap();
+        let mut book = Book::default();
+        settle_identity(&mut v, &mut book, || "vm-uid".into());
+        v
+    }
+
+    /// The VMI as the VMI loop reports it back.
+    fn seen(book: &Book, phase: Option<Phase>) -> Seen {
+        let vmi = book.vmi.clone().map(|mut v| {
+            v.status.phase = phase;
+            v
+        });
+        Seen { vmi, gone: false }
+    }
+
+    /// One pass with the book's VMI in `phase`.
+    fn at(
+        vm: &VirtualMachine,
+        book: &mut Book,
+        phase: Option<Phase>,
+        now: i64,
+    ) -> Result<(Vec<Change>, Option<Duration>), String> {
+        let s = seen(book, phase);
+        advance(vm, book, &s, now, false)
+    }
+
+    const GONE: Seen = Seen {
+        vmi: None,
+        gone: true,
+    };
+
+    fn uid(book: &Book) -> String {
+        book.vmi.as_ref().unwrap().uid().unwrap().to_owned()
+    }
+
+    #[test]
+    fn the_vmi_is_the_template_owned_by_the_vm() {
+        let vm = vm("Always");
+        let v = instance(&vm, 1).unwrap();
+        assert_eq!(v.metadata.name.as_deref(), Some("web"));
+        assert_eq!(v.metadata.namespace.as_deref(), Some("prod"));
+        assert_eq!(v.metadata.labels.as_ref().unwrap()["app"], "web");
+        let owner = &v.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (owner.kind.as_str(), owner.uid.as_str(), owner.controller),
+            ("VirtualMachine", "vm-uid", Some(true))
+        );
+        assert_eq!(
+            v.metadata.annotations.as_ref().unwrap()[GENERATION_ANNOTATION],
+            "1"
+        );
+        assert_eq!(v.spec.termination_grace_period_seconds, Some(30));
+        // One UID per run, the same when made again (after a crash).
+        assert_eq!(v.uid(), instance(&vm, 1).unwrap().uid());
+        assert_ne!(v.uid(), instance(&vm, 2).unwrap().uid());
+    }
+
+    #[test]
+    fn what_kvirt_cannot_run_is_refused_with_the_field() {
+        let mut v = vm("Always");
+        v.spec
+            .extra
+            .insert("instancetype".into(), json!({"name": "u1.small"}));
+        assert!(v.strategy().unwrap_err().contains("spec.instancetype"));
+        let mut v = vm("Always");
+        v.spec
+            .extra
+            .insert("dataVolumeTemplates".into(), json!([{"metadata": {}}]));
+        assert!(v.strategy().unwrap_err().contains("dataVolumeTemplates"));
+        let mut book = Book::default();
+        let err = advance(&vm("WaitAsReceiver"), &mut book, &GONE, 0, false).unwrap_err();
+        assert!(err.contains("migrations"), "{err}");
+        assert!(book.vmi.is_none());
+        let st = status(&vm("WaitAsReceiver"), &book, &GONE, 0, false);
+        assert_eq!(st["printableStatus"], "Failure");
+        assert_eq!(st["conditions"][0]["type"], "Failure");
+    }
+
+    #[test]
+    fn always_starts_a_new_vmi_after_the_guest_powers_off() {
+        let vm = vm("Always");
+        let mut book = Book::default();
+        advance(&vm, &mut book, &GONE, 100, false).unwrap();
+        let first = uid(&book);
+        at(&vm, &mut book, Some(Phase::Running), 101).unwrap();
+        assert_eq!(
+            status(&vm, &book, &seen(&book, Some(Phase::Running)), 101, false)["printableStatus"],
+            "Running"
+        );
+        // Powered off: the VMI is deleted, and once gone a new one is made.
+        at(&vm, &mut book, Some(Phase::Succeeded), 102).unwrap();
+        assert!(book
+            .vmi
+            .as_ref()
+            .unwrap()
+            .metadata
+            .deletion_timestamp
+            .is_some());
+        let s = seen(&book, Some(Phase::Succeeded));
+        assert_eq!(
+            status(&vm, &book, &s, 102, false)["printableStatus"],
+            "Stopping"
+        );
+        // Its last status is still about when it is found gone: the new
+        // VMI is not taken for it.
+        let mut last = seen(&book, Some(Phase::Succeeded));
+        last.gone = true;
+        let (changes, wait) = advance(&vm, &mut book, &last, 103, false).unwrap();
+        assert_eq!(wait, None);
+        assert!(
+            matches!(changes[..], [Change::Removed(_), Change::Created(_)]),
+            "{changes:?}"
+        );
+        assert!(book
+            .vmi
+            .as_ref()
+            .unwrap()
+            .metadata
+            .deletion_timestamp
+            .is_none());
+        assert_ne!(uid(&book), first);
+        assert_eq!(book.failures, 0);
+    }
+
+    #[test]
+    fn failed_runs_back_off_and_show_crash_loop() {
+        let vm = vm("RerunOnFailure");
+        let mut book = Book::default();
+        advance(&vm, &mut book, &GONE, 100, false).unwrap();
+        let first = uid(&book);
+        at(&vm, &mut book, Some(Phase::Failed), 110).unwrap();
+        assert_eq!(book.failures, 1);
+        let (_, wait) = advance(&vm, &mut book, &GONE, 111, false).unwrap();
+        assert_eq!(wait, Some(Duration::from_secs(9)));
+        assert!(book.vmi.is_none());
+        let st = status(&vm, &book, &GONE, 111, false);
+        assert_eq!(st["printableStatus"], "CrashLoopBackOff");
+        assert_eq!(st["startFailure"]["consecutiveFailCount"], 1);
+        assert_eq!(st["startFailure"]["lastFailedVMIUID"], first.as_str());
+        assert_eq!(
+            st["startFailure"]["retryAfterTimestamp"],
+            "1970-01-01T00:02:00Z"
+        );
+        // Due: a new VMI.
+        advance(&vm, &mut book, &GONE, 120, false).unwrap();
+        assert_ne!(uid(&book), first);
+        // Failing again at once doubles the wait.
+        at(&vm, &mut book, Some(Phase::Failed), 121).unwrap();
+        let (_, wait) = advance(&vm, &mut book, &GONE, 121, false).unwrap();
+        assert_eq!(wait, Some(Duration::from_secs(20)));
+        // A guest that shuts down is not started again.
+        advance(&vm, &mut book, &GONE, 141, false).unwrap();
+        at(&vm, &mut book, Some(Phase::Succeeded), 150).unwrap();
+        assert_eq!(book.failures, 0);
+        assert!(book
+            .vmi
+            .as_ref()
+            .unwrap()
+            .metadata
+            .deletion_timestamp
+            .is_none());
+        let s = seen(&book, Some(Phase::Succeeded));
+        assert_eq!(
+            status(&vm, &book, &s, 150, false)["printableStatus"],
+            "Stopped"
+        );
+    }
+
+    #[test]
+    fn stop_start_and_restart_as_virtctl_does_them() {
+        let vm = vm("Always");
+        let mut book = Book::default();
+        advance(&vm, &mut book, &GONE, 0, false).unwrap();
+        let first = uid(&book);
+        let running = seen(&book, Some(Phase::Running));
+        assert!(request(&vm, &mut book, &running, Verb::Start)
+            .unwrap_err()
+            .contains("already running"));
+        // Restart: the VMI goes, a new one comes.
+        request(&vm, &mut book, &running, Verb::Restart).unwrap();
+        advance(&vm, &mut book, &running, 1, false).unwrap();
+        assert!(book
+            .vmi
+            .as_ref()
+            .unwrap()
+            .metadata
+            .deletion_timestamp
+            .is_some());
+        advance(&vm, &mut book, &GONE, 2, false).unwrap();
+        let second = uid(&book);
+        assert_ne!(second, first);
+        assert!(book.requests.is_empty());
+        // Stop, with a shorter grace: Halted, and it stays so.
+        let running = seen(&book, Some(Phase::Running));
+        request(&vm, &mut book, &running, Verb::Stop { grace: Some(5) }).unwrap();
+        assert_eq!(effective(&vm, &book), Ok(RunStrategy::Halted));
+        advance(&vm, &mut book, &running, 3, false).unwrap();
+        let v = book.vmi.as_ref().unwrap();
+        assert_eq!(v.metadata.deletion_grace_period_seconds, Some(5));
+        assert_eq!(v.spec.termination_grace_period_seconds, Some(5));
+        advance(&vm, &mut book, &GONE, 4, false).unwrap();
+        assert!(book.vmi.is_none());
+        advance(&vm, &mut book, &GONE, 5, false).unwrap();
+        assert!(book.vmi.is_none());
+        assert_eq!(
+            status(&vm, &book, &GONE, 5, false)["printableStatus"],
+            "Stopped"
+        );
+        assert!(request(&vm, &mut book, &GONE, Verb::Stop { grace: None })
+            .unwrap_err()
+            .contains("not running"));
+        // Start: Always again.
+        request(&vm, &mut book, &GONE, Verb::Start).unwrap();
+        advance(&vm, &mut book, &GONE, 6, false).unwrap();
+        assert!(book.vmi.is_some());
+        // An edited manifest's strategy wins over kvirtctl's.
+        let mut halted = vm.clone();
+        halted.spec.run_strategy = Some("Halted".into());
+        assert_eq!(effective(&halted, &book), Ok(RunStrategy::Halted));
+    }
+
+    #[test]
+    fn manual_vms_move_only_on_requests_and_once_halts() {
+        let vm = vm("Manual");
+        let mut book = Book::default();
+        advance(&vm, &mut book, &GONE, 0, false).unwrap();
+        assert!(book.vmi.is_none());
+        request(&vm, &mut book, &GONE, Verb::Start).unwrap();
+        advance(&vm, &mut book, &GONE, 0, false).unwrap();
+        assert!(book.vmi.is_some() && book.requests.is_empty());
+        let running = seen(&book, Some(Phase::Running));
+        request(&vm, &mut book, &running, Verb::Stop { grace: None }).unwrap();
+        let st = status(&vm, &book, &running, 0, false);
+        assert_eq!(st["stateChangeRequests"][0]["action"], "Stop");
+        advance(&vm, &mut book, &running, 1, false).unwrap();
+        advance(&vm, &mut book, &GONE, 2, false).unwrap();
+        assert!(book.vmi.is_none() && book.requests.is_empty());
+
+        let once = super::tests::vm("Once");
+        let mut book = Book::default();
+        advance(&once, &mut book, &GONE, 0, false).unwrap();
+        let (changes, _) = at(&once, &mut book, Some(Phase::Succeeded), 1).unwrap();
+        assert!(changes.contains(&Change::Halted), "{changes:?}");
+        assert_eq!(effective(&once, &book), Ok(RunStrategy::Halted));
+        at(&once, &mut book, Some(Phase::Succeeded), 2).unwrap();
+        advance(&once, &mut book, &GONE, 3, false).unwrap();
+        assert!(book.vmi.is_none());
+    }
+
+    #[test]
+    fn an_edited_template_waits_for_the_next_start() {
+        let mut v = vm("Always");
+        let mut book = Book {
+            vm_uid: "vm-uid".into(),
+            ..Default::default()
+        };
+        settle_identity(&mut v, &mut book, || unreachable!());
+        advance(&v, &mut book, &GONE, 0, false).unwrap();
+        let running = seen(&book, Some(Phase::Running));
+        let st = status(&v, &book, &running, 0, false);
+        assert_eq!(
+            (
+                st["desiredGeneration"].clone(),
+                st["observedGeneration"].clone()
+            ),
+            (json!(1), json!(1))
+        );
+        let mut edited = v.clone();
+        edited.spec.template.as_mut().unwrap().spec["domain"]["memory"]["guest"] = json!("256Mi");
+        settle_identity(&mut edited, &mut book, || unreachable!());
+        advance(&edited, &mut book, &running, 1, false).unwrap();
+        let st = status(&edited, &book, &running, 1, false);
+        assert_eq!(st["desiredGeneration"], 2);
+        assert_eq!(st["observedGeneration"], 1);
+        assert!(st["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["type"] == "RestartRequired"));
+        // The running VMI keeps the spec it was made with.
+        assert_eq!(
+            book.vmi
+                .as_ref()
+                .unwrap()
+                .spec
+                .domain
+                .memory
+                .as_ref()
+                .map(|m| format!("{:?}", m)),
+            instance(&v, 1)
+                .unwrap()
+                .spec
+                .domain
+                .memory
+                .as_ref()
+                .map(|m| format!("{:?}", m))
+        );
+    }
+
+    #[test]
+    fn a_deleted_vm_stops_its_vmi() {
+        let vm = vm("Always");
+        let mut book = Book::default();
+        advance(&vm, &mut book, &GONE, 0, false).unwrap();
+        let running = seen(&book, Some(Phase::Running));
+        advance(&vm, &mut book, &running, 1, true).unwrap();
+        assert!(book
+            .vmi
+            .as_ref()
+            .unwrap()
+            .metadata
+            .deletion_timestamp
+            .is_some());
+        assert_eq!(
+            status(&vm, &book, &running, 1, true)["printableStatus"],
+            "Terminating"
+        );
+        advance(&vm, &mut book, &GONE, 2, true).unwrap();
+        assert!(book.vmi.is_none());
+    }
+
+    #[test]
+    fn timestamps_are_kubernetes_form() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(rfc3339(1_796_169_599), "2026-12-01T23:59:59Z");
+    }
+}

@@ -1,0 +1,299 @@
+//! kvirtd's control socket: `kvirtctl start|stop|restart` of standalone
+//! VirtualMachines. One JSON request line, one JSON answer line. Only root,
+//! or the members of a configured group, may connect: the socket's mode
+//! says so and each peer's credentials are checked again.
+
+use crate::core::key::VmKey;
+use crate::core::vm::Verb;
+use crate::daemon::vms::Input;
+use serde::{Deserialize, Serialize};
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+use std::time::Duration;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::mpsc::UnboundedSender;
+use tokio::sync::oneshot;
+use tracing::{info, warn};
+
+/// A request is a name and a few flags: far below this.
+const MAX_REQUEST: u64 = 4096;
+const DEADLINE: Duration = Duration::from_secs(10);
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Request {
+    /// `start`, `stop` or `restart`.
+    pub action: String,
+    /// NAMESPACE/NAME
+    pub vm: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grace: Option<u64>,
+}
+
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Answer {
+    pub ok: bool,
+    pub message: String,
+}
+
+impl Request {
+    fn parse(&self) -> Result<(VmKey, Verb), String> {
+        let (ns, name) = self
+            .vm
+            .split_once('/')
+            .ok_or_else(|| format!("{:?}: expected NAMESPACE/NAME", self.vm))?;
+        let key = VmKey::new(ns, name).map_err(|e| e.to_string())?;
+        let verb = match self.action.as_str() {
+            "start" => Verb::Start,
+            "stop" => Verb::Stop { grace: self.grace },
+            "restart" => Verb::Restart,
+            other => return Err(format!("unknown action {other:?}")),
+        };
+        Ok((key, verb))
+    }
+}
+
+/// Binds the socket with its mode already set (made under a temporary
+/// name, then moved into place), `0600` root's or `0660` with `group`.
+pub fn bind(path: &Path, group: Option<u32>) -> std::io::Result<UnixListener> {
+    let tmp = path.with_extension("sock.tmp");
+    let _ = std::fs::remove_file(&tmp);
+    let listener = UnixListener::bind(&tmp)?;
+    let mode = if group.is_some() { 0o660 } else { 0o600 };
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))?;
+    if let Some(gid) = group {
+        nix::unistd::chown(&tmp, None, Some(nix::unistd::Gid::from_raw(gid)))?;
+    }
+    std::fs::rename(&tmp, path)?;
+    Ok(listener)
+}
+
+/// Serves requests until the VM loop goes away, one task per connection.
+pub async fn serve(listener: UnixListener, group: Option<u32>, to: UnboundedSender<Input>) {
+    loop {
+        let stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                warn!("control socket: {e}");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                continue;
+            }
+        };
+        if to.is_closed() {
+            return;
+        }
+        let to = to.clone();
+        tokio::spawn(async move {
+            if let Err(e) = tokio::time::timeout(DEADLINE, one(stream, group, to)).await {
+                warn!("control socket: a client took too long: {e}");
+            }
+        });
+    }
+}
+
+async fn one(stream: UnixStream, group: Option<u32>, to: UnboundedSender<Input>) {
+    let allowed = stream
+        .peer_cred()
+        .map(|c| c.uid() == 0 || group.is_some_and(|g| c.gid() == g || in_group(c.pid(), g)))
+        .unwrap_or(false);
+    let (read, mut write) = stream.into_split();
+    let answer = if !allowed {
+        Answer {
+            ok: false,
+            message:
+                "permission denied: only root or the control group may use kvirtd's control socket"
+                    .into(),
+        }
+    } else {
+        let mut line = String::new();
+        let mut reader = BufReader::new(tokio::io::AsyncReadExt::take(read, MAX_REQUEST));
+        match reader.read_line(&mut line).await {
+            Ok(_) => answer(&line, &to).await,
+            Err(e) => Answer {
+                ok: false,
+                message: format!("reading the request: {e}"),
+            },
+        }
+    };
+    let mut out = serde_json::to_vec(&answer).expect("an answer serializes");
+    out.push(b'\n');
+    let _ = write.write_all(&out).await;
+}
+
+async fn answer(line: &str, to: &UnboundedSender<Input>) -> Answer {
+    let parsed = serde_json::from_str::<Request>(line.trim())
+        .map_err(|e| format!("bad request: {e}"))
+        .and_then(|r| r.parse());
+    let (key, verb) = match parsed {
+        Ok(p) => p,
+        Err(message) => return Answer { ok: false, message },
+    };
+    let (reply, rx) = oneshot::channel();
+    if to
+        .send(Input::Command {
+            key: key.clone(),
+            verb,
+            reply,
+        })
+        .is_err()
+    {
+        return Answer {
+            ok: false,
+            message: "kvirtd is shutting down".into(),
+        };
+    }
+    match rx.await {
+        Ok(Ok(message)) => {
+            info!(vm = %key, ?verb, "control socket: {message}");
+            Answer { ok: true, message }
+        }
+        Ok(Err(message)) => Answer { ok: false, message },
+        Err(_) => Answer {
+            ok: false,
+            message: "kvirtd dropped the request".into(),
+        },
+    }
+}
+
+/// Whether process `pid` has `gid` among its supplementary groups.
+fn in_group(pid: Option<i32>, gid: u32) -> bool {
+    let Some(pid) = pid else { return false };
+    let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+        return false;
+    };
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("Groups:"))
+        .is_some_and(|g| g.split_whitespace().any(|x| x == gid.to_string()))
+}
+
+/// The client side (kvirtctl): one request, its answer.
+pub fn call(path: &Path, req: &Request) -> std::io::Result<Answer> {
+    use std::io::{BufRead, Write};
+    let mut s = std::os::unix::net::UnixStream::connect(path)?;
+    s.set_read_timeout(Some(DEADLINE))?;
+    let mut line = serde_json::to_vec(req).expect("a request serializes");
+    line.push(b'\n');
+    s.write_all(&line)?;
+    let mut answer = String::new();
+    std::io::BufReader::new(std::io::Read::take(s, MAX_REQUEST * 4)).read_line(&mut answer)?;
+    serde_json::from_str(&answer).map_err(std::io::Error::other)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::unix::process::CommandExt;
+
+    /// Run by `only_root_may_use_the_control_socket` as another user: one
+    /// request to the socket in `KVIRT_TEST_SOCKET`, the outcome printed.
+    #[test]
+    #[ignore = "run as a child process by only_root_may_use_the_control_socket"]
+    fn client_as_another_user() {
+        let path = std::env::var("KVIRT_TEST_SOCKET").unwrap();
+        let req = Request {
+            action: "stop".into(),
+            vm: "default/a".into(),
+            grace: None,
+        };
+        match call(Path::new(&path), &req) {
+            Ok(a) => println!("ANSWER ok={} {}", a.ok, a.message),
+            Err(e) => println!("ERROR {e}"),
+        }
+    }
+
+    fn as_nobody(socket: &Path) -> String {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "daemon::control::tests::client_as_another_user",
+                "--ignored",
+                "--nocapture",
+            ])
+            .env("KVIRT_TEST_SOCKET", socket)
+            .uid(65534)
+            .gid(65534)
+            .output()
+            .unwrap();
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    #[tokio::test]
+    async fn only_root_may_use_the_control_socket() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipped: needs root");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let path = dir.path().join("control.sock");
+        let listener = bind(&path, None).unwrap();
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(serve(listener, None, tx));
+        // The VM loop's part: every request answered "done".
+        tokio::spawn(async move {
+            while let Some(Input::Command { reply, .. }) = rx.recv().await {
+                let _ = reply.send(Ok("done".into()));
+            }
+        });
+        let p = path.clone();
+        let root = tokio::task::spawn_blocking(move || {
+            call(
+                &p,
+                &Request {
+                    action: "restart".into(),
+                    vm: "default/a".into(),
+                    grace: None,
+                },
+            )
+        })
+        .await
+        .unwrap()
+        .unwrap();
+        assert!(root.ok, "{root:?}");
+
+        // Another user: the socket's mode keeps it out...
+        let p = path.clone();
+        let out = tokio::task::spawn_blocking(move || as_nobody(&p))
+            .await
+            .unwrap();
+        assert!(
+            out.contains("ERROR") && out.contains("ermission denied"),
+            "{out}"
+        );
+        // ...and were the mode wrong, its credentials do.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
+        let p = path.clone();
+        let out = tokio::task::spawn_blocking(move || as_nobody(&p))
+            .await
+            .unwrap();
+        assert!(out.contains("ANSWER ok=false permission denied"), "{out}");
+    }
+
+    #[test]
+    fn requests_name_a_vm_and_an_action() {
+        let r = |action: &str, vm: &str| Request {
+            action: action.into(),
+            vm: vm.into(),
+            grace: Some(3),
+        };
+        assert_eq!(
+            r("stop", "ns/a").parse().unwrap().1,
+            Verb::Stop { grace: Some(3) }
+        );
+        assert!(r("stop", "a")
+            .parse()
+            .unwrap_err()
+            .contains("NAMESPACE/NAME"));
+        assert!(r("explode", "ns/a")
+            .parse()
+            .unwrap_err()
+            .contains("unknown"));
+        assert!(r("start", "ns/A_B").parse().is_err());
+        assert!(serde_json::from_str::<Request>(r#"{"action":"start","vm":"a/b","x":1}"#).is_err());
+    }
+}
