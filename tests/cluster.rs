@@ -586,50 +586,38 @@ fn the_lease_is_renewed_and_rbac_is_least_privilege() {
     };
     assert!(can("patch virtualmachineinstances.kubevirt.io"));
     assert!(can("watch virtualmachineinstances.kubevirt.io"));
-    assert!(!can("delete virtualmachineinstances.kubevirt.io"));
-    assert!(!can("create virtualmachineinstances.kubevirt.io"));
+    // virt-controller's part: the VMIs of VirtualMachines.
+    assert!(can("delete virtualmachineinstances.kubevirt.io"));
+    assert!(can("create virtualmachineinstances.kubevirt.io"));
+    assert!(!can("update virtualmachineinstances.kubevirt.io"));
     // Only what a VMI's volumes name, one object at a time, as kubelet.
     assert!(can("get secrets") && can("get configmaps"));
     assert!(can("create serviceaccounts --subresource=token"));
     assert!(!can("list secrets") && !can("watch secrets") && !can("create secrets"));
     assert!(!can("create serviceaccounts"));
-    // Whether a VirtualMachine with kept EFI variables still exists.
-    assert!(can("get virtualmachines.kubevirt.io"));
-    assert!(!can("list virtualmachines.kubevirt.io") && !can("delete virtualmachines.kubevirt.io"));
+    // VirtualMachines: watched and patched (finalizer, status), never
+    // created, replaced or deleted.
+    assert!(can("watch virtualmachines.kubevirt.io"));
+    assert!(can(
+        "patch virtualmachines.kubevirt.io --subresource=status"
+    ));
+    assert!(
+        !can("create virtualmachines.kubevirt.io") && !can("delete virtualmachines.kubevirt.io")
+    );
+    assert!(!can("update virtualmachines.kubevirt.io"));
     // The shipped manifests are what kvirtd prints.
     a.ok("diff <(kvirtd --print-crd) /etc/kvirt/manifests/crd.yaml");
 }
-
-/// KubeVirt's VirtualMachine kind, as a cluster with KubeVirt has it
-/// (schema aside): nothing in the test cluster runs VMs from it.
-const VM_CRD: &str = "apiVersion: apiextensions.k8s.io/v1
-kind: CustomResourceDefinition
-metadata:
-  name: virtualmachines.kubevirt.io
-spec:
-  group: kubevirt.io
-  scope: Namespaced
-  names: {kind: VirtualMachine, listKind: VirtualMachineList, plural: virtualmachines, singular: virtualmachine}
-  versions:
-  - name: v1
-    served: true
-    storage: true
-    schema:
-      openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}
-";
 
 #[test]
 fn efi_variables_are_kept_for_their_virtual_machine_and_go_with_it() {
     let Some((a, _b)) = hosts() else { return };
     let _g = serial();
-    apply(&a, VM_CRD);
-    kubectl(
-        &a,
-        "wait --for=condition=Established --timeout=60s crd/virtualmachines.kubevirt.io",
-    );
+    // A Manual VM whose VMI is made by hand (as KubeVirt's controller
+    // would): kvirtd's VM loop leaves it to the test.
     apply(
         &a,
-        "apiVersion: kubevirt.io/v1\nkind: VirtualMachine\nmetadata: {name: k-efi, namespace: default}\nspec: {runStrategy: Manual}\n",
+        "apiVersion: kubevirt.io/v1\nkind: VirtualMachine\nmetadata: {name: k-efi, namespace: default}\nspec: {runStrategy: Manual, template: {spec: {domain: {devices: {}}}}}\n",
     );
     let uid = kubectl(
         &a,
@@ -712,4 +700,128 @@ fn a_tenant_cannot_use_another_namespaces_host_disk() {
         owner_before
     );
     kubectl(&a, "-n tenant-x delete vmi k-tenant --timeout=60s");
+}
+
+/// A VirtualMachine of the test guest: its template is the test VMI's.
+fn vm_yaml(name: &str, strategy: &str, spec_extra: &str) -> String {
+    let vmi = vmi_yaml(name, "", spec_extra);
+    let spec = vmi.split_once("spec:\n").unwrap().1;
+    let template: String = spec.lines().map(|l| format!("    {l}\n")).collect();
+    format!(
+        "apiVersion: kubevirt.io/v1
+kind: VirtualMachine
+metadata:
+  name: {name}
+  namespace: default
+spec:
+  runStrategy: {strategy}
+  template:
+    metadata:
+      labels: {{app: {name}}}
+    spec:
+{template}"
+    )
+}
+
+fn vm_field(h: &Host, name: &str, jsonpath: &str) -> String {
+    kubectl(h, &format!("get vm {name} -o jsonpath='{jsonpath}'"))
+}
+
+/// How many VMIs of `name` either kvirtd has created, by their logs.
+fn vmis_created(hosts: &[&Host], name: &str) -> usize {
+    hosts
+        .iter()
+        .map(|h| {
+            h.ok(&format!(
+                "journalctl -u kvirtd --no-pager | grep -c 'default/{name}: VirtualMachine: created its VMI' || true"
+            ))
+            .trim()
+            .parse::<usize>()
+            .unwrap_or(0)
+        })
+        .sum()
+}
+
+#[test]
+fn a_virtual_machine_runs_one_vmi_across_two_kvirtds_and_obeys_its_run_strategy() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = serial();
+    disk(&[&a, &b], "k-vm", "run");
+    // Claimed by either host, as any unassigned VMI of zone z1.
+    apply(
+        &a,
+        &vm_yaml("k-vm", "Always", "  nodeSelector: {zone: z1}\n"),
+    );
+    a.wait(
+        "kubectl get vm shows k-vm Running and Ready",
+        Duration::from_secs(120),
+        "kubectl get vm k-vm --no-headers | grep -Eq 'Running +True'",
+    );
+    let vm_uid = vm_field(&a, "k-vm", "{.metadata.uid}");
+    let owner = kubectl(
+        &a,
+        "get vmi k-vm -o jsonpath='{.metadata.ownerReferences[0].uid}'",
+    );
+    assert_eq!(owner, vm_uid);
+    let first = kubectl(&a, "get vmi k-vm -o jsonpath='{.metadata.uid}'");
+    assert_eq!(vm_field(&a, "k-vm", "{.status.created}"), "true");
+    assert_eq!(vm_field(&a, "k-vm", "{.status.runStrategy}"), "Always");
+    // Two kvirtds run VirtualMachines: one VMI was made, once.
+    assert_eq!(vmis_created(&[&a, &b], "k-vm"), 1);
+    let node = kubectl(&a, "get vmi k-vm -o jsonpath='{.status.nodeName}'");
+    let runner = if node == "node-a" { &a } else { &b };
+    assert!(unit_loaded(runner, "k-vm"));
+
+    // Halted: the VMI goes (gracefully), the VM shows Stopped.
+    kubectl(
+        &a,
+        "patch vm k-vm --type merge -p '{\"spec\":{\"runStrategy\":\"Halted\"}}'",
+    );
+    a.wait(
+        "k-vm's VMI gone",
+        WAIT,
+        "! kubectl get vmi k-vm 2>/dev/null",
+    );
+    a.wait(
+        "k-vm Stopped",
+        WAIT,
+        "[ \"$(kubectl get vm k-vm -o jsonpath='{.status.printableStatus}')\" = Stopped ]",
+    );
+    runner.wait(
+        "k-vm's host clean",
+        WAIT,
+        "[ \"$(systemctl show -p LoadState --value kvirt-vm@default_k-vm.service)\" = not-found ]",
+    );
+    assert!(host_clean(runner, "k-vm"));
+
+    // Always again: a new VMI; the guest powering off or a kill brings
+    // another (one per VM at any time).
+    kubectl(
+        &a,
+        "patch vm k-vm --type merge -p '{\"spec\":{\"runStrategy\":\"Always\"}}'",
+    );
+    a.wait(
+        "k-vm running a new VMI",
+        Duration::from_secs(120),
+        &format!(
+            "[ \"$(kubectl get vmi k-vm -o jsonpath='{{.status.phase}}')\" = Running ] && [ \"$(kubectl get vmi k-vm -o jsonpath='{{.metadata.uid}}')\" != {first} ]"
+        ),
+    );
+    assert_eq!(vmis_created(&[&a, &b], "k-vm"), 2);
+
+    // kubectl delete vm: the VMI, the host's resources and the VM go.
+    let node = kubectl(&a, "get vmi k-vm -o jsonpath='{.status.nodeName}'");
+    let runner = if node == "node-a" { &a } else { &b };
+    kubectl(&a, "delete vm k-vm --wait=false");
+    a.wait(
+        "k-vm and its VMI gone",
+        Duration::from_secs(90),
+        "! kubectl get vm k-vm 2>/dev/null && ! kubectl get vmi k-vm 2>/dev/null",
+    );
+    runner.wait(
+        "k-vm's host clean",
+        WAIT,
+        "[ \"$(systemctl show -p LoadState --value kvirt-vm@default_k-vm.service)\" = not-found ]",
+    );
+    assert!(host_clean(runner, "k-vm"));
 }

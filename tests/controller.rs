@@ -1153,3 +1153,70 @@ async fn the_capability_probe_runs_as_kvirt_and_stops() {
         Some("stop kvirt-probe.service")
     );
 }
+
+fn condition(host: &FakeHost, name: &str, type_: &str) -> Option<(String, Option<String>)> {
+    host.state().statuses[&VmKey::new("default", name).unwrap()]
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == type_)
+        .map(|c| (c.status.clone(), c.reason.clone()))
+}
+
+#[tokio::test]
+async fn pause_unpause_and_start_paused_show_as_kubevirt_shows_them() {
+    use kvirt::daemon::controller::{VmiAction, VmiView};
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    ctl.set_vmis(set(&[
+        vmi("vm1", "u1", ""),
+        vmi("vm2", "u2", "  startStrategy: Paused\n"),
+    ]))
+    .await;
+    // Not running yet: nothing to pause.
+    let early = ctl.act("default_vm1", VmiAction::Pause).await.unwrap_err();
+    assert!(early.contains("not running"), "{early}");
+    ctl.reconcile("default_vm1").await.unwrap();
+    ctl.reconcile("default_vm2").await.unwrap();
+    assert_eq!(condition(&host, "vm1", "Ready").unwrap().0, "True");
+    // Started paused: Running, Paused, not Ready.
+    assert_eq!(phase(&host, "vm2"), Some(Phase::Running));
+    assert_eq!(
+        condition(&host, "vm2", "Paused"),
+        Some(("True".into(), Some("PausedStartStrategy".into())))
+    );
+    assert_eq!(condition(&host, "vm2", "Ready").unwrap().0, "False");
+
+    // Paused on request: the same, with the user's reason; its domain
+    // event makes the next pass.
+    ctl.act("default_vm1", VmiAction::Pause).await.unwrap();
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
+    assert_eq!(
+        condition(&host, "vm1", "Paused"),
+        Some(("True".into(), Some("PausedByUser".into())))
+    );
+    assert_eq!(
+        condition(&host, "vm1", "Ready"),
+        Some(("False".into(), Some("Paused".into())))
+    );
+    let twice = ctl.act("default_vm1", VmiAction::Pause).await.unwrap_err();
+    assert!(twice.contains("already paused"), "{twice}");
+    let reboot = ctl
+        .act("default_vm1", VmiAction::SoftReboot)
+        .await
+        .unwrap_err();
+    assert!(reboot.contains("unpause it first"), "{reboot}");
+
+    ctl.act("default_vm1", VmiAction::Unpause).await.unwrap();
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert_eq!(condition(&host, "vm1", "Paused"), None);
+    assert_eq!(condition(&host, "vm1", "Ready").unwrap().0, "True");
+    ctl.act("default_vm1", VmiAction::SoftReboot).await.unwrap();
+    assert!(host
+        .take_calls()
+        .iter()
+        .any(|c| c == "soft-reboot default_vm1"));
+    let unknown = ctl.act("default_vm9", VmiAction::Pause).await.unwrap_err();
+    assert!(unknown.contains("no VMI"), "{unknown}");
+}

@@ -1622,6 +1622,67 @@ fn virtual_machines_stay_up_by_their_run_strategy_and_obey_kvirtctl() {
     h.ok("kvirtctl start default/vmr");
     wait_new_vmi_running(&h, "vmr", &third, BOOT);
     wait_vm_status(&h, "vmr", "Running", BOOT);
+    let machine = h.status("vmr")["status"]["machine"]["type"].clone();
+    assert!(
+        machine.as_str().is_some_and(|m| m.starts_with("pc-")),
+        "status.machine: {machine}"
+    );
+
+    // pause: the guest stops printing; Running, Paused, not Ready.
+    let log = "/run/kvirt/vms/default_vmr/console.log";
+    h.serial_log_shows("vmr", "KVIRT-GUEST-ALIVE 2");
+    h.ok("kvirtctl pause default/vmr");
+    wait_vm_status(&h, "vmr", "Paused", Duration::from_secs(30));
+    let st = h.status("vmr")["status"].clone();
+    let cond = |t: &str| {
+        st["conditions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["type"] == t)
+            .cloned()
+            .unwrap_or_default()
+    };
+    assert_eq!(st["phase"], "Running", "{st}");
+    assert_eq!(
+        (
+            cond("Paused")["status"].clone(),
+            cond("Paused")["reason"].clone()
+        ),
+        ("True".into(), "PausedByUser".into()),
+        "{st}"
+    );
+    assert_eq!(cond("Ready")["status"], "False", "{st}");
+    // Three of its 2-second ticks go by without a line.
+    h.ok(&format!(
+        "n=$(grep -c ALIVE {log}); sleep 6; [ \"$(grep -c ALIVE {log})\" = \"$n\" ]"
+    ));
+    let err = h.ok("kvirtctl pause default/vmr 2>&1 || true");
+    assert!(err.contains("already paused"), "{err}");
+    let paused_at = h.ok(&format!("grep -c ALIVE {log}"));
+    h.ok("kvirtctl unpause default/vmr");
+    wait_vm_status(&h, "vmr", "Running", Duration::from_secs(30));
+    h.wait(
+        "vmr printing again",
+        Duration::from_secs(30),
+        &format!("[ \"$(grep -c ALIVE {log})\" -gt {paused_at} ]"),
+    );
+
+    // soft-reboot: through the guest agent, in the same QEMU.
+    h.wait(
+        "vmr's guest agent",
+        Duration::from_secs(60),
+        "grep -q AgentConnected /run/kvirt/status/default_vmr.json",
+    );
+    let qemu = h.qemu_pid("vmr");
+    h.ok("kvirtctl soft-reboot default/vmr");
+    h.serial_log_shows("vmr", "KVIRT-GUEST-AGENT-REBOOT");
+    h.wait(
+        "vmr booted again",
+        BOOT,
+        &format!("[ \"$(grep -c KVIRT-GUEST-READY {log})\" -ge 2 ]"),
+    );
+    assert_eq!(h.qemu_pid("vmr"), qemu);
 
     // A VMI is not a VM: refused, with why.
     let err = h.ok("kvirtctl stop default/nosuch 2>&1 || true");
@@ -1665,6 +1726,24 @@ fn an_always_vm_comes_back_after_poweroff_and_after_a_reboot() {
     // Halted: nothing runs.
     wait_vm_status(&h, "vmh", "Stopped", Duration::from_secs(30));
     h.ok("[ ! -e /run/kvirt/status/default_vmh.json ]");
+
+    // startStrategy Paused: it starts with its vCPUs stopped, then runs
+    // once unpaused.
+    h.put_manifest(
+        "vmp",
+        "run",
+        &support::vmi_manifest("vmp", "", "  startStrategy: Paused\n", ""),
+    );
+    h.wait_phase("vmp", "Running", BOOT);
+    h.wait(
+        "vmp paused by its start strategy",
+        Duration::from_secs(30),
+        "grep -q '\"reason\": \"Paused' /run/kvirt/status/default_vmp.json",
+    );
+    h.ok("sleep 4; ! grep -q KVIRT-GUEST /run/kvirt/vms/default_vmp/console.log");
+    h.ok("kvirtctl unpause default/vmp");
+    h.serial_log_shows("vmp", "KVIRT-GUEST-READY");
+    h.remove_vm_and_wait_gone("vmp");
 
     // An edited template: the next run (each poweroff makes one) is of it.
     h.ok("sed -i 's/app: vma}/app: vma, edited: \"yes\"}/' /etc/kvirt/vmis.d/vma.yaml");

@@ -63,6 +63,22 @@ enum Command {
         /// NAMESPACE/NAME
         vm: String,
     },
+    /// Pause a running VM (its VMI's vCPUs stop; Ready=False, Paused=True).
+    Pause {
+        /// NAMESPACE/NAME of a VMI or a VirtualMachine
+        vm: String,
+    },
+    /// Unpause a paused VM.
+    Unpause {
+        /// NAMESPACE/NAME of a VMI or a VirtualMachine
+        vm: String,
+    },
+    /// Reboot the guest in the same QEMU: through the guest agent, else
+    /// the ACPI power button.
+    SoftReboot {
+        /// NAMESPACE/NAME of a VMI or a VirtualMachine
+        vm: String,
+    },
     /// Attach to a VM's serial console (detach with Ctrl-]).
     Console {
         /// NAMESPACE/NAME
@@ -115,6 +131,9 @@ fn main() -> Result<()> {
             control(&config()?.layout(), "stop", &vm, grace)
         }
         Command::Restart { vm } => control(&config()?.layout(), "restart", &vm, None),
+        Command::Pause { vm } => control(&config()?.layout(), "pause", &vm, None),
+        Command::Unpause { vm } => control(&config()?.layout(), "unpause", &vm, None),
+        Command::SoftReboot { vm } => control(&config()?.layout(), "soft-reboot", &vm, None),
         Command::Domxml { file, domain_type } => domxml(&config()?, &file, domain_type),
         Command::PushDisk {
             image,

@@ -8,6 +8,7 @@ use kvirt::core::layout::{HostLayout, LEGACY_STATUS};
 use kvirt::core::trigger::Trigger;
 use kvirt::daemon::config::{Config, Emulation, SourceKind, DEFAULT_PATH};
 use kvirt::daemon::control;
+use kvirt::daemon::controller::VmiView;
 use kvirt::daemon::controller::{Adapters, Deps, LogRecorder, Settings};
 use kvirt::daemon::serve::{serve, Sources};
 use kvirt::daemon::vms::{Input as VmInput, Vms};
@@ -67,8 +68,8 @@ struct Args {
     /// Check the configuration and exit.
     #[arg(long)]
     check_config: bool,
-    /// Print the VirtualMachineInstance CRD (kubevirt.io/v1 compatible, for
-    /// clusters without KubeVirt) and exit.
+    /// Print the VirtualMachineInstance and VirtualMachine CRDs
+    /// (kubevirt.io/v1 compatible, for clusters without KubeVirt) and exit.
     #[arg(long)]
     print_crd: bool,
     /// Print the least-privilege RBAC kvirtd needs in a cluster and exit.
@@ -350,7 +351,7 @@ async fn run(config: Config) -> Result<()> {
             let initial = vms.take(manifests.scan());
             let control_path = settings.layout.control_socket();
             let control_group = config.control.gid().map_err(anyhow::Error::msg)?;
-            let ready = move |tx: UnboundedSender<Trigger>, view| {
+            let ready = move |tx: UnboundedSender<Trigger>, view: Arc<dyn VmiView>| {
                 let (in_tx, in_rx) = unbounded_channel();
                 let snapshots = in_tx.clone();
                 manifests.watch(
@@ -359,10 +360,10 @@ async fn run(config: Config) -> Result<()> {
                 )?;
                 match control::bind(&control_path, control_group) {
                     Ok(l) => {
-                        tokio::spawn(control::serve(l, control_group, in_tx));
+                        tokio::spawn(control::serve(l, control_group, in_tx, view.clone()));
                     }
                     Err(e) => error!(
-                        "control socket {}: {e}; kvirtctl start/stop/restart are unavailable",
+                        "control socket {}: {e}; kvirtctl start, stop, restart, pause, unpause and soft-reboot are unavailable",
                         control_path.display()
                     ),
                 }
@@ -386,17 +387,26 @@ async fn run(config: Config) -> Result<()> {
             info!("waiting for the first list of this node's VMIs");
             let store = cluster::source::watch_node(client.clone(), &node, tx.clone()).await;
             let initial = cluster::source::snapshot(&store);
+            if k.virtual_machines {
+                cluster::vms::run(client.clone());
+            }
             tokio::spawn(cluster::lease::heartbeat(
                 client.clone(),
                 node.clone(),
                 Duration::from_secs(k.lease_seconds),
             ));
-            let claim = k
-                .claim
-                .then(|| (client.clone(), node.clone(), k.node_labels.clone()));
+            let claim = k.claim.then(|| {
+                let host = kvirt::core::scheduling::HostFacts {
+                    node_name: node.clone(),
+                    labels: k.node_labels.clone(),
+                    taints: k.node_taints.clone(),
+                    scheduler_name: k.scheduler_name.clone(),
+                };
+                (client.clone(), host)
+            });
             let ready = move |_tx: UnboundedSender<Trigger>, _view| {
-                if let Some((client, node, labels)) = claim {
-                    cluster::source::claim_unassigned(client, node, labels);
+                if let Some((client, host)) = claim {
+                    cluster::source::claim_unassigned(client, host);
                 }
                 Ok(())
             };

@@ -23,6 +23,7 @@ pub mod plan;
 pub mod pullsecret;
 pub mod quantity;
 pub mod runstrategy;
+pub mod scheduling;
 pub mod status;
 pub mod trigger;
 pub mod unit;

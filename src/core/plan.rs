@@ -54,6 +54,11 @@ pub struct DomainObs {
     pub state: DomainState,
     /// The VMI UID from the domain's kvirt metadata.
     pub uid: Option<String>,
+    /// Why a paused domain is paused (KubeVirt's `Paused` condition
+    /// reason: `PausedByUser`, `PausedIOError`, ...).
+    pub paused: Option<String>,
+    /// The machine type QEMU runs (`status.machine.type`).
+    pub machine: Option<String>,
 }
 
 /// A connected guest agent and the guest OS it reports, with KubeVirt's
@@ -387,6 +392,8 @@ mod tests {
         Some(DomainObs {
             state,
             uid: Some("u1".into()),
+            paused: None,
+            machine: None,
         })
     }
 

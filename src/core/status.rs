@@ -85,7 +85,7 @@ pub fn next_status(
 
 /// KubeVirt's `AgentConnected` condition and `guestOSInfo`: present while
 /// a guest agent is connected, gone when it is not.
-pub fn set_guest_agent(status: &mut VmiStatus, agent: Option<&GuestAgent>, now: &str) {
+fn set_guest_agent(status: &mut VmiStatus, agent: Option<&GuestAgent>, now: &str) {
     match agent {
         Some(a) => {
             set_condition(
@@ -112,6 +112,58 @@ pub fn set_guest_agent(status: &mut VmiStatus, agent: Option<&GuestAgent>, now: 
     }
 }
 
+/// What only a running domain can tell, for its VMI's status.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Live {
+    pub agent: Option<GuestAgent>,
+    /// Why the domain is paused, when it is.
+    pub paused: Option<String>,
+    /// The machine type QEMU runs.
+    pub machine: Option<String>,
+}
+
+/// A running VMI's live facts: the guest agent's condition and OS, the
+/// `Paused` condition (a paused VM is Running but not Ready, as in
+/// KubeVirt, whether paused on request or by itself on an I/O error) and
+/// `machine.type`.
+pub fn set_live(status: &mut VmiStatus, live: &Live, now: &str) {
+    set_guest_agent(status, live.agent.as_ref(), now);
+    match &live.paused {
+        Some(reason) => {
+            set_condition(
+                &mut status.conditions,
+                PAUSED,
+                true,
+                Some(reason),
+                Some("the VM's vCPUs are paused"),
+                now,
+            );
+            if status.phase == Some(Phase::Running) {
+                set_condition(
+                    &mut status.conditions,
+                    READY,
+                    false,
+                    Some("Paused"),
+                    Some("the VM is paused"),
+                    now,
+                );
+            }
+        }
+        None => {
+            status.conditions.retain(|c| c.type_ != PAUSED);
+            if status.phase == Some(Phase::Running) {
+                set_condition(&mut status.conditions, READY, true, None, None, now);
+            }
+        }
+    }
+    if let Some(m) = &live.machine {
+        status
+            .extra
+            .insert("machine".into(), serde_json::json!({ "type": m }));
+    }
+}
+
+pub const PAUSED: &str = "Paused";
 const AGENT_CONNECTED: &str = "AgentConnected";
 const GUEST_OS_INFO: &str = "guestOSInfo";
 

@@ -561,8 +561,10 @@ pub fn status(vm: &VirtualMachine, book: &Book, seen: &Seen, now: i64, deleted: 
         .as_ref()
         .filter(|v| v.metadata.deletion_timestamp.is_none())
     {
-        let tpl = vm.spec.template.as_ref().map(|t| &t.spec);
-        if tpl.is_some_and(|t| serde_json::to_value(&mine.spec).ok().as_ref() != Some(t)) {
+        // Both read through the same types, so only a real change differs.
+        let spec = |v: &VirtualMachineInstance| serde_json::to_value(&v.spec).ok();
+        let now_spec = instance(vm, 0).ok().and_then(|v| spec(&v));
+        if now_spec.is_some() && now_spec != spec(mine) {
             conditions.push(condition(
                 "RestartRequired",
                 "True",
@@ -626,6 +628,148 @@ fn condition(type_: &str, status: &str, reason: &str, message: &str) -> Conditio
         last_transition_time: None,
         extra: Default::default(),
     }
+}
+
+/// A cluster VM's record, read back from the API objects: KubeVirt's
+/// `status.startFailure` and `status.stateChangeRequests` of the VM, and
+/// its VMI (the one it owns, if any). What a standalone record keeps
+/// besides (run numbers, strategy overrides) the API holds itself: the
+/// server names each VMI's UID, and `virtctl` patches the spec.
+pub fn book_of(vm: &VirtualMachine, vmi: Option<&VirtualMachineInstance>) -> Book {
+    let st = &vm.status;
+    let failures = st["startFailure"]["consecutiveFailCount"]
+        .as_u64()
+        .unwrap_or(0) as u32;
+    let retry_at = st["startFailure"]["retryAfterTimestamp"]
+        .as_str()
+        .and_then(parse_rfc3339);
+    let requests = st["stateChangeRequests"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|r| match r["action"].as_str() {
+            Some("Start") => Some(Req::Start),
+            Some("Stop") => Some(Req::Stop),
+            _ => None,
+        })
+        .collect();
+    let running_since = vmi.and_then(|v| {
+        v.status
+            .phase_transition_timestamps
+            .iter()
+            .find(|t| t.phase == Phase::Running)
+            .and_then(|t| t.phase_transition_timestamp.as_deref())
+            .and_then(parse_rfc3339)
+    });
+    Book {
+        vm_uid: vm.metadata.uid.clone().unwrap_or_default(),
+        generation: vm.generation(),
+        vmi: vmi.cloned(),
+        requests,
+        failures,
+        last_failed_uid: st["startFailure"]["lastFailedVMIUID"]
+            .as_str()
+            .map(str::to_owned),
+        last_failed_at: retry_at.map_or(0, |r| r - runstrategy::backoff(failures).as_secs() as i64),
+        running_since,
+        ..Default::default()
+    }
+}
+
+/// What a cluster VM needs now: the VM's new status (written first, with
+/// the VM's resourceVersion, so that of several kvirtds one acts), then at
+/// most one change to its VMI, and whether `Once` has run its course.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ClusterStep {
+    pub status: Value,
+    /// A new VMI to create (its UID is the API server's to give).
+    pub create: Option<VirtualMachineInstance>,
+    /// Delete the VMI of this UID within this grace period.
+    pub delete: Option<(String, i64)>,
+    /// Set `spec.runStrategy: Halted`.
+    pub halt: bool,
+    /// Look again after this long (a start waiting out its backoff).
+    pub wait: Option<Duration>,
+}
+
+pub fn cluster_step(
+    vm: &VirtualMachine,
+    vmi: Option<&VirtualMachineInstance>,
+    now: i64,
+) -> ClusterStep {
+    let mut book = book_of(vm, vmi);
+    let seen = Seen {
+        vmi: vmi.cloned(),
+        gone: vmi.is_none(),
+    };
+    let before = vmi.map(|v| {
+        (
+            v.uid().map(str::to_owned),
+            v.metadata.deletion_timestamp.is_some(),
+        )
+    });
+    let (changes, wait) = advance(vm, &mut book, &seen, now, false).unwrap_or_default();
+    let mut step = ClusterStep {
+        status: Value::Null,
+        create: None,
+        delete: None,
+        halt: changes.contains(&Change::Halted),
+        wait,
+    };
+    if let Some(v) = &book.vmi {
+        let uid = v.uid().map(str::to_owned);
+        match &before {
+            Some((old, _)) if *old != uid => {}
+            None => {
+                let mut new = v.clone();
+                new.metadata.uid = None;
+                step.create = Some(new);
+            }
+            Some((old, false)) if v.metadata.deletion_timestamp.is_some() => {
+                let grace = v.metadata.deletion_grace_period_seconds.unwrap_or(0);
+                step.delete = old.clone().map(|u| (u, grace));
+            }
+            Some(_) => {}
+        }
+    }
+    let shown = Seen {
+        vmi: seen.vmi.filter(|_| step.create.is_none()),
+        gone: seen.gone,
+    };
+    step.status = status(vm, &book, &shown, now, false);
+    step
+}
+
+/// Seconds since the epoch of a Kubernetes timestamp (`2026-12-01T10:00:00Z`,
+/// fractions and offsets accepted); `None` when it is not one.
+pub fn parse_rfc3339(s: &str) -> Option<i64> {
+    let b = s.as_bytes();
+    if b.len() < 20 || b[4] != b'-' || b[7] != b'-' || b[10] != b'T' {
+        return None;
+    }
+    let n = |r: std::ops::Range<usize>| s.get(r)?.parse::<i64>().ok();
+    let (y, m, d) = (n(0..4)?, n(5..7)?, n(8..10)?);
+    let (hh, mm, ss) = (n(11..13)?, n(14..16)?, n(17..19)?);
+    let rest = &s[19..];
+    let rest = rest.trim_start_matches(|c: char| c == '.' || c.is_ascii_digit());
+    let offset = match rest {
+        "Z" | "z" => 0,
+        o if o.len() == 6 => {
+            let sign = if o.starts_with('-') { -1 } else { 1 };
+            sign * (o.get(1..3)?.parse::<i64>().ok()? * 3600
+                + o.get(4..6)?.parse::<i64>().ok()? * 60)
+        }
+        _ => return None,
+    };
+    // Days since 1970-01-01 from the civil date (the inverse of rfc3339's).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let mp = if m > 2 { m - 3 } else { m + 9 };
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some(days * 86_400 + hh * 3600 + mm * 60 + ss - offset)
 }
 
 /// Kubernetes' timestamp form of seconds since the epoch (UTC, whole
@@ -993,7 +1137,61 @@ mod tests {
     }
 
     #[test]
+    fn a_cluster_vm_acts_through_its_objects() {
+        let vm = vm("RerunOnFailure");
+        // No VMI: one to create, the server to name its UID.
+        let s = cluster_step(&vm, None, 100);
+        let new = s.create.clone().unwrap();
+        assert_eq!(new.metadata.uid, None);
+        assert_eq!(
+            new.metadata.owner_references.as_ref().unwrap()[0].uid,
+            "vm-uid"
+        );
+        assert_eq!(s.status["created"], true);
+        // Its VMI failed: the count is written, the VMI deleted.
+        let mut failed = new.clone();
+        failed.metadata.uid = Some("api-1".into());
+        failed.status.phase = Some(Phase::Failed);
+        let s = cluster_step(&vm, Some(&failed), 110);
+        assert_eq!(s.delete, Some(("api-1".into(), 30)));
+        assert_eq!(s.status["startFailure"]["consecutiveFailCount"], 1);
+        assert!(s.create.is_none());
+        // Read back (as another kvirtd would): not counted twice.
+        let mut seen_vm = vm.clone();
+        seen_vm.status = s.status.clone();
+        let mut deleting = failed.clone();
+        deleting.metadata.deletion_timestamp = serde_json::from_value(json!(rfc3339(110))).ok();
+        let s2 = cluster_step(&seen_vm, Some(&deleting), 111);
+        assert_eq!(s2.status["startFailure"]["consecutiveFailCount"], 1);
+        assert_eq!((s2.delete.clone(), s2.create.is_some()), (None, false));
+        // Gone: backed off, then made anew.
+        let s3 = cluster_step(&seen_vm, None, 112);
+        assert_eq!(s3.wait, Some(Duration::from_secs(8)));
+        assert_eq!(s3.status["printableStatus"], "CrashLoopBackOff");
+        assert!(s3.create.is_none());
+        assert!(cluster_step(&seen_vm, None, 120).create.is_some());
+        // Once: the run ended, the spec becomes Halted.
+        let once = super::tests::vm("Once");
+        let mut done = instance(&once, 1).unwrap();
+        done.status.phase = Some(Phase::Succeeded);
+        assert!(cluster_step(&once, Some(&done), 5).halt);
+    }
+
+    #[test]
     fn timestamps_are_kubernetes_form() {
+        assert_eq!(parse_rfc3339("2026-12-01T23:59:59Z"), Some(1_796_169_599));
+        assert_eq!(
+            parse_rfc3339("2026-12-01T23:59:59.123Z"),
+            Some(1_796_169_599)
+        );
+        assert_eq!(
+            parse_rfc3339("2026-12-02T01:59:59+02:00"),
+            Some(1_796_169_599)
+        );
+        assert_eq!(parse_rfc3339("yesterday"), None);
+        for t in [0, 951_782_400, 1_796_169_599, 4_102_444_800] {
+            assert_eq!(parse_rfc3339(&rfc3339(t)), Some(t));
+        }
         assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
         assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
         assert_eq!(rfc3339(1_796_169_599), "2026-12-01T23:59:59Z");

@@ -133,6 +133,15 @@ pub struct KubernetesConfig {
     pub claim: bool,
     /// This host's labels, for `claim`.
     pub node_labels: std::collections::BTreeMap<String, String>,
+    /// This host's taints, for `claim`: a VMI claims it only when it
+    /// tolerates each `NoSchedule`/`NoExecute` one.
+    pub node_taints: Vec<crate::core::scheduling::Taint>,
+    /// VMIs naming this `schedulerName` (or `default-scheduler`, or none)
+    /// are claimed; any other scheduler's are left to it.
+    pub scheduler_name: String,
+    /// Run VirtualMachines: make, stop and make anew their VMIs by their
+    /// runStrategy (every kvirtd of a cluster may; they never conflict).
+    pub virtual_machines: bool,
     /// The heartbeat Lease's duration; renewed every quarter of it.
     pub lease_seconds: u64,
     /// How often kept EFI variables are checked against their
@@ -146,6 +155,9 @@ impl Default for KubernetesConfig {
             kubeconfig: "/etc/kvirt/kubeconfig".into(),
             claim: false,
             node_labels: Default::default(),
+            node_taints: vec![],
+            scheduler_name: "kvirt".into(),
+            virtual_machines: true,
             lease_seconds: 40,
             efi_vars_check_seconds: 600,
         }

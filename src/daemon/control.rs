@@ -1,14 +1,16 @@
 //! kvirtd's control socket: `kvirtctl start|stop|restart` of standalone
-//! VirtualMachines. One JSON request line, one JSON answer line. Only root,
+//! VirtualMachines, `pause|unpause|soft-reboot` of running VMIs. One JSON request line, one JSON answer line. Only root,
 //! or the members of a configured group, may connect: the socket's mode
 //! says so and each peer's credentials are checked again.
 
 use crate::core::key::VmKey;
 use crate::core::vm::Verb;
+use crate::daemon::controller::{VmiAction, VmiView};
 use crate::daemon::vms::Input;
 use serde::{Deserialize, Serialize};
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 use tokio::net::{UnixListener, UnixStream};
@@ -23,7 +25,8 @@ const DEADLINE: Duration = Duration::from_secs(10);
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Request {
-    /// `start`, `stop` or `restart`.
+    /// `start`, `stop`, `restart` (a VirtualMachine), `pause`, `unpause`
+    /// or `soft-reboot` (its VMI, or a VMI).
     pub action: String,
     /// NAMESPACE/NAME
     pub vm: String,
@@ -38,20 +41,30 @@ pub struct Answer {
     pub message: String,
 }
 
+/// What a request asks, and of whom.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Command {
+    Vm(Verb),
+    Vmi(VmiAction),
+}
+
 impl Request {
-    fn parse(&self) -> Result<(VmKey, Verb), String> {
+    fn parse(&self) -> Result<(VmKey, Command), String> {
         let (ns, name) = self
             .vm
             .split_once('/')
             .ok_or_else(|| format!("{:?}: expected NAMESPACE/NAME", self.vm))?;
         let key = VmKey::new(ns, name).map_err(|e| e.to_string())?;
-        let verb = match self.action.as_str() {
-            "start" => Verb::Start,
-            "stop" => Verb::Stop { grace: self.grace },
-            "restart" => Verb::Restart,
+        let command = match self.action.as_str() {
+            "start" => Command::Vm(Verb::Start),
+            "stop" => Command::Vm(Verb::Stop { grace: self.grace }),
+            "restart" => Command::Vm(Verb::Restart),
+            "pause" => Command::Vmi(VmiAction::Pause),
+            "unpause" => Command::Vmi(VmiAction::Unpause),
+            "soft-reboot" => Command::Vmi(VmiAction::SoftReboot),
             other => return Err(format!("unknown action {other:?}")),
         };
-        Ok((key, verb))
+        Ok((key, command))
     }
 }
 
@@ -71,7 +84,12 @@ pub fn bind(path: &Path, group: Option<u32>) -> std::io::Result<UnixListener> {
 }
 
 /// Serves requests until the VM loop goes away, one task per connection.
-pub async fn serve(listener: UnixListener, group: Option<u32>, to: UnboundedSender<Input>) {
+pub async fn serve(
+    listener: UnixListener,
+    group: Option<u32>,
+    to: UnboundedSender<Input>,
+    view: Arc<dyn VmiView>,
+) {
     loop {
         let stream = match listener.accept().await {
             Ok((s, _)) => s,
@@ -84,16 +102,21 @@ pub async fn serve(listener: UnixListener, group: Option<u32>, to: UnboundedSend
         if to.is_closed() {
             return;
         }
-        let to = to.clone();
+        let (to, view) = (to.clone(), view.clone());
         tokio::spawn(async move {
-            if let Err(e) = tokio::time::timeout(DEADLINE, one(stream, group, to)).await {
+            if let Err(e) = tokio::time::timeout(DEADLINE, one(stream, group, to, view)).await {
                 warn!("control socket: a client took too long: {e}");
             }
         });
     }
 }
 
-async fn one(stream: UnixStream, group: Option<u32>, to: UnboundedSender<Input>) {
+async fn one(
+    stream: UnixStream,
+    group: Option<u32>,
+    to: UnboundedSender<Input>,
+    view: Arc<dyn VmiView>,
+) {
     let allowed = stream
         .peer_cred()
         .map(|c| c.uid() == 0 || group.is_some_and(|g| c.gid() == g || in_group(c.pid(), g)))
@@ -110,7 +133,7 @@ async fn one(stream: UnixStream, group: Option<u32>, to: UnboundedSender<Input>)
         let mut line = String::new();
         let mut reader = BufReader::new(tokio::io::AsyncReadExt::take(read, MAX_REQUEST));
         match reader.read_line(&mut line).await {
-            Ok(_) => answer(&line, &to).await,
+            Ok(_) => answer(&line, &to, view.as_ref()).await,
             Err(e) => Answer {
                 ok: false,
                 message: format!("reading the request: {e}"),
@@ -122,12 +145,18 @@ async fn one(stream: UnixStream, group: Option<u32>, to: UnboundedSender<Input>)
     let _ = write.write_all(&out).await;
 }
 
-async fn answer(line: &str, to: &UnboundedSender<Input>) -> Answer {
+async fn answer(line: &str, to: &UnboundedSender<Input>, view: &dyn VmiView) -> Answer {
     let parsed = serde_json::from_str::<Request>(line.trim())
         .map_err(|e| format!("bad request: {e}"))
         .and_then(|r| r.parse());
     let (key, verb) = match parsed {
-        Ok(p) => p,
+        Ok((key, Command::Vm(verb))) => (key, verb),
+        Ok((key, Command::Vmi(action))) => {
+            return match view.act(&key.id(), action).await {
+                Ok(message) => Answer { ok: true, message },
+                Err(message) => Answer { ok: false, message },
+            }
+        }
         Err(message) => return Answer { ok: false, message },
     };
     let (reply, rx) = oneshot::channel();
@@ -233,7 +262,7 @@ mod tests {
         let mode = std::fs::metadata(&path).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        tokio::spawn(serve(listener, None, tx));
+        tokio::spawn(serve(listener, None, tx, Arc::new(NoVmis)));
         // The VM loop's part: every request answered "done".
         tokio::spawn(async move {
             while let Some(Input::Command { reply, .. }) = rx.recv().await {
@@ -274,6 +303,21 @@ mod tests {
         assert!(out.contains("ANSWER ok=false permission denied"), "{out}");
     }
 
+    struct NoVmis;
+
+    impl VmiView for NoVmis {
+        fn view(&self, _: &str) -> (Option<crate::core::vmi::VirtualMachineInstance>, bool) {
+            (None, true)
+        }
+        fn passes(&self) -> tokio::sync::watch::Receiver<u64> {
+            tokio::sync::watch::Sender::new(0).subscribe()
+        }
+        fn act(&self, id: &str, _: VmiAction) -> crate::daemon::controller::ActFuture<'_> {
+            let id = id.to_owned();
+            Box::pin(async move { Err(format!("no VMI {id}")) })
+        }
+    }
+
     #[test]
     fn requests_name_a_vm_and_an_action() {
         let r = |action: &str, vm: &str| Request {
@@ -283,7 +327,11 @@ mod tests {
         };
         assert_eq!(
             r("stop", "ns/a").parse().unwrap().1,
-            Verb::Stop { grace: Some(3) }
+            Command::Vm(Verb::Stop { grace: Some(3) })
+        );
+        assert_eq!(
+            r("soft-reboot", "ns/a").parse().unwrap().1,
+            Command::Vmi(VmiAction::SoftReboot)
         );
         assert!(r("stop", "a")
             .parse()

@@ -12,9 +12,7 @@ use crate::core::convert::{
 use crate::core::efivars;
 use crate::core::key::{self, VmKey};
 use crate::core::layout::{DaemonKind, HostLayout, VmPaths};
-use crate::core::plan::{
-    self, Desired, GuestAgent, Observed, Outcome, Step, UnitActivity, UnitObs,
-};
+use crate::core::plan::{self, Desired, Observed, Outcome, Step, UnitActivity, UnitObs};
 use crate::core::status;
 use crate::core::trigger::Trigger;
 use crate::core::unit;
@@ -198,6 +196,20 @@ pub trait VmiView: Send + Sync + 'static {
     fn view(&self, id: &str) -> (Option<VirtualMachineInstance>, bool);
     /// Changes each time a pass ends.
     fn passes(&self) -> tokio::sync::watch::Receiver<u64>;
+    /// Pauses, unpauses or soft-reboots the running VMI of `id`; says what
+    /// was done, or why not.
+    fn act(&self, id: &str, action: VmiAction) -> ActFuture<'_>;
+}
+
+pub type ActFuture<'a> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<String, String>> + Send + 'a>>;
+
+/// What `virtctl pause|unpause|soft-reboot` asks of a running VMI.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum VmiAction {
+    Pause,
+    Unpause,
+    SoftReboot,
 }
 
 impl<A: Adapters> VmiView for Controller<A> {
@@ -216,6 +228,45 @@ impl<A: Adapters> VmiView for Controller<A> {
 
     fn passes(&self) -> tokio::sync::watch::Receiver<u64> {
         self.passes.subscribe()
+    }
+
+    fn act(&self, id: &str, action: VmiAction) -> ActFuture<'_> {
+        let id = id.to_owned();
+        Box::pin(async move {
+            let vmi = self.vmis().get(&id).cloned();
+            let vmi = vmi.ok_or_else(|| format!("no VMI {id} on this host"))?;
+            let key = vmi.key().map_err(|e| e.to_string())?;
+            if vmi.status.phase != Some(Phase::Running) || vmi.metadata.deletion_timestamp.is_some()
+            {
+                return Err(format!("VMI {key} is not running"));
+            }
+            let paused = vmi
+                .status
+                .conditions
+                .iter()
+                .any(|c| c.type_ == status::PAUSED && c.status == "True");
+            match (action, paused) {
+                (VmiAction::Pause, true) => return Err(format!("VMI {key} is already paused")),
+                (VmiAction::Unpause, false) => return Err(format!("VMI {key} is not paused")),
+                (VmiAction::SoftReboot, true) => {
+                    return Err(format!("VMI {key} is paused: unpause it first"))
+                }
+                _ => {}
+            }
+            let obs = self.observe(&id, None).await.map_err(|e| e.to_string())?;
+            let daemon = obs.unit.as_ref().and_then(|u| u.daemon);
+            let dom = self.domain_ref(&id, daemon, &key.domain_name());
+            let hv = &self.deps.hypervisor;
+            let (done, verb) = match action {
+                VmiAction::Pause => (hv.set_paused(&dom, true).await, "paused"),
+                VmiAction::Unpause => (hv.set_paused(&dom, false).await, "unpaused"),
+                VmiAction::SoftReboot => (hv.soft_reboot(&dom).await, "soft-rebooted"),
+            };
+            done.map_err(|e| e.to_string())?;
+            // Its status follows from the domain's event.
+            info!(vm = %key, "{verb} on request");
+            Ok(format!("VMI {key} was {verb}"))
+        })
     }
 }
 
@@ -508,7 +559,7 @@ impl<A: Adapters> Controller<A> {
                 v.status.phase,
                 None | Some(Phase::Pending | Phase::Scheduling)
             ) {
-                self.report(k, &Outcome::Phase(Phase::Scheduled), None)
+                self.report(k, &Outcome::Phase(Phase::Scheduled), &Default::default())
                     .await?;
                 self.deps
                     .recorder
@@ -591,8 +642,9 @@ impl<A: Adapters> Controller<A> {
                 self.deps.status.release(v).await.map_err(status_err(id))?;
             }
             (_, Some(k)) => {
-                let agent = match (&outcome, &dom) {
-                    (Outcome::Phase(Phase::Running), Some(d)) => self
+                let mut live = status::Live::default();
+                if let (Outcome::Phase(Phase::Running), Some(d)) = (&outcome, &dom) {
+                    live.agent = self
                         .deps
                         .hypervisor
                         .guest_agent(d)
@@ -600,10 +652,20 @@ impl<A: Adapters> Controller<A> {
                         .unwrap_or_else(|e| {
                             warn!("asking the guest agent: {e}");
                             None
-                        }),
-                    _ => None,
-                };
-                self.report(k, &outcome, agent.as_ref()).await?
+                        });
+                    let seen = obs.domain.as_ref();
+                    live.paused = match seen {
+                        Some(d) => d.paused.clone(),
+                        // Just started: paused if it was started so.
+                        None => converted
+                            .as_ref()
+                            .and_then(|c| c.as_ref().ok())
+                            .filter(|c| creating && c.start_paused)
+                            .map(|_| "PausedStartStrategy".to_owned()),
+                    };
+                    live.machine = seen.and_then(|d| d.machine.clone());
+                }
+                self.report(k, &outcome, &live).await?
             }
             _ => {}
         }
@@ -620,7 +682,7 @@ impl<A: Adapters> Controller<A> {
         &self,
         key: &VmKey,
         outcome: &Outcome,
-        agent: Option<&GuestAgent>,
+        live: &status::Live,
     ) -> Result<(), ControllerError> {
         let id = key.id();
         let now = now_rfc3339();
@@ -647,7 +709,7 @@ impl<A: Adapters> Controller<A> {
                 // A pass that saw nothing settled says nothing about these.
                 if !matches!(outcome, Outcome::Unchanged | Outcome::Unresponsive(_)) {
                     next.interfaces = interfaces;
-                    status::set_guest_agent(&mut next, agent, &now);
+                    status::set_live(&mut next, live, &now);
                 }
                 let old = vmi.status.phase;
                 (next != vmi.status).then(|| {

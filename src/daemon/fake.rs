@@ -340,12 +340,14 @@ impl Hypervisor for FakeHost {
             DomainObs {
                 state: DomainState::Shutoff,
                 uid,
+                paused: None,
+                machine: None,
             },
         );
         Ok(())
     }
 
-    async fn start(&self, d: &DomainRef) -> Result<(), LibvirtError> {
+    async fn start(&self, d: &DomainRef, paused: bool) -> Result<(), LibvirtError> {
         if self.call(format!("start-domain {}", d.name)) {
             return Err(LibvirtError::Call {
                 id: d.id.clone(),
@@ -355,7 +357,36 @@ impl Hypervisor for FakeHost {
         }
         if let Some(dom) = self.state().domains.get_mut(&d.id) {
             dom.state = DomainState::Running;
+            if paused {
+                dom.state = DomainState::Paused;
+                dom.paused = Some("PausedStartStrategy".into());
+            }
         }
+        Ok(())
+    }
+
+    async fn set_paused(&self, d: &DomainRef, paused: bool) -> Result<(), LibvirtError> {
+        self.call(format!(
+            "{} {}",
+            if paused { "pause" } else { "unpause" },
+            d.name
+        ));
+        let mut s = self.state();
+        let dom = s.domains.get_mut(&d.id).ok_or_else(|| LibvirtError::Call {
+            id: d.id.clone(),
+            op: "pause",
+            message: "domain is not defined".into(),
+        })?;
+        (dom.state, dom.paused) = if paused {
+            (DomainState::Paused, Some("PausedByUser".into()))
+        } else {
+            (DomainState::Running, None)
+        };
+        Ok(())
+    }
+
+    async fn soft_reboot(&self, d: &DomainRef) -> Result<(), LibvirtError> {
+        self.call(format!("soft-reboot {}", d.name));
         Ok(())
     }
 

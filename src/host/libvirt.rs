@@ -70,7 +70,22 @@ pub trait Hypervisor: Send + Sync + 'static {
         d: &DomainRef,
         xml: &str,
     ) -> impl Future<Output = Result<(), LibvirtError>> + Send;
-    fn start(&self, d: &DomainRef) -> impl Future<Output = Result<(), LibvirtError>> + Send;
+    /// Starts the defined domain; `paused`: with its vCPUs stopped
+    /// (`startStrategy: Paused`).
+    fn start(
+        &self,
+        d: &DomainRef,
+        paused: bool,
+    ) -> impl Future<Output = Result<(), LibvirtError>> + Send;
+    /// Pauses (suspends) or resumes the running domain's vCPUs.
+    fn set_paused(
+        &self,
+        d: &DomainRef,
+        paused: bool,
+    ) -> impl Future<Output = Result<(), LibvirtError>> + Send;
+    /// Reboots the guest without a new QEMU: through the guest agent when
+    /// one answers, else the ACPI power button (as KubeVirt's soft reboot).
+    fn soft_reboot(&self, d: &DomainRef) -> impl Future<Output = Result<(), LibvirtError>> + Send;
     /// Asks the guest to power off (ACPI power button).
     fn shutdown(&self, d: &DomainRef) -> impl Future<Output = Result<(), LibvirtError>> + Send;
     fn destroy(&self, d: &DomainRef) -> impl Future<Output = Result<(), LibvirtError>> + Send;
@@ -408,6 +423,40 @@ fn domain_state(state: sys::virDomainState, reason: i32) -> DomainState {
     }
 }
 
+/// The domain, or the error of an operation on a domain that is not there.
+fn defined(dom: Option<Domain>, d: &DomainRef, op: &'static str) -> Result<Domain, LibvirtError> {
+    dom.ok_or_else(|| LibvirtError::Call {
+        id: d.id.clone(),
+        op,
+        message: "domain is not defined".into(),
+    })
+}
+
+/// KubeVirt's `Paused` condition reason for libvirt's pause reason.
+fn pause_reason(reason: i32) -> String {
+    match reason as u32 {
+        sys::VIR_DOMAIN_PAUSED_USER => "PausedByUser".into(),
+        sys::VIR_DOMAIN_PAUSED_IOERROR => "PausedIOError".into(),
+        sys::VIR_DOMAIN_PAUSED_STARTING_UP => "PausedStartStrategy".into(),
+        sys::VIR_DOMAIN_PAUSED_WATCHDOG => "PausedWatchdog".into(),
+        sys::VIR_DOMAIN_PAUSED_SHUTTING_DOWN => "PausedShuttingDown".into(),
+        other => format!("Paused (libvirt reason {other})"),
+    }
+}
+
+/// The machine type of the live domain XML (libvirt expands an alias such
+/// as `q35` to the versioned type QEMU runs).
+fn machine_type(xml: &str) -> Option<String> {
+    let os = &xml[xml.find("<os")?..];
+    let ty = &os[os.find("<type")?..];
+    let attr = &ty[ty
+        .find("machine='")
+        .map(|i| i + 9)
+        .or_else(|| ty.find("machine=\"").map(|i| i + 9))?..];
+    let end = attr.find(['\'', '"'])?;
+    Some(attr[..end].to_owned()).filter(|m| !m.is_empty())
+}
+
 /// The VMI UID from the domain's kvirt metadata element.
 fn metadata_uid(xml: &str) -> Option<String> {
     let start = xml.find(":uid>").map(|i| i + 5).or_else(|| {
@@ -432,6 +481,8 @@ impl Hypervisor for Libvirt {
             Ok(Some(DomainObs {
                 state: domain_state(state, reason),
                 uid: metadata_uid(&xml),
+                paused: (state == sys::VIR_DOMAIN_PAUSED).then(|| pause_reason(reason)),
+                machine: machine_type(&xml),
             }))
         })
         .await
@@ -447,15 +498,37 @@ impl Hypervisor for Libvirt {
         .await
     }
 
-    async fn start(&self, d: &DomainRef) -> Result<(), LibvirtError> {
-        self.blocking(d, "start", START_TIMEOUT, |this, slot, d| {
-            let (_c, dom) = this.lookup(slot, d)?;
-            let dom = dom.ok_or_else(|| LibvirtError::Call {
-                id: d.id.clone(),
-                op: "start",
-                message: "domain is not defined".into(),
-            })?;
-            dom.create().map_err(Libvirt::err(&d.id, "start"))?;
+    async fn start(&self, d: &DomainRef, paused: bool) -> Result<(), LibvirtError> {
+        self.blocking(d, "start", START_TIMEOUT, move |this, slot, d| {
+            let dom = defined(this.lookup(slot, d)?.1, d, "start")?;
+            let flags = if paused {
+                sys::VIR_DOMAIN_START_PAUSED
+            } else {
+                0
+            };
+            dom.create_with_flags(flags)
+                .map_err(Libvirt::err(&d.id, "start"))?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn set_paused(&self, d: &DomainRef, paused: bool) -> Result<(), LibvirtError> {
+        let op = if paused { "pause" } else { "unpause" };
+        self.blocking(d, op, CALL_TIMEOUT, move |this, slot, d| {
+            let dom = defined(this.lookup(slot, d)?.1, d, op)?;
+            if paused { dom.suspend() } else { dom.resume() }.map_err(Libvirt::err(&d.id, op))?;
+            Ok(())
+        })
+        .await
+    }
+
+    async fn soft_reboot(&self, d: &DomainRef) -> Result<(), LibvirtError> {
+        self.blocking(d, "soft-reboot", CALL_TIMEOUT, |this, slot, d| {
+            let dom = defined(this.lookup(slot, d)?.1, d, "soft-reboot")?;
+            dom.reboot(sys::VIR_DOMAIN_REBOOT_GUEST_AGENT)
+                .or_else(|_| dom.reboot(sys::VIR_DOMAIN_REBOOT_ACPI_POWER_BTN))
+                .map_err(Libvirt::err(&d.id, "soft-reboot"))?;
             Ok(())
         })
         .await
@@ -601,6 +674,22 @@ mod tests {
         let xml = r#"<domain><metadata><kvirt:vm xmlns:kvirt="x"><kvirt:uid>abc-1</kvirt:uid></kvirt:vm></metadata></domain>"#;
         assert_eq!(metadata_uid(xml).as_deref(), Some("abc-1"));
         assert_eq!(metadata_uid("<domain/>"), None);
+    }
+
+    #[test]
+    fn machine_type_and_pause_reason_as_kubevirt_shows_them() {
+        let xml =
+            "<domain><os>\n<type arch='x86_64' machine='pc-q35-10.0'>hvm</type></os></domain>";
+        assert_eq!(machine_type(xml).as_deref(), Some("pc-q35-10.0"));
+        assert_eq!(machine_type("<domain><os/></domain>"), None);
+        assert_eq!(
+            pause_reason(sys::VIR_DOMAIN_PAUSED_USER as i32),
+            "PausedByUser"
+        );
+        assert_eq!(
+            pause_reason(sys::VIR_DOMAIN_PAUSED_IOERROR as i32),
+            "PausedIOError"
+        );
     }
 
     /// libvirt's own test driver: a real libvirt connection with no daemon.

@@ -275,7 +275,8 @@ for dev in /dev/vd? /dev/sr?; do
   umount /seed
 done
 # A guest agent, as little of it as the tests need, on the agent's
-# virtio-serial port: guest-sync (libvirt's handshake) and guest-get-osinfo.
+# virtio-serial port: guest-sync (libvirt's handshake), guest-get-osinfo and
+# guest-shutdown (a reboot says so on the console first; QGA sends no reply).
 # One descriptor both ways (a port opens once at a time), kept open: a read
 # returns EOF until the host end connects, which libvirt does only once it
 # sees the port opened.
@@ -287,6 +288,7 @@ for p in /sys/class/virtio-ports/*; do
       if ! read -r line <&3; then sleep 1; continue; fi
       case $line in
         *guest-sync*) echo "{\"return\": $(echo "$line" | sed -n 's/.*"id": *\([0-9]*\).*/\1/p')}" >&3 ;;
+        *guest-shutdown*reboot*) echo "KVIRT-GUEST-AGENT-REBOOT" >/dev/console; reboot -f ;;
         *guest-get-osinfo*) echo "{\"return\": {\"id\": \"kvirt-test\", \"name\": \"kvirt test guest\", \"pretty-name\": \"kvirt test guest 1\", \"version-id\": \"1\", \"kernel-release\": \"$(uname -r)\", \"machine\": \"$(uname -m)\"}}" >&3 ;;
         *) echo '{"return": {}}' >&3 ;;
       esac

@@ -128,6 +128,8 @@ pub struct Converted {
     /// The pod interface, when the VM has one.
     pub network: Option<network::NetSpec>,
     pub resources: Resources,
+    /// `startStrategy: Paused`: the domain starts with its vCPUs stopped.
+    pub start_paused: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -455,6 +457,7 @@ pub fn convert_all_errors(
         domain_xml,
         disks: preps,
         network: net,
+        start_paused: spec.extra.get("startStrategy").and_then(|s| s.as_str()) == Some("Paused"),
         resources: Resources {
             memory_bytes,
             vcpus,
@@ -517,6 +520,15 @@ fn check_spec_fields(extra: &Extra, errs: &mut Errors) {
     for (k, v) in extra {
         // hostname and subdomain are read by `network::guest_names`.
         if IGNORED_SPEC_FIELDS.contains(&k.as_str()) || k == "hostname" || k == "subdomain" {
+            continue;
+        }
+        if k == "startStrategy" {
+            if v.as_str() != Some("Paused") {
+                errs.add(
+                    "spec.startStrategy",
+                    format!("only Paused is a start strategy, not {v}"),
+                );
+            }
             continue;
         }
         if k == "architecture" {
@@ -730,10 +742,17 @@ mod tests {
             "{MEM}\nnodeSelector: {{a: b}}\naffinity: {{}}\ntolerations: []\narchitecture: amd64\n\
              startStrategy: Paused\nreadinessProbe: {{}}"
         ));
-        assert_eq!(
-            fields(run(&v, DomainType::Kvm)),
-            ["spec.readinessProbe", "spec.startStrategy"]
+        assert_eq!(fields(run(&v, DomainType::Kvm)), ["spec.readinessProbe"]);
+        assert!(
+            run(
+                &vmi(&format!("{MEM}\nstartStrategy: Paused")),
+                DomainType::Kvm
+            )
+            .unwrap()
+            .start_paused
         );
+        let v = vmi(&format!("{MEM}\nstartStrategy: Sleepy"));
+        assert_eq!(fields(run(&v, DomainType::Kvm)), ["spec.startStrategy"]);
         let v = vmi(&format!("{MEM}\narchitecture: arm64"));
         assert_eq!(fields(run(&v, DomainType::Kvm)), ["spec.architecture"]);
     }

@@ -318,7 +318,8 @@ impl<A: Adapters> Controller<A> {
 
     async fn start_domain(&self, c: &StepCtx<'_>) -> Result<(), ControllerError> {
         let hv = &self.deps.hypervisor;
-        hv.start(&self.step_domain(c))
+        let paused = c.converted.is_some_and(|conv| conv.start_paused);
+        hv.start(&self.step_domain(c), paused)
             .await
             .map_err(|source| ControllerError::Libvirt { source })
     }

@@ -393,3 +393,80 @@ async fn a_virtual_machine_exists_only_with_its_uid_and_until_deleted() {
     );
     server.await.unwrap();
 }
+
+fn vm_object() -> Value {
+    json!({
+        "apiVersion": "kubevirt.io/v1",
+        "kind": "VirtualMachine",
+        "metadata": {
+            "name": "web", "namespace": "default", "uid": "vm-u", "generation": 1,
+            "resourceVersion": "7", "finalizers": [super::vms::VM_FINALIZER],
+        },
+        "spec": {
+            "runStrategy": "Always",
+            "template": {"spec": {"domain": {"devices": {}}}},
+        },
+    })
+}
+
+/// Two kvirtds see the same VM without a VMI. Each writes its decision to
+/// the VM's status first, guarded by the resourceVersion it decided on:
+/// the one refused (409) makes nothing; the other makes the one VMI.
+#[tokio::test]
+async fn of_two_kvirtds_deciding_on_a_vm_only_the_one_whose_status_lands_acts() {
+    use crate::core::key::VmKey;
+    use crate::core::vm::VirtualMachine;
+    use kube::runtime::{reflector, watcher};
+    let key = VmKey::new("default", "web").unwrap();
+    let vms_of = |client: kube::Client| {
+        let (vm_r, mut vm_w) = reflector::store::<VirtualMachine>();
+        let vm: VirtualMachine = serde_json::from_value(vm_object()).unwrap();
+        vm_w.apply_watcher_event(&watcher::Event::Apply(vm));
+        let (vmi_r, _vmi_w) = reflector::store::<VirtualMachineInstance>();
+        super::vms::Vms {
+            client,
+            vms: vm_r,
+            vmis: vmi_r,
+        }
+    };
+    const STATUS: &str = "/apis/kubevirt.io/v1/namespaces/default/virtualmachines/web/status";
+    const VMIS: &str = "/apis/kubevirt.io/v1/namespaces/default/virtualmachineinstances";
+
+    // The loser: its status write is refused, and it asks nothing more.
+    let (c, mut api) = client();
+    let loser = vms_of(c);
+    let k = key.clone();
+    let task = tokio::spawn(async move { loser.reconcile(&k).await });
+    let (method, path, ctype, body, send) = next(&mut api).await;
+    assert_eq!((method.as_str(), path.as_str()), ("PATCH", STATUS));
+    assert_eq!(ctype, "application/merge-patch+json");
+    assert_eq!(body["metadata"]["resourceVersion"], "7");
+    assert_eq!(body["status"]["created"], true);
+    fail(send, 409, Some("Conflict"), "the object has been modified");
+    let again = task.await.unwrap().unwrap();
+    assert_eq!(again, Some(std::time::Duration::from_secs(1)));
+    // (The client is gone with the task: no request is pending, or can be.)
+    let more = tokio::time::timeout(std::time::Duration::from_millis(200), api.next_request());
+    assert!(
+        matches!(more.await, Err(_) | Ok(None)),
+        "the loser made another request"
+    );
+
+    // The winner: its status lands, then it creates the VM's VMI.
+    let (c, mut api) = client();
+    let winner = vms_of(c);
+    let task = tokio::spawn(async move { winner.reconcile(&key).await });
+    let (_, path, _, _, send) = next(&mut api).await;
+    assert_eq!(path, STATUS);
+    reply(send, 200, vm_object());
+    let (method, path, _, body, send) = next(&mut api).await;
+    assert_eq!((method.as_str(), path.as_str()), ("POST", VMIS));
+    assert_eq!(body["metadata"]["name"], "web");
+    assert!(body["metadata"]["uid"].is_null(), "{body}");
+    assert_eq!(body["metadata"]["ownerReferences"][0]["uid"], "vm-u");
+    assert_eq!(body["metadata"]["ownerReferences"][0]["controller"], true);
+    let mut made = body.clone();
+    made["metadata"]["uid"] = "vmi-1".into();
+    reply(send, 201, made);
+    task.await.unwrap().unwrap();
+}

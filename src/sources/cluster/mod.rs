@@ -7,6 +7,7 @@ pub mod events;
 pub mod lease;
 pub mod source;
 pub mod status;
+pub mod vms;
 
 use crate::core::vmi::VirtualMachineInstance;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -21,7 +22,7 @@ pub const FINALIZER: &str = "kvirt.io/host-cleanup";
 /// virt-controller would.
 pub const KUBEVIRT_FINALIZER: &str = "kubevirt.io/foregroundDeleteVirtualMachine";
 
-/// The VMI CRD shipped for clusters without KubeVirt.
+/// The VMI and VM CRDs shipped for clusters without KubeVirt.
 pub const CRD_YAML: &str = include_str!("../../../packaging/kubernetes/crd.yaml");
 /// The least-privilege RBAC kvirtd needs.
 pub const RBAC_YAML: &str = include_str!("../../../packaging/kubernetes/rbac.yaml");

@@ -3,6 +3,7 @@
 
 use super::{api_err, ClusterError, NODE_LABEL};
 use crate::core::key::VmKey;
+use crate::core::scheduling::{self, HostFacts};
 use crate::core::trigger::Trigger;
 use crate::core::vmi::{Phase, VirtualMachineInstance};
 use futures::StreamExt;
@@ -64,9 +65,10 @@ pub async fn watch_node(
     reader
 }
 
-/// Whether this host may claim the VMI: unassigned, not started, and its
-/// nodeSelector satisfied by the host's labels.
-pub fn claimable(vmi: &VirtualMachineInstance, host_labels: &BTreeMap<String, String>) -> bool {
+/// Whether this host may claim the VMI: unassigned, not started, and it
+/// fits the host ([`scheduling::fits`]: nodeSelector, required node
+/// affinity, taints, schedulerName).
+pub fn claimable(vmi: &VirtualMachineInstance, host: &HostFacts) -> Result<bool, String> {
     let unassigned = !vmi
         .metadata
         .labels
@@ -75,12 +77,10 @@ pub fn claimable(vmi: &VirtualMachineInstance, host_labels: &BTreeMap<String, St
         && vmi.status.node_name.as_deref().unwrap_or("").is_empty();
     let fresh = matches!(vmi.status.phase, None | Some(Phase::Pending));
     let alive = vmi.metadata.deletion_timestamp.is_none();
-    let selected = vmi
-        .spec
-        .node_selector
-        .iter()
-        .all(|(k, v)| host_labels.get(k) == Some(v));
-    unassigned && fresh && alive && selected
+    if !(unassigned && fresh && alive) {
+        return Ok(false);
+    }
+    scheduling::fits(vmi, host).map(|()| true)
 }
 
 /// The claim (pure): the node label and `status.nodeName`, guarded by the
@@ -120,7 +120,7 @@ pub async fn claim(
 
 /// Watches unassigned VMIs and claims those whose nodeSelector this host
 /// satisfies; a claimed VMI then arrives through [`watch_node`].
-pub fn claim_unassigned(client: kube::Client, node: String, host_labels: BTreeMap<String, String>) {
+pub fn claim_unassigned(client: kube::Client, host: HostFacts) {
     let api: Api<VirtualMachineInstance> = Api::all(client.clone());
     let cfg = watcher::Config::default().labels(&format!("!{NODE_LABEL}"));
     tokio::spawn(async move {
@@ -134,11 +134,16 @@ pub fn claim_unassigned(client: kube::Client, node: String, host_labels: BTreeMa
                     continue;
                 }
             };
-            if !claimable(&vmi, &host_labels) {
-                continue;
-            }
             let key = vmi.key().map_or_else(|_| "?".into(), |k| k.to_string());
-            match claim(&client, &vmi, &node).await {
+            match claimable(&vmi, &host) {
+                Ok(true) => {}
+                Ok(false) => continue,
+                Err(why) => {
+                    info!(vm = %key, "not claimed: {why}");
+                    continue;
+                }
+            }
+            match claim(&client, &vmi, &host.node_name).await {
                 Ok(true) => info!(vm = %key, "claimed"),
                 Ok(false) => info!(vm = %key, "claimed by another host first"),
                 Err(e) => warn!(vm = %key, "claiming: {e}"),
@@ -160,14 +165,29 @@ mod tests {
 
     #[test]
     fn claims_only_unassigned_matching_vmis() {
-        let labels: BTreeMap<String, String> = [("zone".to_string(), "a".to_string())]
-            .into_iter()
-            .collect();
-        assert!(claimable(&vmi(""), &labels));
-        assert!(claimable(&vmi("  nodeSelector: {zone: a}\n"), &labels));
-        assert!(!claimable(&vmi("  nodeSelector: {zone: b}\n"), &labels));
-        assert!(!claimable(&vmi("status: {phase: Running}\n"), &labels));
-        assert!(!claimable(&vmi("status: {nodeName: other}\n"), &labels));
+        let host = HostFacts {
+            node_name: "node-1".into(),
+            labels: [("zone".to_string(), "a".to_string())]
+                .into_iter()
+                .collect(),
+            taints: vec![],
+            scheduler_name: "kvirt".into(),
+        };
+        assert_eq!(claimable(&vmi(""), &host), Ok(true));
+        assert_eq!(
+            claimable(&vmi("  nodeSelector: {zone: a}\n"), &host),
+            Ok(true)
+        );
+        assert!(claimable(&vmi("  nodeSelector: {zone: b}\n"), &host).is_err());
+        assert!(claimable(&vmi("  schedulerName: other\n"), &host).is_err());
+        assert_eq!(
+            claimable(&vmi("status: {phase: Running}\n"), &host),
+            Ok(false)
+        );
+        assert_eq!(
+            claimable(&vmi("status: {nodeName: other}\n"), &host),
+            Ok(false)
+        );
     }
 
     #[test]
