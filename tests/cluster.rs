@@ -727,13 +727,14 @@ fn vm_field(h: &Host, name: &str, jsonpath: &str) -> String {
     kubectl(h, &format!("get vm {name} -o jsonpath='{jsonpath}'"))
 }
 
-/// How many VMIs of `name` either kvirtd has created, by their logs.
-fn vmis_created(hosts: &[&Host], name: &str) -> usize {
+/// How many VMIs of `name` the kvirtds have created since `since` (a
+/// `date +%s`), by their logs.
+fn vmis_created(hosts: &[&Host], name: &str, since: &str) -> usize {
     hosts
         .iter()
         .map(|h| {
             h.ok(&format!(
-                "journalctl -u kvirtd --no-pager | grep -c 'default/{name}: VirtualMachine: created its VMI' || true"
+                "journalctl -u kvirtd --since @{since} --no-pager | grep -c 'default/{name}: VirtualMachine: created its VMI' || true"
             ))
             .trim()
             .parse::<usize>()
@@ -746,7 +747,15 @@ fn vmis_created(hosts: &[&Host], name: &str) -> usize {
 fn a_virtual_machine_runs_one_vmi_across_two_kvirtds_and_obeys_its_run_strategy() {
     let Some((a, b)) = hosts() else { return };
     let _g = serial();
+    // What a failed earlier run may have left goes first.
+    a.ok("kubectl delete vm k-vm --ignore-not-found --wait=false");
+    a.wait(
+        "no k-vm left",
+        WAIT,
+        "! kubectl get vm k-vm 2>/dev/null && ! kubectl get vmi k-vm 2>/dev/null",
+    );
     disk(&[&a, &b], "k-vm", "run");
+    let since = a.ok("date +%s");
     // Claimed by either host, as any unassigned VMI of zone z1.
     apply(
         &a,
@@ -767,7 +776,7 @@ fn a_virtual_machine_runs_one_vmi_across_two_kvirtds_and_obeys_its_run_strategy(
     assert_eq!(vm_field(&a, "k-vm", "{.status.created}"), "true");
     assert_eq!(vm_field(&a, "k-vm", "{.status.runStrategy}"), "Always");
     // Two kvirtds run VirtualMachines: one VMI was made, once.
-    assert_eq!(vmis_created(&[&a, &b], "k-vm"), 1);
+    assert_eq!(vmis_created(&[&a, &b], "k-vm", &since), 1);
     let node = kubectl(&a, "get vmi k-vm -o jsonpath='{.status.nodeName}'");
     let runner = if node == "node-a" { &a } else { &b };
     assert!(unit_loaded(runner, "k-vm"));
@@ -807,11 +816,61 @@ fn a_virtual_machine_runs_one_vmi_across_two_kvirtds_and_obeys_its_run_strategy(
             "[ \"$(kubectl get vmi k-vm -o jsonpath='{{.status.phase}}')\" = Running ] && [ \"$(kubectl get vmi k-vm -o jsonpath='{{.metadata.uid}}')\" != {first} ]"
         ),
     );
-    assert_eq!(vmis_created(&[&a, &b], "k-vm"), 2);
+    assert_eq!(vmis_created(&[&a, &b], "k-vm", &since), 2);
 
-    // kubectl delete vm: the VMI, the host's resources and the VM go.
+    // kvirtctl as virtctl, through the API server: restart (a new VMI),
+    // stop (runStrategy Halted), start (Always).
+    let vmi_uid = || {
+        kubectl(
+            &a,
+            "get vmi k-vm -o jsonpath='{.metadata.uid}' 2>/dev/null || true",
+        )
+    };
+    let second = vmi_uid();
+    a.ok("kvirtctl restart default/k-vm");
+    a.wait(
+        "k-vm restarted into a new VMI",
+        Duration::from_secs(120),
+        &format!(
+            "[ \"$(kubectl get vmi k-vm -o jsonpath='{{.status.phase}}')\" = Running ] && [ \"$(kubectl get vmi k-vm -o jsonpath='{{.metadata.uid}}')\" != {second} ]"
+        ),
+    );
+    a.ok("kvirtctl stop --grace 5 default/k-vm");
+    assert_eq!(vm_field(&a, "k-vm", "{.spec.runStrategy}"), "Halted");
+    a.wait(
+        "k-vm's VMI gone",
+        WAIT,
+        "! kubectl get vmi k-vm 2>/dev/null",
+    );
+    let err = a.ok("kvirtctl stop default/k-vm 2>&1 || true");
+    assert!(err.contains("not running"), "{err}");
+    a.ok("kvirtctl start default/k-vm");
+    assert_eq!(vm_field(&a, "k-vm", "{.spec.runStrategy}"), "Always");
+    a.wait(
+        "kubectl get vm shows k-vm Running again",
+        Duration::from_secs(120),
+        "kubectl get vm k-vm --no-headers | grep -Eq 'Running +True'",
+    );
+    assert!(vmi_uid() != second);
+    assert_eq!(vmis_created(&[&a, &b], "k-vm", &since), 4);
+
+    // Pause and unpause on the host that runs it: the VM shows Paused.
     let node = kubectl(&a, "get vmi k-vm -o jsonpath='{.status.nodeName}'");
     let runner = if node == "node-a" { &a } else { &b };
+    runner.ok("kvirtctl pause default/k-vm");
+    a.wait(
+        "kubectl get vm shows k-vm Paused",
+        WAIT,
+        "kubectl get vm k-vm --no-headers | grep -Eq 'Paused +False'",
+    );
+    runner.ok("kvirtctl unpause default/k-vm");
+    a.wait(
+        "kubectl get vm shows k-vm Running after unpause",
+        WAIT,
+        "kubectl get vm k-vm --no-headers | grep -Eq 'Running +True'",
+    );
+
+    // kubectl delete vm: the VMI, the host's resources and the VM go.
     kubectl(&a, "delete vm k-vm --wait=false");
     a.wait(
         "k-vm and its VMI gone",

@@ -125,12 +125,12 @@ fn main() -> Result<()> {
         Command::Status { vm } => status(&config()?.layout(), &vm),
         Command::Console { vm } => console(&config()?.layout(), &vm),
         Command::Vm { vm } => show_vm(&config()?.layout(), &vm),
-        Command::Start { vm } => control(&config()?.layout(), "start", &vm, None),
+        Command::Start { vm } => vm_request(&config()?, "start", &vm, None),
         Command::Stop { vm, grace, force } => {
             let grace = grace.or(force.then_some(0));
-            control(&config()?.layout(), "stop", &vm, grace)
+            vm_request(&config()?, "stop", &vm, grace)
         }
-        Command::Restart { vm } => control(&config()?.layout(), "restart", &vm, None),
+        Command::Restart { vm } => vm_request(&config()?, "restart", &vm, None),
         Command::Pause { vm } => control(&config()?.layout(), "pause", &vm, None),
         Command::Unpause { vm } => control(&config()?.layout(), "unpause", &vm, None),
         Command::SoftReboot { vm } => control(&config()?.layout(), "soft-reboot", &vm, None),
@@ -300,6 +300,32 @@ fn show_vm(layout: &HostLayout, vm: &str) -> Result<()> {
         .get(&key)
         .with_context(|| format!("no VirtualMachine {key} on this host"))?;
     println!("{}", serde_json::to_string_pretty(&r.vm)?);
+    Ok(())
+}
+
+/// `start`, `stop`, `restart` of a VirtualMachine: in a cluster through the
+/// API server (with kvirtd's kubeconfig, as `virtctl` would), standalone
+/// through kvirtd's control socket.
+fn vm_request(config: &Config, action: &str, vm: &str, grace: Option<u64>) -> Result<()> {
+    if config.source.kind != kvirt::daemon::config::SourceKind::Kubernetes {
+        return control(&config.layout(), action, vm, grace);
+    }
+    let key = VmKey::parse(vm)?;
+    let verb = match action {
+        "start" => kvirt::core::vm::Verb::Start,
+        "stop" => kvirt::core::vm::Verb::Stop { grace },
+        _ => kvirt::core::vm::Verb::Restart,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let message = rt.block_on(async {
+        let (client, _) = kvirt::sources::cluster::client(&config.kubernetes.kubeconfig).await?;
+        kvirt::sources::cluster::vms::request(client, &key, verb)
+            .await
+            .map_err(anyhow::Error::msg)
+    })?;
+    println!("{message}");
     Ok(())
 }
 

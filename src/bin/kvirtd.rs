@@ -358,15 +358,7 @@ async fn run(config: Config) -> Result<()> {
                     move |snap| snapshots.send(VmInput::Manifests(snap)).is_ok(),
                     resync,
                 )?;
-                match control::bind(&control_path, control_group) {
-                    Ok(l) => {
-                        tokio::spawn(control::serve(l, control_group, in_tx, view.clone()));
-                    }
-                    Err(e) => error!(
-                        "control socket {}: {e}; kvirtctl start, stop, restart, pause, unpause and soft-reboot are unavailable",
-                        control_path.display()
-                    ),
-                }
+                serve_control(&control_path, control_group, in_tx, view.clone());
                 tokio::spawn(vms.run(view, in_rx, tx));
                 Ok(())
             };
@@ -404,10 +396,23 @@ async fn run(config: Config) -> Result<()> {
                 };
                 (client.clone(), host)
             });
-            let ready = move |_tx: UnboundedSender<Trigger>, _view| {
+            let control_path = settings.layout.control_socket();
+            let control_group = config.control.gid().map_err(anyhow::Error::msg)?;
+            let ready = move |_tx: UnboundedSender<Trigger>, view: Arc<dyn VmiView>| {
                 if let Some((client, host)) = claim {
                     cluster::source::claim_unassigned(client, host);
                 }
+                // pause, unpause, soft-reboot of the VMIs this host runs;
+                // a VM's start, stop and restart go through the API server.
+                let (in_tx, mut in_rx) = unbounded_channel();
+                tokio::spawn(async move {
+                    while let Some(VmInput::Command { reply, .. }) = in_rx.recv().await {
+                        let _ = reply.send(Err("in a cluster, kvirtctl start, stop and restart \
+                            go through the API server (its kubeconfig)"
+                            .into()));
+                    }
+                });
+                serve_control(&control_path, control_group, in_tx, view);
                 Ok(())
             };
             let list = move || cluster::source::snapshot(&store);
@@ -426,6 +431,25 @@ async fn run(config: Config) -> Result<()> {
             let deps = host.deps(status, events);
             Ok(serve(deps, settings, metrics, (tx, rx), sources).await?)
         }
+    }
+}
+
+/// kvirtd's control socket; without it kvirtd still runs every VM.
+fn serve_control(
+    path: &Path,
+    group: Option<u32>,
+    to: UnboundedSender<VmInput>,
+    view: Arc<dyn VmiView>,
+) {
+    match control::bind(path, group) {
+        Ok(l) => {
+            tokio::spawn(control::serve(l, group, to, view));
+        }
+        Err(e) => error!(
+            "control socket {}: {e}; kvirtctl start, stop, restart, pause, unpause and \
+             soft-reboot are unavailable",
+            path.display()
+        ),
     }
 }
 

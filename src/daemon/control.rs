@@ -72,6 +72,9 @@ impl Request {
 /// name, then moved into place), `0600` root's or `0660` with `group`.
 pub fn bind(path: &Path, group: Option<u32>) -> std::io::Result<UnixListener> {
     let tmp = path.with_extension("sock.tmp");
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir)?;
+    }
     let _ = std::fs::remove_file(&tmp);
     let listener = UnixListener::bind(&tmp)?;
     let mode = if group.is_some() { 0o660 } else { 0o600 };

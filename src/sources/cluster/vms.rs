@@ -234,6 +234,120 @@ impl Vms {
     }
 }
 
+/// `kvirtctl start|stop|restart` in a cluster, as `virtctl` does them
+/// through KubeVirt's API: a new `spec.runStrategy`, or
+/// `status.stateChangeRequests` (each write guarded by the resourceVersion
+/// read); `stop --grace` first shortens the VMI's grace period. The VM
+/// loops of the kvirtds carry them out.
+pub async fn request(client: kube::Client, key: &VmKey, verb: vm::Verb) -> Result<String, String> {
+    // A write that loses to a VM loop's (409) is decided again on what won.
+    let mut tries = 0;
+    loop {
+        match request_once(&client, key, verb).await {
+            Err(Attempt::Conflict(_)) if tries < 4 => tries += 1,
+            Err(Attempt::Conflict(m) | Attempt::Failed(m)) => return Err(m),
+            Ok(m) => return Ok(m),
+        }
+    }
+}
+
+enum Attempt {
+    Conflict(String),
+    Failed(String),
+}
+
+impl From<String> for Attempt {
+    fn from(m: String) -> Self {
+        Attempt::Failed(m)
+    }
+}
+
+async fn request_once(
+    client: &kube::Client,
+    key: &VmKey,
+    verb: vm::Verb,
+) -> Result<String, Attempt> {
+    let vms: Api<VirtualMachine> = Api::namespaced(client.clone(), key.namespace());
+    let vmis: Api<VirtualMachineInstance> = Api::namespaced(client.clone(), key.namespace());
+    let e = |op: &str| {
+        let op = op.to_owned();
+        move |e: kube::Error| {
+            let m = format!("{op} {key}: {e}");
+            match e {
+                kube::Error::Api(s) if s.code == 409 => Attempt::Conflict(m),
+                _ => Attempt::Failed(m),
+            }
+        }
+    };
+    let vm = vms
+        .get_opt(key.name())
+        .await
+        .map_err(e("reading VirtualMachine"))?
+        .ok_or_else(|| format!("no VirtualMachine {key}"))?;
+    let vm_uid = vm.metadata.uid.clone().unwrap_or_default();
+    let owned = vmis
+        .get_opt(key.name())
+        .await
+        .map_err(e("reading VMI"))?
+        .filter(|v| {
+            v.metadata
+                .owner_references
+                .iter()
+                .flatten()
+                .any(|o| o.uid == vm_uid)
+        });
+    let mut book = vm::book_of(&vm, owned.as_ref());
+    let seen = vm::Seen {
+        gone: owned.is_none(),
+        vmi: owned.clone(),
+    };
+    let before = book.clone();
+    vm::request(&vm, &mut book, &seen, verb)?;
+    let rv = vm.metadata.resource_version.as_deref();
+    if let (vm::Verb::Stop { grace: Some(g) }, Some(v)) = (verb, &owned) {
+        let own = v.termination_grace_period().as_secs();
+        let p = json!({"spec": {"terminationGracePeriodSeconds": g.min(own)}});
+        vmis.patch(key.name(), &PatchParams::default(), &Patch::Merge(&p))
+            .await
+            .map_err(e("shortening the grace period of VMI"))?;
+    }
+    if let Some(o) = book
+        .override_strategy
+        .filter(|o| Some(o) != before.override_strategy.as_ref())
+    {
+        let p = json!({
+            "metadata": {"resourceVersion": rv},
+            "spec": {"runStrategy": o.strategy, "running": null},
+        });
+        vms.patch(key.name(), &PatchParams::default(), &Patch::Merge(&p))
+            .await
+            .map_err(e("patching VirtualMachine"))?;
+    }
+    if book.requests != before.requests {
+        let uid = owned.as_ref().and_then(|v| v.uid()).map(str::to_owned);
+        let reqs: Vec<Value> = book
+            .requests
+            .iter()
+            .map(|r| match r {
+                vm::Req::Start => json!({"action": "Start"}),
+                vm::Req::Stop => json!({"action": "Stop", "uid": uid}),
+            })
+            .collect();
+        let p = json!({
+            "metadata": {"resourceVersion": rv},
+            "status": {"stateChangeRequests": reqs},
+        });
+        vms.patch_status(key.name(), &PatchParams::default(), &Patch::Merge(&p))
+            .await
+            .map_err(e("requesting of VirtualMachine"))?;
+    }
+    Ok(match verb {
+        vm::Verb::Start => format!("VM {key} was scheduled to start"),
+        vm::Verb::Stop { .. } => format!("VM {key} was scheduled to stop"),
+        vm::Verb::Restart => format!("VM {key} was scheduled to restart"),
+    })
+}
+
 fn key_of(meta: &ObjectMeta) -> Option<VmKey> {
     VmKey::new(meta.namespace.as_deref()?, meta.name.as_deref()?).ok()
 }
