@@ -702,27 +702,6 @@ fn a_tenant_cannot_use_another_namespaces_host_disk() {
     kubectl(&a, "-n tenant-x delete vmi k-tenant --timeout=60s");
 }
 
-/// A VirtualMachine of the test guest: its template is the test VMI's.
-fn vm_yaml(name: &str, strategy: &str, spec_extra: &str) -> String {
-    let vmi = vmi_yaml(name, "", spec_extra);
-    let spec = vmi.split_once("spec:\n").unwrap().1;
-    let template: String = spec.lines().map(|l| format!("    {l}\n")).collect();
-    format!(
-        "apiVersion: kubevirt.io/v1
-kind: VirtualMachine
-metadata:
-  name: {name}
-  namespace: default
-spec:
-  runStrategy: {strategy}
-  template:
-    metadata:
-      labels: {{app: {name}}}
-    spec:
-{template}"
-    )
-}
-
 fn vm_field(h: &Host, name: &str, jsonpath: &str) -> String {
     kubectl(h, &format!("get vm {name} -o jsonpath='{jsonpath}'"))
 }
@@ -759,7 +738,7 @@ fn a_virtual_machine_runs_one_vmi_across_two_kvirtds_and_obeys_its_run_strategy(
     // Claimed by either host, as any unassigned VMI of zone z1.
     apply(
         &a,
-        &vm_yaml("k-vm", "Always", "  nodeSelector: {zone: z1}\n"),
+        &support::vm_manifest("k-vm", "Always", "  nodeSelector: {zone: z1}\n"),
     );
     a.wait(
         "kubectl get vm shows k-vm Running and Ready",

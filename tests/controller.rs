@@ -1217,6 +1217,21 @@ async fn pause_unpause_and_start_paused_show_as_kubevirt_shows_them() {
         .take_calls()
         .iter()
         .any(|c| c == "soft-reboot default_vm1"));
+
+    // QEMU pausing the guest by itself (a disk error) shows the same way.
+    {
+        let mut s = host.state();
+        let dom = s.domains.get_mut("default_vm1").unwrap();
+        dom.state = DomainState::Paused;
+        dom.paused = Some("PausedIOError".into());
+    }
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
+    assert_eq!(
+        condition(&host, "vm1", "Paused"),
+        Some(("True".into(), Some("PausedIOError".into())))
+    );
+    assert_eq!(condition(&host, "vm1", "Ready").unwrap().0, "False");
     let unknown = ctl.act("default_vm9", VmiAction::Pause).await.unwrap_err();
     assert!(unknown.contains("no VMI"), "{unknown}");
 }

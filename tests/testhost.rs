@@ -1134,6 +1134,16 @@ fn a_stopped_libvirt_daemon_holds_up_only_its_own_vm() {
     );
     h.ok("journalctl -u kvirtd --no-pager | grep -q 'default/frozen: .*reason=DaemonUnresponsive'");
     h.ok("systemctl is-active -q kvirtd");
+    // A kvirtd restart meanwhile: READY (`systemctl restart` of a
+    // Type=notify unit returns at READY) waits for no stuck daemon, not
+    // even one call timeout (15 s).
+    let restarted = Instant::now();
+    h.ok("systemctl restart kvirtd");
+    assert!(
+        restarted.elapsed() < Duration::from_secs(15),
+        "READY took {:?} with a stopped daemon",
+        restarted.elapsed()
+    );
 
     // Continued, it is Ready again, the same VM.
     let qemu = h.qemu_pid("frozen");
@@ -1499,27 +1509,6 @@ fn the_manifest_directory_survives_links_fifos_huge_and_half_written_files() {
     );
 }
 
-/// A VirtualMachine of the test guests: its template is the test VMI's.
-fn vm_manifest(name: &str, strategy: &str) -> String {
-    let vmi = support::vmi_manifest(name, &format!("app: {name}"), "", "");
-    let spec = vmi.split_once("spec:\n").unwrap().1;
-    let template: String = spec.lines().map(|l| format!("    {l}\n")).collect();
-    format!(
-        "apiVersion: kubevirt.io/v1
-kind: VirtualMachine
-metadata:
-  name: {name}
-  namespace: default
-spec:
-  runStrategy: {strategy}
-  template:
-    metadata:
-      labels: {{app: {name}}}
-    spec:
-{template}"
-    )
-}
-
 /// The VirtualMachine as kvirtd keeps it (object and status).
 fn vm_record(h: &Host, vm: &str) -> serde_json::Value {
     let out = h.ok(&format!("kvirtctl vm default/{vm}"));
@@ -1558,7 +1547,7 @@ fn virtual_machines_stay_up_by_their_run_strategy_and_obey_kvirtctl() {
     let Some(h) = host() else { return };
     let _g = h.turn();
     // With a CPU limit: a quota on the VM's unit, as on a pod's cgroup.
-    let manifest = vm_manifest("vmr", "RerunOnFailure").replace(
+    let manifest = support::vm_manifest("vmr", "RerunOnFailure", "").replace(
         "memory: {guest: 128Mi}\n",
         "memory: {guest: 128Mi}\n        resources: {limits: {cpu: 500m}}\n",
     );
@@ -1704,8 +1693,12 @@ fn an_always_vm_comes_back_after_poweroff_and_after_a_reboot() {
     let Some(h) = host() else { return };
     let _g = h.turn();
     // A guest that powers itself off after booting: each run ends Succeeded.
-    h.put_manifest("vma", "poweroff", &vm_manifest("vma", "Always"));
-    h.put_manifest("vmh", "run", &vm_manifest("vmh", "Halted"));
+    h.put_manifest(
+        "vma",
+        "poweroff",
+        &support::vm_manifest("vma", "Always", ""),
+    );
+    h.put_manifest("vmh", "run", &support::vm_manifest("vmh", "Halted", ""));
     h.wait(
         "vma's first VMI",
         BOOT,

@@ -94,6 +94,20 @@ impl VmKey {
 }
 
 /// Unit name of a VM known only by its id (found on the host).
+/// Sixteen bytes in a UUID's form (8-4-4-4-12 hex digits): how kvirt
+/// writes the UIDs it makes (digests, random ones).
+pub fn uuid_form(b: &[u8]) -> String {
+    let x: String = b.iter().take(16).map(|b| format!("{b:02x}")).collect();
+    format!(
+        "{}-{}-{}-{}-{}",
+        &x[..8],
+        &x[8..12],
+        &x[12..16],
+        &x[16..20],
+        &x[20..32]
+    )
+}
+
 pub fn unit_name_of(id: &str) -> String {
     format!("{UNIT_PREFIX}{id}{UNIT_SUFFIX}")
 }

@@ -236,16 +236,7 @@ pub fn effective(vm: &VirtualMachine, book: &Book) -> Result<RunStrategy, String
 /// A UUID-shaped digest, so that a VMI's UID follows from its VM's and its
 /// run number: the same after a crash, new for each run.
 pub fn derived_uid(vm_uid: &str, run: u64) -> String {
-    let h = Sha256::digest(format!("{vm_uid}/{run}").as_bytes());
-    let x: String = h.iter().take(16).map(|b| format!("{b:02x}")).collect();
-    format!(
-        "{}-{}-{}-{}-{}",
-        &x[..8],
-        &x[8..12],
-        &x[12..16],
-        &x[16..20],
-        &x[20..32]
-    )
+    crate::core::key::uuid_form(&Sha256::digest(format!("{vm_uid}/{run}").as_bytes()))
 }
 
 /// The VMI of run `run`: the template's metadata and spec, the VM's name
@@ -846,6 +837,13 @@ mod tests {
         gone: true,
     };
 
+    /// The book's VMI is marked deleted (being stopped).
+    fn stopping(book: &Book) -> bool {
+        book.vmi
+            .as_ref()
+            .is_some_and(|v| v.metadata.deletion_timestamp.is_some())
+    }
+
     fn uid(book: &Book) -> String {
         book.vmi.as_ref().unwrap().uid().unwrap().to_owned()
     }
@@ -906,13 +904,7 @@ mod tests {
         );
         // Powered off: the VMI is deleted, and once gone a new one is made.
         at(&vm, &mut book, Some(Phase::Succeeded), 102).unwrap();
-        assert!(book
-            .vmi
-            .as_ref()
-            .unwrap()
-            .metadata
-            .deletion_timestamp
-            .is_some());
+        assert!(stopping(&book));
         let s = seen(&book, Some(Phase::Succeeded));
         assert_eq!(
             status(&vm, &book, &s, 102, false)["printableStatus"],
@@ -928,13 +920,7 @@ mod tests {
             matches!(changes[..], [Change::Removed(_), Change::Created(_)]),
             "{changes:?}"
         );
-        assert!(book
-            .vmi
-            .as_ref()
-            .unwrap()
-            .metadata
-            .deletion_timestamp
-            .is_none());
+        assert!(book.vmi.is_some() && !stopping(&book));
         assert_ne!(uid(&book), first);
         assert_eq!(book.failures, 0);
     }
@@ -969,13 +955,7 @@ mod tests {
         advance(&vm, &mut book, &GONE, 141, false).unwrap();
         at(&vm, &mut book, Some(Phase::Succeeded), 150).unwrap();
         assert_eq!(book.failures, 0);
-        assert!(book
-            .vmi
-            .as_ref()
-            .unwrap()
-            .metadata
-            .deletion_timestamp
-            .is_none());
+        assert!(book.vmi.is_some() && !stopping(&book));
         let s = seen(&book, Some(Phase::Succeeded));
         assert_eq!(
             status(&vm, &book, &s, 150, false)["printableStatus"],
@@ -996,13 +976,7 @@ mod tests {
         // Restart: the VMI goes, a new one comes.
         request(&vm, &mut book, &running, Verb::Restart).unwrap();
         advance(&vm, &mut book, &running, 1, false).unwrap();
-        assert!(book
-            .vmi
-            .as_ref()
-            .unwrap()
-            .metadata
-            .deletion_timestamp
-            .is_some());
+        assert!(stopping(&book));
         advance(&vm, &mut book, &GONE, 2, false).unwrap();
         let second = uid(&book);
         assert_ne!(second, first);
@@ -1121,13 +1095,7 @@ mod tests {
         advance(&vm, &mut book, &GONE, 0, false).unwrap();
         let running = seen(&book, Some(Phase::Running));
         advance(&vm, &mut book, &running, 1, true).unwrap();
-        assert!(book
-            .vmi
-            .as_ref()
-            .unwrap()
-            .metadata
-            .deletion_timestamp
-            .is_some());
+        assert!(stopping(&book));
         assert_eq!(
             status(&vm, &book, &running, 1, true)["printableStatus"],
             "Terminating"

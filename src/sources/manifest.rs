@@ -426,16 +426,7 @@ fn manifest_uid(doc: &serde_json::Value) -> String {
     if let Some(o) = doc.as_object_mut() {
         o.remove("status");
     }
-    let h = Sha256::digest(doc.to_string().as_bytes());
-    let x: String = h.iter().take(16).map(|b| format!("{b:02x}")).collect();
-    format!(
-        "{}-{}-{}-{}-{}",
-        &x[..8],
-        &x[8..12],
-        &x[12..16],
-        &x[16..20],
-        &x[20..32]
-    )
+    crate::core::key::uuid_form(&Sha256::digest(doc.to_string().as_bytes()))
 }
 
 /// Status as `/run/kvirt/status/<id>.json` (the VMI object with its

@@ -41,6 +41,28 @@ spec:
     )
 }
 
+/// A VirtualMachine whose template is `vmi_manifest`'s (labelled
+/// `app: <name>`), with `spec_extra` lines in the template's spec.
+pub fn vm_manifest(name: &str, strategy: &str, spec_extra: &str) -> String {
+    let vmi = vmi_manifest(name, "", spec_extra, "");
+    let spec = vmi.split_once("spec:\n").unwrap().1;
+    let template: String = spec.lines().map(|l| format!("    {l}\n")).collect();
+    format!(
+        "apiVersion: kubevirt.io/v1
+kind: VirtualMachine
+metadata:
+  name: {name}
+  namespace: default
+spec:
+  runStrategy: {strategy}
+  template:
+    metadata:
+      labels: {{app: {name}}}
+    spec:
+{template}"
+    )
+}
+
 /// `manifest` (from `vmi_manifest`) with another source for its boot
 /// volume than its hostDisk: `source` is one YAML line such as
 /// `containerDisk: {image: ...}`.

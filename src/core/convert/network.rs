@@ -63,7 +63,7 @@ pub(super) fn guest_names(
     let mut label = |field: &str| -> Option<String> {
         let v = extra.get(field)?;
         match v.as_str() {
-            Some(s) if is_dns_label(s) => Some(s.to_owned()),
+            Some(s) if super::is_dns_label(s) => Some(s.to_owned()),
             _ => {
                 errs.add(
                     format!("spec.{field}"),
@@ -76,15 +76,6 @@ pub(super) fn guest_names(
     let hostname = label("hostname").unwrap_or_else(|| name.chars().take(63).collect());
     let search = label("subdomain").map(|s| format!("{s}.{namespace}.svc.{CLUSTER_DOMAIN}"));
     (hostname, search)
-}
-
-fn is_dns_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
 }
 
 pub fn format_mac(m: &[u8; 6]) -> String {

@@ -1,0 +1,257 @@
+#!/usr/bin/env bash
+# Runs inside the benchmark's test host (see tests/bench): measures kvirt
+# and the floor, prints one JSON object. Arguments: SEQ BURST MANY.
+set -euo pipefail
+seq_n=$1 burst_n=$2 many_n=$3
+dir=/etc/kvirt/vmis.d
+status=/run/kvirt/status
+now_ms() { date +%s%3N; }
+
+# p50/p95/max of the numbers on stdin, as a JSON object (milliseconds).
+stats() {
+  sort -n | awk '{ v[NR] = $1 } END {
+    if (NR == 0) { print "null"; exit }
+    p50 = v[int((NR - 1) * 0.50) + 1]; p95 = v[int((NR - 1) * 0.95) + 1]
+    printf "{\"n\": %d, \"p50_ms\": %d, \"p95_ms\": %d, \"max_ms\": %d}", NR, p50, p95, v[NR]
+  }'
+}
+
+# A VMI of the test guest; $2 = net|nonet.
+manifest() {
+  local extra=""
+  [[ $2 == nonet ]] && extra="      autoattachPodInterface: false"
+  cat <<EOF
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata:
+  name: $1
+  namespace: default
+spec:
+  terminationGracePeriodSeconds: 5
+  domain:
+    memory: {guest: 128Mi}
+    devices:
+$extra
+      disks:
+      - name: boot
+        disk: {bus: virtio}
+  volumes:
+  - name: boot
+    hostDisk: {path: /var/lib/kvirt/images/$1.raw, type: Disk}
+EOF
+}
+
+disk() { cp --sparse=always /srv/guest/run.raw "/var/lib/kvirt/images/$1.raw"; }
+
+put() {
+  manifest "$1" "$2" >"$dir/.$1.tmp"
+  mv "$dir/.$1.tmp" "$dir/$1.yaml"
+}
+
+running() { grep -qs '"phase": "Running"' "$status/default_$1.json"; }
+
+wait_until() { # deadline_s, command...
+  local end=$(($(date +%s) + $1)); shift
+  until "$@"; do
+    (($(date +%s) < end)) || { echo "timed out: $*" >&2; return 1; }
+    sleep 0.02
+  done
+}
+
+all_gone() {
+  ! systemctl list-units --all --plain --no-legend 'kvirt-vm@*' | grep -q . &&
+    ! ip netns list | grep -q kvirt- &&
+    ! find /var/lib/kvirt/vms /run/kvirt/vms -mindepth 1 -maxdepth 1 2>/dev/null | grep -q .
+}
+
+remove_all() {
+  rm -f "$dir"/*.yaml
+  wait_until 300 all_gone
+  rm -f /var/lib/kvirt/images/*.raw
+}
+
+# kvirt, one VM at a time: manifest in → status Running.
+kvirt_seq() { # net|nonet
+  local i t0
+  for i in $(seq "$seq_n"); do
+    disk "s$i"
+    t0=$(now_ms)
+    put "s$i" "$1"
+    wait_until 120 running "s$i"
+    echo $(($(now_ms) - t0))
+  done
+  remove_all >&2
+}
+
+# kvirt, a burst: every manifest in at once, each VM's time to Running.
+kvirt_burst() { # net|nonet
+  local i t0 left
+  for i in $(seq "$burst_n"); do disk "b$i"; done
+  t0=$(now_ms)
+  for i in $(seq "$burst_n"); do put "b$i" "$1"; done
+  declare -A done_at=()
+  left=$burst_n
+  local end=$(($(date +%s) + 600))
+  while ((left > 0)); do
+    for i in $(seq "$burst_n"); do
+      [[ -n ${done_at[$i]:-} ]] && continue
+      if running "b$i"; then done_at[$i]=$(($(now_ms) - t0)); left=$((left - 1)); fi
+    done
+    (($(date +%s) < end)) || { echo "burst timed out" >&2; return 1; }
+    sleep 0.05
+  done
+  for i in "${!done_at[@]}"; do echo "${done_at[$i]}"; done
+  remove_all >&2
+}
+
+# The floor: what systemd and libvirt alone take for the same VM (no pod
+# network): a network namespace, a transient unit running a session
+# virtqemud as an unprivileged user (returns at its READY), then virsh
+# define and start of the domain XML kvirt makes for it. QEMU's
+# capabilities are probed once, before, as kvirt's capability probe does.
+floor_user=kvirt-floor
+floor_setup() {
+  id -u "$floor_user" >/dev/null 2>&1 || useradd --system --no-create-home "$floor_user"
+  mkdir -p /var/tmp/floor/cache
+  chown "$floor_user:" /var/tmp/floor/cache
+}
+
+floor_one() { # name → milliseconds
+  local n=$1 base=/var/tmp/floor/$1 t0
+  disk "$n"
+  chown "$floor_user:" "/var/lib/kvirt/images/$n.raw"
+  manifest "$n" nonet >"/tmp/$n.yaml"
+  # kvirt's own paths for this VM, moved under the floor's directory.
+  kvirtctl domxml --domain-type qemu "/tmp/$n.yaml" |
+    sed -e "s#/run/kvirt/vms/default_$n#$base/run#g" -e "s#/var/lib/kvirt/vms/default_$n#$base/lib#g" \
+      >"/tmp/$n.xml"
+  mkdir -p "$base/run/xdg" "$base/lib" "$base/config"
+  chown -R "$floor_user:" "$base"
+  t0=$(now_ms)
+  ip netns add "floor-$n"
+  systemd-run --quiet --collect --unit "floor-$n" -p Type=notify -p User="$floor_user" \
+    -p NetworkNamespacePath="/run/netns/floor-$n" \
+    -E XDG_RUNTIME_DIR="$base/run/xdg" -E XDG_CONFIG_HOME="$base/config" \
+    -E XDG_CACHE_HOME=/var/tmp/floor/cache -E HOME="$base/lib" \
+    /usr/sbin/virtqemud --timeout 0
+  local uri="qemu:///session?socket=$base/run/xdg/libvirt/virtqemud-sock"
+  runuser -u "$floor_user" -- virsh -q -c "$uri" define "/tmp/$n.xml" >/dev/null
+  runuser -u "$floor_user" -- virsh -q -c "$uri" start "default_$n" >/dev/null
+  echo $(($(now_ms) - t0))
+}
+
+floor_teardown() { # name
+  systemctl stop "floor-$1" 2>/dev/null || true
+  ip netns delete "floor-$1" 2>/dev/null || true
+  rm -rf "/var/tmp/floor/$1" "/var/lib/kvirt/images/$1.raw"
+}
+
+floor_seq() {
+  local i
+  floor_setup
+  # Warm the shared capability cache (not measured).
+  floor_one f0 >/dev/null && floor_teardown f0
+  for i in $(seq "$seq_n"); do floor_one "f$i"; floor_teardown "f$i"; done
+}
+
+floor_burst() {
+  local i
+  floor_setup
+  local pids=() out=/tmp/floor-burst
+  rm -rf "$out"; mkdir -p "$out"
+  for i in $(seq "$burst_n"); do
+    (floor_one "g$i" >"$out/$i") &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  cat "$out"/*
+  for i in $(seq "$burst_n"); do floor_teardown "g$i"; done
+}
+
+# Every process of each VM's unit but QEMU: PSS and RSS in KiB, per VM
+# (the unit from each process's cgroup).
+helper_memory() {
+  local p unit a b
+  declare -A pss=() rss=()
+  for p in /proc/[0-9]*; do
+    unit=$(grep -o 'kvirt-vm@[^/]*[.]service' "$p/cgroup" 2>/dev/null | head -n1 || true)
+    [[ -n $unit ]] || continue
+    grep -qa qemu-system "$p/cmdline" 2>/dev/null && continue
+    read -r a b < <(awk '/^Pss:/ {pss = $2} /^Rss:/ {rss = $2} END {print pss + 0, rss + 0}' \
+      "$p/smaps_rollup" 2>/dev/null || echo "0 0")
+    pss[$unit]=$((${pss[$unit]:-0} + a)) rss[$unit]=$((${rss[$unit]:-0} + b))
+  done
+  for unit in "${!pss[@]}"; do echo "${pss[$unit]} ${rss[$unit]}"; done
+}
+
+mem_json() { # from helper_memory lines: means in MiB
+  awk '{ p += $1; r += $2; n++ } END {
+    if (n == 0) { print "null"; exit }
+    printf "{\"vms\": %d, \"pss_mib\": %.1f, \"rss_mib\": %.1f}", n, p / n / 1024, r / n / 1024 }'
+}
+
+kvirtd_pid() { systemctl show -P MainPID kvirtd; }
+kvirtd_rss_mib() { awk '/^VmRSS:/ {printf "%.1f", $2 / 1024}' "/proc/$(kvirtd_pid)/status"; }
+kvirtd_threads() { awk '/^Threads:/ {print $2}' "/proc/$(kvirtd_pid)/status"; }
+cpu_ticks() { awk '{print $14 + $15}' "/proc/$(kvirtd_pid)/stat"; }
+# kvirtd's CPU over $1 seconds, in percent of one CPU.
+kvirtd_cpu() {
+  local a b hz
+  hz=$(getconf CLK_TCK)
+  a=$(cpu_ticks); sleep "$1"; b=$(cpu_ticks)
+  awk -v d=$((b - a)) -v s="$1" -v hz="$hz" 'BEGIN {printf "%.2f", d / hz / s * 100}'
+}
+
+qemu_pids() { pgrep -f '[q]emu-system' | sort -n | tr '\n' ' '; }
+
+# Many VMs: a burst of MANY, then memory, idle CPU, a restart, a delete.
+many() {
+  local i t0 cpu_burst
+  for i in $(seq "$many_n"); do disk "m$i"; done
+  local a0 hz; hz=$(getconf CLK_TCK); a0=$(cpu_ticks)
+  t0=$(now_ms)
+  for i in $(seq "$many_n"); do put "m$i" net; done
+  for i in $(seq "$many_n"); do wait_until 900 running "m$i"; done
+  local up_ms=$(($(now_ms) - t0))
+  cpu_burst=$(awk -v d=$(($(cpu_ticks) - a0)) -v ms="$up_ms" -v hz="$hz" 'BEGIN {printf "%.2f", d / hz / (ms / 1000) * 100}')
+  # Let the guests finish booting before measuring idle figures.
+  sleep 20
+  local mem; mem=$(helper_memory | mem_json)
+  local rss threads idle
+  rss=$(kvirtd_rss_mib); threads=$(kvirtd_threads); idle=$(kvirtd_cpu 30)
+  local before after r0 ready_ms
+  before=$(qemu_pids)
+  r0=$(now_ms)
+  systemctl restart kvirtd
+  ready_ms=$(($(now_ms) - r0))
+  after=$(qemu_pids)
+  local same=true; [[ $before == "$after" ]] || same=false
+  t0=$(now_ms)
+  rm -f "$dir"/*.yaml
+  wait_until 600 all_gone
+  local gone_ms=$(($(now_ms) - t0))
+  local leftovers
+  leftovers=$( { ip netns list | grep -c kvirt- || true; } )
+  local leases; leases=$(grep -o '"default_m[0-9]*"' /var/lib/kvirt/network/leases.json 2>/dev/null | wc -l)
+  local nft; nft=$(nft list ruleset 2>/dev/null | grep -c 'default_m' || true)
+  rm -f /var/lib/kvirt/images/*.raw
+  printf '{"vms": %d, "all_running_ms": %d, "helper": %s, "kvirtd_rss_mib": %s, "kvirtd_threads": %s, "kvirtd_idle_cpu_pct": %s, "kvirtd_burst_cpu_pct": %s, "restart_ready_ms": %d, "qemu_pids_unchanged": %s, "delete_all_ms": %d, "left": {"netns": %d, "leases": %d, "nft_rules": %d}}' \
+    "$many_n" "$up_ms" "$mem" "$rss" "$threads" "$idle" "$cpu_burst" "$ready_ms" "$same" "$gone_ms" "$leftovers" "$leases" "$nft"
+}
+
+remove_all >&2
+echo '{'
+echo "\"floor_seq\": $(floor_seq | stats),"
+echo "\"kvirt_seq_nonet\": $(kvirt_seq nonet | stats),"
+echo "\"kvirt_seq_net\": $(kvirt_seq net | stats),"
+# Helper memory at SEQ VMs: a burst of SEQ, measured, removed.
+for i in $(seq "$seq_n"); do disk "h$i"; put "h$i" net; done
+for i in $(seq "$seq_n"); do wait_until 300 running "h$i"; done
+sleep 10
+echo "\"helper_at_seq\": $(helper_memory | mem_json),"
+remove_all >&2
+echo "\"floor_burst\": $(floor_burst | stats),"
+echo "\"kvirt_burst_nonet\": $(kvirt_burst nonet | stats),"
+echo "\"kvirt_burst_net\": $(kvirt_burst net | stats),"
+echo "\"many\": $(many)"
+echo '}'
