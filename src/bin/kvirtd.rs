@@ -128,10 +128,15 @@ fn main() -> Result<()> {
         println!("{} is valid", args.config.display());
         return Ok(());
     }
-    tokio::runtime::Builder::new_multi_thread()
+    let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
-        .build()?
-        .block_on(run(config))
+        .build()?;
+    let r = rt.block_on(run(config));
+    // A libvirt call stuck on a stopped VM daemon keeps its blocking
+    // thread: kvirtd exits without waiting for it (dropping the runtime
+    // would wait for it).
+    rt.shutdown_background();
+    r
 }
 
 /// To the journal with kvirt's fields when systemd runs kvirtd, plain text
