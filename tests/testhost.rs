@@ -1596,7 +1596,13 @@ fn virtual_machines_stay_up_by_their_run_strategy_and_obey_kvirtctl() {
     let qemu = h.qemu_pid("vmr");
     h.ok("kvirtctl restart default/vmr");
     let third = wait_new_vmi_running(&h, "vmr", &second, BOOT);
-    assert_ne!(h.qemu_pid("vmr"), qemu);
+    h.wait(
+        "a new QEMU for vmr",
+        BOOT,
+        &format!(
+            "p=$(pgrep -f '[q]emu-system.*guest=default_vmr,' | head -n1); [ -n \"$p\" ] && [ \"$p\" != {qemu} ]"
+        ),
+    );
 
     // stop: gracefully, and it stays stopped across a kvirtd restart.
     h.serial_log_shows("vmr", "KVIRT-GUEST-READY");
