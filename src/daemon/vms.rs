@@ -163,13 +163,7 @@ impl Vms {
         wake
     }
 
-    fn command(
-        &mut self,
-        view: &dyn VmiView,
-        key: &VmKey,
-        verb: Verb,
-        now: i64,
-    ) -> Result<String, String> {
+    fn command(&mut self, view: &dyn VmiView, key: &VmKey, verb: Verb) -> Result<String, String> {
         let Some(vm) = self.vms.get(key).cloned() else {
             return Err(if self.vmis.contains_key(key) {
                 format!(
@@ -184,8 +178,8 @@ impl Vms {
         let seen = seen_of(view, key, &record.book);
         vm::request(&vm, &mut record.book, &seen, verb)?;
         self.records.save(key, &record).map_err(|e| e.to_string())?;
+        // The loop's next pass (right after this answer) carries it out.
         self.kept.insert(key.clone(), record);
-        self.pass(view, now);
         Ok(match verb {
             Verb::Start => format!("VM {key} was scheduled to start"),
             Verb::Stop { .. } => format!("VM {key} was scheduled to stop"),
@@ -237,7 +231,7 @@ impl Vms {
                         self.take(snap);
                     }
                     Some(Input::Command { key, verb, reply }) => {
-                        let r = self.command(view.as_ref(), &key, verb, unix_now());
+                        let r = self.command(view.as_ref(), &key, verb);
                         let _ = reply.send(r);
                     }
                 },
