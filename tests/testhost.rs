@@ -1065,13 +1065,15 @@ fn a_vm_outlives_its_libvirt_daemon_but_not_a_stop_on_purpose() {
         "grep -q '\"prettyName\": \"kvirt test guest 1\"' /run/kvirt/status/default_phoenix.json",
     );
 
-    // A stop on purpose takes QEMU with it.
+    // A stop on purpose takes QEMU with it, cleanly: ExecStop= has
+    // systemd signal the whole unit and is not itself among the killed.
     h.ok("systemctl stop kvirt-vm@default_phoenix");
     h.wait(
         "QEMU gone with its unit",
         Duration::from_secs(60),
         &format!("! kill -0 {qemu} 2>/dev/null"),
     );
+    h.ok("! journalctl -u kvirt-vm@default_phoenix --no-pager | grep 'Control process exited'");
     h.wait_phase("phoenix", "Failed", Duration::from_secs(60));
     h.remove_vm_and_wait_gone("phoenix");
 
@@ -1111,9 +1113,17 @@ fn a_stopped_libvirt_daemon_holds_up_only_its_own_vm() {
     }
     let _cont = Cont(&h, daemon.clone());
 
-    // Another VM comes and goes as usual meanwhile.
+    // Another VM comes and goes as usual meanwhile, started no later than
+    // one libvirt call timeout (15 s) even though the frozen VM's passes
+    // are waiting on theirs.
+    let asked = Instant::now();
     h.create_vm("thawed", "run");
     h.wait_phase("thawed", "Running", BOOT);
+    assert!(
+        asked.elapsed() < Duration::from_secs(15),
+        "the other VM took {:?} to run",
+        asked.elapsed()
+    );
     // Printed once at boot: in the log; its console answers live.
     h.serial_log_shows("thawed", "KVIRT-GUEST-READY");
     h.console_shows("thawed", "KVIRT-GUEST-ALIVE");

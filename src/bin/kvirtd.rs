@@ -18,6 +18,7 @@ use kvirt::host::identity::{HostUsers, IdentityStore};
 use kvirt::host::image::OciImages;
 use kvirt::host::journal::{self, Journal};
 use kvirt::host::libvirt::Libvirt;
+use kvirt::host::logwatch::LogWatch;
 use kvirt::host::machined::Machined;
 use kvirt::host::netns::KernelNetns;
 use kvirt::host::network::{HostNetwork, NetworkSettings};
@@ -33,7 +34,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 /// Runs KubeVirt VirtualMachineInstances on this host without pods.
 ///
@@ -158,8 +159,9 @@ fn init_logging() {
     }
 }
 
-/// Once a second: each VM's QEMU log into the journal under its unit, and
-/// each VM's console log kept to its cap.
+/// Each VM's QEMU log into the journal under its unit, and each VM's
+/// console log kept to its cap: whenever a log changed (at most once a
+/// second), and every half minute in case a change went unseen.
 fn tend_vm_logs(layout: HostLayout) -> Result<()> {
     let fwd = match Journal::connect() {
         Ok(journal) => Some(Forwarder::new(journal, layout.clone())),
@@ -168,9 +170,13 @@ fn tend_vm_logs(layout: HostLayout) -> Result<()> {
             None
         }
     };
+    let watch = LogWatch::new(layout.clone()).context("watching the VMs' logs")?;
     std::thread::Builder::new()
         .name("vm-logs".into())
         .spawn(move || loop {
+            // A directory made since the last pass gets its watch first,
+            // so nothing written after the pass goes unseen.
+            watch.rewatch();
             for e in fwd.iter().flat_map(|f| f.pass()) {
                 warn!("{e}");
             }
@@ -178,6 +184,11 @@ fn tend_vm_logs(layout: HostLayout) -> Result<()> {
                 warn!("{e}");
             }
             std::thread::sleep(Duration::from_secs(1));
+            if let Err(e) = watch.wait(Duration::from_secs(30)) {
+                // Not expected of a valid inotify descriptor; looking once
+                // a second still tends every log.
+                debug!("watching the VMs' logs: {e}");
+            }
         })?;
     Ok(())
 }

@@ -261,7 +261,7 @@ impl Default for SourceConfig {
         Self {
             kind: SourceKind::Directory,
             directory: "/etc/kvirt/vmis.d".into(),
-            resync_seconds: 30,
+            resync_seconds: 300,
         }
     }
 }

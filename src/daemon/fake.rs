@@ -410,6 +410,11 @@ impl Hypervisor for FakeHost {
 
     async fn forget(&self, _id: &str) {}
 
+    /// No events: waiters poll.
+    fn changes(&self, _id: &str) -> tokio::sync::watch::Receiver<u64> {
+        tokio::sync::watch::channel(0).1
+    }
+
     async fn probe(&self, uri: &str) -> Result<(), LibvirtError> {
         if self.call(format!("probe {uri}")) {
             return Err(LibvirtError::Call {

@@ -111,6 +111,12 @@ fn give(fd: impl AsFd, mode: Option<u32>, owner: Option<Ids>) -> io::Result<()> 
     Ok(())
 }
 
+impl std::os::fd::AsFd for Beneath {
+    fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        self.fd.as_fd()
+    }
+}
+
 impl Beneath {
     /// Opens `path`, which must be a directory and not a link. Its parents
     /// are trusted: only root can change them (`/run/kvirt/vms` and the

@@ -91,6 +91,11 @@ pub trait Hypervisor: Send + Sync + 'static {
     fn destroy(&self, d: &DomainRef) -> impl Future<Output = Result<(), LibvirtError>> + Send;
     /// Drops any connection to this VM's daemon (it is going away).
     fn forget(&self, id: &str) -> impl Future<Output = ()> + Send;
+    /// Changes whenever the VM's domain sends an event: a waiter that
+    /// subscribed before looking at the domain wakes on the next change
+    /// without asking the daemon over and over. A closed channel means
+    /// no events: the waiter polls.
+    fn changes(&self, id: &str) -> tokio::sync::watch::Receiver<u64>;
     /// What the QEMU guest agent says, or `None` while no agent is
     /// connected (or the domain does not run).
     fn guest_agent(
@@ -185,6 +190,7 @@ impl Drop for ConnRef {
 struct EventCtx {
     id: String,
     tx: UnboundedSender<String>,
+    changes: Arc<tokio::sync::watch::Sender<u64>>,
 }
 
 /// One VM's connection. Calls to one daemon take turns; calls to
@@ -196,6 +202,8 @@ pub struct Libvirt {
     /// Held only to find or add a VM's slot, never across a call.
     conns: Arc<Mutex<HashMap<String, Slot>>>,
     events: UnboundedSender<String>,
+    /// Per VM, bumped by each of its domain's events (`changes`).
+    changes: Arc<Mutex<HashMap<String, Arc<tokio::sync::watch::Sender<u64>>>>>,
 }
 
 /// How long one call (or the wait for the VM's previous call) may take:
@@ -230,6 +238,7 @@ impl Libvirt {
         Self {
             conns: Arc::default(),
             events,
+            changes: Arc::default(),
         }
     }
 
@@ -272,8 +281,10 @@ impl Libvirt {
             }
         }
         .map_err(Self::err(&d.id, "connect"))?;
-        // Notices a daemon that died without closing the socket.
-        let _ = conn.set_keep_alive(5, 3);
+        // Notices a daemon that hangs without closing the socket (one that
+        // dies closes it). Once a minute: at a hundred VMs, every five
+        // seconds kept kvirtd's event thread busy.
+        let _ = conn.set_keep_alive(60, 3);
         // Lifecycle changes, and the guest agent (dis)connecting, wake the VM.
         let callback_ids = [
             sys::VIR_DOMAIN_EVENT_ID_LIFECYCLE,
@@ -294,6 +305,7 @@ impl Libvirt {
         let ctx = Box::into_raw(Box::new(EventCtx {
             id: id.to_owned(),
             tx: self.events.clone(),
+            changes: self.changes_of(id),
         }));
         // SAFETY: the callback matches libvirt's signature for these events;
         // ctx is owned by libvirt from here and freed through `free_ctx`.
@@ -328,6 +340,13 @@ impl Libvirt {
             drop(unsafe { Box::from_raw(ctx) });
         }
         callback_id
+    }
+
+    fn changes_of(&self, id: &str) -> Arc<tokio::sync::watch::Sender<u64>> {
+        let mut all = self.changes.lock().unwrap_or_else(|p| p.into_inner());
+        all.entry(id.to_owned())
+            .or_insert_with(|| Arc::new(tokio::sync::watch::Sender::new(0)))
+            .clone()
     }
 
     fn slot(&self, id: &str) -> Slot {
@@ -396,6 +415,7 @@ unsafe extern "C" fn on_event(
 ) -> i32 {
     // SAFETY: opaque is the EventCtx registered with this callback.
     let ctx = unsafe { &*(opaque as *const EventCtx) };
+    ctx.changes.send_modify(|n| *n = n.wrapping_add(1));
     let _ = ctx.tx.send(ctx.id.clone());
     0
 }
@@ -597,7 +617,15 @@ impl Hypervisor for Libvirt {
         .map_err(|_| LibvirtError::Thread { id: "probe".into() })?
     }
 
+    fn changes(&self, id: &str) -> tokio::sync::watch::Receiver<u64> {
+        self.changes_of(id).subscribe()
+    }
+
     async fn forget(&self, id: &str) {
+        self.changes
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(id);
         let slot = self
             .conns
             .lock()

@@ -14,6 +14,7 @@ pub mod image;
 pub mod ipam;
 pub mod journal;
 pub mod libvirt;
+pub mod logwatch;
 pub mod machined;
 pub mod netns;
 pub mod network;

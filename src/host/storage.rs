@@ -132,6 +132,20 @@ const MAX_EFI_VARS: u64 = 16 << 20;
 /// The VM's QEMU driver settings. QEMU writes its own log and the serial
 /// log straight to files: a virtlogd per VM would cost ~5 MiB PSS each.
 const QEMU_CONF: &str = "# Written by kvirtd for this VM only.\nstdio_handler = \"file\"\n";
+/// The VM's daemon serves one VM and kvirtd, one call at a time, so it
+/// keeps one thread per pool rather than libvirt's default of five (each
+/// costs memory in every VM), and pings kvirtd once a minute rather than
+/// every five seconds (a unix socket closes when either side dies; the
+/// ping is for a hung peer). Written for either daemon: each reads its own.
+const DAEMON_CONF: &str = "# Written by kvirtd for this VM only.
+min_workers = 1
+max_workers = 4
+prio_workers = 1
+admin_min_workers = 1
+admin_max_workers = 1
+keepalive_interval = 60
+keepalive_count = 3
+";
 
 #[derive(Clone, Debug)]
 pub struct HostStorage {
@@ -335,10 +349,18 @@ impl HostStorage {
         let conf = p.qemu_conf();
         let conf_dir = conf.parent().expect("qemu.conf has a parent");
         let rel = conf_dir.strip_prefix(&p.state_dir).unwrap_or(conf_dir);
-        state
+        let dir = state
             .mkdir_all(rel, 0o700, ids)
-            .and_then(|d| d.write("qemu.conf", QEMU_CONF.as_bytes(), 0o600, ids))
-            .map_err(io(&conf, "write"))
+            .map_err(io(conf_dir, "create directory"))?;
+        for (name, text) in [
+            ("qemu.conf", QEMU_CONF),
+            ("virtqemud.conf", DAEMON_CONF),
+            ("libvirtd.conf", DAEMON_CONF),
+        ] {
+            dir.write(name, text.as_bytes(), 0o600, ids)
+                .map_err(io(&conf_dir.join(name), "write"))?;
+        }
+        Ok(())
     }
 
     fn prepare_disk_blocking(

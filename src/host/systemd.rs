@@ -71,7 +71,11 @@ impl SystemdBus {
     }
 
     /// Runs one job call and waits for its `JobRemoved`. The signal stream
-    /// is opened before the call so a fast job cannot be missed.
+    /// is opened before the call so a fast job cannot be missed, and read
+    /// while the call is out: zbus stops reading the bus while any stream
+    /// is full, so an unread stream in a burst of jobs (every job's stream
+    /// gets every job's signal) held up every reply, this call's included,
+    /// for the bus timeout.
     async fn run_job<F, Fut>(
         &self,
         unit: &str,
@@ -84,8 +88,27 @@ impl SystemdBus {
     {
         let manager = self.manager().await?;
         let mut removed = manager.receive_job_removed().await?;
-        let job = call(manager).await?;
+        let call = call(manager);
+        tokio::pin!(call);
+        let mut early: Vec<(OwnedObjectPath, String)> = Vec::new();
+        let job = loop {
+            tokio::select! {
+                r = &mut call => break r?,
+                Some(sig) = removed.next() => {
+                    if let Ok(a) = sig.args() {
+                        early.push((a.job.clone(), a.result.clone()));
+                    }
+                }
+            }
+        };
+        let done_early = early
+            .into_iter()
+            .find(|(j, _)| *j == job)
+            .map(|(_, result)| result);
         let wait = async {
+            if done_early.is_some() {
+                return done_early;
+            }
             while let Some(sig) = removed.next().await {
                 let Ok(args) = sig.args() else { continue };
                 if args.job == job {
@@ -304,6 +327,11 @@ fn to_dbus(unit: &str, p: &Prop) -> Result<(String, OwnedValue), SystemdError> {
             let path = argv.first().cloned().unwrap_or_default();
             (n, Value::from(vec![(path, argv.clone(), false)]))
         }
+        Prop::ExecEx(n, argv, flags) => {
+            let path = argv.first().cloned().unwrap_or_default();
+            let flags: Vec<String> = flags.iter().map(|f| f.to_string()).collect();
+            (n, Value::from(vec![(path, argv.clone(), flags)]))
+        }
         Prop::Binds(n, v) => {
             const MS_REC: u64 = libc::MS_REC;
             let v: Vec<(String, String, bool, u64)> = v
@@ -345,6 +373,14 @@ mod tests {
         assert_eq!(
             sig(Prop::Exec("ExecStart", vec!["/bin/x".into(), "-a".into()])),
             "a(sasb)"
+        );
+        assert_eq!(
+            sig(Prop::ExecEx(
+                "ExecStopEx",
+                vec!["/bin/x".into()],
+                vec!["privileged"]
+            )),
+            "a(sasas)"
         );
         assert_eq!(
             sig(Prop::Binds("BindPaths", vec![("a".into(), "b".into())])),

@@ -341,11 +341,15 @@ impl<A: Adapters> Controller<A> {
     }
 
     /// ACPI power button, re-sent, then destroy once the grace period is up
-    /// (KubeVirt's terminationGracePeriodSeconds behaviour).
+    /// (KubeVirt's terminationGracePeriodSeconds behaviour). Between looks
+    /// it waits for the domain's next event (a second at most): a hundred
+    /// VMs in their grace periods cost their daemons nothing.
     async fn shutdown(&self, d: &DomainRef, grace: Duration) -> Result<(), ControllerError> {
         let hv = &self.deps.hypervisor;
         let deadline = tokio::time::Instant::now() + grace;
         let mut next_press = tokio::time::Instant::now();
+        // Subscribed before the first look, so no change after it is missed.
+        let mut changes = hv.changes(&d.id);
         loop {
             let state = hv
                 .observe(d)
@@ -369,7 +373,18 @@ impl<A: Adapters> Controller<A> {
                 }
                 next_press = now + self.settings.shutdown_resend;
             }
-            tokio::time::sleep(Duration::from_millis(200).min(deadline - now)).await;
+            let wait = tokio::time::sleep(
+                Duration::from_secs(1)
+                    .min(deadline - now)
+                    .min(next_press.saturating_duration_since(now)),
+            );
+            tokio::pin!(wait);
+            tokio::select! {
+                r = changes.changed() => if r.is_err() {
+                    wait.await;
+                },
+                _ = &mut wait => {}
+            }
         }
     }
 
