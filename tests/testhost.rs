@@ -1100,6 +1100,18 @@ fn a_vm_outlives_its_libvirt_daemon_but_not_a_stop_on_purpose() {
 fn a_stopped_libvirt_daemon_holds_up_only_its_own_vm() {
     let Some(h) = host() else { return };
     let _g = h.turn();
+    // A stopped daemon sends nothing: kvirtd notices it on its next look,
+    // the resync (every 5 min by default), shortened here.
+    struct Resync<'a>(&'a Host);
+    impl Drop for Resync<'_> {
+        fn drop(&mut self) {
+            self.0.sh(
+                "rm -f /etc/kvirt/kvirtd.toml.d/50-test-resync.toml && systemctl restart kvirtd",
+            );
+        }
+    }
+    h.ok("mkdir -p /etc/kvirt/kvirtd.toml.d && printf '[source]\nresync_seconds = 20\n' > /etc/kvirt/kvirtd.toml.d/50-test-resync.toml && systemctl restart kvirtd");
+    let _resync = Resync(&h);
     h.create_vm("frozen", "run");
     h.wait_phase("frozen", "Running", BOOT);
     let daemon = daemon_pid(&h, "frozen");
