@@ -1277,6 +1277,9 @@ struct ChaosVm {
     may_fail: bool,
     /// QEMU's PID when last seen running, for the same-QEMU check.
     qemu: Option<String>,
+    /// The QEMU the last kill hit: until kvirtd notices, the status may
+    /// still say Running.
+    killed_qemu: Option<String>,
 }
 
 /// SIGKILLs of kvirtd, of VMs' libvirt daemons and of QEMUs at random
@@ -1323,11 +1326,7 @@ fn chaos_kills_at_random_points_and_everything_converges() {
             "      interfaces: [{name: default, masquerade: {}}]\n",
         )
     };
-    let running = |vm: &str| {
-        h.succeeds(&format!(
-            "grep -q '\"phase\": \"Running\"' /run/kvirt/status/default_{vm}.json"
-        ))
-    };
+    let running = |vm: &str| h.phase(vm).as_deref() == Some("Running");
     for cycle in 0..cycles {
         let vm = names[rng.below(names.len() as u64) as usize];
         let op = rng.below(100);
@@ -1338,6 +1337,7 @@ fn chaos_kills_at_random_points_and_everything_converges() {
                 state.generation += 1;
                 state.may_fail = false;
                 state.qemu = None;
+                state.killed_qemu = None;
                 h.put_manifest(vm, "", &manifest(vm, state.generation));
                 format!("create {vm}")
             }
@@ -1350,6 +1350,7 @@ fn chaos_kills_at_random_points_and_everything_converges() {
                 state.generation += 1;
                 state.may_fail = false;
                 state.qemu = None;
+                state.killed_qemu = None;
                 h.put_manifest(vm, "", &manifest(vm, state.generation));
                 format!("edit {vm} (generation {})", state.generation)
             }
@@ -1380,6 +1381,7 @@ fn chaos_kills_at_random_points_and_everything_converges() {
                 state.may_fail = true;
                 state.qemu = None;
                 h.sh(&format!("kill -KILL {pid}"));
+                state.killed_qemu = Some(pid);
                 format!("kill -9 {vm}'s QEMU")
             }
             _ => continue,
@@ -1409,13 +1411,18 @@ fn chaos_kills_at_random_points_and_everything_converges() {
             continue;
         }
         if s.may_fail {
-            h.wait(
-                &format!("{vm} settled"),
-                BOOT,
-                &format!(
-                    "grep -Eq '\"phase\": \"(Running|Failed)\"' /run/kvirt/status/default_{vm}.json"
-                ),
-            );
+            // Running counts only with a QEMU that was not killed: right
+            // after a kill the status may not have caught up yet.
+            let killed = s.killed_qemu.as_deref().unwrap_or("none");
+            h.wait_until(&format!("{vm} settled"), BOOT, || {
+                match h.phase(vm).as_deref() {
+                    Some("Failed") => true,
+                    Some("Running") => h.succeeds(&format!(
+                        "pgrep -f '[q]emu-system.*guest=default_{vm},' | grep -qvx '{killed}'"
+                    )),
+                    _ => false,
+                }
+            });
             if !running(vm) {
                 // Failed: nothing of it runs any more.
                 h.wait(
@@ -1561,13 +1568,9 @@ fn vmi_uid(h: &Host, vm: &str) -> String {
 
 /// Waits for the VM's VMI to be another than `before` and Running.
 fn wait_new_vmi_running(h: &Host, vm: &str, before: &str, timeout: Duration) -> String {
-    h.wait(
-        &format!("a new VMI of {vm} running"),
-        timeout,
-        &format!(
-            "f=/run/kvirt/status/default_{vm}.json; grep -q '\"phase\": \"Running\"' $f && ! grep -q '\"uid\": \"{before}\"' $f"
-        ),
-    );
+    h.wait_until(&format!("a new VMI of {vm} running"), timeout, || {
+        h.phase(vm).as_deref() == Some("Running") && vmi_uid(h, vm) != before
+    });
     vmi_uid(h, vm)
 }
 

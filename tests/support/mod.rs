@@ -202,8 +202,13 @@ impl Host {
     /// Polls `script` until it succeeds; on timeout fails with `what` and
     /// what kvirtd and the VMs were doing.
     pub fn wait(&self, what: &str, timeout: Duration, script: &str) {
+        self.wait_until(what, timeout, || self.succeeds(script));
+    }
+
+    /// Polls `done` until it holds; on timeout fails as `wait` does.
+    pub fn wait_until(&self, what: &str, timeout: Duration, done: impl Fn() -> bool) {
         let deadline = Instant::now() + timeout;
-        while !self.succeeds(script) {
+        while !done() {
             if Instant::now() > deadline {
                 let log = self.sh("journalctl -u kvirtd --no-pager -n 60
                      systemctl list-units 'kvirt-vm@*' --all --no-pager
@@ -220,17 +225,27 @@ impl Host {
 
     /// The VM's status file, read through the host's root.
     pub fn status(&self, vm: &str) -> serde_json::Value {
+        self.try_status(vm)
+            .unwrap_or_else(|e| panic!("default/{vm}'s status: {e}"))
+    }
+
+    fn try_status(&self, vm: &str) -> Result<serde_json::Value, String> {
         let path = format!("/proc/{}/root/run/kvirt/status/default_{vm}.json", self.pid);
-        let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{path}: {e}"));
-        serde_json::from_str(&text).unwrap_or_else(|e| panic!("{path}: {e}"))
+        let text = std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
+        serde_json::from_str(&text).map_err(|e| format!("{path}: {e}"))
+    }
+
+    /// The VM's phase now (`status.phase`; the file also lists past
+    /// phases, so a text search cannot tell), None without a status.
+    pub fn phase(&self, vm: &str) -> Option<String> {
+        let st = self.try_status(vm).ok()?;
+        st["status"]["phase"].as_str().map(str::to_owned)
     }
 
     pub fn wait_phase(&self, vm: &str, phase: &str, timeout: Duration) {
-        self.wait(
-            &format!("{vm} phase {phase}"),
-            timeout,
-            &format!("grep -q '\"phase\": \"{phase}\"' /run/kvirt/status/default_{vm}.json"),
-        );
+        self.wait_until(&format!("{vm} phase {phase}"), timeout, || {
+            self.phase(vm).as_deref() == Some(phase)
+        });
     }
 
     /// A VMI booting a copy of one of the test guest disks, dropped into the
