@@ -822,6 +822,7 @@ fn a_vm_that_escaped_into_its_qemu_reaches_nothing_of_another() {
             "B's libvirt socket",
             "ls /run/kvirt/vms/default_eb/xdg".into(),
         ),
+        ("the system bus", "busctl --system list --no-pager".into()),
         (
             "the probe's capability cache",
             "ls /var/cache/kvirt/probe".into(),

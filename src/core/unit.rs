@@ -246,6 +246,12 @@ fn sandbox() -> Vec<Prop> {
                 .to_vec(),
         ),
         Prop::Bool("RemoveIPC", true),
+        // No system bus: nothing of libvirt's session daemon or QEMU needs
+        // it, a hostile QEMU has no business there, and the bus daemon
+        // resolving each VM user's UID went through machined, which was
+        // itself waiting on the bus daemon to register a VM: under a burst
+        // of starts each such wait ran into the 25 s D-Bus timeout.
+        Prop::Strs("InaccessiblePaths", vec!["-/run/dbus".into()]),
         // What a service normally needs: no mounts, module loading, raw I/O,
         // clock or reboot. Anything else fails with EPERM instead of
         // killing the VM.
