@@ -184,7 +184,7 @@ fn tend_vm_logs(layout: HostLayout) -> Result<()> {
                 warn!("{e}");
             }
             std::thread::sleep(Duration::from_secs(1));
-            if let Err(e) = watch.wait(Duration::from_secs(30)) {
+            if let Err(e) = watch.wait(Duration::from_secs(60)) {
                 // Not expected of a valid inotify descriptor; looking once
                 // a second still tends every log.
                 debug!("watching the VMs' logs: {e}");
@@ -270,6 +270,20 @@ async fn run(config: Config) -> Result<()> {
         source = ?config.source.kind,
         "starting"
     );
+
+    // A burst of starts runs each VM's calls on a thread of its own, and
+    // glibc keeps what they freed: ~15 MiB more at 100 VMs than kvirtd
+    // needs once they run. Handing it back once a minute costs a walk of
+    // the heap (well under a millisecond).
+    tokio::spawn(async {
+        let mut every = tokio::time::interval(Duration::from_secs(60));
+        every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            every.tick().await;
+            // SAFETY: malloc_trim only returns free heap pages to the kernel.
+            unsafe { libc::malloc_trim(0) };
+        }
+    });
 
     let (tx, rx) = unbounded_channel::<Trigger>();
     // Domain events and unit changes name a VM id; both just wake it.

@@ -36,7 +36,7 @@ use std::time::Duration;
 use steps::StepCtx;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::oneshot;
-use tracing::{info, warn, Instrument};
+use tracing::{debug, info, warn, Instrument};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ControllerError {
@@ -584,7 +584,15 @@ impl<A: Adapters> Controller<A> {
         };
         let mut teardown_errors = Vec::new();
         for step in &plan.steps {
-            if let Err(e) = self.run_step(step, &ctx).await {
+            let t = tokio::time::Instant::now();
+            let result = self.run_step(step, &ctx).await;
+            debug!(
+                ?step,
+                ms = t.elapsed().as_millis() as u64,
+                ok = result.is_ok(),
+                "step"
+            );
+            if let Err(e) = result {
                 if step.best_effort() {
                     warn!("{e}");
                     continue;

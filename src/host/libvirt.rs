@@ -197,13 +197,19 @@ struct EventCtx {
 /// different daemons never wait on each other.
 type Slot = Arc<tokio::sync::Mutex<Option<Conn>>>;
 
+/// What kvirtd keeps of one VM's daemon.
+#[derive(Clone, Default)]
+struct PerVm {
+    slot: Slot,
+    /// Bumped by each of its domain's events (`changes`).
+    changes: Arc<tokio::sync::watch::Sender<u64>>,
+}
+
 #[derive(Clone)]
 pub struct Libvirt {
-    /// Held only to find or add a VM's slot, never across a call.
-    conns: Arc<Mutex<HashMap<String, Slot>>>,
+    /// Held only to find or add a VM's entry, never across a call.
+    vms: Arc<Mutex<HashMap<String, PerVm>>>,
     events: UnboundedSender<String>,
-    /// Per VM, bumped by each of its domain's events (`changes`).
-    changes: Arc<Mutex<HashMap<String, Arc<tokio::sync::watch::Sender<u64>>>>>,
 }
 
 /// How long one call (or the wait for the VM's previous call) may take:
@@ -236,9 +242,8 @@ impl Libvirt {
                 .expect("spawn libvirt event thread");
         });
         Self {
-            conns: Arc::default(),
+            vms: Arc::default(),
             events,
-            changes: Arc::default(),
         }
     }
 
@@ -282,9 +287,10 @@ impl Libvirt {
         }
         .map_err(Self::err(&d.id, "connect"))?;
         // Notices a daemon that hangs without closing the socket (one that
-        // dies closes it). Once a minute: at a hundred VMs, every five
-        // seconds kept kvirtd's event thread busy.
-        let _ = conn.set_keep_alive(60, 3);
+        // dies closes it) within about as long as the resync, whose calls
+        // time out on a hung one too. Every two minutes: at a hundred VMs,
+        // pings were most of kvirtd's idle CPU.
+        let _ = conn.set_keep_alive(120, 2);
         // Lifecycle changes, and the guest agent (dis)connecting, wake the VM.
         let callback_ids = [
             sys::VIR_DOMAIN_EVENT_ID_LIFECYCLE,
@@ -305,7 +311,7 @@ impl Libvirt {
         let ctx = Box::into_raw(Box::new(EventCtx {
             id: id.to_owned(),
             tx: self.events.clone(),
-            changes: self.changes_of(id),
+            changes: self.vm(id).changes,
         }));
         // SAFETY: the callback matches libvirt's signature for these events;
         // ctx is owned by libvirt from here and freed through `free_ctx`.
@@ -342,16 +348,9 @@ impl Libvirt {
         callback_id
     }
 
-    fn changes_of(&self, id: &str) -> Arc<tokio::sync::watch::Sender<u64>> {
-        let mut all = self.changes.lock().unwrap_or_else(|p| p.into_inner());
-        all.entry(id.to_owned())
-            .or_insert_with(|| Arc::new(tokio::sync::watch::Sender::new(0)))
-            .clone()
-    }
-
-    fn slot(&self, id: &str) -> Slot {
-        let mut conns = self.conns.lock().unwrap_or_else(|p| p.into_inner());
-        conns.entry(id.to_owned()).or_default().clone()
+    fn vm(&self, id: &str) -> PerVm {
+        let mut vms = self.vms.lock().unwrap_or_else(|p| p.into_inner());
+        vms.entry(id.to_owned()).or_default().clone()
     }
 
     /// Runs `f` on the blocking pool with the VM's connection, bounded by
@@ -371,7 +370,7 @@ impl Libvirt {
             op,
             timeout,
         };
-        let mut slot = tokio::time::timeout(timeout, self.slot(&d.id).lock_owned())
+        let mut slot = tokio::time::timeout(timeout, self.vm(&d.id).slot.lock_owned())
             .await
             .map_err(|_| unresponsive())?;
         let this = self.clone();
@@ -618,22 +617,18 @@ impl Hypervisor for Libvirt {
     }
 
     fn changes(&self, id: &str) -> tokio::sync::watch::Receiver<u64> {
-        self.changes_of(id).subscribe()
+        self.vm(id).changes.subscribe()
     }
 
     async fn forget(&self, id: &str) {
-        self.changes
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(id);
-        let slot = self
-            .conns
+        let vm = self
+            .vms
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(id);
         // A slot still held by a stuck call is left to it: the daemon is
         // being stopped, which ends the call.
-        let Some(mut conn) = slot.and_then(|s| s.try_lock_owned().ok()) else {
+        let Some(mut conn) = vm.and_then(|v| v.slot.try_lock_owned().ok()) else {
             return;
         };
         let _ = tokio::task::spawn_blocking(move || {
