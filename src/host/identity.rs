@@ -6,9 +6,10 @@
 //! unit needs a record for its user (measured with systemd 257).
 
 use crate::core::identity::{self, IdRange, Identities, IdentityError};
+use crate::host::commit::GroupCommit;
 use std::io::Write;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Arc;
 
 #[derive(Debug, thiserror::Error)]
 pub enum IdentityStoreError {
@@ -25,6 +26,9 @@ pub enum IdentityStoreError {
     },
     #[error("VM {id}: {source}")]
     Allocate { id: String, source: IdentityError },
+    /// The failed save that also held this change.
+    #[error(transparent)]
+    Shared(#[from] Arc<IdentityStoreError>),
     #[error("the VM has no identity (made by an older kvirt?)")]
     Missing,
     #[error(
@@ -101,13 +105,13 @@ fn io(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> IdentityS
     move |source| IdentityStoreError::Io { path, op, source }
 }
 
-/// The host's VM identities. Blocking (file I/O under a `std` mutex):
+/// The host's VM identities. Blocking (file I/O, waits on a `std` mutex):
 /// call it from a blocking thread.
 #[derive(Debug)]
 pub struct IdentityStore {
-    file: PathBuf,
     userdb: PathBuf,
-    ids: Mutex<Identities>,
+    /// Changes made at once share one save of the file.
+    ids: GroupCommit<Identities, IdentityStoreError>,
 }
 
 /// Whether the host has a user or group of this number (a VM must never
@@ -142,16 +146,15 @@ impl IdentityStore {
             },
             Err(e) => return Err(io(&file, "read")(e)),
         };
-        let store = Self {
-            file,
-            userdb,
-            ids: Mutex::new(loaded.identities),
-        };
-        let ids: Vec<(String, u32)> = store
-            .lock()
+        let ids: Vec<(String, u32)> = loaded
+            .identities
             .iter()
             .map(|(id, uid)| (id.to_owned(), uid))
             .collect();
+        let store = Self {
+            userdb,
+            ids: GroupCommit::new(loaded.identities, move |ids| save(&file, ids)),
+        };
         for (id, uid) in ids {
             store.write_records(&id, uid)?;
         }
@@ -166,49 +169,38 @@ impl IdentityStore {
     /// The identity of VM `id` (`vm` names it for people), allocated and on
     /// disk, with its user record, before this returns.
     pub fn acquire(&self, id: &str, vm: &str) -> Result<u32, IdentityStoreError> {
-        let mut ids = self.lock();
-        let uid = match ids.get(id) {
-            Some(uid) => uid,
-            None => {
-                let mut next = ids.clone();
-                let uid = next.allocate(id, host_uses).map_err(|source| {
-                    IdentityStoreError::Allocate {
-                        id: id.into(),
-                        source,
-                    }
-                })?;
-                self.save(&next)?;
-                *ids = next;
-                uid
-            }
-        };
-        drop(ids);
+        let uid = self.ids.change(|next| match next.get(id) {
+            Some(uid) => Ok((uid, false)),
+            None => next
+                .allocate(id, host_uses)
+                .map(|uid| (uid, true))
+                .map_err(|source| IdentityStoreError::Allocate {
+                    id: id.into(),
+                    source,
+                }),
+        })?;
         self.write_records_named(uid, vm)?;
         Ok(uid)
     }
 
     pub fn get(&self, id: &str) -> Option<u32> {
-        self.lock().get(id)
+        self.ids.read(|ids| ids.get(id))
     }
 
     /// Ids holding an identity (for cleaning up after VMIs that are gone).
     pub fn ids(&self) -> Vec<String> {
-        self.lock().iter().map(|(id, _)| id.to_owned()).collect()
+        self.ids
+            .read(|ids| ids.iter().map(|(id, _)| id.to_owned()).collect())
     }
 
     /// Frees `id`'s identity and removes its user record; on error it stays
     /// allocated (the safe side).
     pub fn release(&self, id: &str) -> Result<Option<u32>, IdentityStoreError> {
-        let mut ids = self.lock();
-        let Some(uid) = ids.get(id) else {
+        let Some(uid) = self.get(id) else {
             return Ok(None);
         };
         self.remove_records(uid)?;
-        let mut next = ids.clone();
-        next.release(id);
-        self.save(&next)?;
-        *ids = next;
-        Ok(Some(uid))
+        self.ids.change(|next| Ok((next.release(id), true)))
     }
 
     fn write_records(&self, id: &str, uid: u32) -> Result<(), IdentityStoreError> {
@@ -256,27 +248,23 @@ impl IdentityStore {
         }
         Ok(())
     }
+}
 
-    /// A temporary file beside the real one, synced, renamed over it, then
-    /// the directory synced: after a crash the file is the old or the new
-    /// set, never a torn one.
-    fn save(&self, ids: &Identities) -> Result<(), IdentityStoreError> {
-        let dir = self.file.parent().unwrap_or(Path::new("."));
-        std::fs::create_dir_all(dir).map_err(io(dir, "create directory"))?;
-        let tmp = self.file.with_extension("json.tmp");
-        let mut f = std::fs::File::create(&tmp).map_err(io(&tmp, "create"))?;
-        f.write_all(&ids.encode())
-            .and_then(|()| f.sync_all())
-            .map_err(io(&tmp, "write"))?;
-        std::fs::rename(&tmp, &self.file).map_err(io(&self.file, "rename"))?;
-        std::fs::File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(io(dir, "sync"))
-    }
-
-    fn lock(&self) -> MutexGuard<'_, Identities> {
-        self.ids.lock().unwrap_or_else(|e| e.into_inner())
-    }
+/// A temporary file beside the real one, synced, renamed over it, then the
+/// directory synced: after a crash the file is the old or the new set,
+/// never a torn one.
+fn save(file: &Path, ids: &Identities) -> Result<(), IdentityStoreError> {
+    let dir = file.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(io(dir, "create directory"))?;
+    let tmp = file.with_extension("json.tmp");
+    let mut f = std::fs::File::create(&tmp).map_err(io(&tmp, "create"))?;
+    f.write_all(&ids.encode())
+        .and_then(|()| f.sync_all())
+        .map_err(io(&tmp, "write"))?;
+    std::fs::rename(&tmp, file).map_err(io(file, "rename"))?;
+    std::fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(io(dir, "sync"))
 }
 
 #[cfg(test)]

@@ -1,14 +1,15 @@
 //! The node's address leases on disk: [`LeaseFile`] is `core::ipam`'s
 //! lease set as one JSON file replaced atomically, and [`Ipam`] shares it
 //! between reconcilers so that every change is on disk before the caller
-//! sees it. All of it is blocking (file I/O under a `std` mutex): call it
-//! from a blocking thread.
+//! sees it (changes made at once share a save). All of it is blocking
+//! (file I/O, waits on a `std` mutex): call it from a blocking thread.
 
 use crate::core::ipam::{DroppedLease, IpamError, Lease, Leases, Loaded, Subnet};
+use crate::host::commit::GroupCommit;
 use std::io::Write;
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::Arc;
 
 #[derive(Debug, thiserror::Error)]
 pub enum LeaseStoreError {
@@ -22,6 +23,9 @@ pub enum LeaseStoreError {
     File { path: PathBuf, source: IpamError },
     #[error(transparent)]
     Leases(#[from] IpamError),
+    /// The failed save that also held this change.
+    #[error(transparent)]
+    Shared(#[from] Arc<LeaseStoreError>),
 }
 
 /// The leases on disk, as one JSON file replaced atomically on every save.
@@ -95,13 +99,13 @@ impl LeaseFile {
 
 /// The leases of this node, shared by all reconcilers.
 ///
-/// A change is made on a copy, saved, and only then becomes the state in
-/// memory: when the save fails the caller gets the error and memory still
-/// matches the disk, so an address is never in use without being on disk.
+/// A change is made on a copy and saved; only then does it become the
+/// state everyone reads. When the save fails the caller gets the error and
+/// the change is undone, so an address is never in use without being on
+/// disk.
 #[derive(Debug)]
 pub struct Ipam {
-    file: LeaseFile,
-    leases: Mutex<Leases>,
+    leases: GroupCommit<Leases, LeaseStoreError>,
 }
 
 impl Ipam {
@@ -113,56 +117,43 @@ impl Ipam {
         let Loaded { leases, dropped } = file.load(subnet)?;
         Ok((
             Self {
-                file,
-                leases: Mutex::new(leases),
+                leases: GroupCommit::new(leases, move |l| file.save(l)),
             },
             dropped,
         ))
     }
 
     pub fn subnet(&self) -> Subnet {
-        self.lock().subnet()
+        self.leases.read(Leases::subnet)
     }
 
     /// The address of `id`, leased and on disk before this returns.
     pub fn lease(&self, id: &str, uid: &str) -> Result<Ipv4Addr, LeaseStoreError> {
-        let mut leases = self.lock();
-        if let Some(lease) = leases.get(id).filter(|l| l.uid == uid) {
-            return Ok(lease.ip);
-        }
-        let mut next = leases.clone();
-        let ip = next.allocate(id, uid)?;
-        self.file.save(&next)?;
-        *leases = next;
-        Ok(ip)
+        self.leases.change(|next| {
+            if let Some(lease) = next.get(id).filter(|l| l.uid == uid) {
+                return Ok((lease.ip, false));
+            }
+            Ok((next.allocate(id, uid)?, true))
+        })
     }
 
     /// Frees `id`'s address; on error it stays leased (the safe side).
     pub fn release(&self, id: &str) -> Result<Option<Ipv4Addr>, LeaseStoreError> {
-        let mut leases = self.lock();
-        if leases.get(id).is_none() {
-            return Ok(None);
-        }
-        let mut next = leases.clone();
-        let ip = next.release(id);
-        self.file.save(&next)?;
-        *leases = next;
-        Ok(ip)
+        self.leases.change(|next| {
+            if next.get(id).is_none() {
+                return Ok((None, false));
+            }
+            Ok((next.release(id), true))
+        })
     }
 
     pub fn get(&self, id: &str) -> Option<Lease> {
-        self.lock().get(id).cloned()
+        self.leases.read(|l| l.get(id).cloned())
     }
 
     /// A copy of all leases, e.g. to release those of VMs that are gone.
     pub fn snapshot(&self) -> Leases {
-        self.lock().clone()
-    }
-
-    /// State is only ever replaced whole after a successful save, so a
-    /// panic elsewhere while holding the lock cannot leave it half-changed.
-    fn lock(&self) -> MutexGuard<'_, Leases> {
-        self.leases.lock().unwrap_or_else(|e| e.into_inner())
+        self.leases.read(Clone::clone)
     }
 }
 
@@ -307,7 +298,10 @@ mod tests {
         let s = subnet("10.213.0.0/24");
         let (ipam, _) = Ipam::open(LeaseFile::new(&path), s).unwrap();
         let err = ipam.lease("ns_a", "u").unwrap_err();
-        assert!(matches!(err, LeaseStoreError::Io { .. }), "{err}");
+        assert!(
+            matches!(err, LeaseStoreError::Shared(ref e) if matches!(**e, LeaseStoreError::Io { .. })),
+            "{err}"
+        );
         assert!(ipam.get("ns_a").is_none());
         assert!(ipam.snapshot().is_empty());
         assert!(!path.exists());

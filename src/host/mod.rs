@@ -6,6 +6,7 @@
 
 pub mod beneath;
 pub mod capacity;
+pub mod commit;
 pub mod consolelog;
 pub mod dhcp;
 pub mod hugepages;

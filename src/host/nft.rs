@@ -2,15 +2,18 @@
 //! `nft -j`, on the host or inside a VM's network namespace, in one
 //! transaction each.
 
+use crate::host::netns::NETNS_DIR;
 use nftables::schema::Nftables;
 use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::process::CommandExt;
+use std::path::Path;
 use std::process::{Command, Stdio};
 
 #[derive(Debug, thiserror::Error)]
 pub enum NftError {
-    #[error("nft{}: cannot run {program}: {source}", in_netns(.netns))]
+    #[error("nft{}: cannot run nft: {source}", in_netns(.netns))]
     Spawn {
-        program: &'static str,
         netns: Option<String>,
         source: std::io::Error,
     },
@@ -19,6 +22,11 @@ pub enum NftError {
         netns: Option<String>,
         status: std::process::ExitStatus,
         stderr: String,
+    },
+    #[error("nft: cannot open network namespace {name}: {source}")]
+    Netns {
+        name: String,
+        source: std::io::Error,
     },
     #[error("invalid netns name {0:?}")]
     InvalidNetns(String),
@@ -32,30 +40,43 @@ fn in_netns(netns: &Option<String>) -> String {
 }
 
 /// Runs `nft -j -f -` with the batch on stdin, in the namespace `netns`
-/// (via `ip netns exec`, so it must be a name under `/run/netns`) or in
-/// kvirtd's own. Blocking: call it from a blocking thread.
+/// (a name under `/run/netns`) or in kvirtd's own. Blocking: call it from
+/// a blocking thread.
 ///
 /// Spawned here rather than through `nftables::helper`, whose apply does
-/// not capture `nft`'s stderr: its errors would carry no message.
+/// not capture `nft`'s stderr: its errors would carry no message. The child
+/// joins the namespace itself before it runs `nft`: `ip netns exec` would
+/// cost a process, a mount namespace and a remount of /sys per VM start.
 pub fn apply(batch: &Nftables, netns: Option<&str>) -> Result<(), NftError> {
     let payload = serde_json::to_vec(batch).expect("an nftables batch serializes to JSON");
-    let (program, mut cmd) = match netns {
-        None => ("nft", Command::new("nft")),
-        Some(name) => {
-            if name.is_empty() || name.contains('/') || name.starts_with('.') {
-                return Err(NftError::InvalidNetns(name.into()));
-            }
-            let mut cmd = Command::new("ip");
-            cmd.args(["netns", "exec", name, "nft"]);
-            ("ip", cmd)
-        }
-    };
-    let netns = netns.map(str::to_owned);
     let spawn_err = |source| NftError::Spawn {
-        program,
-        netns: netns.clone(),
+        netns: netns.map(str::to_owned),
         source,
     };
+    let mut cmd = Command::new("nft");
+    if let Some(name) = netns {
+        if name.is_empty() || name.contains('/') || name.starts_with('.') {
+            return Err(NftError::InvalidNetns(name.into()));
+        }
+        // Opened here (close-on-exec), so the child only makes one call.
+        let ns = std::fs::File::open(Path::new(NETNS_DIR).join(name)).map_err(|source| {
+            NftError::Netns {
+                name: name.into(),
+                source,
+            }
+        })?;
+        // SAFETY: between fork and exec the child only calls setns(2),
+        // which is async-signal-safe, on an fd the parent keeps open.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setns(ns.as_raw_fd(), libc::CLONE_NEWNET) == 0 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::last_os_error())
+                }
+            });
+        }
+    }
     let mut child = cmd
         .args(["-j", "-f", "-"])
         .stdin(Stdio::piped())
@@ -71,7 +92,7 @@ pub fn apply(batch: &Nftables, netns: Option<&str>) -> Result<(), NftError> {
     let output = child.wait_with_output().map_err(spawn_err)?;
     if !output.status.success() {
         return Err(NftError::Failed {
-            netns,
+            netns: netns.map(str::to_owned),
             status: output.status,
             stderr: String::from_utf8_lossy(&output.stderr).trim().to_owned(),
         });
@@ -259,7 +280,8 @@ mod tests {
             );
 
             let err = apply(&host_teardown(), Some("kvirt-nfttest-missing")).unwrap_err();
-            assert!(matches!(err, NftError::Failed { .. }), "{err}");
+            assert!(matches!(err, NftError::Netns { .. }), "{err}");
+            assert!(err.to_string().contains("kvirt-nfttest-missing"), "{err}");
         }
 
         fn sh(ns: &TestNetns, cmd: &str) -> bool {
