@@ -172,21 +172,11 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
         Prop::U64("RestartUSec", 200_000),
         // A stop on purpose (kvirtd's teardown, `systemctl stop`) still
         // takes all of it: ExecStop= runs for those and not when the
-        // daemon died. systemd signals every process of the unit; the
-        // command ignores the signal itself, so the stop is clean. It runs
-        // outside the sandbox (`+`): setting that up again for one kill
-        // cost ~100 ms of CPU per VM, most of the time to delete many VMs.
-        // Nothing in it comes from the VM or its VMI.
+        // daemon died. It runs outside the sandbox (`+`): setting that up
+        // again for one kill cost ~100 ms of CPU per VM.
         Prop::ExecEx(
             "ExecStopEx",
-            vec![
-                "/bin/sh".into(),
-                "-c".into(),
-                format!(
-                    "trap '' TERM; exec systemctl kill --kill-who=all --signal=SIGTERM {}",
-                    i.key.unit_name()
-                ),
-            ],
+            vec!["/bin/sh".into(), "-c".into(), stop_all(&i.key.unit_name())],
             vec!["privileged"],
         ),
     ];
@@ -208,6 +198,26 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
         name: i.key.unit_name(),
         properties,
     }
+}
+
+/// The unit's ExecStop: SIGTERM to every process of the unit's cgroup, as
+/// `systemctl kill --kill-who=all` would, but with shell builtins only: a
+/// hundred `systemctl`s at once each hold a connection to systemd, which
+/// sends every unit change to every such connection (the stop of 100 VMs
+/// took 6 s more). The unified hierarchy lists the processes, at its own
+/// mount or beside the legacy ones; without it, `systemctl kill` it is.
+/// The shell ignores the signal itself, and a process already gone does
+/// not fail the stop. Nothing in it comes from the VM or its VMI.
+fn stop_all(unit: &str) -> String {
+    [
+        "trap '' TERM",
+        "while IFS= read -r l; do case $l in 0::/*) c=${l#0::};; esac; done </proc/self/cgroup",
+        "for f in \"/sys/fs/cgroup$c/cgroup.procs\" \"/sys/fs/cgroup/unified$c/cgroup.procs\"; do \
+         if [ -n \"$c\" ] && [ -r \"$f\" ]; then \
+         while read -r p; do kill -TERM \"$p\" 2>/dev/null; done <\"$f\"; exit 0; fi; done",
+        &format!("exec systemctl kill --kill-who=all --signal=SIGTERM {unit}"),
+    ]
+    .join("; ")
 }
 
 /// What every unit that runs libvirt and QEMU for kvirt keeps out:
@@ -377,9 +387,15 @@ mod tests {
         let Prop::ExecEx(_, stop, flags) = find(&u, "ExecStopEx") else {
             panic!()
         };
-        assert_eq!(
-            stop.last().map(String::as_str),
-            Some("trap '' TERM; exec systemctl kill --kill-who=all --signal=SIGTERM kvirt-vm@default_vm1.service")
+        let script = stop.last().unwrap();
+        assert_eq!(stop[..2], ["/bin/sh", "-c"]);
+        assert!(script.starts_with("trap '' TERM;"), "{script}");
+        assert!(script.contains("/cgroup.procs"), "{script}");
+        assert!(
+            script.contains(
+                "systemctl kill --kill-who=all --signal=SIGTERM kvirt-vm@default_vm1.service"
+            ),
+            "{script}"
         );
         assert_eq!(flags, &["privileged"]);
     }
