@@ -9,7 +9,7 @@ use std::future::Future;
 use std::time::Duration;
 use tokio::sync::mpsc::UnboundedSender;
 use zbus::zvariant::{OwnedObjectPath, OwnedValue, Value};
-use zbus_systemd::systemd1::{ManagerProxy, ServiceProxy, UnitRemoved, UnitRemovedStream};
+use zbus_systemd::systemd1::{ManagerProxy, ServiceProxy, UnitRemoved};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SystemdError {
@@ -76,10 +76,8 @@ impl SystemdBus {
 
     /// Runs one job call and waits for its `JobRemoved`. The signal stream
     /// is opened before the call so a fast job cannot be missed, and read
-    /// while the call is out: zbus stops reading the bus while any stream
-    /// is full, so an unread stream in a burst of jobs (every job's stream
-    /// gets every job's signal) held up every reply, this call's included,
-    /// for the bus timeout.
+    /// while the call is out (see `drain`): in a burst of jobs an unread
+    /// one held up every reply for the bus timeout.
     async fn run_job<F, Fut>(
         &self,
         unit: &str,
@@ -92,19 +90,13 @@ impl SystemdBus {
     {
         let manager = self.manager().await?;
         let mut removed = manager.receive_job_removed().await?;
-        let call = call(manager);
-        tokio::pin!(call);
         let mut early: Vec<(OwnedObjectPath, String)> = Vec::new();
-        let job = loop {
-            tokio::select! {
-                r = &mut call => break r?,
-                Some(sig) = removed.next() => {
-                    if let Ok(a) = sig.args() {
-                        early.push((a.job.clone(), a.result.clone()));
-                    }
-                }
+        let job = drain(call(manager), &mut removed, |sig| {
+            if let Ok(a) = sig.args() {
+                early.push((a.job.clone(), a.result.clone()));
             }
-        };
+        })
+        .await?;
         let done_early = early
             .into_iter()
             .find(|(j, _)| *j == job)
@@ -151,16 +143,16 @@ impl SystemdBus {
     /// `ExecStop=` as a stop job would. Whether it went.
     async fn terminate(&self, unit: &str) -> Result<bool, SystemdError> {
         let manager = self.manager().await?;
-        // Read throughout, as in run_job: an unread stream stops zbus
-        // reading the bus, these calls' replies included.
+        // Read throughout (see drain).
         let mut removed = manager.receive_unit_removed().await?;
         let mut gone = false;
         let kill = |signal| manager.kill_unit(unit.into(), "all".into(), signal);
-        match drain(kill(libc::SIGTERM), &mut removed, unit, &mut gone).await {
+        let mine = |sig: UnitRemoved| sig.args().is_ok_and(|a| a.id == unit);
+        match drain(kill(libc::SIGTERM), &mut removed, |s| gone |= mine(s)).await {
             Err(e) if no_such_unit(&e) => return Ok(true),
             r => r?,
         }
-        let _ = drain(kill(libc::SIGCONT), &mut removed, unit, &mut gone).await;
+        let _ = drain(kill(libc::SIGCONT), &mut removed, |s| gone |= mine(s)).await;
         let deadline = tokio::time::sleep(TERM_WAIT);
         tokio::pin!(deadline);
         // A look now and then: a unit kept loaded (something still holds
@@ -169,10 +161,10 @@ impl SystemdBus {
         look.tick().await;
         while !gone {
             tokio::select! {
-                Some(sig) = removed.next() => gone = is_unit(&sig, unit),
+                Some(sig) = removed.next() => gone = mine(sig),
                 _ = look.tick() => {
-                    let up = drain(self.is_up(unit), &mut removed, unit, &mut gone).await?;
-                    gone |= !up;
+                    let now = drain(self.activity_of(unit), &mut removed, |s| gone |= mine(s));
+                    gone |= is_down(now.await?);
                 }
                 _ = &mut deadline => return Ok(false),
             }
@@ -189,10 +181,10 @@ impl SystemdBus {
         }
     }
 
-    /// Whether the unit is loaded and not (yet) inactive or failed.
-    async fn is_up(&self, unit: &str) -> Result<bool, SystemdError> {
+    /// The unit's activity, in two calls; `None` when it is not loaded.
+    async fn activity_of(&self, unit: &str) -> Result<Option<UnitActivity>, SystemdError> {
         let Some(path) = self.unit_path(unit).await? else {
-            return Ok(false);
+            return Ok(None);
         };
         let state = zbus_systemd::systemd1::UnitProxy::builder(&self.conn)
             .path(path)?
@@ -201,10 +193,7 @@ impl SystemdBus {
             .await?
             .active_state()
             .await?;
-        Ok(!matches!(
-            activity(&state),
-            UnitActivity::Inactive | UnitActivity::Failed
-        ))
+        Ok(Some(activity(&state)))
     }
 
     /// Sends every `kvirt-vm@` unit's id to `tx` whenever its state changes
@@ -260,14 +249,14 @@ impl Units for SystemdBus {
     }
 
     async fn stop(&self, unit: &str) -> Result<(), SystemdError> {
-        let Some(obs) = self.get(unit).await? else {
+        let Some(now) = self.activity_of(unit).await? else {
             return Ok(());
         };
-        if obs.activity == UnitActivity::Failed {
+        if now == UnitActivity::Failed {
             // A failed unit is already stopped; resetting lets it be collected.
             return Ok(self.manager().await?.reset_failed_unit(unit.into()).await?);
         }
-        let terminated = obs.activity == UnitActivity::Active
+        let terminated = now == UnitActivity::Active
             && match self.terminate(unit).await {
                 Ok(gone) => gone,
                 Err(e) => {
@@ -289,7 +278,7 @@ impl Units for SystemdBus {
                 r => r,
             }
         };
-        if let Ok(Some(o)) = self.get(unit).await {
+        if let Ok(Some(left)) = self.activity_of(unit).await {
             let manager = self.manager().await?;
             // KillMode=process spares QEMU when only the daemon dies; a
             // stop on purpose leaves nothing, not even a process that
@@ -298,7 +287,7 @@ impl Units for SystemdBus {
                 .kill_unit(unit.into(), "all".into(), libc::SIGKILL)
                 .await;
             // Stopping can leave it failed (e.g. killed by the stop timeout).
-            if o.activity == UnitActivity::Failed {
+            if left == UnitActivity::Failed {
                 let _ = manager.reset_failed_unit(unit.into()).await;
             }
         }
@@ -364,24 +353,30 @@ impl Units for SystemdBus {
     }
 }
 
-/// Drives `call` while reading `removed`, noting whether `unit` went.
-async fn drain<T>(
+/// Drives `call` while handing each signal of `signals` to `on`: zbus
+/// stops reading the bus while any stream is full, so a stream left
+/// unread during a call (every waiter's stream gets every unit's and
+/// job's signal) would hold up that call's own reply.
+async fn drain<S: futures::Stream + Unpin, T>(
     call: impl Future<Output = T>,
-    removed: &mut UnitRemovedStream,
-    unit: &str,
-    gone: &mut bool,
+    signals: &mut S,
+    mut on: impl FnMut(S::Item),
 ) -> T {
     tokio::pin!(call);
     loop {
         tokio::select! {
             r = &mut call => return r,
-            Some(sig) = removed.next() => *gone |= is_unit(&sig, unit),
+            Some(sig) = signals.next() => on(sig),
         }
     }
 }
 
-fn is_unit(sig: &UnitRemoved, unit: &str) -> bool {
-    sig.args().is_ok_and(|a| a.id == unit)
+/// Inactive, failed, or no longer loaded.
+fn is_down(a: Option<UnitActivity>) -> bool {
+    matches!(
+        a,
+        None | Some(UnitActivity::Inactive | UnitActivity::Failed)
+    )
 }
 
 fn no_such_unit(e: &zbus::Error) -> bool {
