@@ -142,7 +142,8 @@ pub enum Step {
     /// Tell machined about the running VM (best effort: never fails it).
     RegisterMachine,
     UnregisterMachine,
-    /// ACPI power-off, re-sent, then destroy after `grace`.
+    /// ACPI power-off, re-sent, for up to `grace`. What still runs then is
+    /// ended by StopUnit, which always follows (the domain runs in the unit).
     ShutdownDomain {
         grace: Duration,
     },

@@ -208,7 +208,12 @@ pub fn call(path: &Path, req: &Request) -> std::io::Result<Answer> {
     s.set_read_timeout(Some(DEADLINE))?;
     let mut line = serde_json::to_vec(req).expect("a request serializes");
     line.push(b'\n');
-    s.write_all(&line)?;
+    // A refused caller is answered at once, before its request is read:
+    // its write can then fail while the answer saying why waits unread.
+    match s.write_all(&line) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
+        r => r?,
+    }
     let mut answer = String::new();
     std::io::BufReader::new(std::io::Read::take(s, MAX_REQUEST * 4)).read_line(&mut answer)?;
     serde_json::from_str(&answer).map_err(std::io::Error::other)

@@ -57,6 +57,8 @@ pub struct HostState {
     pub fail: BTreeSet<String>,
     /// VM ids whose libvirt daemon does not answer.
     pub unresponsive: BTreeSet<String>,
+    /// Ids whose daemon's socket cannot be connected to.
+    pub unreachable: BTreeSet<String>,
     /// Whether guests power off when the ACPI button is pressed.
     pub guests_ignore_acpi: bool,
     /// Machines machined knows, by name.
@@ -312,6 +314,13 @@ impl Netns for FakeHost {
 impl Hypervisor for FakeHost {
     async fn observe(&self, d: &DomainRef) -> Result<Option<DomainObs>, LibvirtError> {
         let s = self.state();
+        if s.unreachable.contains(&d.id) {
+            return Err(LibvirtError::Call {
+                id: d.id.clone(),
+                op: "connect",
+                message: "No such file or directory (os error 2)".into(),
+            });
+        }
         if s.unresponsive.contains(&d.id) {
             return Err(LibvirtError::Unresponsive {
                 id: d.id.clone(),
@@ -396,14 +405,6 @@ impl Hypervisor for FakeHost {
         let ignore = s.guests_ignore_acpi;
         if let Some(dom) = s.domains.get_mut(&d.id).filter(|_| !ignore) {
             dom.state = DomainState::Shutdown;
-        }
-        Ok(())
-    }
-
-    async fn destroy(&self, d: &DomainRef) -> Result<(), LibvirtError> {
-        self.call(format!("destroy {}", d.name));
-        if let Some(dom) = self.state().domains.get_mut(&d.id) {
-            dom.state = DomainState::Shutoff;
         }
         Ok(())
     }

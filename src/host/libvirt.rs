@@ -36,8 +36,14 @@ pub enum LibvirtError {
 }
 
 impl LibvirtError {
+    /// The daemon did not answer, or could not be reached at all (its
+    /// socket gone while its unit runs): either way nothing can be asked
+    /// of it, and a VM being removed must still be stopped.
     pub fn is_unresponsive(&self) -> bool {
-        matches!(self, LibvirtError::Unresponsive { .. })
+        matches!(
+            self,
+            LibvirtError::Unresponsive { .. } | LibvirtError::Call { op: "connect", .. }
+        )
     }
 }
 
@@ -88,7 +94,6 @@ pub trait Hypervisor: Send + Sync + 'static {
     fn soft_reboot(&self, d: &DomainRef) -> impl Future<Output = Result<(), LibvirtError>> + Send;
     /// Asks the guest to power off (ACPI power button).
     fn shutdown(&self, d: &DomainRef) -> impl Future<Output = Result<(), LibvirtError>> + Send;
-    fn destroy(&self, d: &DomainRef) -> impl Future<Output = Result<(), LibvirtError>> + Send;
     /// Drops any connection to this VM's daemon (it is going away).
     fn forget(&self, id: &str) -> impl Future<Output = ()> + Send;
     /// Changes whenever the VM's domain sends an event: a waiter that
@@ -564,18 +569,6 @@ impl Hypervisor for Libvirt {
         .await
     }
 
-    async fn destroy(&self, d: &DomainRef) -> Result<(), LibvirtError> {
-        self.blocking(d, "destroy", CALL_TIMEOUT, |this, slot, d| {
-            if let (_c, Some(dom)) = this.lookup(slot, d)? {
-                if dom.is_active().unwrap_or(false) {
-                    dom.destroy().map_err(Libvirt::err(&d.id, "destroy"))?;
-                }
-            }
-            Ok(())
-        })
-        .await
-    }
-
     async fn guest_agent(&self, d: &DomainRef) -> Result<Option<GuestAgent>, LibvirtError> {
         self.blocking(d, "ask the guest agent", CALL_TIMEOUT, |this, slot, d| {
             let (_conn, Some(dom)) = this.lookup(slot, d)? else {
@@ -728,9 +721,6 @@ mod tests {
         };
         let obs = lv.observe(&d).await.unwrap().unwrap();
         assert_eq!(obs.state, DomainState::Running);
-        lv.destroy(&d).await.unwrap();
-        let obs = lv.observe(&d).await.unwrap().unwrap();
-        assert_eq!(obs.state, DomainState::Shutoff);
         let missing = DomainRef {
             name: "nope".into(),
             ..d.clone()

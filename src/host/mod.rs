@@ -20,6 +20,7 @@ pub mod machined;
 pub mod netns;
 pub mod network;
 pub mod nft;
+pub mod pidfd;
 pub mod qemulog;
 pub mod storage;
 pub mod systemd;

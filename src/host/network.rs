@@ -323,19 +323,22 @@ pub fn setup_vm(n: &VmNetwork) -> Result<(), NetworkError> {
 }
 
 /// Removes the host end of the veth (its peer goes with it); a missing one
-/// is fine. The namespace itself is removed by the netns module.
+/// is fine. The namespace itself is removed by the netns module. Each on a
+/// thread and socket of its own, not one shared socket: the kernel does a
+/// delete's slow part (waiting out RCU) in the caller after releasing the
+/// RTNL lock, so deletes on separate sockets wait in parallel; on one
+/// socket a hundred waited one after the other (2.4 s p50 at 100 VMs).
 pub fn teardown_vm(host_veth: &str) -> Result<(), NetworkError> {
     let name = host_veth.to_owned();
     in_netns(None, move |h| {
         Box::pin(async move {
-            if let Some(i) = index_of(&h, &name).await? {
-                h.link()
-                    .del(i)
-                    .execute()
-                    .await
-                    .map_err(nl(format!("delete {name}")))?;
+            let Some(i) = index_of(&h, &name).await? else {
+                return Ok(());
+            };
+            match h.link().del(i).execute().await {
+                Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENODEV => Ok(()),
+                r => r.map_err(nl(format!("delete {name}"))),
             }
-            Ok(())
         })
     })
 }
@@ -397,6 +400,7 @@ pub struct HostNetwork {
     settings: NetworkSettings,
     ipam: std::sync::Arc<crate::host::ipam::Ipam>,
     dhcp: crate::host::dhcp::DhcpServers,
+    host_table: nft::HostTable,
 }
 
 fn vm_err(id: &str) -> impl FnOnce(String) -> NetworkError + '_ {
@@ -419,6 +423,7 @@ async fn blocking<T: Send + 'static>(
 impl HostNetwork {
     /// Opens the lease store and makes the host side (bridge, forwarding,
     /// egress NAT); leases the store had to drop are returned for logging.
+    /// Needs a tokio runtime (the host table's worker is a task).
     pub fn start(
         settings: NetworkSettings,
         lease_file: PathBuf,
@@ -452,6 +457,7 @@ impl HostNetwork {
                 settings,
                 ipam: std::sync::Arc::new(ipam),
                 dhcp: crate::host::dhcp::DhcpServers::new(),
+                host_table: nft::HostTable::start(None),
             },
             dropped.iter().map(|d| d.to_string()).collect(),
         ))
@@ -491,11 +497,10 @@ impl Network for HostNetwork {
         let ipam = self.ipam.clone();
         let (i, u) = (id.to_owned(), uid.to_owned());
         let ip = blocking(id, move || ipam.lease(&i, &u).map_err(|e| e.to_string())).await?;
-        let source = rules::vm_source_add(&vm_source(id, ip));
-        blocking(id, move || {
-            nft::apply(&source, None).map_err(|e| e.to_string())
-        })
-        .await?;
+        self.host_table
+            .apply(rules::vm_source_add(&vm_source(id, ip)))
+            .await
+            .map_err(|e| vm_err(id)(e.to_string()))?;
         let vm = VmNetwork {
             netns_path: self.netns_path(id),
             host_veth: host_veth_name(id),
@@ -547,10 +552,7 @@ impl Network for HostNetwork {
         }
         if let Some(lease) = self.ipam.get(id) {
             let source = rules::vm_source_remove(&vm_source(id, lease.ip));
-            let removed = blocking(id, move || {
-                nft::apply(&source, None).map_err(|e| e.to_string())
-            });
-            if let Err(e) = removed.await {
+            if let Err(e) = self.host_table.apply(source).await {
                 errors.push(e.to_string());
             }
         }

@@ -131,7 +131,16 @@ const MAX_EFI_VARS: u64 = 16 << 20;
 
 /// The VM's QEMU driver settings. QEMU writes its own log and the serial
 /// log straight to files: a virtlogd per VM would cost ~5 MiB PSS each.
-const QEMU_CONF: &str = "# Written by kvirtd for this VM only.\nstdio_handler = \"file\"\n";
+/// The daemon never acts on the guest when it is itself told to stop:
+/// libvirt's session defaults would managed-save or power off running
+/// guests then, where kvirtd alone decides (a restarted daemon must find
+/// its guest running; a stopped VM has had its grace period).
+const QEMU_CONF: &str = "# Written by kvirtd for this VM only.
+stdio_handler = \"file\"
+auto_shutdown_try_save = \"none\"
+auto_shutdown_try_shutdown = \"none\"
+auto_shutdown_poweroff = \"none\"
+";
 /// The VM's daemon serves one VM and kvirtd, one call at a time, so it
 /// keeps one thread per pool rather than libvirt's default of five (each
 /// costs memory in every VM), and does not ping kvirtd (libvirt's default
@@ -1165,6 +1174,7 @@ mod tests {
         assert!(p.xdg_runtime_dir().is_dir());
         let conf = std::fs::read_to_string(p.qemu_conf()).unwrap();
         assert!(conf.contains("stdio_handler = \"file\""), "{conf}");
+        assert!(conf.contains("auto_shutdown_poweroff = \"none\""), "{conf}");
         assert_eq!(s.list_ids().await, vec!["ns_vm".to_string()]);
         s.remove_dir(&p.state_dir).await.unwrap();
         s.remove_dir(&p.state_dir).await.unwrap();

@@ -79,7 +79,7 @@ wait_until() { # deadline_s, command...
 }
 
 all_gone() {
-  local left=(/run/kvirt/vms/* /var/lib/kvirt/vms/* /run/netns/kvirt-*)
+  local left=(/run/kvirt/vms/* /var/lib/kvirt/vms/* /run/netns/kvirt-* /sys/class/net/kv[0-9a-f]*)
   ((${#left[@]} == 0)) &&
     ! systemctl list-units --all --plain --no-legend 'kvirt-vm@*' | grep -q . &&
     ! ip netns list 2>/dev/null | grep -q kvirt-
@@ -91,7 +91,8 @@ remove_all() {
   rm -f /var/lib/kvirt/images/*.raw
 }
 
-# kvirt, one VM at a time: manifest in → status Running; each is removed
+# kvirt, one VM at a time: manifest in → status Running; each is removed,
+# and the host idle again (the kernel done with its namespace and cgroup),
 # before the next, as the floor's is.
 kvirt_seq() { # net|nonet
   local i t0
@@ -102,6 +103,7 @@ kvirt_seq() { # net|nonet
     wait_until 120 running "s$i"
     echo $(($(now_ms) - t0))
     remove_all >&2
+    wait_idle 60
   done
 }
 
@@ -173,7 +175,7 @@ floor_seq() {
   floor_setup
   # Warm the shared capability cache (not measured).
   floor_one f0 >/dev/null && floor_teardown f0
-  for i in $(seq "$seq_n"); do floor_one "f$i"; floor_teardown "f$i"; done
+  for i in $(seq "$seq_n"); do floor_one "f$i"; floor_teardown "f$i"; wait_idle 60; done
 }
 
 floor_burst() {
@@ -283,11 +285,12 @@ many() {
   local gone_ms=$(($(now_ms) - t0))
   local leftovers
   leftovers=$( { ip netns list 2>/dev/null | grep -c kvirt- || true; } )
+  local veths; veths=$(find /sys/class/net -maxdepth 1 -name 'kv[0-9a-f]*' | wc -l)
   local leases; leases=$(grep -o '"default_m[0-9]*"' /var/lib/kvirt/network/leases.json 2>/dev/null | wc -l)
   local nft; nft=$(nft list ruleset 2>/dev/null | grep -c 'default_m' || true)
   rm -f /var/lib/kvirt/images/*.raw
-  printf '{"vms": %d, "all_running_ms": %d, "helper": %s, "kvirtd_rss_mib": %s, "kvirtd_threads": %s, "kvirtd_idle_cpu_pct": %s, "kvirtd_idle_cpu_by_thread": %s, "kvirtd_burst_cpu_pct": %s, "restart_ready_ms": %d, "qemu_pids_unchanged": %s, "delete_all_ms": %d, "left": {"netns": %d, "leases": %d, "nft_rules": %d}}' \
-    "$many_n" "$up_ms" "$mem" "$rss" "$threads" "$idle" "$by_thread" "$cpu_burst" "$ready_ms" "$same" "$gone_ms" "$leftovers" "$leases" "$nft"
+  printf '{"vms": %d, "all_running_ms": %d, "helper": %s, "kvirtd_rss_mib": %s, "kvirtd_threads": %s, "kvirtd_idle_cpu_pct": %s, "kvirtd_idle_cpu_by_thread": %s, "kvirtd_burst_cpu_pct": %s, "restart_ready_ms": %d, "qemu_pids_unchanged": %s, "delete_all_ms": %d, "left": {"netns": %d, "veths": %d, "leases": %d, "nft_rules": %d}}' \
+    "$many_n" "$up_ms" "$mem" "$rss" "$threads" "$idle" "$by_thread" "$cpu_burst" "$ready_ms" "$same" "$gone_ms" "$leftovers" "$veths" "$leases" "$nft"
 }
 
 make_guest

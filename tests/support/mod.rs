@@ -287,6 +287,8 @@ impl Host {
                  ! ip netns list | grep -qw 'kvirt-default_{vm}'
                  [ ! -e /run/netns/kvirt-default_{vm} ]
                  [ ! -e /var/lib/kvirt/vms/default_{vm} ] && [ ! -e /run/kvirt/vms/default_{vm} ]
+                 [ ! -e /sys/class/net/kv$(printf %s default_{vm} | sha256sum | cut -c1-12) ]
+                 ! grep -qF '\"default_{vm}\"' /var/lib/kvirt/network/leases.json 2>/dev/null
                  ! pgrep -f '[q]emu-system.*guest=default_{vm},'"
             ),
         );

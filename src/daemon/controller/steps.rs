@@ -340,8 +340,9 @@ impl<A: Adapters> Controller<A> {
         self.shutdown(&self.step_domain(c), grace).await
     }
 
-    /// ACPI power button, re-sent, then destroy once the grace period is up
-    /// (KubeVirt's terminationGracePeriodSeconds behaviour). Between looks
+    /// ACPI power button, re-sent, until the guest is off or the grace
+    /// period is up (KubeVirt's terminationGracePeriodSeconds); then the
+    /// unit's stop ends QEMU. Between looks
     /// it waits for the domain's next event (a second at most): a hundred
     /// VMs in their grace periods cost their daemons nothing.
     async fn shutdown(&self, d: &DomainRef, grace: Duration) -> Result<(), ControllerError> {
@@ -361,11 +362,10 @@ impl<A: Adapters> Controller<A> {
             }
             let now = tokio::time::Instant::now();
             if now >= deadline {
-                info!("grace period over, destroying");
-                return hv
-                    .destroy(d)
-                    .await
-                    .map_err(|source| ControllerError::Libvirt { source });
+                // No libvirt destroy: the unit's stop, next, signals QEMU
+                // as destroy would, and its daemon at the same time.
+                info!("grace period over: stopping the unit ends the guest");
+                return Ok(());
             }
             if now >= next_press {
                 if let Err(e) = hv.shutdown(d).await {
