@@ -196,19 +196,28 @@ impl SystemdBus {
     /// The unit's main process, pinned by a pidfd (`None` when it has none
     /// or it is gone), and its cgroup; `None` when the unit is not loaded.
     async fn processes(&self, unit: &str) -> Result<Option<(Option<Pidfd>, String)>, SystemdError> {
-        let Some(path) = self.unit_path(unit).await? else {
+        let Some(service) = self.service(unit).await? else {
             return Ok(None);
         };
-        let service = ServiceProxy::builder(&self.conn)
-            .path(path)?
-            .cache_properties(zbus::proxy::CacheProperties::No)
-            .build()
-            .await?;
         // One after the other: a hundred VMs stopping at once, each with
         // two calls outstanding, hit the bus's limit of pending replies
         // per connection.
         let pid = service.main_pid().await?;
         Ok(Some((Pidfd::open(pid), service.control_group().await?)))
+    }
+
+    /// The unit's service interface, uncached; `None` when it is not loaded.
+    async fn service(&self, unit: &str) -> Result<Option<ServiceProxy<'static>>, SystemdError> {
+        let Some(path) = self.unit_path(unit).await? else {
+            return Ok(None);
+        };
+        Ok(Some(
+            ServiceProxy::builder(&self.conn)
+                .path(path)?
+                .cache_properties(zbus::proxy::CacheProperties::No)
+                .build()
+                .await?,
+        ))
     }
 
     /// The unit's object path; `None` when it is not loaded.
@@ -334,14 +343,9 @@ impl Units for SystemdBus {
     }
 
     async fn get(&self, unit: &str) -> Result<Option<UnitObs>, SystemdError> {
-        let Some(path) = self.unit_path(unit).await? else {
+        let Some(svc) = self.service(unit).await? else {
             return Ok(None);
         };
-        let svc = ServiceProxy::builder(&self.conn)
-            .path(path)?
-            .cache_properties(zbus::proxy::CacheProperties::No)
-            .build()
-            .await?;
         let unit_iface = zbus_systemd::systemd1::UnitProxy::builder(&self.conn)
             .path(svc.inner().path().to_owned())?
             .cache_properties(zbus::proxy::CacheProperties::No)
