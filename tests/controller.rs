@@ -336,6 +336,38 @@ async fn a_removed_vmi_is_shut_down_gracefully_then_its_unit_stopped() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn the_grace_period_counts_from_when_the_deletion_was_seen() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    ctl.set_vmis(set(&[vmi("vm1", "u1", "")])).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    host.state().guests_ignore_acpi = true;
+    ctl.set_vmis(BTreeMap::new()).await;
+    let seen = tokio::time::Instant::now();
+    // Its pass comes late (a hundred others went first).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    let took = seen.elapsed();
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_millis(2500),
+        "the 2 s grace ends 2 s after the deletion was seen, not after the pass began: {took:?}"
+    );
+    assert!(host.state().units.is_empty());
+    // A VMI made again under the same name gets its whole grace period.
+    ctl.set_vmis(set(&[vmi("vm1", "u2", "")])).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    ctl.set_vmis(BTreeMap::new()).await;
+    let seen = tokio::time::Instant::now();
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert!(
+        seen.elapsed() >= Duration::from_secs(2),
+        "{:?}",
+        seen.elapsed()
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_cooperative_guest_does_not_wait_out_its_grace_period() {
     let host = FakeHost::default();
     let ctl = controller(&host);

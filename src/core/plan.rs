@@ -59,6 +59,8 @@ pub struct DomainObs {
     pub paused: Option<String>,
     /// The machine type QEMU runs (`status.machine.type`).
     pub machine: Option<String>,
+    /// The guest agent's channel is connected: only then is it asked.
+    pub agent: bool,
 }
 
 /// A connected guest agent and the guest OS it reports, with KubeVirt's
@@ -178,6 +180,25 @@ impl Step {
     pub fn best_effort(&self) -> bool {
         matches!(self, Step::RegisterMachine | Step::UnregisterMachine)
     }
+
+    /// Teardown steps that touch separate systems and need nothing of each
+    /// other: run together, so a hundred VMs deleted at once wait for
+    /// machined or the host's netlink only once, not once per step. The
+    /// grace period starts while machined is told, and the network goes
+    /// while the unit stops (its guest's grace is over by then).
+    fn stage(&self) -> Option<u8> {
+        match self {
+            Step::UnregisterMachine | Step::ShutdownDomain { .. } => Some(1),
+            Step::StopUnit | Step::TeardownNetwork => Some(2),
+            _ => None,
+        }
+    }
+}
+
+/// The steps in order, cut where one must wait for the one before: each
+/// stage's steps may run at once.
+pub fn stages(steps: &[Step]) -> impl Iterator<Item = &[Step]> {
+    steps.chunk_by(|a, b| a.stage().is_some() && a.stage() == b.stage())
 }
 
 /// The phase the VMI should show after the steps, with the reason for a
@@ -395,6 +416,7 @@ mod tests {
             uid: Some("u1".into()),
             paused: None,
             machine: None,
+            agent: false,
         })
     }
 
@@ -410,6 +432,44 @@ mod tests {
             identity: true,
             unresponsive: false,
         }
+    }
+
+    #[test]
+    fn a_teardown_runs_in_stages_and_a_start_one_step_at_a_time() {
+        let down = plan(None, &running_host(DomainState::Running));
+        let got: Vec<&[Step]> = stages(&down.steps).collect();
+        assert_eq!(
+            got,
+            [
+                &[ShutdownDomain {
+                    grace: Duration::from_secs(5)
+                }][..],
+                &[StopUnit, TeardownNetwork],
+                &[DeleteNetns],
+                &[RemoveStateDir],
+                &[RemoveRuntimeDir],
+                &[ReleaseIdentity],
+            ]
+        );
+        let registered = Observed {
+            machine: Some(true),
+            ..running_host(DomainState::Running)
+        };
+        let down = plan(None, &registered);
+        assert_eq!(
+            stages(&down.steps).next(),
+            Some(
+                &[
+                    UnregisterMachine,
+                    ShutdownDomain {
+                        grace: Duration::from_secs(5)
+                    }
+                ][..]
+            )
+        );
+        let up = plan(Some(&desired(None)), &Observed::default());
+        assert!(up.steps.len() > 1);
+        assert!(stages(&up.steps).all(|s| s.len() == 1), "{:?}", up.steps);
     }
 
     #[test]

@@ -7,7 +7,7 @@ mod inputs;
 mod steps;
 
 use crate::core::convert::{
-    self, ConvertContext, Converted, DomainType, HostCapacity, HostDiskRoots,
+    self, network::NetSpec, ConvertContext, Converted, DomainType, HostCapacity, HostDiskRoots,
 };
 use crate::core::efivars;
 use crate::core::key::{self, VmKey};
@@ -36,7 +36,7 @@ use std::time::Duration;
 use steps::StepCtx;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::oneshot;
-use tracing::{debug, info, warn, Instrument};
+use tracing::{info, warn, Instrument};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ControllerError {
@@ -185,6 +185,10 @@ pub struct Controller<A: Adapters> {
     restarts: Mutex<HashMap<String, u32>>,
     /// Per id, whether its last pass left nothing of it on the host.
     gone: Mutex<HashMap<String, bool>>,
+    /// When kvirtd learnt that an id's VMI was deleted: its grace period
+    /// counts from then, as Kubernetes' does from the deletion, not from
+    /// whenever its pass gets to it (a hundred deleted at once).
+    unwanted: Mutex<HashMap<String, tokio::time::Instant>>,
     /// Bumped after each pass: what watches VMIs (VirtualMachines) looks again.
     passes: tokio::sync::watch::Sender<u64>,
 }
@@ -283,6 +287,7 @@ impl<A: Adapters> Controller<A> {
             heartbeat: AtomicU64::new(0),
             restarts: Mutex::default(),
             gone: Mutex::default(),
+            unwanted: Mutex::default(),
             passes: tokio::sync::watch::Sender::new(0),
         })
     }
@@ -356,9 +361,35 @@ impl<A: Adapters> Controller<A> {
                 .filter(|id| !incoming.contains_key(*id))
                 .cloned(),
         );
+        let now = tokio::time::Instant::now();
+        let mut unwanted = self.unwanted.lock().unwrap_or_else(|p| p.into_inner());
+        unwanted.retain(|id, _| {
+            incoming
+                .get(id)
+                .is_none_or(|v| v.metadata.deletion_timestamp.is_some())
+        });
+        for id in &changed {
+            if incoming
+                .get(id)
+                .is_none_or(|v| v.metadata.deletion_timestamp.is_some())
+            {
+                unwanted.entry(id.clone()).or_insert(now);
+            }
+        }
         *vmis = incoming;
         changed.sort();
         changed
+    }
+
+    /// When the grace period of `id`'s shutdown ends (see `unwanted`).
+    pub(super) fn grace_deadline(&self, id: &str, grace: Duration) -> tokio::time::Instant {
+        let since = self
+            .unwanted
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(id)
+            .copied();
+        since.unwrap_or_else(tokio::time::Instant::now) + grace
     }
 
     /// Every id the host or the source knows of.
@@ -559,8 +590,13 @@ impl<A: Adapters> Controller<A> {
                 v.status.phase,
                 None | Some(Phase::Pending | Phase::Scheduling)
             ) {
-                self.report(k, &Outcome::Phase(Phase::Scheduled), &Default::default())
-                    .await?;
+                self.report(
+                    k,
+                    &Outcome::Phase(Phase::Scheduled),
+                    &Default::default(),
+                    None,
+                )
+                .await?;
                 self.deps
                     .recorder
                     .record(v, EventReason::Created, "VM is being created", false);
@@ -583,16 +619,9 @@ impl<A: Adapters> Controller<A> {
             dom: dom.as_ref(),
         };
         let mut teardown_errors = Vec::new();
-        for step in &plan.steps {
-            let t = tokio::time::Instant::now();
-            let result = self.run_step(step, &ctx).await;
-            debug!(
-                ?step,
-                ms = t.elapsed().as_millis() as u64,
-                ok = result.is_ok(),
-                "step"
-            );
-            if let Err(e) = result {
+        'stages: for stage in plan::stages(&plan.steps) {
+            for (step, result) in stage.iter().zip(self.run_stage(stage, &ctx).await) {
+                let Err(e) = result else { continue };
                 if step.best_effort() {
                     warn!("{e}");
                     continue;
@@ -603,7 +632,7 @@ impl<A: Adapters> Controller<A> {
                     self.metrics.error(e.reason());
                     self.rollback(id, dom.as_ref()).await;
                     outcome = Outcome::Failed(format!("cannot start: {e}"));
-                    break;
+                    break 'stages;
                 }
                 // Teardown continues past errors, and reports every one.
                 warn!("{e}");
@@ -611,10 +640,17 @@ impl<A: Adapters> Controller<A> {
             }
         }
 
+        let gone = desired.is_none() && teardown_errors.is_empty();
         self.gone
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .insert(id.into(), desired.is_none() && teardown_errors.is_empty());
+            .insert(id.into(), gone);
+        if gone && vmi.is_none() {
+            self.unwanted
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(id);
+        }
         if !teardown_errors.is_empty() {
             return Err(ControllerError::Teardown {
                 id: id.into(),
@@ -652,16 +688,21 @@ impl<A: Adapters> Controller<A> {
             (_, Some(k)) => {
                 let mut live = status::Live::default();
                 if let (Outcome::Phase(Phase::Running), Some(d)) = (&outcome, &dom) {
-                    live.agent = self
-                        .deps
-                        .hypervisor
-                        .guest_agent(d)
-                        .await
-                        .unwrap_or_else(|e| {
-                            warn!("asking the guest agent: {e}");
-                            None
-                        });
                     let seen = obs.domain.as_ref();
+                    // Asked only once its channel says it is there (the
+                    // agent's connecting wakes the VM): a resync of a
+                    // hundred agentless VMs asks none.
+                    if seen.is_none_or(|d| d.agent) {
+                        live.agent =
+                            self.deps
+                                .hypervisor
+                                .guest_agent(d)
+                                .await
+                                .unwrap_or_else(|e| {
+                                    warn!("asking the guest agent: {e}");
+                                    None
+                                });
+                    }
                     live.paused = match seen {
                         Some(d) => d.paused.clone(),
                         // Just started: paused if it was started so.
@@ -673,7 +714,11 @@ impl<A: Adapters> Controller<A> {
                     };
                     live.machine = seen.and_then(|d| d.machine.clone());
                 }
-                self.report(k, &outcome, &live).await?
+                let net = converted
+                    .as_ref()
+                    .and_then(|c| c.as_ref().ok())
+                    .and_then(|c| c.network.as_ref());
+                self.report(k, &outcome, &live, net).await?
             }
             _ => {}
         }
@@ -686,15 +731,17 @@ impl<A: Adapters> Controller<A> {
     /// Applies the outcome to the VMI's status. The new status is the
     /// truth at once (the next plan relies on it); writing it out is retried
     /// until it succeeds, so an outage of the status store loses nothing.
+    /// `net`: the VMI's pod network as this pass converted it.
     async fn report(
         &self,
         key: &VmKey,
         outcome: &Outcome,
         live: &status::Live,
+        net: Option<&NetSpec>,
     ) -> Result<(), ControllerError> {
         let id = key.id();
         let now = now_rfc3339();
-        let interfaces = self.interfaces(&id, outcome);
+        let interfaces = self.interfaces(&id, outcome, net);
         let changed = {
             let mut vmis = self.vmis();
             let Some(vmi) = vmis.get_mut(&id) else {
@@ -763,18 +810,16 @@ impl<A: Adapters> Controller<A> {
 
     /// `status.interfaces` while the VM runs: the namespace's `eth0`
     /// address, as KubeVirt reports the pod IP.
-    fn interfaces(&self, id: &str, outcome: &Outcome) -> Vec<serde_json::Value> {
+    fn interfaces(
+        &self,
+        id: &str,
+        outcome: &Outcome,
+        net: Option<&NetSpec>,
+    ) -> Vec<serde_json::Value> {
         if *outcome != Outcome::Phase(Phase::Running) {
             return vec![];
         }
-        let Some(vmi) = self.vmis().get(id).cloned() else {
-            return vec![];
-        };
-        let Ok(key) = vmi.key() else { return vec![] };
-        let Ok(conv) = self.convert(&vmi, &key) else {
-            return vec![];
-        };
-        let (Some(net), Some(ip)) = (conv.network, self.deps.network.address(id)) else {
+        let (Some(net), Some(ip)) = (net, self.deps.network.address(id)) else {
             return vec![];
         };
         vec![serde_json::json!({

@@ -328,7 +328,11 @@ impl Hypervisor for FakeHost {
                 timeout: Duration::from_secs(15),
             });
         }
-        Ok(s.domains.get(&d.id).cloned())
+        let agent = s.agents.contains_key(&d.id);
+        Ok(s.domains
+            .get(&d.id)
+            .cloned()
+            .map(|o| DomainObs { agent, ..o }))
     }
 
     async fn define(&self, d: &DomainRef, xml: &str) -> Result<(), LibvirtError> {
@@ -351,6 +355,7 @@ impl Hypervisor for FakeHost {
                 uid,
                 paused: None,
                 machine: None,
+                agent: false,
             },
         );
         Ok(())

@@ -507,6 +507,7 @@ impl Hypervisor for Libvirt {
                 uid: metadata_uid(&xml),
                 paused: (state == sys::VIR_DOMAIN_PAUSED).then(|| pause_reason(reason)),
                 machine: machine_type(&xml),
+                agent: agent_connected(&xml),
             }))
         })
         .await

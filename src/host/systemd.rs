@@ -10,7 +10,7 @@ use std::future::Future;
 use std::time::Duration;
 use tokio::sync::mpsc::UnboundedSender;
 use zbus::zvariant::{OwnedObjectPath, OwnedValue, Value};
-use zbus_systemd::systemd1::{ManagerProxy, ServiceProxy, UnitRemoved};
+use zbus_systemd::systemd1::{ManagerProxy, ServiceProxy, UnitProxy, UnitRemoved};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SystemdError {
@@ -146,17 +146,15 @@ impl SystemdBus {
     /// shutdown timeout. Not through KillUnit: under load each call took
     /// systemd up to half a second to answer. A daemon that does not say
     /// STOPPING=1 (older libvirt) still exits, and systemd then runs
-    /// `ExecStop=` as a stop job would. Whether it went.
-    async fn terminate(&self, unit: &str) -> Result<bool, SystemdError> {
+    /// `ExecStop=` as a stop job would.
+    async fn terminate(&self, unit: &str, path: &OwnedObjectPath) -> Result<Ended, SystemdError> {
         let manager = self.manager().await?;
         // Read throughout (see drain).
         let mut removed = manager.receive_unit_removed().await?;
         let mut gone = false;
         let mine = |sig: UnitRemoved| sig.args().is_ok_and(|a| a.id == unit);
-        let processes = drain(self.processes(unit), &mut removed, |s| gone |= mine(s)).await?;
-        let Some((daemon, cgroup)) = processes else {
-            return Ok(true);
-        };
+        let (daemon, cgroup) =
+            drain(self.processes(path), &mut removed, |s| gone |= mine(s)).await?;
         let deadline = tokio::time::sleep(TERM_WAIT);
         tokio::pin!(deadline);
         if let Some(daemon) = daemon {
@@ -168,7 +166,7 @@ impl SystemdBus {
                 tokio::select! {
                     _ = &mut exited => break,
                     Some(sig) = removed.next() => gone = mine(sig),
-                    _ = &mut deadline => return Ok(false),
+                    _ = &mut deadline => return Ok(Ended::No),
                 }
             }
         }
@@ -185,39 +183,51 @@ impl SystemdBus {
                 Some(sig) = removed.next() => gone = mine(sig),
                 _ = look.tick() => {
                     let now = drain(self.activity_of(unit), &mut removed, |s| gone |= mine(s));
-                    gone |= is_down(now.await?);
+                    match now.await? {
+                        None => gone = true,
+                        Some(UnitActivity::Inactive | UnitActivity::Failed) => {
+                            return Ok(Ended::Down)
+                        }
+                        Some(_) => {}
+                    }
                 }
-                _ = &mut deadline => return Ok(false),
+                _ = &mut deadline => return Ok(Ended::No),
             }
         }
-        Ok(true)
+        Ok(Ended::Removed)
     }
 
     /// The unit's main process, pinned by a pidfd (`None` when it has none
-    /// or it is gone), and its cgroup; `None` when the unit is not loaded.
-    async fn processes(&self, unit: &str) -> Result<Option<(Option<Pidfd>, String)>, SystemdError> {
-        let Some(service) = self.service(unit).await? else {
-            return Ok(None);
-        };
+    /// or it is gone), and its cgroup.
+    async fn processes(
+        &self,
+        path: &OwnedObjectPath,
+    ) -> Result<(Option<Pidfd>, String), SystemdError> {
+        let service = self.service_at(path).await?;
         // One after the other: a hundred VMs stopping at once, each with
         // two calls outstanding, hit the bus's limit of pending replies
         // per connection.
         let pid = service.main_pid().await?;
-        Ok(Some((Pidfd::open(pid), service.control_group().await?)))
+        Ok((Pidfd::open(pid), service.control_group().await?))
     }
 
-    /// The unit's service interface, uncached; `None` when it is not loaded.
-    async fn service(&self, unit: &str) -> Result<Option<ServiceProxy<'static>>, SystemdError> {
-        let Some(path) = self.unit_path(unit).await? else {
-            return Ok(None);
-        };
-        Ok(Some(
-            ServiceProxy::builder(&self.conn)
-                .path(path)?
-                .cache_properties(zbus::proxy::CacheProperties::No)
-                .build()
-                .await?,
-        ))
+    async fn service_at(
+        &self,
+        path: &OwnedObjectPath,
+    ) -> Result<ServiceProxy<'static>, SystemdError> {
+        Ok(ServiceProxy::builder(&self.conn)
+            .path(path.clone())?
+            .cache_properties(zbus::proxy::CacheProperties::No)
+            .build()
+            .await?)
+    }
+
+    async fn unit_at(&self, path: &OwnedObjectPath) -> Result<UnitProxy<'static>, SystemdError> {
+        Ok(UnitProxy::builder(&self.conn)
+            .path(path.clone())?
+            .cache_properties(zbus::proxy::CacheProperties::No)
+            .build()
+            .await?)
     }
 
     /// The unit's object path; `None` when it is not loaded.
@@ -234,13 +244,7 @@ impl SystemdBus {
         let Some(path) = self.unit_path(unit).await? else {
             return Ok(None);
         };
-        let state = zbus_systemd::systemd1::UnitProxy::builder(&self.conn)
-            .path(path)?
-            .cache_properties(zbus::proxy::CacheProperties::No)
-            .build()
-            .await?
-            .active_state()
-            .await?;
+        let state = self.unit_at(&path).await?.active_state().await?;
         Ok(Some(activity(&state)))
     }
 
@@ -297,26 +301,27 @@ impl Units for SystemdBus {
     }
 
     async fn stop(&self, unit: &str) -> Result<(), SystemdError> {
-        let Some(now) = self.activity_of(unit).await? else {
+        let Some(path) = self.unit_path(unit).await? else {
             return Ok(());
         };
+        let now = activity(&self.unit_at(&path).await?.active_state().await?);
         if now == UnitActivity::Failed {
             // A failed unit is already stopped; resetting lets it be collected.
             return Ok(self.manager().await?.reset_failed_unit(unit.into()).await?);
         }
-        let terminated = now == UnitActivity::Active
-            && match self.terminate(unit).await {
-                Ok(gone) => gone,
-                Err(e) => {
-                    tracing::debug!(unit, "SIGTERM to the unit: {e}; stopping it instead");
-                    false
-                }
-            };
-        let name = unit.to_owned();
-        let res = if terminated {
-            Ok(())
+        let ended = if now == UnitActivity::Active {
+            self.terminate(unit, &path).await.unwrap_or_else(|e| {
+                tracing::debug!(unit, "SIGTERM to the unit: {e}; stopping it instead");
+                Ended::No
+            })
         } else {
-            match self
+            Ended::No
+        };
+        let name = unit.to_owned();
+        let res = match ended {
+            Ended::Removed => return Ok(()),
+            Ended::Down => Ok(()),
+            Ended::No => match self
                 .run_job(unit, "stop", |m| async move {
                     m.stop_unit(name, "replace".into()).await
                 })
@@ -324,7 +329,7 @@ impl Units for SystemdBus {
             {
                 Err(SystemdError::Bus(e)) if no_such_unit(&e) => Ok(()),
                 r => r,
-            }
+            },
         };
         if let Ok(Some(left)) = self.activity_of(unit).await {
             let manager = self.manager().await?;
@@ -343,14 +348,10 @@ impl Units for SystemdBus {
     }
 
     async fn get(&self, unit: &str) -> Result<Option<UnitObs>, SystemdError> {
-        let Some(svc) = self.service(unit).await? else {
+        let Some(path) = self.unit_path(unit).await? else {
             return Ok(None);
         };
-        let unit_iface = zbus_systemd::systemd1::UnitProxy::builder(&self.conn)
-            .path(svc.inner().path().to_owned())?
-            .cache_properties(zbus::proxy::CacheProperties::No)
-            .build()
-            .await?;
+        let (unit_iface, svc) = (self.unit_at(&path).await?, self.service_at(&path).await?);
         let active = unit_iface.active_state().await?;
         let load = unit_iface.load_state().await?;
         if load == "not-found" {
@@ -414,12 +415,14 @@ async fn drain<S: futures::Stream + Unpin, T>(
     }
 }
 
-/// Inactive, failed, or no longer loaded.
-fn is_down(a: Option<UnitActivity>) -> bool {
-    matches!(
-        a,
-        None | Some(UnitActivity::Inactive | UnitActivity::Failed)
-    )
+/// How a `terminate` ended.
+enum Ended {
+    /// The unit went away (it is collected).
+    Removed,
+    /// Inactive or failed, and maybe still loaded.
+    Down,
+    /// Not within its time: a stop job must do it.
+    No,
 }
 
 fn no_such_unit(e: &zbus::Error) -> bool {

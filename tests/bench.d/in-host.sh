@@ -4,6 +4,7 @@
 set -euo pipefail
 seq_n=$1 burst_n=$2 many_n=$3
 dir=/etc/kvirt/vmis.d
+resync_s=300
 status=/run/kvirt/status
 # Waiting polls without starting a process per look (bash builtins, a
 # read that times out on a pipe that never speaks): the benchmark must not
@@ -218,26 +219,23 @@ kvirtd_pid() { systemctl show -P MainPID kvirtd; }
 kvirtd_rss_mib() { awk '/^VmRSS:/ {printf "%.1f", $2 / 1024}' "/proc/$(kvirtd_pid)/status"; }
 kvirtd_threads() { awk '/^Threads:/ {print $2}' "/proc/$(kvirtd_pid)/status"; }
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$(kvirtd_pid)/stat"; }
-# kvirtd's CPU over $1 seconds, in percent of one CPU.
-kvirtd_cpu() {
-  local a b hz
-  hz=$(getconf CLK_TCK)
-  a=$(cpu_ticks); sleep "$1"; b=$(cpu_ticks)
-  awk -v d=$((b - a)) -v s="$1" -v hz="$hz" 'BEGIN {printf "%.2f", d / hz / s * 100}'
-}
 
-# kvirtd's CPU over $1 seconds by thread name (percent of one CPU), as a
-# JSON object: where idle time goes.
-kvirtd_thread_cpu() {
-  local pid t hz; pid=$(kvirtd_pid); hz=$(getconf CLK_TCK)
+# kvirtd's CPU over $1 seconds: the total in percent of one CPU, then
+# the same by thread name as a JSON object (where idle time goes; threads
+# that ended within the window count only in the total).
+kvirtd_idle_cpu() {
+  local pid t hz a0 b0; pid=$(kvirtd_pid); hz=$(getconf CLK_TCK)
   declare -A a=() b=()
+  a0=$(cpu_ticks)
   for t in /proc/"$pid"/task/*; do a[$t]=$(awk '{print $14 + $15}' "$t/stat" 2>/dev/null || echo 0); done
   sleep "$1"
+  b0=$(cpu_ticks)
   for t in /proc/"$pid"/task/*; do
     b[$t]="$(cat "$t/comm" 2>/dev/null) $(( $(awk '{print $14 + $15}' "$t/stat" 2>/dev/null || echo 0) - ${a[$t]:-0} ))"
   done
+  awk -v d=$((b0 - a0)) -v s="$1" -v hz="$hz" 'BEGIN {printf "%.3f ", d / hz / s * 100}'
   printf '%s\n' "${b[@]}" | awk -v s="$1" -v hz="$hz" '{ n = $1; for (i = 2; i < NF; i++) n = n " " $i; d[n] += $NF }
-    END { printf "{"; sep = ""; for (k in d) { printf "%s\"%s\": %.2f", sep, k, d[k] / hz / s * 100; sep = ", " } printf "}" }'
+    END { printf "{"; sep = ""; for (k in d) { printf "%s\"%s\": %.3f", sep, k, d[k] / hz / s * 100; sep = ", " } printf "}" }'
 }
 
 # Waits (up to $1 s) for the host to idle: under 10 % of its CPUs busy
@@ -269,9 +267,12 @@ many() {
   # Idle figures once the guests have finished booting.
   wait_idle 300
   local mem; mem=$(helper_memory | mem_json)
-  local rss threads idle
-  rss=$(kvirtd_rss_mib); threads=$(kvirtd_threads); idle=$(kvirtd_cpu 30)
-  local by_thread; by_thread=$(kvirtd_thread_cpu 30)
+  local rss threads idle by_thread
+  rss=$(kvirtd_rss_mib); threads=$(kvirtd_threads)
+  # Idle over one whole resync period (kvirtd's default, 5 minutes): the
+  # figure includes exactly one resync of every VM, as any such stretch
+  # of an idle host's life does.
+  read -r idle by_thread < <(kvirtd_idle_cpu "$resync_s")
   local before after r0 ready_ms
   before=$(qemu_pids)
   r0=$(now_ms)

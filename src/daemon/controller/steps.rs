@@ -21,7 +21,7 @@ use crate::sources::{EventReason, Recorder};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::time::Duration;
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 /// What one pass knows that its steps need.
 pub(super) struct StepCtx<'a> {
@@ -75,6 +75,27 @@ impl<A: Adapters> Controller<A> {
         }
     }
 
+    /// Runs one stage's steps at once (see `plan::stages`); their results
+    /// in the stage's order.
+    pub(super) async fn run_stage(
+        &self,
+        stage: &[Step],
+        c: &StepCtx<'_>,
+    ) -> Vec<Result<(), ControllerError>> {
+        futures::future::join_all(stage.iter().map(|step| async move {
+            let t = tokio::time::Instant::now();
+            let result = self.run_step(step, c).await;
+            debug!(
+                ?step,
+                ms = t.elapsed().as_millis() as u64,
+                ok = result.is_ok(),
+                "step"
+            );
+            result
+        }))
+        .await
+    }
+
     /// Undoes what a failed start made, best effort: whatever the host has
     /// of `id` is torn down as for a deleted VMI.
     pub(super) async fn rollback(&self, id: &str, dom: Option<&DomainRef>) {
@@ -115,15 +136,24 @@ impl<A: Adapters> Controller<A> {
             converted: None,
             dom,
         };
-        for step in p.steps {
-            // A VM that never started needs no grace.
-            let step = match step {
+        // A VM that never started needs no grace.
+        let steps: Vec<Step> = p
+            .steps
+            .into_iter()
+            .map(|step| match step {
                 Step::ShutdownDomain { .. } => Step::ShutdownDomain {
                     grace: Duration::ZERO,
                 },
                 s => s,
-            };
-            if let Err(e) = self.run_step(&step, &ctx).await {
+            })
+            .collect();
+        for stage in plan::stages(&steps) {
+            for e in self
+                .run_stage(stage, &ctx)
+                .await
+                .into_iter()
+                .filter_map(Result::err)
+            {
                 warn!("rollback: {e}");
             }
         }
@@ -284,13 +314,14 @@ impl<A: Adapters> Controller<A> {
         self.deps.units.start(&spec).await.map_err(sd_err(c.id))
     }
 
+    /// The connection to the VM's daemon closes while the unit stops: a
+    /// close needs the daemon's answer, which under load came late, and
+    /// the daemon ending ends the connection anyway.
     async fn stop_unit(&self, id: &str) -> Result<(), ControllerError> {
-        self.deps.hypervisor.forget(id).await;
-        self.deps
-            .units
-            .stop(&key::unit_name_of(id))
-            .await
-            .map_err(sd_err(id))
+        let unit = key::unit_name_of(id);
+        let (_, stopped) =
+            tokio::join!(self.deps.hypervisor.forget(id), self.deps.units.stop(&unit));
+        stopped.map_err(sd_err(id))
     }
 
     // Its domain.
@@ -337,7 +368,8 @@ impl<A: Adapters> Controller<A> {
                 false,
             );
         }
-        self.shutdown(&self.step_domain(c), grace).await
+        let deadline = self.grace_deadline(c.id, grace);
+        self.shutdown(&self.step_domain(c), deadline).await
     }
 
     /// ACPI power button, re-sent, until the guest is off or the grace
@@ -345,9 +377,12 @@ impl<A: Adapters> Controller<A> {
     /// unit's stop ends QEMU. Between looks
     /// it waits for the domain's next event (a second at most): a hundred
     /// VMs in their grace periods cost their daemons nothing.
-    async fn shutdown(&self, d: &DomainRef, grace: Duration) -> Result<(), ControllerError> {
+    async fn shutdown(
+        &self,
+        d: &DomainRef,
+        deadline: tokio::time::Instant,
+    ) -> Result<(), ControllerError> {
         let hv = &self.deps.hypervisor;
-        let deadline = tokio::time::Instant::now() + grace;
         let mut next_press = tokio::time::Instant::now();
         // Subscribed before the first look, so no change after it is missed.
         let mut changes = hv.changes(&d.id);
