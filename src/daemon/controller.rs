@@ -362,19 +362,15 @@ impl<A: Adapters> Controller<A> {
                 .cloned(),
         );
         let now = tokio::time::Instant::now();
-        let mut unwanted = self.unwanted.lock().unwrap_or_else(|p| p.into_inner());
-        unwanted.retain(|id, _| {
+        let deleted = |id: &String| {
             incoming
                 .get(id)
                 .is_none_or(|v| v.metadata.deletion_timestamp.is_some())
-        });
-        for id in &changed {
-            if incoming
-                .get(id)
-                .is_none_or(|v| v.metadata.deletion_timestamp.is_some())
-            {
-                unwanted.entry(id.clone()).or_insert(now);
-            }
+        };
+        let mut unwanted = self.unwanted.lock().unwrap_or_else(|p| p.into_inner());
+        unwanted.retain(|id, _| deleted(id));
+        for id in changed.iter().filter(|id| deleted(id)) {
+            unwanted.entry(id.clone()).or_insert(now);
         }
         *vmis = incoming;
         changed.sort();
