@@ -41,6 +41,17 @@ fn installed_observed_upgraded_removed_and_purged_as_a_package() {
     assert!(h
         .ok("man -w kvirtd 2>/dev/null || ls /usr/share/man/man8/kvirtd.8.gz")
         .contains("kvirtd.8"));
+    // The man pages point to the manual, which is installed beside them.
+    for page in ["man8/kvirtd.8.gz", "man1/kvirtctl.1.gz"] {
+        let see_also = h.ok(&format!("zcat /usr/share/man/{page} | grep -A2 'SEE ALSO'"));
+        assert!(
+            see_also.contains("/usr/share/doc/kvirt"),
+            "{page}: {see_also}"
+        );
+    }
+    for page in manual_pages() {
+        h.ok(&format!("test -s /usr/share/doc/kvirt/docs/{page}"));
+    }
 
     h.create_vm("pkg", "run");
     h.wait_phase("pkg", "Running", BOOT);
@@ -183,6 +194,18 @@ fn run(cmd: &str) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
+/// The manual's pages, as the tree has them (`docs/*.md`).
+fn manual_pages() -> impl Iterator<Item = String> {
+    let mut pages: Vec<String> = std::fs::read_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/docs"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".md"))
+        .collect();
+    pages.sort();
+    assert!(pages.len() >= 10, "{pages:?}");
+    pages.into_iter()
+}
+
 #[test]
 fn the_rpm_carries_the_same_files_and_declares_its_dependencies() {
     let (Ok(rpm), Ok(deb)) = (std::env::var("KVIRT_RPM"), std::env::var("KVIRT_DEB")) else {
@@ -205,7 +228,13 @@ fn the_rpm_carries_the_same_files_and_declares_its_dependencies() {
         "/usr/share/kvirt/kubernetes/rbac.yaml",
         "/usr/share/man/man8/kvirtd.8.gz",
         "/usr/share/man/man1/kvirtctl.1.gz",
-    ] {
+        "/usr/share/doc/kvirt/README.md",
+    ]
+    .into_iter()
+    .map(str::to_owned)
+    .chain(manual_pages().map(|p| format!("/usr/share/doc/kvirt/docs/{p}")))
+    {
+        let f = f.as_str();
         assert!(
             files.lines().any(|l| l == f),
             "{f} not in the rpm:\n{files}"

@@ -168,9 +168,29 @@ fn main() -> Result<()> {
         }
         Command::Man => {
             use clap::CommandFactory;
-            clap_mangen::Man::new(Args::command().name("kvirtctl"))
-                .section("1")
-                .render(&mut std::io::stdout())?;
+            kvirt::daemon::man::render(
+                Args::command().name("kvirtctl"),
+                "1",
+                &[
+                    (
+                        "/etc/kvirt/kvirtd.toml",
+                        "kvirtd's configuration, for its directories",
+                    ),
+                    (
+                        "/run/kvirt/status/",
+                        "each VMI with its status (standalone)",
+                    ),
+                    (
+                        "/run/kvirt/control.sock",
+                        "kvirtd's control socket, root's alone",
+                    ),
+                    (
+                        "/run/kvirt/vms/<ns>_<name>/serial.sock",
+                        "a VM's serial console",
+                    ),
+                ],
+                &mut std::io::stdout(),
+            )?;
             Ok(())
         }
     }

@@ -90,9 +90,32 @@ fn main() -> Result<()> {
     let args = Args::parse();
     if args.print_man {
         use clap::CommandFactory;
-        clap_mangen::Man::new(Args::command().name("kvirtd"))
-            .section("8")
-            .render(&mut std::io::stdout())?;
+        kvirt::daemon::man::render(
+            Args::command().name("kvirtd"),
+            "8",
+            &[
+                (
+                    "/etc/kvirt/kvirtd.toml",
+                    "the configuration (docs/configuration.md)",
+                ),
+                (
+                    "/etc/kvirt/kvirtd.toml.d/*.toml",
+                    "drop-ins, merged key by key in name order",
+                ),
+                (
+                    "/etc/kvirt/vmis.d/",
+                    "VMI and VirtualMachine manifests (standalone)",
+                ),
+                ("/etc/kvirt/kubeconfig", "the node identity in a cluster"),
+                ("/var/lib/kvirt/", "VMs' state, leases, identities, grants"),
+                (
+                    "/run/kvirt/",
+                    "VMs' runtime files, status, the control socket",
+                ),
+                ("/var/cache/kvirt/", "the containerDisk image cache"),
+            ],
+            &mut std::io::stdout(),
+        )?;
         return Ok(());
     }
     if args.print_crd || args.print_rbac {

@@ -4,12 +4,12 @@
 //! VMI that does not fit is left for another host. Pure.
 
 use crate::core::vmi::VirtualMachineInstance;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::BTreeMap;
 
 /// A taint of this host (`[kubernetes] node_taints`), as a Node's.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct Taint {
     pub key: String,

@@ -10,7 +10,7 @@ use crate::core::quantity::parse_bytes;
 /// clear of system, login, dynamic and container users.
 const DEFAULT_IDENTITIES: (u32, u32) = (1_879_048_192, 1_879_113_727);
 use crate::core::layout::{DaemonKind, HostLayout};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -32,7 +32,7 @@ pub enum ConfigError {
     Invalid { path: PathBuf, message: String },
 }
 
-#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct Config {
     /// This host's node name (`status.nodeName`); the hostname when empty.
@@ -48,7 +48,7 @@ pub struct Config {
 }
 
 /// kvirtd's control socket (`kvirtctl start|stop|restart`).
-#[derive(Clone, Debug, Default, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ControlConfig {
     /// A group whose members may use it besides root; empty: root only.
@@ -69,7 +69,7 @@ impl ControlConfig {
     }
 }
 
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct MetricsConfig {
     /// Address of the Prometheus endpoint (`/metrics`); empty: none.
@@ -90,7 +90,7 @@ impl MetricsConfig {
     }
 }
 
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct NetworkConfig {
     /// The node's VM subnet on the bridge `kvirt0` (gateway: its first
@@ -114,7 +114,7 @@ impl Default for NetworkConfig {
     }
 }
 
-#[derive(Clone, Copy, Debug, Default, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum SourceKind {
     /// Manifests in `source.directory`; status in each VM's runtime dir.
@@ -124,7 +124,7 @@ pub enum SourceKind {
     Kubernetes,
 }
 
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct KubernetesConfig {
     /// kubeconfig kvirtd connects with (a host daemon, not a pod).
@@ -164,7 +164,7 @@ impl Default for KubernetesConfig {
     }
 }
 
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct SourceConfig {
     pub kind: SourceKind,
@@ -174,7 +174,7 @@ pub struct SourceConfig {
     pub resync_seconds: u64,
 }
 
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct PathsConfig {
     pub state_dir: PathBuf,
@@ -182,7 +182,7 @@ pub struct PathsConfig {
     pub cache_dir: PathBuf,
 }
 
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Emulation {
     /// Use KVM when `/dev/kvm` answers, TCG otherwise.
@@ -193,7 +193,7 @@ pub enum Emulation {
     Never,
 }
 
-#[derive(Clone, Copy, Debug, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Deserialize, Serialize, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum DaemonChoice {
     /// virtqemud when installed, else libvirtd.
@@ -202,7 +202,7 @@ pub enum DaemonChoice {
     Libvirtd,
 }
 
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct VmConfig {
     /// kvirt's own unprivileged user (sysusers.d): owns nothing of a VM.
@@ -217,7 +217,7 @@ pub struct VmConfig {
     pub tasks_max: u64,
 }
 
-#[derive(Clone, Debug, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct StorageConfig {
     /// Standalone: hostDisk paths must lie under one of these.

@@ -241,8 +241,27 @@ mod tests {
         }
     }
 
-    fn as_nobody(socket: &Path) -> String {
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
+    /// This test binary where another user can run it: a checkout may sit
+    /// in a directory only root may enter (`/root` is 0700), so it is
+    /// linked (or copied, across file systems) into a directory of its own
+    /// that anyone may traverse.
+    fn reachable_by_anyone() -> (tempfile::TempDir, std::path::PathBuf) {
+        let dir = tempfile::Builder::new()
+            .prefix("kvirt-test-exe")
+            .tempdir_in("/tmp")
+            .unwrap();
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+        let exe = dir.path().join("test");
+        let me = std::env::current_exe().unwrap();
+        if std::fs::hard_link(&me, &exe).is_err() {
+            std::fs::copy(&me, &exe).unwrap();
+        }
+        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).unwrap();
+        (dir, exe)
+    }
+
+    fn as_nobody(exe: &Path, socket: &Path) -> String {
+        let out = std::process::Command::new(exe)
             .args([
                 "--exact",
                 "daemon::control::tests::client_as_another_user",
@@ -254,7 +273,12 @@ mod tests {
             .gid(65534)
             .output()
             .unwrap();
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        // A child that could not even start its test says why here.
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
     }
 
     #[tokio::test]
@@ -294,8 +318,9 @@ mod tests {
         assert!(root.ok, "{root:?}");
 
         // Another user: the socket's mode keeps it out...
-        let p = path.clone();
-        let out = tokio::task::spawn_blocking(move || as_nobody(&p))
+        let (_exe_dir, exe) = reachable_by_anyone();
+        let (p, e) = (path.clone(), exe.clone());
+        let out = tokio::task::spawn_blocking(move || as_nobody(&e, &p))
             .await
             .unwrap();
         assert!(
@@ -305,7 +330,7 @@ mod tests {
         // ...and were the mode wrong, its credentials do.
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o666)).unwrap();
         let p = path.clone();
-        let out = tokio::task::spawn_blocking(move || as_nobody(&p))
+        let out = tokio::task::spawn_blocking(move || as_nobody(&exe, &p))
             .await
             .unwrap();
         assert!(out.contains("ANSWER ok=false permission denied"), "{out}");

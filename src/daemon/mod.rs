@@ -1,11 +1,13 @@
 //! What composes the rest: the controller (the level-triggered loop over
 //! `host` adapters and a `sources` status store), its configuration and
-//! metrics, and a recording fake of every adapter for the loop's tests.
+//! metrics, a recording fake of every adapter for the loop's tests, and
+//! the man pages of the binaries.
 
 pub mod config;
 pub mod control;
 pub mod controller;
 pub mod fake;
+pub mod man;
 pub mod metrics;
 pub mod serve;
 pub mod vms;
