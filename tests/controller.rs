@@ -35,6 +35,7 @@ fn settings() -> Settings {
         tasks_max: 1024,
         shutdown_resend: Duration::from_secs(5),
         capacity: None,
+        limits: kvirt::core::convert::Limits::default(),
     }
 }
 
@@ -508,6 +509,42 @@ async fn the_loop_runs_vms_from_triggers() {
         host.state().domains["default_b"].state,
         DomainState::Running
     );
+    drop(tx);
+    task.abort();
+}
+
+#[tokio::test]
+async fn a_pass_that_panics_is_reported_and_retried_and_holds_up_no_other_vm() {
+    let host = FakeHost::default();
+    host.state().panic.insert("define default_a".into());
+    let ctl = controller(&host);
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let task = tokio::spawn(ctl.clone().run(tx.clone(), rx, None));
+    tx.send(Trigger::Vmis(set(&[
+        vmi("a", "ua", ""),
+        vmi("b", "ub", ""),
+    ])))
+    .unwrap();
+    wait_for(|| phase(&host, "b") == Some(Phase::Running)).await;
+    wait_for(|| {
+        host.state().events.iter().any(|(k, r, m)| {
+            k.name() == "a"
+                && *r == EventReason::SyncFailed
+                && m.contains("panicked: injected panic: define default_a")
+        })
+    })
+    .await;
+    // The loop still knows the pass ended: the retry (after its backoff)
+    // runs the VM once the bug is gone.
+    host.state().panic.clear();
+    wait_for(|| phase(&host, "a") == Some(Phase::Running)).await;
+    let panics = host
+        .state()
+        .events
+        .iter()
+        .filter(|(k, r, _)| k.name() == "a" && *r == EventReason::SyncFailed)
+        .count();
+    assert_eq!(panics, 1, "one Event for a run of panics");
     drop(tx);
     task.abort();
 }

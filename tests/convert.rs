@@ -84,6 +84,7 @@ fn convert_fixture(
         host_disk_roots: &roots,
         cluster: f.cluster,
         capacity: None,
+        limits: kvirt::core::convert::Limits::default(),
     };
     let all = convert_all_errors(&vmi, &ctx);
     // `convert` must agree with `convert_all_errors` and report the first.
@@ -201,6 +202,7 @@ fn error_display_names_the_field() {
             host_disk_roots: &[PathBuf::from(HOST_DISK_ROOT)],
             cluster: false,
             capacity: None,
+            limits: kvirt::core::convert::Limits::default(),
         },
     )
     .unwrap_err();

@@ -539,6 +539,7 @@ fn the_readmes_first_vm_converts() {
         host_disk_roots: &[],
         cluster: false,
         capacity: None,
+        limits: kvirt::core::convert::Limits::default(),
     };
     let c = convert(&vmi, &ctx).unwrap_or_else(|e| panic!("{e}\n{yaml}"));
     assert!(c.network.is_some(), "the pod network by default");

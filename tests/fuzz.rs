@@ -12,8 +12,10 @@ use kvirt::core::dhcp::{handle_datagram, LeaseConfig};
 use kvirt::core::identity::{IdRange, Identities};
 use kvirt::core::ipam::{Leases, Subnet};
 use kvirt::core::key::VmKey;
-use kvirt::core::layout::HostLayout;
+use kvirt::core::layout::{HostLayout, VmPaths};
+use kvirt::core::plan::{plan, Desired, DomainObs, DomainState, Observed, UnitActivity, UnitObs};
 use kvirt::core::quantity::{parse_bytes, parse_millis};
+use kvirt::core::status::next_status;
 use kvirt::core::vmi::VirtualMachineInstance;
 use proptest::prelude::*;
 use std::net::Ipv4Addr;
@@ -52,20 +54,44 @@ spec:
     hostDisk: {path: /srv/vms/a.img, type: Disk}
 ";
 
-/// Converts whatever parsed; the XML is bounded by the input's size.
-fn convert_any(vmi: &VirtualMachineInstance, input_len: usize) {
-    let Ok(key) = vmi.key() else { return };
-    let paths = HostLayout::default().vm(&key);
-    let ctx = ConvertContext {
-        key: &key,
-        paths: &paths,
+/// Quantities as a VMI author may write them: numbers of any size with any
+/// suffix, and text that is no quantity at all.
+fn quantity() -> impl Strategy<Value = String> {
+    prop_oneof![
+        (
+            any::<u64>(),
+            proptest::sample::select(vec![
+                "", "Ki", "Mi", "Gi", "Ti", "Pi", "Ei", "k", "M", "G", "m", "e3", "e18"
+            ])
+        )
+            .prop_map(|(n, s)| format!("{n}{s}")),
+        "[0-9.eE+-]{0,24}[a-zA-Z]{0,3}",
+    ]
+}
+
+/// The context a host with 64 GiB and 64 CPUs converts in.
+fn context<'a>(key: &'a VmKey, paths: &'a VmPaths) -> ConvertContext<'a> {
+    ConvertContext {
+        key,
+        paths,
         domain_type: DomainType::Qemu,
-        host_disk_roots: &["/srv/vms".into()],
+        host_disk_roots: &[],
         cluster: false,
         capacity: Some(HostCapacity {
             memory_bytes: 64 << 30,
             cpus: 64,
         }),
+        limits: kvirt::core::convert::Limits::default(),
+    }
+}
+
+/// Converts whatever parsed; the XML is bounded by the input's size.
+fn convert_any(vmi: &VirtualMachineInstance, input_len: usize) {
+    let Ok(key) = vmi.key() else { return };
+    let paths = HostLayout::default().vm(&key);
+    let ctx = ConvertContext {
+        host_disk_roots: &["/srv/vms".into()],
+        ..context(&key, &paths)
     };
     if let Ok(c) = convert(vmi, &ctx) {
         assert!(
@@ -131,6 +157,70 @@ proptest! {
         }
         if let Ok(vmi) = VirtualMachineInstance::from_json(&text) {
             convert_any(&vmi, bytes.len());
+        }
+    }
+
+    #[test]
+    fn any_field_values_convert_plan_and_report_without_panicking(
+        grace in prop_oneof![-5i64..100_000, any::<i64>()],
+        memory in quantity(),
+        cores in prop_oneof![0i64..300, any::<i64>()],
+        sockets in prop_oneof![0i64..10, any::<i64>()],
+        disk in quantity(),
+        cpu_limit in quantity(),
+        phase in proptest::sample::select(vec!["", "Pending", "Scheduled", "Running", "Succeeded", "Failed"]),
+        state in 0usize..6,
+    ) {
+        let yaml = format!(
+            "apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {{name: vm, namespace: ns, uid: u1}}
+spec:
+  terminationGracePeriodSeconds: {grace}
+  domain:
+    memory: {{guest: \"{memory}\"}}
+    cpu: {{cores: {cores}, sockets: {sockets}}}
+    resources: {{limits: {{cpu: \"{cpu_limit}\"}}}}
+    devices: {{disks: [{{name: a}}]}}
+  volumes: [{{name: a, emptyDisk: {{capacity: \"{disk}\"}}}}]
+status: {{phase: \"{phase}\"}}
+"
+        );
+        let Ok(vmi) = VirtualMachineInstance::from_yaml(&yaml) else { return Ok(()) };
+        convert_any(&vmi, yaml.len());
+        let key = vmi.key().unwrap();
+        let paths = HostLayout::default().vm(&key);
+        let invalid = convert(&vmi, &context(&key, &paths)).err().map(|e| e.to_string());
+        let desired = Desired {
+            uid: "u1".into(),
+            grace: vmi.termination_grace_period(),
+            phase: vmi.status.phase,
+            invalid,
+        };
+        let states = [DomainState::Running, DomainState::Paused, DomainState::Shutdown,
+                      DomainState::Crashed, DomainState::Shutoff, DomainState::Other];
+        let obs = Observed {
+            unit: Some(UnitObs {
+                activity: UnitActivity::Active,
+                uid: Some("u1".into()),
+                daemon: None,
+                grace: Some(vmi.termination_grace_period()),
+                domain_name: None,
+                result: String::new(),
+                restarts: 0,
+            }),
+            domain: Some(DomainObs {
+                state: states[state],
+                uid: Some("u1".into()),
+                paused: None,
+                machine: None,
+                agent: false,
+            }),
+            ..Observed::default()
+        };
+        for (d, o) in [(Some(&desired), &obs), (None, &obs), (Some(&desired), &Observed::default())] {
+            let p = plan(d, o);
+            let _ = next_status(&vmi.status, &p.outcome, "node", "2026-01-01T00:00:00Z");
         }
     }
 

@@ -411,6 +411,7 @@ fn the_test_manifests_convert() {
             host_disk_roots: &["/var/lib/kvirt/images".into()],
             cluster: false,
             capacity: None,
+            limits: kvirt::core::convert::Limits::default(),
         };
         let c = convert(&vmi, &ctx).unwrap_or_else(|e| panic!("{e}\n{m}"));
         assert!(c.network.is_some());

@@ -491,6 +491,7 @@ fn domxml(config: &Config, file: &Path, domain_type: DomainTypeArg) -> Result<()
         cluster: true,
         // Nor on the host it is made on: it may be for another.
         capacity: None,
+        limits: config.vm.limits().map_err(anyhow::Error::msg)?,
     };
     match convert::convert_all_errors(&vmi, &ctx) {
         Ok(c) => {

@@ -292,6 +292,7 @@ fn settings(config: &Config) -> Result<Settings> {
                 warn!("the host's memory and CPUs: {e}; VMs are not checked against them")
             })
             .ok(),
+        limits: config.vm.limits().map_err(anyhow::Error::msg)?,
     })
 }
 

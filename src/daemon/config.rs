@@ -1,7 +1,7 @@
 //! kvirtd's configuration: `/etc/kvirt/kvirtd.toml`, every field optional,
 //! defaults that run on one host with nothing else installed.
 
-use crate::core::convert::HostDiskRoots;
+use crate::core::convert::{HostDiskRoots, Limits};
 use crate::core::identity::IdRange;
 use crate::core::image::ImageLimits;
 use crate::core::quantity::parse_bytes;
@@ -215,6 +215,21 @@ pub struct VmConfig {
     /// Memory the unit may use beyond the guest's (daemon, QEMU, TCG cache).
     pub overhead_mib: u64,
     pub tasks_max: u64,
+    /// The longest terminationGracePeriodSeconds a VMI may ask for.
+    pub max_grace_period_seconds: u64,
+    /// The most a VM's own writable disks (emptyDisks, DiskOrCreate
+    /// hostDisks) may grow to together (a quantity such as "1Ti").
+    pub max_disk_size: String,
+}
+
+impl VmConfig {
+    pub fn limits(&self) -> Result<Limits, String> {
+        Ok(Limits {
+            max_grace_seconds: self.max_grace_period_seconds,
+            max_disk_bytes: parse_bytes(&self.max_disk_size)
+                .map_err(|e| format!("vm.max_disk_size: {e}"))?,
+        })
+    }
 }
 
 #[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
@@ -288,6 +303,8 @@ impl Default for VmConfig {
             emulation: Emulation::Auto,
             overhead_mib: 256,
             tasks_max: 1024,
+            max_grace_period_seconds: Limits::DEFAULT_MAX_GRACE_SECONDS,
+            max_disk_size: "1Ti".into(),
         }
     }
 }
@@ -382,6 +399,7 @@ impl Config {
             )));
         }
         self.storage.image_limits().map_err(invalid)?;
+        self.vm.limits().map_err(invalid)?;
         self.storage.image_cache_bytes().map_err(invalid)?;
         for root in &self.storage.host_disk_roots {
             if !root.is_absolute() {
@@ -599,6 +617,20 @@ mod tests {
         std::fs::remove_file(d.join("30-bad.toml")).unwrap();
         std::fs::remove_file(&main).unwrap();
         assert_eq!(Config::load(&main, false).unwrap().vm.tasks_max, 9);
+    }
+
+    #[test]
+    fn vm_limits_are_a_grace_and_a_quantity() {
+        let c = Config::parse(
+            "[vm]\nmax_grace_period_seconds = 60\nmax_disk_size = \"10Gi\"\n",
+            Path::new("x"),
+        )
+        .unwrap();
+        let l = c.vm.limits().unwrap();
+        assert_eq!((l.max_grace_seconds, l.max_disk_bytes), (60, 10 << 30));
+        assert_eq!(Config::default().vm.limits().unwrap(), Limits::default());
+        let e = Config::parse("[vm]\nmax_disk_size = \"big\"\n", Path::new("x")).unwrap_err();
+        assert!(e.to_string().contains("vm.max_disk_size"), "{e}");
     }
 
     #[test]

@@ -8,6 +8,7 @@ mod steps;
 
 use crate::core::convert::{
     self, network::NetSpec, ConvertContext, Converted, DomainType, HostCapacity, HostDiskRoots,
+    Limits,
 };
 use crate::core::efivars;
 use crate::core::key::{self, VmKey};
@@ -36,7 +37,7 @@ use std::time::Duration;
 use steps::StepCtx;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tokio::sync::oneshot;
-use tracing::{info, warn, Instrument};
+use tracing::{error, info, warn, Instrument};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ControllerError {
@@ -131,6 +132,8 @@ pub struct Settings {
     pub shutdown_resend: Duration,
     /// The host's memory and CPUs; `None`: VMs are not checked against them.
     pub capacity: Option<HostCapacity>,
+    /// What the host allows one VM.
+    pub limits: Limits,
 }
 
 /// The systems one controller drives, named once: the host's adapters and
@@ -385,7 +388,12 @@ impl<A: Adapters> Controller<A> {
             .unwrap_or_else(|p| p.into_inner())
             .get(id)
             .copied();
-        since.unwrap_or_else(tokio::time::Instant::now) + grace
+        let since = since.unwrap_or_else(tokio::time::Instant::now);
+        // A grace period past the clock's range (admission refuses them,
+        // but a VM may predate a lower limit) ends when time would.
+        since
+            .checked_add(grace)
+            .unwrap_or_else(|| since + Duration::from_secs(100 * 365 * 86_400))
     }
 
     /// Every id the host or the source knows of.
@@ -428,6 +436,7 @@ impl<A: Adapters> Controller<A> {
                 host_disk_roots: self.settings.host_disk_roots.of(key.namespace()),
                 cluster: self.settings.cluster,
                 capacity: self.settings.capacity,
+                limits: self.settings.limits,
             },
         )
         .map_err(|e| e.to_string())
@@ -964,7 +973,7 @@ impl<A: Adapters> Controller<A> {
         mut rx: UnboundedReceiver<Trigger>,
         adopted: Option<oneshot::Sender<()>>,
     ) {
-        let (done_tx, mut done_rx) = unbounded_channel::<(String, Result<Reconciled, String>)>();
+        let (done_tx, mut done_rx) = unbounded_channel::<(String, Result<Reconciled, Failure>)>();
         let mut running: HashSet<String> = HashSet::new();
         let mut dirty: HashSet<String> = HashSet::new();
         let mut failures: HashMap<String, u32> = HashMap::new();
@@ -978,10 +987,29 @@ impl<A: Adapters> Controller<A> {
             let this = self.clone();
             let done = done_tx.clone();
             tokio::spawn(async move {
-                let r = this.reconcile(&id).await.map_err(|e| {
-                    this.metrics.error(e.reason());
-                    e.to_string()
+                // The pass runs as a task of its own: a panic in it (a bug,
+                // or input nothing foresaw) ends that pass, not the loop's
+                // knowledge that it ended, so the VM is retried, not lost.
+                let pass = tokio::spawn({
+                    let (this, id) = (this.clone(), id.clone());
+                    async move { this.reconcile(&id).await }
                 });
+                let r = match pass.await {
+                    Ok(r) => r.map_err(|e| {
+                        this.metrics.error(e.reason());
+                        Failure {
+                            message: e.to_string(),
+                            panicked: false,
+                        }
+                    }),
+                    Err(e) => {
+                        this.metrics.error("panic");
+                        Err(Failure {
+                            message: format!("internal error: the VM's pass {}", panic_text(e)),
+                            panicked: true,
+                        })
+                    }
+                };
                 let _ = done.send((id, r));
             });
         };
@@ -1025,13 +1053,22 @@ impl<A: Adapters> Controller<A> {
                             }
                             r.requeue_after
                         }
-                        Err(e) => {
+                        Err(Failure { message, panicked }) => {
                             let n = failures.entry(id.clone()).or_default();
                             *n += 1;
                             let delay = Duration::from_secs(1 << (*n).min(6));
                             journal::vm_span(&id, None).in_scope(|| {
-                                warn!(retry_in = ?delay, "reconcile failed: {e}")
+                                if panicked {
+                                    error!(retry_in = ?delay, "{message}")
+                                } else {
+                                    warn!(retry_in = ?delay, "reconcile failed: {message}")
+                                }
                             });
+                            if panicked && *n == 1 {
+                                if let Some(v) = self.vmis().get(&id) {
+                                    self.deps.recorder.record(v, EventReason::SyncFailed, &message, true);
+                                }
+                            }
                             Some(delay)
                         }
                     };
@@ -1048,6 +1085,26 @@ impl<A: Adapters> Controller<A> {
             }
         }
     }
+}
+
+/// Why a VM's pass did not finish: its error, or a panic.
+struct Failure {
+    message: String,
+    panicked: bool,
+}
+
+/// What a pass's panic said, for the log and the VM's Event.
+fn panic_text(e: tokio::task::JoinError) -> String {
+    if !e.is_panic() {
+        return "was cancelled".into();
+    }
+    let payload = e.into_panic();
+    let text = payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "a non-text panic".into());
+    format!("panicked: {text}")
 }
 
 fn status_err(id: &str) -> impl FnOnce(SourceError) -> ControllerError + '_ {

@@ -55,6 +55,8 @@ pub struct HostState {
     pub calls: Vec<String>,
     /// Calls (by their recorded text prefix) that fail.
     pub fail: BTreeSet<String>,
+    /// Calls (by prefix) that panic, as a bug in an adapter would.
+    pub panic: BTreeSet<String>,
     /// VM ids whose libvirt daemon does not answer.
     pub unresponsive: BTreeSet<String>,
     /// Ids whose daemon's socket cannot be connected to.
@@ -126,7 +128,10 @@ impl FakeHost {
     fn call(&self, what: String) -> bool {
         let mut s = self.state();
         let fail = s.fail.iter().any(|f| what.starts_with(f.as_str()));
-        s.calls.push(what);
+        let panic = s.panic.iter().any(|f| what.starts_with(f.as_str()));
+        s.calls.push(what.clone());
+        drop(s);
+        assert!(!panic, "injected panic: {what}");
         fail
     }
 

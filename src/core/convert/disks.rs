@@ -258,6 +258,7 @@ fn volumes<'v>(
     let mut preps = Vec::new();
     let mut host_paths = BTreeSet::new();
     let mut cloud_init_seen = false;
+    let mut writable = DiskBudget::new(ctx.limits.max_disk_bytes);
     for (i, v) in volumes.iter().enumerate() {
         let path = format!("spec.volumes[{i}]");
         if !is_dns_label(&v.name) {
@@ -411,7 +412,9 @@ fn volumes<'v>(
                         errs.add(format!("{p}.capacity"), "required with type DiskOrCreate")
                     }
                     (HostDiskType::DiskOrCreate, Some(q)) => {
-                        if let Some(size_bytes) = capacity(q, &format!("{p}.capacity"), errs) {
+                        let field = format!("{p}.capacity");
+                        if let Some(size_bytes) = capacity(q, &field, errs) {
+                            writable.charge(size_bytes, &field, errs);
                             preps.push(DiskPrep::CreateRawIfMissing {
                                 volume: v.name.clone(),
                                 path: file.clone(),
@@ -429,7 +432,9 @@ fn volumes<'v>(
                 let p = format!("{path}.emptyDisk");
                 errs.reject_extra(&p, &ed.extra);
                 let file = ctx.paths.empty_disk(&v.name);
-                if let Some(size_bytes) = capacity(&ed.capacity, &format!("{p}.capacity"), errs) {
+                let field = format!("{p}.capacity");
+                if let Some(size_bytes) = capacity(&ed.capacity, &field, errs) {
+                    writable.charge(size_bytes, &field, errs);
                     preps.push(DiskPrep::CreateQcow2 {
                         volume: v.name.clone(),
                         path: file.clone(),
@@ -536,6 +541,37 @@ fn ephemeral(eph: &Ephemeral, ctx: &ConvertContext, p: &str, errs: &mut Errors) 
         errs.add(format!("{p}.capacity"), "the overlay has the base's size");
     }
     host_disk_path(&hd.path, ctx, &format!("{p}.path"), errs)
+}
+
+/// What the VM's own writable disks may grow to together: a guest fills
+/// what it is given, so a VMI asking for more than the host allows one VM
+/// is refused, with both figures, at the disk that crosses the line.
+struct DiskBudget {
+    max: u64,
+    used: u64,
+}
+
+impl DiskBudget {
+    fn new(max: u64) -> Self {
+        Self { max, used: 0 }
+    }
+
+    fn charge(&mut self, bytes: u64, field: &str, errs: &mut Errors) {
+        let before = self.used;
+        self.used = self.used.saturating_add(bytes);
+        if before <= self.max && self.used > self.max {
+            let gib = |b: u64| format!("{:.1} GiB", b as f64 / (1u64 << 30) as f64);
+            errs.add(
+                field,
+                format!(
+                    "brings the VM's writable disks (emptyDisks and DiskOrCreate hostDisks) \
+                     to {}, more than this host allows one VM ({}, vm.max_disk_size)",
+                    gib(self.used),
+                    gib(self.max)
+                ),
+            );
+        }
+    }
 }
 
 fn capacity(q: &crate::core::quantity::Quantity, field: &str, errs: &mut Errors) -> Option<u64> {
@@ -705,6 +741,31 @@ volumes:
             &vmi(&format!("domain: {{memory: {{guest: 64Mi}}, devices: {{disks: {disks}}}}}\nvolumes: {volumes}")),
             DomainType::Kvm,
         ))
+    }
+
+    #[test]
+    fn writable_disks_beyond_the_hosts_limit_are_refused_with_the_figures() {
+        // The default limit is 1 TiB per VM: 512 GiB twice fits, a third
+        // crosses it (and only that one is named), 50 TiB alone crosses it.
+        let two = vmi("domain: {memory: {guest: 64Mi}, devices: {disks: [{name: a}, {name: b}]}}\nvolumes: [{name: a, emptyDisk: {capacity: 512Gi}}, {name: b, hostDisk: {path: /srv/vms/b, type: DiskOrCreate, capacity: 512Gi}}]");
+        assert!(run(&two, DomainType::Kvm).is_ok());
+        let three = disk_errors(
+            "[{name: a}, {name: b}, {name: c}]",
+            "[{name: a, emptyDisk: {capacity: 512Gi}}, {name: b, emptyDisk: {capacity: 512Gi}}, {name: c, emptyDisk: {capacity: 1Mi}}, ]",
+        );
+        assert_eq!(three, ["spec.volumes[2].emptyDisk.capacity"]);
+        let huge = vmi("domain: {memory: {guest: 64Mi}, devices: {disks: [{name: a}]}}\nvolumes: [{name: a, emptyDisk: {capacity: 50Ti}}]");
+        let e = run(&huge, DomainType::Kvm)
+            .expect_err("50 TiB")
+            .remove(0)
+            .to_string();
+        assert!(
+            e.contains("spec.volumes[0].emptyDisk.capacity")
+                && e.contains("51200.0 GiB")
+                && e.contains("1024.0 GiB")
+                && e.contains("vm.max_disk_size"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -112,6 +112,33 @@ pub struct ConvertContext<'a> {
     /// What the host has: a VM asking for more is refused up front, as
     /// kubelet refuses a pod that cannot fit. `None`: not checked.
     pub capacity: Option<HostCapacity>,
+    /// What the host allows one VM, whatever it has.
+    pub limits: Limits,
+}
+
+/// What the host allows one VM (`[vm]` settings): a VMI asking for more is
+/// refused with both figures, before anything is made.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Limits {
+    /// The longest `terminationGracePeriodSeconds` accepted.
+    pub max_grace_seconds: u64,
+    /// The most the VM's own writable disks (emptyDisks, DiskOrCreate
+    /// hostDisks) may grow to, together.
+    pub max_disk_bytes: u64,
+}
+
+impl Limits {
+    pub const DEFAULT_MAX_GRACE_SECONDS: u64 = 86_400;
+    pub const DEFAULT_MAX_DISK_BYTES: u64 = 1 << 40;
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_grace_seconds: Self::DEFAULT_MAX_GRACE_SECONDS,
+            max_disk_bytes: Self::DEFAULT_MAX_DISK_BYTES,
+        }
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -355,6 +382,7 @@ pub fn convert_all_errors(
     if let Some(cap) = ctx.capacity {
         check_fits(memory_bytes, vcpus, cap, &mut errs);
     }
+    check_grace(spec.termination_grace_period_seconds, ctx.limits, &mut errs);
     let (uuid, os, sysinfo, needs) = firmware::convert(vmi, ctx.key, dom, &mut errs);
     let features = features::convert(dom.features.as_ref(), needs, ctx.domain_type, &mut errs);
     let clock = clock::convert(dom.clock.as_ref(), &mut errs);
@@ -516,6 +544,23 @@ fn check_fits(memory_bytes: u64, vcpus: u32, cap: HostCapacity, errs: &mut Error
     }
 }
 
+/// A grace period longer than the host allows would hold a deleted VM (and
+/// its resources) for that long; a negative one means nothing.
+fn check_grace(seconds: Option<i64>, limits: Limits, errs: &mut Errors) {
+    let field = "spec.terminationGracePeriodSeconds";
+    match seconds {
+        Some(s) if s < 0 => errs.add(field, format!("{s} is negative")),
+        Some(s) if s.unsigned_abs() > limits.max_grace_seconds => errs.add(
+            field,
+            format!(
+                "{s} s is longer than this host allows ({} s, vm.max_grace_period_seconds)",
+                limits.max_grace_seconds
+            ),
+        ),
+        _ => {}
+    }
+}
+
 fn check_spec_fields(extra: &Extra, errs: &mut Errors) {
     for (k, v) in extra {
         // hostname and subdomain are read by `network::guest_names`.
@@ -640,6 +685,7 @@ pub(crate) mod test_support {
                     memory_bytes: 64 << 30,
                     cpus: 64,
                 }),
+                limits: Limits::default(),
             },
         )
     }
@@ -678,6 +724,25 @@ mod tests {
     }
 
     #[test]
+    fn a_grace_period_longer_than_the_host_allows_is_refused() {
+        let grace = |s: &str| vmi(&format!("terminationGracePeriodSeconds: {s}\n{MEM}"));
+        assert!(run(&grace("86400"), DomainType::Kvm).is_ok());
+        let e = run(&grace("9223372036854775807"), DomainType::Kvm)
+            .expect_err("the longest i64")
+            .remove(0)
+            .to_string();
+        assert!(
+            e.starts_with("spec.terminationGracePeriodSeconds:")
+                && e.contains("9223372036854775807 s is longer than this host allows (86400 s"),
+            "{e}"
+        );
+        assert_eq!(
+            fields(run(&grace("-1"), DomainType::Kvm)),
+            ["spec.terminationGracePeriodSeconds"]
+        );
+    }
+
+    #[test]
     fn a_name_too_long_for_the_vms_sockets_is_refused_with_the_limit() {
         let layout = crate::core::layout::HostLayout::default();
         let fits = |name: &str| {
@@ -702,6 +767,7 @@ mod tests {
                 host_disk_roots: &[],
                 cluster: false,
                 capacity: None,
+                limits: Limits::default(),
             },
         )
         .expect_err("too long");
