@@ -514,6 +514,53 @@ async fn the_loop_runs_vms_from_triggers() {
 }
 
 #[tokio::test]
+async fn limits_keep_a_vm_from_starting_but_never_stop_one_that_runs() {
+    let with_disk = |name: &str, uid: &str| {
+        VirtualMachineInstance::from_yaml(&format!(
+            "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata: {{name: {name}, namespace: default, uid: {uid}}}\nspec:\n  domain:\n    memory: {{guest: 64Mi}}\n    devices: {{disks: [{{name: d}}]}}\n  volumes: [{{name: d, emptyDisk: {{capacity: 2Gi}}}}]\n"
+        ))
+        .unwrap()
+    };
+    let host = FakeHost::default();
+    let before = controller(&host);
+    before.set_vmis(set(&[with_disk("runs", "u1")])).await;
+    before.reconcile("default_runs").await.unwrap();
+    assert_eq!(phase(&host, "runs"), Some(Phase::Running));
+
+    // kvirtd restarts with a lower limit: the running VM is left alone...
+    let lower = Settings {
+        limits: kvirt::core::convert::Limits {
+            max_disk_bytes: 1 << 30,
+            ..Default::default()
+        },
+        ..settings()
+    };
+    let after: Arc<Ctl> = Controller::new(host.deps(), lower);
+    after
+        .set_vmis(set(&[with_disk("runs", "u1"), with_disk("new", "u2")]))
+        .await;
+    host.take_calls();
+    after.reconcile("default_runs").await.unwrap();
+    assert_eq!(phase(&host, "runs"), Some(Phase::Running));
+    let calls = host.take_calls();
+    assert!(
+        !calls
+            .iter()
+            .any(|c| c.starts_with("stop") || c.starts_with("shutdown")),
+        "{calls:?}"
+    );
+    // ...and a new one asking as much is refused before anything is made.
+    after.reconcile("default_new").await.unwrap();
+    let why = refused(&host, "default", "new");
+    assert!(why.contains("vm.max_disk_size"), "{why}");
+    let calls = host.take_calls();
+    assert!(
+        !calls.iter().any(|c| c.contains("default_new")),
+        "{calls:?}"
+    );
+}
+
+#[tokio::test]
 async fn a_pass_that_panics_is_reported_and_retried_and_holds_up_no_other_vm() {
     let host = FakeHost::default();
     host.state().panic.insert("define default_a".into());

@@ -422,7 +422,15 @@ impl<A: Adapters> Controller<A> {
         self.settings.layout.vm_by_id(id)
     }
 
-    fn convert(&self, vmi: &VirtualMachineInstance, key: &VmKey) -> Result<Converted, String> {
+    /// `admitted`: the VM's unit runs already. The host's capacity and
+    /// limits keep a VM from starting, never stop one that runs (a limit
+    /// lowered, or kvirt upgraded, under it).
+    fn convert(
+        &self,
+        vmi: &VirtualMachineInstance,
+        key: &VmKey,
+        admitted: bool,
+    ) -> Result<Converted, String> {
         if vmi.uid().is_none() {
             return Err("metadata.uid: the VMI has no UID".into());
         }
@@ -435,8 +443,12 @@ impl<A: Adapters> Controller<A> {
                 domain_type: self.settings.domain_type,
                 host_disk_roots: self.settings.host_disk_roots.of(key.namespace()),
                 cluster: self.settings.cluster,
-                capacity: self.settings.capacity,
-                limits: self.settings.limits,
+                capacity: self.settings.capacity.filter(|_| !admitted),
+                limits: if admitted {
+                    Limits::NONE
+                } else {
+                    self.settings.limits
+                },
             },
         )
         .map_err(|e| e.to_string())
@@ -544,14 +556,23 @@ impl<A: Adapters> Controller<A> {
         vmi: Option<VirtualMachineInstance>,
         key: Option<VmKey>,
     ) -> Result<Reconciled, ControllerError> {
-        let converted = match (&vmi, &key) {
-            (Some(v), Some(k)) => Some(self.convert(v, k)),
-            _ => None,
-        };
         let dom = key
             .as_ref()
             .map(|k| self.domain_ref(id, None, &k.domain_name()));
         let mut obs = self.observe(id, dom.as_ref()).await?;
+        let converted = match (&vmi, &key) {
+            (Some(v), Some(k)) => {
+                // Only the host says what was admitted: a VMI's status is
+                // its author's to write too (KubeVirt's CRD has no status
+                // subresource).
+                let admitted = obs
+                    .unit
+                    .as_ref()
+                    .is_some_and(|u| u.uid.is_some() && u.uid.as_deref() == v.uid());
+                Some(self.convert(v, k, admitted))
+            }
+            _ => None,
+        };
         if self.daemon_restarted(id, obs.unit.as_ref()) {
             warn!("the VM's libvirt daemon died and was started again; the VM kept running");
             if let Some(v) = &vmi {

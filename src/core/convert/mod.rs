@@ -130,6 +130,11 @@ pub struct Limits {
 impl Limits {
     pub const DEFAULT_MAX_GRACE_SECONDS: u64 = 86_400;
     pub const DEFAULT_MAX_DISK_BYTES: u64 = 1 << 40;
+    /// No limit: for a VM that was admitted and runs.
+    pub const NONE: Limits = Limits {
+        max_grace_seconds: u64::MAX,
+        max_disk_bytes: u64::MAX,
+    };
 }
 
 impl Default for Limits {
