@@ -832,6 +832,18 @@ fn a_vm_that_escaped_into_its_qemu_reaches_nothing_of_another() {
             "a write to the capability cache",
             "touch /var/cache/kvirt/probe/cache/x".into(),
         ),
+        // kvirt's records name every tenant of the host.
+        (
+            "the host's VM identities",
+            "head -c1 /var/lib/kvirt/identities.json".into(),
+        ),
+        (
+            "the host's address leases",
+            "ls /var/lib/kvirt/network".into(),
+        ),
+        ("the hostDisk grants", "ls /var/lib/kvirt/grants".into()),
+        ("other VMs' log positions", "ls /run/kvirt/qemu-log".into()),
+        ("the VMs' status", "ls /run/kvirt/status".into()),
     ];
     let script: String = tries
         .iter()
@@ -845,6 +857,23 @@ fn a_vm_that_escaped_into_its_qemu_reaches_nothing_of_another() {
     let out = as_vm(&h, "ea", &format!("{script}{own}"));
     assert!(leaks(&out).is_empty(), "{out}");
     assert!(out.contains("OWN-OK"), "{out}");
+    // A local user outside every VM reads none of kvirt's records either;
+    // root does, so they are there to be read.
+    let records = "/var/lib/kvirt/identities.json /var/lib/kvirt/network/leases.json \
+                   /var/lib/kvirt/grants /run/kvirt/qemu-log /run/kvirt/status";
+    h.ok(&format!("for f in {records}; do test -e $f; done"));
+    let local = h.ok(&format!(
+        "for f in {records}; do
+           if setpriv --reuid=65534 --regid=65534 --clear-groups \
+                sh -c \"if [ -d $f ]; then ls $f; else head -c1 $f; fi\" >/dev/null 2>&1; then
+             echo LEAK $f
+           fi
+         done; echo DONE"
+    ));
+    assert!(
+        leaks(&local).is_empty() && local.contains("DONE"),
+        "{local}"
+    );
     // Seen but untouchable: without ProtectProc=invisible (it breaks
     // libvirt's check of its client, kvirtd) B's QEMU is listed.
     h.remove_vm_and_wait_gone("ea");

@@ -339,9 +339,13 @@ async fn run(config: Config) -> Result<()> {
         .context("connecting to systemd over D-Bus")?;
     systemd.watch(unit_tx).await.context("watching units")?;
     let machines = Machined::new(systemd.connection());
+    let storage = HostStorage::new(settings.layout.clone());
+    storage
+        .seal_records()
+        .context("making kvirt's records of its VMs root's alone")?;
     let network = host_network(&config, &settings)?;
     let (identities, dropped) = IdentityStore::open(
-        settings.layout.state_dir.join("identities.json"),
+        settings.layout.identities_file(),
         USERDB.into(),
         config.vm.identities,
     )
@@ -349,7 +353,6 @@ async fn run(config: Config) -> Result<()> {
     for d in dropped {
         warn!("{d}");
     }
-    let storage = HostStorage::new(settings.layout.clone());
     match storage.sweep_staging() {
         Ok(0) => {}
         Ok(n) => info!("removed {n} half-made files a previous kvirtd left in staging"),
@@ -577,7 +580,7 @@ fn host_network(config: &Config, settings: &Settings) -> Result<HostNetwork> {
         dhcp_lease_secs: n.dhcp_lease_seconds,
         netns_dir: kvirt::host::netns::NETNS_DIR.into(),
     };
-    let leases = settings.layout.state_dir.join("network/leases.json");
+    let leases = settings.layout.leases_file();
     let (network, dropped) =
         HostNetwork::start(net_settings, leases).context("setting up the host network")?;
     for d in dropped {

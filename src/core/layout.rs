@@ -129,6 +129,44 @@ impl HostLayout {
         self.state_dir.join("efi-vars")
     }
 
+    /// Which uid each VM has.
+    pub fn identities_file(&self) -> PathBuf {
+        self.state_dir.join("identities.json")
+    }
+
+    /// Which address each VM has.
+    pub fn leases_file(&self) -> PathBuf {
+        self.state_dir.join("network").join("leases.json")
+    }
+
+    /// How far each VM's QEMU log has been forwarded to the journal.
+    pub fn log_positions_dir(&self) -> PathBuf {
+        self.runtime_dir.join("qemu-log")
+    }
+
+    /// kvirt's records of every VM on the host (names, uids, addresses,
+    /// grants, VirtualMachines, status, log positions): directories root's
+    /// alone (0700), and hidden from every VM's unit, so no VM or local
+    /// user lists the host's tenants.
+    pub fn root_only_dirs(&self) -> Vec<PathBuf> {
+        vec![
+            self.leases_file()
+                .parent()
+                .map(PathBuf::from)
+                .unwrap_or_default(),
+            self.grants_dir(),
+            self.virtual_machines_dir(),
+            self.efi_vars_dir(),
+            self.status_dir(),
+            self.log_positions_dir(),
+        ]
+    }
+
+    /// ...and the files of that kind that sit in shared directories (0600).
+    pub fn root_only_files(&self) -> Vec<PathBuf> {
+        vec![self.identities_file(), self.manifest_errors_file()]
+    }
+
     pub fn vm(&self, key: &VmKey) -> VmPaths {
         VmPaths::new(self, &key.id())
     }

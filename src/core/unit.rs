@@ -181,6 +181,17 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
         ),
     ];
     properties.extend(sandbox());
+    // kvirt's records of every VM (names, uids, addresses...) are root's
+    // alone anyway; the VM does not even see them.
+    for p in properties.iter_mut() {
+        if let Prop::Strs("InaccessiblePaths", paths) = p {
+            paths.extend(
+                (i.host.root_only_dirs().iter())
+                    .chain(&i.host.root_only_files())
+                    .map(|p| format!("-{}", s(p))),
+            );
+        }
+    }
     properties.extend([
         Prop::TmpFs("TemporaryFileSystem", hidden),
         Prop::Binds("BindPaths", binds),
@@ -456,6 +467,19 @@ mod tests {
             "/var/lib/kvirt/images/a.img".into(),
             "/var/lib/kvirt/images/a.img".into()
         )));
+        // kvirt's records of every VM are not even there to try.
+        let Prop::Strs(_, records) = find(&u, "InaccessiblePaths") else {
+            panic!()
+        };
+        for r in [
+            "-/var/lib/kvirt/identities.json",
+            "-/var/lib/kvirt/network",
+            "-/var/lib/kvirt/grants",
+            "-/run/kvirt/status",
+            "-/run/kvirt/qemu-log",
+        ] {
+            assert!(records.contains(&r.to_owned()), "{r}: {records:?}");
+        }
         // Nothing is shared with other VMs: no capability cache, no group.
         assert!(binds.iter().all(|(src, _)| !src.starts_with("/var/cache")));
         assert_eq!(find(&u, "UMask"), &Prop::U32("UMask", 0o077));

@@ -8,6 +8,7 @@
 use crate::core::identity::{self, IdRange, Identities, IdentityError};
 use crate::host::commit::GroupCommit;
 use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -257,7 +258,14 @@ fn save(file: &Path, ids: &Identities) -> Result<(), IdentityStoreError> {
     let dir = file.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(io(dir, "create directory"))?;
     let tmp = file.with_extension("json.tmp");
-    let mut f = std::fs::File::create(&tmp).map_err(io(&tmp, "create"))?;
+    // Root's alone: which uid each VM has names every tenant of the host.
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .open(&tmp)
+        .map_err(io(&tmp, "create"))?;
     f.write_all(&ids.encode())
         .and_then(|()| f.sync_all())
         .map_err(io(&tmp, "write"))?;

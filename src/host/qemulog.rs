@@ -55,7 +55,7 @@ impl<K: Sink> Forwarder<K> {
     }
 
     fn offsets_dir(&self) -> PathBuf {
-        self.layout.runtime_dir.join("qemu-log")
+        self.layout.log_positions_dir()
     }
 
     /// One pass over every VM's log; errors are per file, the rest go on.
@@ -392,7 +392,7 @@ mod tests {
         std::fs::remove_dir_all(layout.vm_by_id("default_vm1").state_dir).unwrap();
         again.pass();
         assert_eq!(
-            std::fs::read_dir(layout.runtime_dir.join("qemu-log"))
+            std::fs::read_dir(layout.log_positions_dir())
                 .unwrap()
                 .count(),
             0

@@ -193,6 +193,23 @@ impl HostStorage {
         Ok(swept)
     }
 
+    /// kvirt's records of every VM made root's alone (see
+    /// `HostLayout::root_only_dirs`), also where an earlier kvirt left them
+    /// readable. For kvirtd's start, before anything is written there.
+    pub fn seal_records(&self) -> std::io::Result<()> {
+        for dir in self.host.root_only_dirs() {
+            std::fs::create_dir_all(&dir)?;
+            std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
+        }
+        for file in self.host.root_only_files() {
+            match std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
     /// This storage, making files for the VM whose identity is `owner`.
     fn for_vm(&self, owner: Option<Owner>) -> Self {
         Self {
@@ -1072,6 +1089,37 @@ mod tests {
 
     /// A kill -9 mid-way through making a seed ISO leaves its secrets in
     /// staging; the next start sweeps them, links and all, following none.
+    #[test]
+    fn kvirts_records_of_its_vms_are_made_root_s_alone() {
+        let t = tempfile::tempdir().unwrap();
+        let host = HostLayout {
+            state_dir: t.path().join("lib"),
+            runtime_dir: t.path().join("run"),
+            cache_dir: t.path().join("cache"),
+        };
+        // As an earlier kvirt left them: readable by anyone.
+        for d in host.root_only_dirs() {
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        std::fs::write(host.identities_file(), "{}").unwrap();
+        std::fs::set_permissions(
+            host.identities_file(),
+            std::fs::Permissions::from_mode(0o644),
+        )
+        .unwrap();
+        HostStorage::new(host.clone()).seal_records().unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        for d in host.root_only_dirs() {
+            assert_eq!(mode(&d), 0o700, "{}", d.display());
+        }
+        assert_eq!(mode(&host.identities_file()), 0o600);
+        // A file not made yet stays unmade; a second start changes nothing.
+        assert!(!host.manifest_errors_file().exists());
+        HostStorage::new(host.clone()).seal_records().unwrap();
+        assert!(host.leases_file().parent().unwrap().is_dir());
+    }
+
     #[test]
     fn the_next_start_sweeps_staging() {
         let tmp = tempfile::tempdir().unwrap();

@@ -299,7 +299,18 @@ fn write_errors(file: &Path, errors: &BTreeMap<PathBuf, String>) -> std::io::Res
         std::fs::create_dir_all(dir)?;
     }
     let tmp = file.with_extension("json.tmp");
-    std::fs::write(&tmp, serde_json::to_vec_pretty(&list).expect("JSON"))?;
+    {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        // Root's alone: the manifests' paths name the host's tenants.
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(&serde_json::to_vec_pretty(&list).expect("JSON"))?;
+    }
     std::fs::rename(&tmp, file)
 }
 
