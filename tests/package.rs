@@ -255,6 +255,8 @@ fn the_rpm_carries_the_same_files_and_declares_its_dependencies() {
         "xorriso",
         "systemd",
         "libvirt.so.0()(64bit)",
+        // Each VM's user is a userdb record, which nss-systemd serves.
+        "libnss_systemd.so.2()(64bit)",
     ] {
         assert!(
             requires.lines().any(|l| l.trim() == dep),
@@ -267,9 +269,32 @@ fn the_rpm_carries_the_same_files_and_declares_its_dependencies() {
         "preset kvirtd.service",
         "try-restart kvirtd.service",
         "disable --now kvirtd.service",
+        "/etc/nsswitch.conf",
     ] {
         assert!(scripts.contains(want), "{want} missing:\n{scripts}");
     }
+    // Its nsswitch.conf step, run on a copy: passwd and group come to ask
+    // nss-systemd, once, and nothing else changes.
+    let nss_step = scripts
+        .split("if [ -f /etc/nsswitch.conf ]; then")
+        .nth(1)
+        .and_then(|rest| rest.split("\nfi\n").next())
+        .expect("the rpm's %post takes care of nsswitch.conf");
+    let dir = tempfile::tempdir().unwrap();
+    let conf = dir.path().join("nsswitch.conf");
+    std::fs::write(&conf, "passwd:  files\ngroup:   files\nshadow:  files\n").unwrap();
+    let step = format!("if true; then{nss_step}\nfi\n")
+        .replace("/etc/nsswitch.conf", &conf.display().to_string());
+    for _ in 0..2 {
+        run(&format!(
+            "PATH=/usr/bin:/bin sh -c '{}'",
+            step.replace('\'', "'\\''")
+        ));
+    }
+    assert_eq!(
+        std::fs::read_to_string(&conf).unwrap(),
+        "passwd:  files systemd\ngroup:   files systemd\nshadow:  files\n"
+    );
     let deps = run(&format!("dpkg-deb -f {deb} Depends"));
     for dep in [
         "libvirt-daemon-driver-qemu",
