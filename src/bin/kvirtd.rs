@@ -377,7 +377,9 @@ async fn run(config: Config) -> Result<()> {
                     .storage
                     .image_cache_bytes()
                     .map_err(anyhow::Error::msg)?,
-                Box::new(move || kvirt::host::storage::granted_paths(&layout)),
+                Box::new(move || {
+                    kvirt::host::grants::Grants::new(layout.grants_dir()).lent_paths()
+                }),
             )
         },
     };

@@ -90,6 +90,40 @@ impl Acl {
         out
     }
 
+    /// The ACL a file has while it is lent to VMs: `baseline` (the file's
+    /// own ACL before the first loan) with an entry for each borrower.
+    /// The mask must let the borrowers in, and a mask grants every named
+    /// entry and the owning group as much, so those are first cut to what
+    /// the baseline's mask let them have: nobody else gains anything, and
+    /// with no loans left the baseline is back exactly.
+    pub fn lent(baseline: &Acl, loans: &[(u32, u16)]) -> Acl {
+        if loans.is_empty() {
+            return baseline.clone();
+        }
+        let mask = baseline.0.iter().find(|e| e.tag == MASK).map(|e| e.perm);
+        let mut a = Acl(baseline
+            .0
+            .iter()
+            .filter(|e| {
+                e.tag != MASK && !loans.iter().any(|(uid, _)| e.tag == USER && e.id == *uid)
+            })
+            .map(|e| match (e.tag, mask) {
+                (USER | GROUP | GROUP_OBJ, Some(m)) => Entry {
+                    perm: e.perm & m,
+                    ..*e
+                },
+                _ => *e,
+            })
+            .collect());
+        a.0.extend(loans.iter().map(|&(id, perm)| Entry {
+            tag: USER,
+            id,
+            perm,
+        }));
+        a.settle();
+        a
+    }
+
     /// Gives `uid` these permissions (its entry replaced if it had one).
     pub fn grant(&mut self, uid: u32, perm: u16) {
         self.0.retain(|e| !(e.tag == USER && e.id == uid));
@@ -187,6 +221,66 @@ mod tests {
         a.grant(100_001, READ | WRITE);
         a.revoke(100_001);
         assert_eq!(a.mode_bits(), 0o640);
+    }
+
+    /// getfacl: user::rw- user:1000:rw- group::rw- mask::r-- other::---
+    fn masked() -> Acl {
+        Acl(vec![
+            Entry {
+                tag: USER_OBJ,
+                id: NO_ID,
+                perm: 6,
+            },
+            Entry {
+                tag: USER,
+                id: 1000,
+                perm: 6,
+            },
+            Entry {
+                tag: GROUP_OBJ,
+                id: NO_ID,
+                perm: 6,
+            },
+            Entry {
+                tag: MASK,
+                id: NO_ID,
+                perm: 4,
+            },
+            Entry {
+                tag: OTHER,
+                id: NO_ID,
+                perm: 0,
+            },
+        ])
+    }
+
+    #[test]
+    fn a_loan_widens_nobody_elses_rights_and_gives_back_exactly_what_was_there() {
+        let base = masked();
+        let effective = |a: &Acl, uid: u32| {
+            let mask = a.0.iter().find(|e| e.tag == MASK).map_or(7, |e| e.perm);
+            a.perm_of(uid).map(|p| p & mask)
+        };
+        assert_eq!(effective(&base, 1000), Some(READ));
+        let lent = Acl::lent(&base, &[(100_001, READ | WRITE)]);
+        assert_eq!(effective(&lent, 100_001), Some(READ | WRITE));
+        assert_eq!(
+            effective(&lent, 1000),
+            Some(READ),
+            "user 1000 stays read-only"
+        );
+        let group = lent.0.iter().find(|e| e.tag == GROUP_OBJ).unwrap().perm;
+        assert_eq!(group, READ, "and so does the owning group");
+        // Two borrowers, then one, then none: the baseline, byte for byte.
+        let two = Acl::lent(&base, &[(100_001, READ | WRITE), (100_002, READ)]);
+        assert_eq!(effective(&two, 100_002), Some(READ));
+        assert_eq!(Acl::lent(&base, &[(100_002, READ)]).perm_of(100_001), None);
+        assert_eq!(Acl::lent(&base, &[]).encode(), base.encode());
+        // A file with no ACL of its own comes back to its mode bits alone.
+        let plain = Acl::from_mode(0o640);
+        let l = Acl::lent(&plain, &[(100_001, READ | WRITE)]);
+        assert_eq!(l.mode_bits(), 0o660);
+        assert!(Acl::lent(&plain, &[]).is_minimal());
     }
 
     #[test]

@@ -9,6 +9,7 @@ pub mod capacity;
 pub mod commit;
 pub mod consolelog;
 pub mod dhcp;
+pub mod grants;
 pub mod hugepages;
 pub mod identity;
 pub mod image;

@@ -11,6 +11,7 @@ use crate::core::convert::seed::Seed;
 use crate::core::convert::{Backing, DiskPrep};
 use crate::core::efivars::{self, Kept};
 use crate::host::beneath::{Beneath, Ids};
+use crate::host::grants::Grants;
 use crate::host::hugepages;
 use crate::host::image::ImageDisk;
 
@@ -508,179 +509,19 @@ impl HostStorage {
         }
     }
 
-    /// Gives the VM's identity `perm` on a hostDisk for the VM's life: an
-    /// ACL entry, so the file keeps its owner and mode, other VMs sharing
-    /// it keep theirs, and [`HostStorage::revoke_grants`] leaves it as it
-    /// was. Recorded first, so a crash leaves nothing that is not taken back.
+    /// Lends the VM's identity `perm` on a hostDisk (or a cached image)
+    /// for the VM's life (see [`Grants`]).
     fn grant(&self, path: &Path, perm: u16) -> Result<(), StorageError> {
         let Some(owner) = self.owner else {
             return Ok(());
         };
         let real = std::fs::canonicalize(path).map_err(io(path, "resolve"))?;
-        let file = open_disk(&real)?;
-        let record = self.host.grants_dir().join(format!("{}.json", owner.uid));
-        let mut granted = read_grants(&record)?;
-        if !granted.contains(&real) {
-            granted.push(real.clone());
-            write_grants(&record, &granted)?;
-        }
-        let mut a = read_acl(&file).map_err(io(&real, "read ACL"))?;
-        a.grant(owner.uid, perm);
-        write_acl(&file, &a).map_err(|e| acl_err(&real, e))
+        self.grants().lend(&real, owner.uid, perm)
     }
 
-    /// Takes back every hostDisk given to `uid`; a file gone or replaced
-    /// since is skipped (its new self was never given).
-    fn revoke_grants_blocking(&self, uid: u32) -> Result<(), StorageError> {
-        let record = self.host.grants_dir().join(format!("{uid}.json"));
-        for path in read_grants(&record)? {
-            // Gone, or replaced by a link or something else since: that
-            // was never given, and is not followed.
-            let file = match open_disk(&path) {
-                Ok(f) => f,
-                Err(StorageError::Io { source, .. })
-                    if source.kind() == std::io::ErrorKind::NotFound
-                        || source.raw_os_error() == Some(libc::ELOOP) =>
-                {
-                    continue
-                }
-                Err(StorageError::Disk { .. }) => continue,
-                Err(e) => return Err(e),
-            };
-            let mut a = read_acl(&file).map_err(io(&path, "read ACL"))?;
-            if a.perm_of(uid).is_none() {
-                continue;
-            }
-            a.revoke(uid);
-            write_acl(&file, &a).map_err(|e| acl_err(&path, e))?;
-        }
-        match std::fs::remove_file(&record) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&record, "remove")(e)),
-            _ => Ok(()),
-        }
+    fn grants(&self) -> Grants {
+        Grants::new(self.host.grants_dir())
     }
-}
-
-/// A hostDisk by its real path: a regular file, not a link, never blocking.
-fn open_disk(real: &Path) -> Result<std::fs::File, StorageError> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let f = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK)
-        .open(real)
-        .map_err(io(real, "open"))?;
-    if !f.metadata().map_err(io(real, "stat"))?.is_file() {
-        return Err(StorageError::Disk {
-            path: real.to_owned(),
-            message: "not a regular file".into(),
-        });
-    }
-    Ok(f)
-}
-
-fn acl_err(path: &Path, e: std::io::Error) -> StorageError {
-    if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
-        return StorageError::Disk {
-            path: path.to_owned(),
-            message: "its file system has no POSIX ACLs: a VM cannot be given this hostDisk".into(),
-        };
-    }
-    io(path, "write ACL")(e)
-}
-
-const ACL_XATTR: &std::ffi::CStr = c"system.posix_acl_access";
-
-/// The file's access ACL, or its mode bits as one when it has none.
-fn read_acl(f: &std::fs::File) -> std::io::Result<acl::Acl> {
-    use std::os::fd::AsRawFd;
-    let mut buf = vec![0u8; 4096];
-    // SAFETY: buf is writable for its length; the name is NUL-terminated.
-    let n = unsafe {
-        libc::fgetxattr(
-            f.as_raw_fd(),
-            ACL_XATTR.as_ptr(),
-            buf.as_mut_ptr().cast(),
-            buf.len(),
-        )
-    };
-    if n < 0 {
-        let e = std::io::Error::last_os_error();
-        if e.raw_os_error() == Some(libc::ENODATA) {
-            let mode = f.metadata()?.permissions().mode();
-            return Ok(acl::Acl::from_mode(mode));
-        }
-        return Err(e);
-    }
-    buf.truncate(n as usize);
-    acl::Acl::decode(&buf).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))
-}
-
-/// Sets the file's access ACL; a minimal one goes back to plain mode bits.
-fn write_acl(f: &std::fs::File, a: &acl::Acl) -> std::io::Result<()> {
-    use std::os::fd::AsRawFd;
-    let fd = f.as_raw_fd();
-    if a.is_minimal() {
-        // SAFETY: the name is NUL-terminated.
-        let r = unsafe { libc::fremovexattr(fd, ACL_XATTR.as_ptr()) };
-        if r < 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::ENODATA) {
-                return Err(e);
-            }
-        }
-        let mode = f.metadata()?.permissions().mode() & !0o777 | a.mode_bits();
-        return f.set_permissions(std::fs::Permissions::from_mode(mode));
-    }
-    let bytes = a.encode();
-    // SAFETY: bytes is readable for its length; the name is NUL-terminated.
-    let r = unsafe {
-        libc::fsetxattr(
-            fd,
-            ACL_XATTR.as_ptr(),
-            bytes.as_ptr().cast(),
-            bytes.len(),
-            0,
-        )
-    };
-    if r < 0 {
-        return Err(std::io::Error::last_os_error());
-    }
-    Ok(())
-}
-
-/// Every file some VM has been given and not yet given back: what the
-/// image cache must keep.
-pub fn granted_paths(host: &HostLayout) -> Vec<PathBuf> {
-    std::fs::read_dir(host.grants_dir())
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
-        .flat_map(|e| read_grants(&e.path()).unwrap_or_default())
-        .collect()
-}
-
-/// The hostDisks an identity was given, from root's own record.
-fn read_grants(record: &Path) -> Result<Vec<PathBuf>, StorageError> {
-    match std::fs::read(record) {
-        Ok(text) => serde_json::from_slice(&text).map_err(|e| StorageError::Disk {
-            path: record.to_owned(),
-            message: format!("unreadable: {e}"),
-        }),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Vec::new()),
-        Err(e) => Err(io(record, "read")(e)),
-    }
-}
-
-fn write_grants(record: &Path, granted: &[PathBuf]) -> Result<(), StorageError> {
-    let dir = record.parent().expect("grants/ has a parent");
-    std::fs::create_dir_all(dir).map_err(io(dir, "create directory"))?;
-    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))
-        .map_err(io(dir, "chmod"))?;
-    let tmp = record.with_extension("json.tmp");
-    let text = serde_json::to_vec(granted).expect("paths serialize");
-    std::fs::write(&tmp, text).map_err(io(&tmp, "write"))?;
-    std::fs::rename(&tmp, record).map_err(io(record, "rename"))
 }
 
 /// The VM's variables into its kept directory, when a VM that keeps them
@@ -1044,7 +885,7 @@ impl Storage for HostStorage {
 
     async fn revoke_grants(&self, uid: u32) -> Result<(), StorageError> {
         let this = self.clone();
-        blocking(move || this.revoke_grants_blocking(uid)).await
+        blocking(move || this.grants().give_back(uid)).await
     }
 
     async fn create_probe_dirs(&self, owner: Owner) -> Result<(), StorageError> {
@@ -1639,7 +1480,8 @@ mod tests {
                 .await
                 .unwrap();
         }
-        let acl_of = || read_acl(&std::fs::File::open(&disk).unwrap()).unwrap();
+        let acl_of =
+            || crate::host::grants::read_acl(&std::fs::File::open(&disk).unwrap()).unwrap();
         assert_eq!(acl_of().perm_of(300_001), Some(6));
         assert_eq!(acl_of().perm_of(300_002), Some(6));
         let during = std::fs::metadata(&disk).unwrap();
@@ -1668,8 +1510,10 @@ mod tests {
         std::fs::remove_file(&disk).unwrap();
         std::os::unix::fs::symlink(&outside, &disk).unwrap();
         s.revoke_grants(300_003).await.unwrap();
-        assert!(read_acl(&std::fs::File::open(&outside).unwrap())
-            .unwrap()
-            .is_minimal());
+        assert!(
+            crate::host::grants::read_acl(&std::fs::File::open(&outside).unwrap())
+                .unwrap()
+                .is_minimal()
+        );
     }
 }
