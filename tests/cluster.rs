@@ -454,13 +454,34 @@ fn a_bad_vmi_fails_with_an_event_while_a_good_one_runs() {
         "kubectl get events --field-selector involvedObject.name=k-bad,reason=SyncFailed -o name | grep -q .",
     );
     assert!(!unit_loaded(&a, "k-bad"));
+    // A tenant labelling its VMI for node-a does not pick node-a: the VMI
+    // must fit it as a claimed one would (its nodeSelector does not).
+    apply(
+        &a,
+        &vmi_yaml(
+            "k-picky",
+            "kubevirt.io/nodeName: node-a",
+            "  nodeSelector: {zone: z9}\n",
+        ),
+    );
+    wait_vmi(&a, "k-picky", ".status.phase", "Failed", WAIT);
+    let sync = kubectl(
+        &a,
+        "get vmi k-picky -o jsonpath='{.status.conditions[?(@.type==\"Synchronized\")].message}'",
+    );
+    assert!(
+        sync.contains("placement") && sync.contains("zone=z9"),
+        "{sync}"
+    );
+    assert!(!unit_loaded(&a, "k-picky"));
     kubectl(
         &a,
         "wait vmi/k-good --for=jsonpath='{.status.phase}'=Running --timeout=90s",
     );
+    delete(&a, "k-picky");
     delete(&a, "k-bad");
     delete(&a, "k-good");
-    assert!(host_clean(&a, "k-good") && host_clean(&a, "k-bad"));
+    assert!(host_clean(&a, "k-good") && host_clean(&a, "k-bad") && host_clean(&a, "k-picky"));
 }
 
 #[test]

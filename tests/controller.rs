@@ -36,6 +36,7 @@ fn settings() -> Settings {
         shutdown_resend: Duration::from_secs(5),
         capacity: None,
         limits: kvirt::core::convert::Limits::default(),
+        placement: None,
     }
 }
 
@@ -558,6 +559,86 @@ async fn limits_keep_a_vm_from_starting_but_never_stop_one_that_runs() {
         !calls.iter().any(|c| c.contains("default_new")),
         "{calls:?}"
     );
+}
+
+#[tokio::test]
+async fn a_vmi_labelled_for_this_node_runs_only_where_the_node_would_have_claimed_it() {
+    let host = FakeHost::default();
+    let facts = |taints: Vec<kvirt::core::scheduling::Taint>| kvirt::core::scheduling::HostFacts {
+        node_name: "node-1".into(),
+        labels: [("zone".to_string(), "z1".to_string())].into(),
+        taints,
+        scheduler_name: "kvirt".into(),
+    };
+    let dedicated = kvirt::core::scheduling::Taint {
+        key: "dedicated".into(),
+        value: "vms".into(),
+        effect: "NoSchedule".into(),
+    };
+    let untainted: Arc<Ctl> = Controller::new(
+        host.deps(),
+        Settings {
+            placement: Some(facts(vec![])),
+            ..settings()
+        },
+    );
+    untainted.set_vmis(set(&[vmi("early", "u0", "")])).await;
+    untainted.reconcile("default_early").await.unwrap();
+    assert_eq!(phase(&host, "early"), Some(Phase::Running));
+
+    // The node label alone (a tenant may set it) is not enough.
+    let ctl: Arc<Ctl> = Controller::new(
+        host.deps(),
+        Settings {
+            placement: Some(facts(vec![dedicated])),
+            ..settings()
+        },
+    );
+    let tolerates =
+        "  tolerations: [{key: dedicated, operator: Equal, value: vms, effect: NoSchedule}]\n";
+    ctl.set_vmis(set(&[
+        vmi("early", "u0", ""),
+        vmi(
+            "elsewhere",
+            "u1",
+            &format!("{tolerates}  nodeSelector: {{zone: z2}}\n"),
+        ),
+        vmi("intolerant", "u2", ""),
+        vmi(
+            "other-scheduler",
+            "u3",
+            &format!("{tolerates}  schedulerName: volcano\n"),
+        ),
+        vmi(
+            "fits",
+            "u4",
+            &format!("{tolerates}  nodeSelector: {{zone: z1}}\n"),
+        ),
+    ]))
+    .await;
+    host.take_calls();
+    for (name, why) in [
+        ("elsewhere", "nodeSelector zone=z2"),
+        ("intolerant", "dedicated=vms:NoSchedule"),
+        ("other-scheduler", "volcano"),
+    ] {
+        ctl.reconcile(&format!("default_{name}")).await.unwrap();
+        let msg = refused(&host, "default", name);
+        assert!(
+            msg.contains("placement") && msg.contains(why),
+            "{name}: {msg}"
+        );
+    }
+    assert!(
+        host.take_calls().iter().all(|c| !c.starts_with("start")),
+        "nothing of them was made"
+    );
+    ctl.reconcile("default_fits").await.unwrap();
+    assert_eq!(phase(&host, "fits"), Some(Phase::Running));
+    // A VM that ran before the taint came runs on: placement is admission.
+    ctl.reconcile("default_early").await.unwrap();
+    assert_eq!(phase(&host, "early"), Some(Phase::Running));
+    assert!(reasons(&host).contains(&EventReason::SyncFailed));
 }
 
 #[tokio::test]

@@ -293,6 +293,8 @@ fn settings(config: &Config) -> Result<Settings> {
             })
             .ok(),
         limits: config.vm.limits().map_err(anyhow::Error::msg)?,
+        placement: (config.source.kind == kvirt::daemon::config::SourceKind::Kubernetes)
+            .then(|| config.kubernetes.host_facts(&config.node_name)),
     })
 }
 
@@ -457,15 +459,7 @@ async fn run(config: Config) -> Result<()> {
                 node.clone(),
                 Duration::from_secs(k.lease_seconds),
             ));
-            let claim = k.claim.then(|| {
-                let host = kvirt::core::scheduling::HostFacts {
-                    node_name: node.clone(),
-                    labels: k.node_labels.clone(),
-                    taints: k.node_taints.clone(),
-                    scheduler_name: k.scheduler_name.clone(),
-                };
-                (client.clone(), host)
-            });
+            let claim = k.claim.then(|| (client.clone(), k.host_facts(&node)));
             let control_path = settings.layout.control_socket();
             let control_group = config.control.gid().map_err(anyhow::Error::msg)?;
             let ready = move |_tx: UnboundedSender<Trigger>, view: Arc<dyn VmiView>| {

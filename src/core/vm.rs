@@ -99,8 +99,18 @@ impl VirtualMachine {
                 return Err(format!("spec.{field} is not supported by kvirt"));
             }
         }
-        if self.spec.template.is_none() {
+        let Some(template) = &self.spec.template else {
             return Err("spec.template is missing".into());
+        };
+        // A node is the scheduler's (or a claiming host's) to choose: a
+        // template naming one would skip every placement rule.
+        let labels = template.metadata.as_ref().and_then(|m| m.labels.as_ref());
+        if labels.is_some_and(|l| l.contains_key(crate::core::vmi::NODE_LABEL)) {
+            return Err(format!(
+                "spec.template.metadata.labels[{}]: a VirtualMachine may not choose its node; \
+                 use nodeSelector or affinity",
+                crate::core::vmi::NODE_LABEL
+            ));
         }
         RunStrategy::from_spec(self.spec.run_strategy.as_deref(), self.spec.running)
     }
@@ -877,6 +887,15 @@ mod tests {
             .extra
             .insert("instancetype".into(), json!({"name": "u1.small"}));
         assert!(v.strategy().unwrap_err().contains("spec.instancetype"));
+        v.spec.extra.clear();
+        v.spec.template.as_mut().unwrap().metadata = Some(
+            serde_json::from_value(json!({"labels": {"kubevirt.io/nodeName": "node-1"}})).unwrap(),
+        );
+        let e = v.strategy().unwrap_err();
+        assert!(
+            e.contains("kubevirt.io/nodeName") && e.contains("may not choose its node"),
+            "{e}"
+        );
         let mut v = vm("Always");
         v.spec
             .extra

@@ -16,6 +16,8 @@ use std::time::Duration;
 
 pub const API_VERSION: &str = "kubevirt.io/v1";
 pub const KIND: &str = "VirtualMachineInstance";
+/// virt-handler's selector: the VMIs scheduled to a node carry this label.
+pub const NODE_LABEL: &str = "kubevirt.io/nodeName";
 /// KubeVirt's default when `terminationGracePeriodSeconds` is absent.
 pub const DEFAULT_GRACE_PERIOD: Duration = Duration::from_secs(30);
 

@@ -149,6 +149,18 @@ pub struct KubernetesConfig {
     pub efi_vars_check_seconds: u64,
 }
 
+impl KubernetesConfig {
+    /// What this host offers VMIs, for claiming and for admitting them.
+    pub fn host_facts(&self, node_name: &str) -> crate::core::scheduling::HostFacts {
+        crate::core::scheduling::HostFacts {
+            node_name: node_name.to_owned(),
+            labels: self.node_labels.clone(),
+            taints: self.node_taints.clone(),
+            scheduler_name: self.scheduler_name.clone(),
+        }
+    }
+}
+
 impl Default for KubernetesConfig {
     fn default() -> Self {
         Self {

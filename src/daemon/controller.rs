@@ -14,6 +14,7 @@ use crate::core::efivars;
 use crate::core::key::{self, VmKey};
 use crate::core::layout::{DaemonKind, HostLayout, VmPaths};
 use crate::core::plan::{self, Desired, Observed, Outcome, Step, UnitActivity, UnitObs};
+use crate::core::scheduling::{self, HostFacts};
 use crate::core::status;
 use crate::core::trigger::Trigger;
 use crate::core::unit;
@@ -134,6 +135,10 @@ pub struct Settings {
     pub capacity: Option<HostCapacity>,
     /// What the host allows one VM.
     pub limits: Limits,
+    /// In a cluster, what the host offers (labels, taints, its scheduler):
+    /// a VMI is run only where the host would have claimed it, whoever put
+    /// the node label on it. `None`: the host's own manifests, trusted.
+    pub placement: Option<HostFacts>,
 }
 
 /// The systems one controller drives, named once: the host's adapters and
@@ -433,6 +438,10 @@ impl<A: Adapters> Controller<A> {
     ) -> Result<Converted, String> {
         if vmi.uid().is_none() {
             return Err("metadata.uid: the VMI has no UID".into());
+        }
+        if let (false, Some(host)) = (admitted, &self.settings.placement) {
+            scheduling::fits(vmi, host)
+                .map_err(|why| format!("placement: {why}, so this node does not run it"))?;
         }
         let paths = self.settings.layout.vm(key);
         convert::convert(

@@ -14,8 +14,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use std::borrow::Cow;
 use std::path::Path;
 
-/// virt-handler's selector: the VMIs scheduled to a node carry this label.
-pub const NODE_LABEL: &str = "kubevirt.io/nodeName";
+pub use crate::core::vmi::NODE_LABEL;
 /// kvirt's own finalizer: the VMI stays until its VM is gone from the host.
 pub const FINALIZER: &str = "kvirt.io/host-cleanup";
 /// KubeVirt's, removed once the VMI is final and the host clean, as
