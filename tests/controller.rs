@@ -641,6 +641,57 @@ async fn a_vmi_labelled_for_this_node_runs_only_where_the_node_would_have_claime
     assert!(reasons(&host).contains(&EventReason::SyncFailed));
 }
 
+/// A guest agent connecting and going away in a loop (each change wakes
+/// the VM) gets a few status writes a second, not one per change, and the
+/// last state still reaches the status.
+#[tokio::test(start_paused = true)]
+async fn a_flapping_guest_agent_cannot_flood_the_status_store() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    ctl.set_vmis(set(&[vmi("flap", "u1", "")])).await;
+    ctl.reconcile("default_flap").await.unwrap();
+    host.take_calls();
+    let mut deferred = None;
+    for i in 0..200 {
+        {
+            let mut s = host.state();
+            if i % 2 == 0 {
+                s.agents.insert("default_flap".into(), Default::default());
+            } else {
+                s.agents.remove("default_flap");
+            }
+        }
+        deferred = ctl.reconcile("default_flap").await.unwrap().requeue_after;
+    }
+    let saves = || {
+        host.take_calls()
+            .iter()
+            .filter(|c| c.starts_with("save"))
+            .count()
+    };
+    assert!(saves() <= 5, "a burst of five at most");
+    let metrics = ctl.metrics().encode();
+    let deferred_writes: u64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("kvirt_status_writes_deferred_total "))
+        .and_then(|n| n.trim().parse().ok())
+        .expect("the deferral metric");
+    assert!(deferred_writes >= 150, "{deferred_writes}");
+    // The last change (the agent gone) is written once the budget allows,
+    // by the pass the deferral asked for.
+    let wait = deferred.expect("a deferred write asks for a pass");
+    assert!(wait <= Duration::from_secs(1), "{wait:?}");
+    tokio::time::advance(wait).await;
+    ctl.reconcile("default_flap").await.unwrap();
+    assert_eq!(saves(), 1);
+    let st = host.state().statuses[&VmKey::new("default", "flap").unwrap()].clone();
+    assert!(st
+        .status
+        .conditions
+        .iter()
+        .all(|c| c.type_ != "AgentConnected"));
+}
+
 #[tokio::test]
 async fn a_pass_that_panics_is_reported_and_retried_and_holds_up_no_other_vm() {
     let host = FakeHost::default();

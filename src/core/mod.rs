@@ -8,6 +8,7 @@
 //! `status` (what the VMI reports), with `phase` the transition table.
 
 pub mod acl;
+pub mod budget;
 pub mod convert;
 pub mod dhcp;
 pub mod efivars;

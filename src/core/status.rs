@@ -99,7 +99,8 @@ fn set_guest_agent(status: &mut VmiStatus, agent: Option<&GuestAgent>, now: &str
             let info = a
                 .os_info
                 .iter()
-                .map(|(k, v)| (k.clone(), serde_json::Value::String(v.clone())))
+                .take(GUEST_OS_INFO_KEYS)
+                .map(|(k, v)| (guest_text(k), serde_json::Value::String(guest_text(v))))
                 .collect();
             status
                 .extra
@@ -161,6 +162,21 @@ pub fn set_live(status: &mut VmiStatus, live: &Live, now: &str) {
             .extra
             .insert("machine".into(), serde_json::json!({ "type": m }));
     }
+}
+
+/// The most of a guest-given string the status carries: KubeVirt's
+/// `guestOSInfo` values are names and versions.
+pub const GUEST_TEXT_MAX: usize = 256;
+const GUEST_OS_INFO_KEYS: usize = 16;
+
+/// A string the guest (its agent) sent, as the status may carry it: no
+/// control characters, at most [`GUEST_TEXT_MAX`] characters. Whatever a
+/// hostile guest answers, its VMI's status stays small.
+pub fn guest_text(s: &str) -> String {
+    s.chars()
+        .filter(|c| !c.is_control())
+        .take(GUEST_TEXT_MAX)
+        .collect()
 }
 
 pub const PAUSED: &str = "Paused";
@@ -262,6 +278,39 @@ mod tests {
 
     fn cond<'a>(s: &'a VmiStatus, t: &str) -> Option<&'a Condition> {
         s.conditions.iter().find(|c| c.type_ == t)
+    }
+
+    #[test]
+    fn whatever_a_guest_agent_answers_the_status_stays_small() {
+        let huge = format!("{}\u{1b}[31m\n{}", "a".repeat(1 << 20), "b");
+        let agent = GuestAgent {
+            os_info: (0..100)
+                .map(|i| (format!("key{i:03}\n"), huge.clone()))
+                .collect(),
+        };
+        let mut st = VmiStatus {
+            phase: Some(Phase::Running),
+            ..Default::default()
+        };
+        set_live(
+            &mut st,
+            &Live {
+                agent: Some(agent),
+                ..Default::default()
+            },
+            "t",
+        );
+        let info = st.extra[GUEST_OS_INFO].as_object().unwrap();
+        assert_eq!(info.len(), GUEST_OS_INFO_KEYS);
+        for (k, v) in info {
+            let v = v.as_str().unwrap();
+            assert!(
+                !k.contains('\n') && v.chars().count() <= GUEST_TEXT_MAX,
+                "{k}"
+            );
+            assert!(!v.chars().any(char::is_control), "{v:?}");
+        }
+        assert!(serde_json::to_vec(&st).unwrap().len() < 16 * 1024);
     }
 
     #[test]

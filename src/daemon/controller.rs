@@ -4,11 +4,12 @@
 //! reports status; one VM's trouble never blocks another's.
 
 mod inputs;
+mod report;
 mod steps;
 
+use crate::core::budget::{Rate, WriteBudget};
 use crate::core::convert::{
-    self, network::NetSpec, ConvertContext, Converted, DomainType, HostCapacity, HostDiskRoots,
-    Limits,
+    self, ConvertContext, Converted, DomainType, HostCapacity, HostDiskRoots, Limits,
 };
 use crate::core::efivars;
 use crate::core::key::{self, VmKey};
@@ -199,6 +200,8 @@ pub struct Controller<A: Adapters> {
     unwanted: Mutex<HashMap<String, tokio::time::Instant>>,
     /// Bumped after each pass: what watches VMIs (VirtualMachines) looks again.
     passes: tokio::sync::watch::Sender<u64>,
+    /// How often each VM's status, and the host's, may be written.
+    write_budget: Mutex<WriteBudget>,
 }
 
 /// What a VMI's loop shows of one id to the VirtualMachines above it.
@@ -297,6 +300,7 @@ impl<A: Adapters> Controller<A> {
             gone: Mutex::default(),
             unwanted: Mutex::default(),
             passes: tokio::sync::watch::Sender::new(0),
+            write_budget: Mutex::new(WriteBudget::new(Rate::PER_VM, Rate::PER_HOST)),
         })
     }
 
@@ -694,6 +698,10 @@ impl<A: Adapters> Controller<A> {
         }
         if vmi.is_none() {
             self.deps.status.forget(id).await;
+            self.write_budget
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .forget(id);
         }
         // A running VM's DHCP lives in kvirtd: after a restart it is
         // attached again here (idempotent), the VM untouched.
@@ -715,6 +723,7 @@ impl<A: Adapters> Controller<A> {
             (_, None) | (Outcome::Unchanged, _) => Some(Adoption::Cleaned),
             _ => None,
         };
+        let mut deferred = None;
         match (&vmi, &key) {
             (Some(v), _) if deleting => {
                 // Everything of it is gone from the host: let the object go.
@@ -753,121 +762,15 @@ impl<A: Adapters> Controller<A> {
                     .as_ref()
                     .and_then(|c| c.as_ref().ok())
                     .and_then(|c| c.network.as_ref());
-                self.report(k, &outcome, &live, net).await?
+                deferred = self.report(k, &outcome, &live, net).await?;
             }
             _ => {}
         }
+        let requeue = plan.requeue.then_some(Duration::from_millis(500));
         Ok(Reconciled {
-            requeue_after: plan.requeue.then_some(Duration::from_millis(500)),
+            requeue_after: requeue.into_iter().chain(deferred).min(),
             found,
         })
-    }
-
-    /// Applies the outcome to the VMI's status. The new status is the
-    /// truth at once (the next plan relies on it); writing it out is retried
-    /// until it succeeds, so an outage of the status store loses nothing.
-    /// `net`: the VMI's pod network as this pass converted it.
-    async fn report(
-        &self,
-        key: &VmKey,
-        outcome: &Outcome,
-        live: &status::Live,
-        net: Option<&NetSpec>,
-    ) -> Result<(), ControllerError> {
-        let id = key.id();
-        let now = now_rfc3339();
-        let interfaces = self.interfaces(&id, outcome, net);
-        let changed = {
-            let mut vmis = self.vmis();
-            let Some(vmi) = vmis.get_mut(&id) else {
-                return Ok(());
-            };
-            let next =
-                match status::next_status(&vmi.status, outcome, &self.settings.node_name, &now) {
-                    Ok(Some(mut next)) => {
-                        let qos = status::qos_class(vmi.spec.domain.resources.as_ref());
-                        next.extra.insert("qosClass".into(), qos.into());
-                        Some(next)
-                    }
-                    Ok(None) => Some(vmi.status.clone()),
-                    Err(e) => {
-                        warn!("not reporting: {e}");
-                        None
-                    }
-                };
-            next.and_then(|mut next| {
-                // A pass that saw nothing settled says nothing about these.
-                if !matches!(outcome, Outcome::Unchanged | Outcome::Unresponsive(_)) {
-                    next.interfaces = interfaces;
-                    status::set_live(&mut next, live, &now);
-                }
-                let old = vmi.status.phase;
-                (next != vmi.status).then(|| {
-                    vmi.status = next;
-                    (old, vmi.status.phase)
-                })
-            })
-        };
-        let current = self.vmis().get(&id).cloned();
-        if let (Some((old, new)), Some(vmi)) = (changed, &current) {
-            self.unsaved().insert(id.clone());
-            if let Outcome::Unresponsive(m) = outcome {
-                warn!("{m}");
-                let r = &self.deps.recorder;
-                r.record(vmi, EventReason::DaemonUnresponsive, m, true);
-            }
-            if old != new {
-                info!(phase = ?new, "phase changed");
-                let r = &self.deps.recorder;
-                match (outcome, new) {
-                    (Outcome::Invalid(m), _) => r.record(vmi, EventReason::SyncFailed, m, true),
-                    (_, Some(Phase::Running)) => {
-                        r.record(vmi, EventReason::Started, "VM started", false)
-                    }
-                    (Outcome::Failed(m), _) => r.record(vmi, EventReason::Stopped, m, true),
-                    (_, Some(Phase::Succeeded)) => {
-                        r.record(vmi, EventReason::Stopped, "the guest powered off", false)
-                    }
-                    _ => {}
-                }
-            }
-        }
-        if !self.unsaved().contains(&id) {
-            return Ok(());
-        }
-        let Some(vmi) = current else {
-            return Ok(());
-        };
-        self.deps.status.save(&vmi).await.map_err(status_err(&id))?;
-        self.unsaved().remove(&id);
-        Ok(())
-    }
-
-    /// `status.interfaces` while the VM runs: the namespace's `eth0`
-    /// address, as KubeVirt reports the pod IP.
-    fn interfaces(
-        &self,
-        id: &str,
-        outcome: &Outcome,
-        net: Option<&NetSpec>,
-    ) -> Vec<serde_json::Value> {
-        if *outcome != Outcome::Phase(Phase::Running) {
-            return vec![];
-        }
-        let (Some(net), Some(ip)) = (net, self.deps.network.address(id)) else {
-            return vec![];
-        };
-        vec![serde_json::json!({
-            "name": net.name,
-            "mac": net.mac_string(),
-            "ipAddress": ip.to_string(),
-            "ipAddresses": [ip.to_string()],
-            "infoSource": "domain",
-        })]
-    }
-
-    fn unsaved(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
-        self.unsaved.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// Runs kvirt's own libvirt daemon once, as kvirt's user, so that each

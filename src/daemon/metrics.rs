@@ -65,6 +65,7 @@ pub struct Metrics {
     start: Histogram,
     errors: Family<ReasonLabel, Counter>,
     adoptions: Family<ResultLabel, Counter>,
+    deferred: Counter,
 }
 
 impl Default for Metrics {
@@ -92,12 +93,19 @@ impl Default for Metrics {
             "VMs found on the host at start-up, by what became of them",
             adoptions.clone(),
         );
+        let deferred = Counter::default();
+        registry.register(
+            "status_writes_deferred",
+            "Status writes held back by the per-VM or per-host write budget (their changes go out with a later write)",
+            deferred.clone(),
+        );
         Self {
             registry,
             vms,
             start,
             errors,
             adoptions,
+            deferred,
         }
     }
 }
@@ -116,6 +124,10 @@ impl Metrics {
 
     pub fn started(&self, took: Duration) {
         self.start.observe(took.as_secs_f64());
+    }
+
+    pub fn status_write_deferred(&self) {
+        self.deferred.inc();
     }
 
     pub fn error(&self, reason: &str) {

@@ -165,7 +165,9 @@ fn guest_os_info(dom: &Domain) -> Result<std::collections::BTreeMap<String, Stri
         if p.type_ == sys::VIR_TYPED_PARAM_STRING as i32 {
             // SAFETY: a string parameter's value is a C string.
             let v = unsafe { std::ffi::CStr::from_ptr(p.value.s) };
-            out.insert(key.to_owned(), v.to_string_lossy().into_owned());
+            // The guest wrote it: bounded here, before it is kept anywhere.
+            let v = crate::core::status::guest_text(&v.to_string_lossy());
+            out.insert(key.to_owned(), v);
         }
     }
     // SAFETY: params and n came from virDomainGetGuestInfo.

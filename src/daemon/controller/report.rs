@@ -1,0 +1,136 @@
+//! The VMI's status as a pass leaves it: phase, conditions, interfaces
+//! and what the running domain tells, with the Events for each change;
+//! written out within the host's write budget.
+
+use super::{now_rfc3339, status_err, Adapters, Controller, ControllerError};
+use crate::core::convert::network::NetSpec;
+use crate::core::key::VmKey;
+use crate::core::plan::Outcome;
+use crate::core::status;
+use crate::core::vmi::Phase;
+use crate::host::network::Network;
+use crate::sources::{EventReason, Recorder, StatusStore};
+use std::collections::HashSet;
+use std::time::Duration;
+use tracing::{info, warn};
+
+impl<A: Adapters> Controller<A> {
+    /// Applies the outcome to the VMI's status. The new status is the
+    /// truth at once (the next plan relies on it); writing it out is retried
+    /// until it succeeds, so an outage of the status store loses nothing.
+    /// `net`: the VMI's pod network as this pass converted it. A write the
+    /// budget does not allow yet waits, and says how long.
+    pub(super) async fn report(
+        &self,
+        key: &VmKey,
+        outcome: &Outcome,
+        live: &status::Live,
+        net: Option<&NetSpec>,
+    ) -> Result<Option<Duration>, ControllerError> {
+        let id = key.id();
+        let now = now_rfc3339();
+        let interfaces = self.interfaces(&id, outcome, net);
+        let changed = {
+            let mut vmis = self.vmis();
+            let Some(vmi) = vmis.get_mut(&id) else {
+                return Ok(None);
+            };
+            let next =
+                match status::next_status(&vmi.status, outcome, &self.settings.node_name, &now) {
+                    Ok(Some(mut next)) => {
+                        let qos = status::qos_class(vmi.spec.domain.resources.as_ref());
+                        next.extra.insert("qosClass".into(), qos.into());
+                        Some(next)
+                    }
+                    Ok(None) => Some(vmi.status.clone()),
+                    Err(e) => {
+                        warn!("not reporting: {e}");
+                        None
+                    }
+                };
+            next.and_then(|mut next| {
+                // A pass that saw nothing settled says nothing about these.
+                if !matches!(outcome, Outcome::Unchanged | Outcome::Unresponsive(_)) {
+                    next.interfaces = interfaces;
+                    status::set_live(&mut next, live, &now);
+                }
+                let old = vmi.status.phase;
+                (next != vmi.status).then(|| {
+                    vmi.status = next;
+                    (old, vmi.status.phase)
+                })
+            })
+        };
+        let current = self.vmis().get(&id).cloned();
+        if let (Some((old, new)), Some(vmi)) = (changed, &current) {
+            self.unsaved().insert(id.clone());
+            if let Outcome::Unresponsive(m) = outcome {
+                warn!("{m}");
+                let r = &self.deps.recorder;
+                r.record(vmi, EventReason::DaemonUnresponsive, m, true);
+            }
+            if old != new {
+                info!(phase = ?new, "phase changed");
+                let r = &self.deps.recorder;
+                match (outcome, new) {
+                    (Outcome::Invalid(m), _) => r.record(vmi, EventReason::SyncFailed, m, true),
+                    (_, Some(Phase::Running)) => {
+                        r.record(vmi, EventReason::Started, "VM started", false)
+                    }
+                    (Outcome::Failed(m), _) => r.record(vmi, EventReason::Stopped, m, true),
+                    (_, Some(Phase::Succeeded)) => {
+                        r.record(vmi, EventReason::Stopped, "the guest powered off", false)
+                    }
+                    _ => {}
+                }
+            }
+        }
+        if !self.unsaved().contains(&id) {
+            return Ok(None);
+        }
+        let Some(vmi) = current else {
+            return Ok(None);
+        };
+        let now = tokio::time::Instant::now().into_std();
+        let allowed = self
+            .write_budget
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take(&id, now);
+        if let Err(wait) = allowed {
+            // Changes until then ride along with the one write.
+            self.metrics.status_write_deferred();
+            return Ok(Some(wait));
+        }
+        self.deps.status.save(&vmi).await.map_err(status_err(&id))?;
+        self.unsaved().remove(&id);
+        Ok(None)
+    }
+
+    /// `status.interfaces` while the VM runs: the namespace's `eth0`
+    /// address, as KubeVirt reports the pod IP.
+    pub(super) fn interfaces(
+        &self,
+        id: &str,
+        outcome: &Outcome,
+        net: Option<&NetSpec>,
+    ) -> Vec<serde_json::Value> {
+        if *outcome != Outcome::Phase(Phase::Running) {
+            return vec![];
+        }
+        let (Some(net), Some(ip)) = (net, self.deps.network.address(id)) else {
+            return vec![];
+        };
+        vec![serde_json::json!({
+            "name": net.name,
+            "mac": net.mac_string(),
+            "ipAddress": ip.to_string(),
+            "ipAddresses": [ip.to_string()],
+            "infoSource": "domain",
+        })]
+    }
+
+    pub(super) fn unsaved(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.unsaved.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
