@@ -263,6 +263,27 @@ async fn a_vm_whose_daemon_cannot_be_reached_is_still_removed() {
 }
 
 #[tokio::test]
+async fn an_identity_is_kept_while_its_unit_may_still_run() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    ctl.set_vmis(set(&[vmi("vm1", "u1", "")])).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    let uid = host.state().identities["default_vm1"];
+    // The unit's stop fails: the rest of the teardown goes on, but the
+    // VM's number stays its own (its processes may run as it).
+    host.fail("stop kvirt-vm@default_vm1");
+    ctl.set_vmis(BTreeMap::new()).await;
+    let e = ctl.reconcile("default_vm1").await.unwrap_err().to_string();
+    assert!(e.contains("identity kept"), "{e}");
+    assert_eq!(host.state().identities.get("default_vm1"), Some(&uid));
+    assert!(host.state().netns.is_empty(), "the rest was torn down");
+    // Once the unit is gone, the identity goes too.
+    host.heal("stop kvirt-vm@default_vm1");
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert!(!host.state().identities.contains_key("default_vm1"));
+}
+
+#[tokio::test]
 async fn guest_poweroff_is_succeeded_and_the_unit_is_collected() {
     let host = FakeHost::default();
     let ctl = controller(&host);

@@ -136,8 +136,11 @@ struct FileFormat {
     vms: BTreeMap<String, u32>,
 }
 
-/// What [`Identities::decode`] found: the identities, and those outside the
-/// configured range now (kept by no VM any more; the caller logs them).
+/// What [`Identities::decode`] found: the identities, and the entries it
+/// could not keep (a number no VM may have, or one given twice; the caller
+/// logs them). An identity outside the configured range now (the range
+/// was changed) stays its VM's until released, and is never handed out
+/// again: its VM may still run, and its grants must go back with it.
 #[derive(Debug)]
 pub struct Loaded {
     pub identities: Identities,
@@ -212,7 +215,8 @@ impl Identities {
         let mut ids = Identities::new(range);
         let mut dropped = Vec::new();
         for (id, uid) in file.vms {
-            if range.contains(uid) && !ids.by_uid.contains_key(&uid) {
+            let possible = IdRange::new(uid, uid).is_ok();
+            if possible && !ids.by_uid.contains_key(&uid) {
                 ids.by_uid.insert(uid, id.clone());
                 ids.by_id.insert(id, uid);
             } else {
@@ -333,10 +337,20 @@ mod tests {
         let back = Identities::decode(&ids.encode(), range("100000-100009")).unwrap();
         assert_eq!(back.identities, ids);
         assert!(back.dropped.is_empty());
-        // A narrower range keeps what still fits.
+        // A narrower range keeps what no longer fits until it is released
+        // (its VM may run; its grants go back with it), and never hands it
+        // out again.
         let narrow = Identities::decode(&ids.encode(), range("100001-100009")).unwrap();
-        assert_eq!(narrow.dropped, [("ns_a".to_string(), 100000)]);
-        assert_eq!(narrow.identities.get("ns_b"), Some(100001));
+        assert!(narrow.dropped.is_empty());
+        let mut narrow = narrow.identities;
+        assert_eq!(narrow.get("ns_a"), Some(100000));
+        assert_eq!(narrow.get("ns_b"), Some(100001));
+        assert_eq!(narrow.release("ns_a"), Some(100000));
+        assert_eq!(narrow.allocate("ns_c", |_| false).unwrap(), 100002);
+        // A number no VM may have is not kept, whatever the file says.
+        let root = br#"{"version":1,"range":"x","vms":{"a":0,"b":4294967295}}"#;
+        let l = Identities::decode(root, range("100000-100009")).unwrap();
+        assert_eq!(l.dropped.len(), 2);
         assert!(matches!(
             Identities::decode(b"{\"version\":1,", range("100000-100009")),
             Err(IdentityError::Corrupt { .. })

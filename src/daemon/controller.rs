@@ -658,9 +658,17 @@ impl<A: Adapters> Controller<A> {
             dom: dom.as_ref(),
         };
         let mut teardown_errors = Vec::new();
+        let mut unit_may_run = false;
         'stages: for stage in plan::stages(&plan.steps) {
+            if unit_may_run && stage.contains(&Step::ReleaseIdentity) {
+                // Its processes may still run as it: the number is not
+                // free for another VM until the unit is known gone.
+                teardown_errors.push("identity kept: the VM's unit may still run".to_owned());
+                continue;
+            }
             for (step, result) in stage.iter().zip(self.run_stage(stage, &ctx).await) {
                 let Err(e) = result else { continue };
+                unit_may_run |= *step == Step::StopUnit;
                 if step.best_effort() {
                     warn!("{e}");
                     continue;

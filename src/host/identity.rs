@@ -127,8 +127,8 @@ pub fn host_uses(uid: u32) -> bool {
 
 impl IdentityStore {
     /// Loads the allocations (a missing file is none) and writes the user
-    /// record of each, as after a reboot `/run` has none; the identities
-    /// outside `range` now are returned for logging.
+    /// record of each, as after a reboot `/run` has none; entries that
+    /// cannot be kept are returned for logging.
     pub fn open(
         file: PathBuf,
         userdb: PathBuf,
@@ -162,7 +162,7 @@ impl IdentityStore {
         let dropped = loaded
             .dropped
             .iter()
-            .map(|(id, uid)| format!("identity {uid} of {id}: outside the range {range}"))
+            .map(|(id, uid)| format!("identity {uid} of {id}: not a VM's to have, dropped"))
             .collect();
         Ok((store, dropped))
     }
