@@ -204,11 +204,79 @@ pub fn setup_host(gateway: Ipv4Addr, prefix: u8) -> Result<(), NetworkError> {
     write_sysctl("/proc/sys/net/ipv4/ip_forward", "1")
 }
 
+/// A link's index, the index of its peer (a veth's), and whether the peer
+/// lives in another namespace.
+async fn link_peer(
+    h: &rtnetlink::Handle,
+    name: &str,
+) -> Result<Option<(u32, Option<u32>, bool)>, NetworkError> {
+    use futures::TryStreamExt;
+    use rtnetlink::packet_route::link::LinkAttribute;
+    let mut links = h.link().get().match_name(name.to_owned()).execute();
+    let link = match links.try_next().await {
+        Ok(Some(l)) => l,
+        Ok(None) => return Ok(None),
+        Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENODEV => return Ok(None),
+        Err(e) => return Err(nl(format!("find {name}"))(e)),
+    };
+    let peer = link.attributes.iter().find_map(|a| match a {
+        LinkAttribute::Link(i) => Some(*i),
+        _ => None,
+    });
+    let elsewhere = link
+        .attributes
+        .iter()
+        .any(|a| matches!(a, LinkAttribute::LinkNetNsId(_)));
+    Ok(Some((link.header.index, peer, elsewhere)))
+}
+
+/// Whether the host's link `host_index`, named `veth`, is this VM's: its
+/// peer is the VM's `eth0` (or, half made, its `<veth>p`) in the VM's
+/// namespace, or still `<veth>p` beside it. Names are a 48-bit hash of the
+/// VM's id: a tenant could find another id of the same name, and must not
+/// make kvirt reuse or remove another VM's uplink by it.
+fn is_vms_own(vm_netns: &Path, veth: &str, host_index: u32) -> Result<bool, NetworkError> {
+    let peer = format!("{veth}p");
+    let p = peer.clone();
+    let beside = in_netns(None, move |h| {
+        Box::pin(async move { link_peer(&h, &p).await })
+    })?;
+    if let Some((_, Some(i), false)) = beside {
+        return Ok(i == host_index);
+    }
+    if !vm_netns.exists() {
+        return Ok(false);
+    }
+    in_netns(Some(vm_netns.to_owned()), move |h| {
+        Box::pin(async move {
+            for name in [POD_IFACE, peer.as_str()] {
+                if let Some((_, Some(i), true)) = link_peer(&h, name).await? {
+                    return Ok(i == host_index);
+                }
+            }
+            Ok(false)
+        })
+    })
+}
+
 /// One VM's network in its (existing) namespace. Idempotent: what exists is
-/// kept, so a half-done attempt can be completed.
+/// kept, so a half-done attempt can be completed; a link of its name that
+/// is not its own is refused, never reused.
 pub fn setup_vm(n: &VmNetwork) -> Result<(), NetworkError> {
     let plan = n.clone();
     let peer = format!("{}p", &n.host_veth);
+    let veth = n.host_veth.clone();
+    let existing = in_netns(None, move |h| {
+        Box::pin(async move { index_of(&h, &veth).await })
+    })?;
+    if let Some(i) = existing {
+        if !is_vms_own(&n.netns_path, &n.host_veth, i)? {
+            return Err(NetworkError::Netlink {
+                what: n.host_veth.clone(),
+                message: "a link of this name exists and is not this VM's: it is not reused".into(),
+            });
+        }
+    }
     // Host side: the veth pair, host end on kvirt0, peer moved in.
     let (host_veth, peer_name, netns, mtu) = (
         n.host_veth.clone(),
@@ -328,13 +396,23 @@ pub fn setup_vm(n: &VmNetwork) -> Result<(), NetworkError> {
 /// ran one after the other (p50 2.4 s at 100 VMs, against 0.4 s), most
 /// likely because the kernel finishes each delete (waiting out RCU) in the
 /// caller's sendmsg, which a shared socket serialises.
-pub fn teardown_vm(host_veth: &str) -> Result<(), NetworkError> {
+/// A link of that name that is not this VM's is left alone (see
+/// [`is_vms_own`]). Run before the VM's namespace goes.
+pub fn teardown_vm(host_veth: &str, vm_netns: &Path) -> Result<(), NetworkError> {
+    let name = host_veth.to_owned();
+    let found = in_netns(None, move |h| {
+        Box::pin(async move { index_of(&h, &name).await })
+    })?;
+    let Some(i) = found else {
+        return Ok(());
+    };
+    if !is_vms_own(vm_netns, host_veth, i)? {
+        tracing::warn!("{host_veth} is not this VM's link: left alone");
+        return Ok(());
+    }
     let name = host_veth.to_owned();
     in_netns(None, move |h| {
         Box::pin(async move {
-            let Some(i) = index_of(&h, &name).await? else {
-                return Ok(());
-            };
             match h.link().del(i).execute().await {
                 Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::ENODEV => Ok(()),
                 r => r.map_err(nl(format!("delete {name}"))),
@@ -546,8 +624,12 @@ impl Network for HostNetwork {
     async fn teardown(&self, id: &str) -> Result<(), NetworkError> {
         let mut errors = Vec::new();
         self.dhcp.stop(id).await;
-        let veth = host_veth_name(id);
-        if let Err(e) = blocking(id, move || teardown_vm(&veth).map_err(|e| e.to_string())).await {
+        let (veth, netns) = (host_veth_name(id), self.netns_path(id));
+        if let Err(e) = blocking(id, move || {
+            teardown_vm(&veth, &netns).map_err(|e| e.to_string())
+        })
+        .await
+        {
             errors.push(e.to_string());
         }
         if let Some(lease) = self.ipam.get(id) {
@@ -732,6 +814,67 @@ mod tests {
                 || tun["group"] == 65534,
             "{tap}"
         );
+    }
+
+    /// Tier 2: two VMs whose ids give the same link name (a tenant found
+    /// one): the second is refused rather than handed the first's uplink,
+    /// and tearing it down leaves the first's alone.
+    #[tokio::test]
+    async fn a_link_of_another_vm_is_never_reused_or_removed() {
+        if !nix::unistd::Uid::effective().is_root() {
+            eprintln!("skipped: needs root");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let ns = KernelNetns::at(dir.path());
+        let (host, a, b) = ("kvirt-tc-host", "kvirt-tc-a", "kvirt-tc-b");
+        for n in [host, a, b] {
+            ns.create(n).await.unwrap();
+        }
+        let vm = |netns: &str, ip: u8| VmNetwork {
+            netns_path: dir.path().join(netns),
+            host_veth: host_veth_name("t_same"),
+            pod_ip: Ipv4Addr::new(10, 213, 0, ip),
+            pod_prefix: 24,
+            pod_gateway: Ipv4Addr::new(10, 213, 0, 1),
+            mtu: 1500,
+            vm_gateway: VM_GATEWAY,
+            vm_prefix: VM_PREFIX,
+            tap_uid: 65534,
+            tap_gid: 65534,
+        };
+        let (va, vb) = (vm(a, 2), vm(b, 3));
+        let hp = dir.path().join(host);
+        let result = std::thread::spawn(move || {
+            let f = std::fs::File::open(&hp).unwrap();
+            setns(f.as_fd(), CloneFlags::CLONE_NEWNET).unwrap();
+            setup_host(va.pod_gateway, va.pod_prefix).unwrap();
+            setup_vm(&va).unwrap();
+            setup_vm(&va).expect("its own link is reused");
+            let refused = setup_vm(&vb).expect_err("another VM's link");
+            teardown_vm(&vb.host_veth, &vb.netns_path).unwrap();
+            let after_b = index_exists(&va.host_veth);
+            teardown_vm(&va.host_veth, &va.netns_path).unwrap();
+            (refused.to_string(), after_b, index_exists(&va.host_veth))
+        })
+        .join();
+        for n in [a, b, host] {
+            ns.delete(n).await.unwrap();
+        }
+        let (refused, after_b, after_a) = result.unwrap();
+        assert!(refused.contains("is not this VM's"), "{refused}");
+        assert!(after_b, "B's teardown left A's uplink");
+        assert!(!after_a, "A's own teardown removed it");
+    }
+
+    /// Whether a link of that name is in this thread's namespace.
+    fn index_exists(name: &str) -> bool {
+        let name = name.to_owned();
+        in_netns(None, move |h| {
+            Box::pin(async move { index_of(&h, &name).await })
+        })
+        .unwrap()
+        .is_some()
     }
 
     #[test]
