@@ -133,6 +133,11 @@ impl Beneath {
         })
     }
 
+    /// The uid owning this directory (by its fd).
+    pub fn owner(&self) -> io::Result<u32> {
+        Ok(nix::sys::stat::fstat(&self.fd)?.st_uid)
+    }
+
     pub fn path(&self) -> &Path {
         &self.path
     }
@@ -312,6 +317,14 @@ impl SocketPath {
     pub fn path(&self) -> PathBuf {
         use std::os::fd::AsRawFd;
         PathBuf::from(format!("/proc/self/fd/{}", self.0.as_raw_fd()))
+    }
+
+    /// Who listens on it: the pid and uid the kernel recorded when the
+    /// socket was made to listen (`SO_PEERCRED` of a connection to it).
+    pub fn listener(&self) -> io::Result<(i32, u32)> {
+        let s = std::os::unix::net::UnixStream::connect(self.path())?;
+        let cred = nix::sys::socket::getsockopt(&s, nix::sys::socket::sockopt::PeerCredentials)?;
+        Ok((cred.pid(), cred.uid()))
     }
 }
 

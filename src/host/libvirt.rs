@@ -120,6 +120,21 @@ fn agent_connected(live_xml: &str) -> bool {
     })
 }
 
+/// Whether process `pid` runs in the systemd unit `unit` (its cgroup, in
+/// the unified hierarchy or a legacy one, ends with the unit's name).
+fn in_unit(pid: i32, unit: &str) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/cgroup"))
+        .is_ok_and(|text| cgroups_in_unit(&text, unit))
+}
+
+fn cgroups_in_unit(proc_cgroup: &str, unit: &str) -> bool {
+    let suffix = format!("/{unit}");
+    proc_cgroup
+        .lines()
+        .filter_map(|l| l.splitn(3, ':').nth(2))
+        .any(|path| path.ends_with(&suffix))
+}
+
 /// libvirt's `os.*` guest info key → KubeVirt's `guestOSInfo` key.
 fn guest_os_key(libvirt_key: &str) -> Option<&'static str> {
     Some(match libvirt_key.strip_prefix("os.")? {
@@ -279,13 +294,25 @@ impl Libvirt {
         let conn = match &d.socket {
             None => Connect::open(Some(&d.uri)),
             Some(s) => {
-                let sock = Beneath::open(&s.dir)
-                    .and_then(|dir| dir.socket(&s.rel))
-                    .map_err(|e| LibvirtError::Call {
-                        id: d.id.clone(),
-                        op: "connect",
-                        message: format!("{}: {e}", s.dir.join(&s.rel).display()),
-                    })?;
+                let refuse = |message: String| LibvirtError::Call {
+                    id: d.id.clone(),
+                    op: "connect",
+                    message: format!("{}: {message}", s.dir.join(&s.rel).display()),
+                };
+                let (sock, owner) = Beneath::open(&s.dir)
+                    .and_then(|dir| Ok((dir.socket(&s.rel)?, dir.owner()?)))
+                    .map_err(|e| refuse(e.to_string()))?;
+                // Root speaks libvirt only to the VM's own daemon: the
+                // socket must be listened on by a process of the VM's unit
+                // running as the VM (whose directory it is), not by
+                // anything else its user bound there.
+                let (pid, uid) = sock.listener().map_err(|e| refuse(e.to_string()))?;
+                let unit = crate::core::key::unit_name_of(&d.id);
+                if uid != owner || !in_unit(pid, &unit) {
+                    return Err(refuse(format!(
+                        "listened on by pid {pid} (uid {uid}), not the VM's daemon in {unit}"
+                    )));
+                }
                 Connect::open(Some(&format!(
                     "qemu:///session?socket={}",
                     sock.path().display()
@@ -480,7 +507,23 @@ fn machine_type(xml: &str) -> Option<String> {
         .map(|i| i + 9)
         .or_else(|| ty.find("machine=\"").map(|i| i + 9))?..];
     let end = attr.find(['\'', '"'])?;
-    Some(attr[..end].to_owned()).filter(|m| !m.is_empty())
+    Some(attr[..end].to_owned()).filter(|m| !m.is_empty() && m.len() <= FIELD_MAX)
+}
+
+/// The VM's daemon is the VM's (its user may have replaced it): what it
+/// answers is bounded before kvirtd keeps any of it.
+const XML_MAX: usize = 4 << 20;
+const FIELD_MAX: usize = 128;
+
+fn bounded_xml(xml: String, d: &DomainRef) -> Result<String, LibvirtError> {
+    if xml.len() > XML_MAX {
+        return Err(LibvirtError::Call {
+            id: d.id.clone(),
+            op: "domain XML",
+            message: format!("{} bytes, more than a domain has ({XML_MAX})", xml.len()),
+        });
+    }
+    Ok(xml)
 }
 
 /// The VMI UID from the domain's kvirt metadata element.
@@ -490,7 +533,8 @@ fn metadata_uid(xml: &str) -> Option<String> {
         Some(i + 5)
     })?;
     let rest = &xml[start..];
-    Some(rest[..rest.find('<')?].trim().to_owned()).filter(|s| !s.is_empty())
+    Some(rest[..rest.find('<')?].trim().to_owned())
+        .filter(|s| !s.is_empty() && s.len() <= FIELD_MAX)
 }
 
 impl Hypervisor for Libvirt {
@@ -504,6 +548,7 @@ impl Hypervisor for Libvirt {
             let xml = dom
                 .get_xml_desc(0)
                 .map_err(Libvirt::err(&d.id, "domain XML"))?;
+            let xml = bounded_xml(xml, d)?;
             Ok(Some(DomainObs {
                 state: domain_state(state, reason),
                 uid: metadata_uid(&xml),
@@ -583,6 +628,7 @@ impl Hypervisor for Libvirt {
             let xml = dom
                 .get_xml_desc(0)
                 .map_err(Libvirt::err(&d.id, "domain XML"))?;
+            let xml = bounded_xml(xml, d)?;
             if !agent_connected(&xml) {
                 return Ok(None);
             }
@@ -667,6 +713,27 @@ mod tests {
             domain_state(sys::VIR_DOMAIN_RUNNING, 1),
             DomainState::Running
         );
+    }
+
+    #[test]
+    fn only_a_process_of_the_vms_unit_is_its_daemon() {
+        let unit = "kvirt-vm@default_a.service";
+        let hybrid = "1:name=systemd:/machine-kvirt.slice/kvirt-vm@default_a.service\n0::/machine-kvirt.slice/kvirt-vm@default_a.service\n";
+        assert!(cgroups_in_unit(hybrid, unit));
+        assert!(cgroups_in_unit(
+            "0::/machine.slice/kvirt-vm@default_a.service\n",
+            unit
+        ));
+        for other in [
+            "0::/machine-kvirt.slice/kvirt-vm@default_ab.service\n",
+            "0::/machine-kvirt.slice/kvirt-vm@default_a.service/sub\n",
+            "0::/user.slice/user-1000.slice/session-1.scope\n",
+            "",
+        ] {
+            assert!(!cgroups_in_unit(other, unit), "{other}");
+        }
+        let long = format!("<kvirt:uid>{}</kvirt:uid>", "u".repeat(1000));
+        assert_eq!(metadata_uid(&long), None, "a UID is short");
     }
 
     #[test]
