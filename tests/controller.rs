@@ -511,9 +511,7 @@ async fn a_replaced_manifest_replaces_the_vm() {
 #[tokio::test]
 async fn the_loop_runs_vms_from_triggers() {
     let host = FakeHost::default();
-    let ctl = controller(&host);
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    let task = tokio::spawn(ctl.clone().run(tx.clone(), rx, None));
+    let (_ctl, tx, task) = running_loop(&host);
     tx.send(Trigger::Vmis(set(&[
         vmi("a", "ua", ""),
         vmi("b", "ub", ""),
@@ -717,9 +715,7 @@ async fn a_flapping_guest_agent_cannot_flood_the_status_store() {
 async fn a_pass_that_panics_is_reported_and_retried_and_holds_up_no_other_vm() {
     let host = FakeHost::default();
     host.state().panic.insert("define default_a".into());
-    let ctl = controller(&host);
-    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-    let task = tokio::spawn(ctl.clone().run(tx.clone(), rx, None));
+    let (_ctl, tx, task) = running_loop(&host);
     tx.send(Trigger::Vmis(set(&[
         vmi("a", "ua", ""),
         vmi("b", "ub", ""),
@@ -747,6 +743,21 @@ async fn a_pass_that_panics_is_reported_and_retried_and_holds_up_no_other_vm() {
     assert_eq!(panics, 1, "one Event for a run of panics");
     drop(tx);
     task.abort();
+}
+
+/// A controller on `host` with its loop running: the trigger sender and
+/// the loop's task.
+fn running_loop(
+    host: &FakeHost,
+) -> (
+    Arc<Ctl>,
+    tokio::sync::mpsc::UnboundedSender<Trigger>,
+    tokio::task::JoinHandle<()>,
+) {
+    let ctl = controller(host);
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let task = tokio::spawn(ctl.clone().run(tx.clone(), rx, None));
+    (ctl, tx, task)
 }
 
 async fn wait_for(cond: impl Fn() -> bool) {

@@ -740,6 +740,23 @@ mod tests {
         })
     }
 
+    /// A VM `id`'s network in namespace `netns`, at 10.213.0.`ip`, its tap
+    /// nobody's.
+    fn test_vm(netns: PathBuf, id: &str, ip: u8) -> VmNetwork {
+        VmNetwork {
+            netns_path: netns,
+            host_veth: host_veth_name(id),
+            pod_ip: Ipv4Addr::new(10, 213, 0, ip),
+            pod_prefix: 24,
+            pod_gateway: Ipv4Addr::new(10, 213, 0, 1),
+            mtu: 1500,
+            vm_gateway: VM_GATEWAY,
+            vm_prefix: VM_PREFIX,
+            tap_uid: 65534,
+            tap_gid: 65534,
+        }
+    }
+
     /// Tier 2: the whole plumbing for real, in two throwaway namespaces (one
     /// standing in for the host), twice to show it is idempotent.
     #[tokio::test]
@@ -754,18 +771,7 @@ mod tests {
         ns.create(host).await.unwrap();
         ns.create(vm).await.unwrap();
         let (hp, vp) = (dir.path().join(host), dir.path().join(vm));
-        let n = VmNetwork {
-            netns_path: vp.clone(),
-            host_veth: host_veth_name("t_vm"),
-            pod_ip: Ipv4Addr::new(10, 213, 0, 2),
-            pod_prefix: 24,
-            pod_gateway: Ipv4Addr::new(10, 213, 0, 1),
-            mtu: 1500,
-            vm_gateway: VM_GATEWAY,
-            vm_prefix: VM_PREFIX,
-            tap_uid: 65534,
-            tap_gid: 65534,
-        };
+        let n = test_vm(vp.clone(), "t_vm", 2);
         let hp2 = hp.clone();
         let n2 = n.clone();
         let result = std::thread::spawn(move || {
@@ -831,18 +837,7 @@ mod tests {
         for n in [host, a, b] {
             ns.create(n).await.unwrap();
         }
-        let vm = |netns: &str, ip: u8| VmNetwork {
-            netns_path: dir.path().join(netns),
-            host_veth: host_veth_name("t_same"),
-            pod_ip: Ipv4Addr::new(10, 213, 0, ip),
-            pod_prefix: 24,
-            pod_gateway: Ipv4Addr::new(10, 213, 0, 1),
-            mtu: 1500,
-            vm_gateway: VM_GATEWAY,
-            vm_prefix: VM_PREFIX,
-            tap_uid: 65534,
-            tap_gid: 65534,
-        };
+        let vm = |netns: &str, ip: u8| test_vm(dir.path().join(netns), "t_same", ip);
         let (va, vb) = (vm(a, 2), vm(b, 3));
         let hp = dir.path().join(host);
         let result = std::thread::spawn(move || {
