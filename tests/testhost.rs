@@ -1339,7 +1339,7 @@ struct ChaosVm {
 fn chaos_kills_at_random_points_and_everything_converges() {
     let Some(h) = host() else { return };
     let _g = h.turn();
-    let seed: u64 = std::env::var("KVIRT_CHAOS_SEED")
+    let random: u64 = std::env::var("KVIRT_CHAOS_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or_else(|| {
@@ -1353,6 +1353,11 @@ fn chaos_kills_at_random_points_and_everything_converges() {
         .ok()
         .and_then(|s| s.parse().ok())
         .unwrap_or(30);
+    chaos_run(&h, random, cycles);
+}
+
+/// One chaos run of `cycles` from `seed` (see above).
+fn chaos_run(h: &Host, seed: u64, cycles: u32) {
     eprintln!("chaos: seed {seed}, {cycles} cycles (KVIRT_CHAOS_SEED={seed} repeats it)");
     let mut rng = Chaos(seed);
     let names = ["chaos0", "chaos1", "chaos2"];
@@ -1375,6 +1380,14 @@ fn chaos_kills_at_random_points_and_everything_converges() {
         )
     };
     let running = |vm: &str| h.phase(vm).as_deref() == Some("Running");
+    // The status is of the latest manifest: right after an edit it still
+    // shows the VM being replaced (Running, or Failed if its QEMU was
+    // killed), until the new one has started.
+    let current = |vm: &str, generation: u32| {
+        h.succeeds(&format!(
+            "grep -q '\"generation\": \"{generation}\"' /run/kvirt/status/default_{vm}.json"
+        ))
+    };
     for cycle in 0..cycles {
         let vm = names[rng.below(names.len() as u64) as usize];
         let op = rng.below(100);
@@ -1409,7 +1422,7 @@ fn chaos_kills_at_random_points_and_everything_converges() {
                 "kill -9 kvirtd".into()
             }
             75..=87 => {
-                let pid = daemon_pid(&h, vm);
+                let pid = daemon_pid(h, vm);
                 if pid == "0" || pid.is_empty() {
                     continue;
                 }
@@ -1440,11 +1453,12 @@ fn chaos_kills_at_random_points_and_everything_converges() {
         for (vm, s) in vms.iter_mut() {
             // Running as its latest manifest says: right after an edit the
             // status still shows the VM being replaced.
-            let current = h.succeeds(&format!(
-                "grep -q '\"generation\": \"{}\"' /run/kvirt/status/default_{vm}.json",
-                s.generation
-            ));
-            if s.present && !s.may_fail && s.qemu.is_none() && current && running(vm) {
+            if s.present
+                && !s.may_fail
+                && s.qemu.is_none()
+                && current(vm, s.generation)
+                && running(vm)
+            {
                 let pid = h.ok(&format!(
                     "{{ pgrep -f '[q]emu-system.*guest=default_{vm},' || true; }} | head -n1"
                 ));
@@ -1463,6 +1477,9 @@ fn chaos_kills_at_random_points_and_everything_converges() {
             // after a kill the status may not have caught up yet.
             let killed = s.killed_qemu.as_deref().unwrap_or("none");
             h.wait_until(&format!("{vm} settled"), BOOT, || {
+                if !current(vm, s.generation) {
+                    return false;
+                }
                 match h.phase(vm).as_deref() {
                     Some("Failed") => true,
                     Some("Running") => h.succeeds(&format!(
@@ -1485,7 +1502,11 @@ fn chaos_kills_at_random_points_and_everything_converges() {
                 continue;
             }
         }
-        h.wait_phase(vm, "Running", BOOT);
+        h.wait_until(
+            &format!("{vm} running as its latest manifest"),
+            BOOT,
+            || current(vm, s.generation) && running(vm),
+        );
         h.wait(
             &format!("{vm}'s QEMU"),
             BOOT,
