@@ -69,9 +69,30 @@ pub fn disk_format(header: &[u8]) -> Result<&'static str, String> {
     Ok("qcow2")
 }
 
+/// The size a guest sees of a disk whose first bytes are `header` and
+/// whose file is `len` bytes: a qcow2's own (its header's `size`), else
+/// the file's.
+pub fn virtual_size(header: &[u8], len: u64) -> u64 {
+    match header.get(24..32) {
+        Some(b) if header.starts_with(b"QFI\xfb") => {
+            u64::from_be_bytes(b.try_into().expect("8 bytes"))
+        }
+        _ => len,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn virtual_sizes_of_raw_and_qcow2() {
+        let mut h = qcow2(3, 0, 0);
+        h[24..32].copy_from_slice(&(5u64 << 30).to_be_bytes());
+        assert_eq!(virtual_size(&h, 196_608), 5 << 30);
+        assert_eq!(virtual_size(b"\0\0\0\0raw", 1 << 20), 1 << 20);
+        assert_eq!(virtual_size(b"QFI\xfb", 7), 7, "a header cut short");
+    }
 
     fn qcow2(version: u32, backing_offset: u64, incompatible: u64) -> Vec<u8> {
         let mut h = vec![0u8; 104];

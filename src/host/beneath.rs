@@ -217,6 +217,41 @@ impl Beneath {
         Ok(d)
     }
 
+    /// Every directory of `rel` below this one that is missing, made with
+    /// `mode` and root's; those that exist are left exactly as they are
+    /// (they may be someone else's, e.g. below a hostDisk root).
+    pub fn make_missing(&self, rel: impl AsRef<Path>, mode: u32) -> io::Result<Self> {
+        let mut d = self.dir(".")?;
+        for c in rel.as_ref().components() {
+            let std::path::Component::Normal(name) = c else {
+                return Err(bad_name(c.as_os_str()));
+            };
+            match mkdirat(&d.fd, name, Mode::from_bits_truncate(0o700)) {
+                Ok(()) => {
+                    let new = d.dir(name)?;
+                    give(&new.fd, Some(mode), None)?;
+                    d = new;
+                }
+                Err(Errno::EEXIST) => d = d.dir(name)?,
+                Err(e) => return Err(e.into()),
+            }
+        }
+        Ok(d)
+    }
+
+    /// A new regular file `name` here, opened for writing; anything
+    /// already there (a file, a link, a FIFO) is `AlreadyExists`.
+    pub fn create(&self, name: &str, mode: u32) -> io::Result<File> {
+        one_component(name)?;
+        let fd = open_beneath(
+            &self.fd,
+            Path::new(name),
+            safe(OFlag::O_RDWR | OFlag::O_CREAT | OFlag::O_EXCL),
+            Mode::from_bits_truncate(mode),
+        )?;
+        Ok(File::from(fd))
+    }
+
     /// Replaces `name` with `data` whole: a new file beside it, then a
     /// rename, which replaces whatever was planted there (a link included)
     /// without following it.

@@ -67,14 +67,26 @@ impl Grants {
 
     /// Lends `uid` `perm` on the file at `real` (resolved, no links).
     pub fn lend(&self, real: &Path, uid: u32, perm: u16) -> Result<(), StorageError> {
-        let file = open_disk(real)?;
+        self.lend_file(&open_disk(real)?, real, uid, perm)
+    }
+
+    /// Lends `uid` `perm` on `file`, already open (a hostDisk opened
+    /// beneath its root), known as `real`: the ACL goes on the file root
+    /// holds, whatever the name leads to by now.
+    pub fn lend_file(
+        &self,
+        file: &std::fs::File,
+        real: &Path,
+        uid: u32,
+        perm: u16,
+    ) -> Result<(), StorageError> {
         let meta = file.metadata().map_err(io(real, "stat"))?;
         let record = self.of_file(&meta);
         let mut loans = match read_json::<Loans>(&record)? {
             Some(l) => l,
             None => Loans {
                 path: real.to_owned(),
-                baseline: read_acl(&file).map_err(io(real, "read ACL"))?.encode(),
+                baseline: read_acl(file).map_err(io(real, "read ACL"))?.encode(),
                 loans: BTreeMap::new(),
             },
         };
@@ -86,7 +98,7 @@ impl Grants {
             lent.push(real.to_owned());
             write_json(&by_uid, &lent)?;
         }
-        write_acl(&file, &loans.acl(real)?).map_err(|e| acl_err(real, e))
+        write_acl(file, &loans.acl(real)?).map_err(|e| acl_err(real, e))
     }
 
     /// Takes back everything lent to `uid`; a file gone, or replaced by a

@@ -34,6 +34,7 @@ fn initrd_dest(d: &DiskPrep) -> Option<&Path> {
 use crate::core::layout::{HostLayout, VmPaths};
 use nix::fcntl::OFlag;
 use nix::unistd::{Gid, Uid};
+use std::fs::File;
 use std::future::Future;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
@@ -438,7 +439,7 @@ impl HostStorage {
                 path,
                 backing,
             } => {
-                let (base, format) = match (backing, images.get(volume)) {
+                let (base, format, size) = match (backing, images.get(volume)) {
                     (Backing::Image { image, .. }, None) => {
                         return Err(StorageError::Disk {
                             path: path.clone(),
@@ -449,7 +450,7 @@ impl HostStorage {
                         // The cache is root's alone: the VM reads its own
                         // image, for its life, and no other.
                         self.grant(&d.path, acl::READ)?;
-                        (d.path.clone(), d.format)
+                        (d.path.clone(), d.format, None)
                     }
                     (Backing::HostDisk(base), _) => self.ephemeral_base(base, roots)?,
                 };
@@ -457,7 +458,12 @@ impl HostStorage {
                 let base = base.to_string_lossy();
                 self.staged("overlay", |work| {
                     let tmp = work.join("overlay.qcow2");
-                    qemu_img_create(&tmp, &["-F", format, "-b", &base], None)?;
+                    // With the base's size given, qemu-img does not open
+                    // a hostDisk base by name (`-u`): root reads only what
+                    // it opened beneath the root.
+                    let unsafe_flag: &[&str] = if size.is_some() { &["-u"] } else { &[] };
+                    let options = [unsafe_flag, &["-F", format, "-b", &base]].concat();
+                    qemu_img_create(&tmp, &options, size)?;
                     self.own(&tmp)?;
                     self.place(&tmp, path)
                 })
@@ -465,23 +471,8 @@ impl HostStorage {
             DiskPrep::CreateRawIfMissing {
                 path, size_bytes, ..
             } => {
-                check_under_roots(path, roots, true)?;
-                if !path.exists() {
-                    if let Some(parent) = path.parent() {
-                        std::fs::create_dir_all(parent).map_err(io(parent, "create directory"))?;
-                    }
-                    // root's, 0600: the VM is given it by an ACL entry.
-                    use std::os::unix::fs::OpenOptionsExt;
-                    let f = std::fs::OpenOptions::new()
-                        .write(true)
-                        .create_new(true)
-                        .mode(0o600)
-                        .open(path)
-                        .map_err(io(path, "create disk"))?;
-                    f.set_len(*size_bytes).map_err(io(path, "size disk"))?;
-                }
-                check_under_roots(path, roots, false)?;
-                self.grant(path, acl::READ | acl::WRITE)
+                let (file, real) = host_disk(path, roots, HostOpen::OrCreate(*size_bytes))?;
+                self.grant_file(&file, &real, acl::READ | acl::WRITE)
             }
             DiskPrep::SeedIso { path, seed, .. } => self.seed_iso(path, seed),
             DiskPrep::EfiVars {
@@ -496,15 +487,8 @@ impl HostStorage {
                 qemu_conf,
             } => self.hugepages(vm, *page_bytes, *pages, qemu_conf),
             DiskPrep::RequireExisting { path, .. } => {
-                if !path.is_file() {
-                    return Err(StorageError::Disk {
-                        path: path.clone(),
-                        message: "hostDisk does not exist (type Disk needs an existing file)"
-                            .into(),
-                    });
-                }
-                check_under_roots(path, roots, false)?;
-                self.grant(path, acl::READ | acl::WRITE)
+                let (file, real) = host_disk(path, roots, HostOpen::Existing)?;
+                self.grant_file(&file, &real, acl::READ | acl::WRITE)
             }
         }
     }
@@ -517,6 +501,14 @@ impl HostStorage {
         };
         let real = std::fs::canonicalize(path).map_err(io(path, "resolve"))?;
         self.grants().lend(&real, owner.uid, perm)
+    }
+
+    /// [`HostStorage::grant`] on a file root already holds open.
+    fn grant_file(&self, file: &File, real: &Path, perm: u16) -> Result<(), StorageError> {
+        let Some(owner) = self.owner else {
+            return Ok(());
+        };
+        self.grants().lend_file(file, real, owner.uid, perm)
     }
 
     fn grants(&self) -> Grants {
@@ -596,26 +588,21 @@ impl HostStorage {
         &self,
         base: &Path,
         roots: &[PathBuf],
-    ) -> Result<(PathBuf, &'static str), StorageError> {
+    ) -> Result<(PathBuf, &'static str, Option<u64>), StorageError> {
         let disk_err = |message: String| StorageError::Disk {
             path: base.to_owned(),
             message,
         };
-        if !base.is_file() {
-            return Err(disk_err(
-                "the ephemeral base (hostDisk) does not exist".into(),
-            ));
-        }
-        check_under_roots(base, roots, false)?;
-        let real = std::fs::canonicalize(base).map_err(io(base, "resolve"))?;
+        let (file, real) = host_disk(base, roots, HostOpen::Existing)?;
         let mut header = Vec::with_capacity(104);
-        std::fs::File::open(&real)
-            .and_then(|f| std::io::Read::read_to_end(&mut std::io::Read::take(f, 104), &mut header))
+        std::io::Read::read_to_end(&mut std::io::Read::take(&file, 104), &mut header)
             .map_err(io(&real, "read"))?;
         let format = crate::core::image::disk_format(&header).map_err(disk_err)?;
+        let len = file.metadata().map_err(io(&real, "stat"))?.len();
+        let size = crate::core::image::virtual_size(&header, len);
         // Only read, through the VM's own overlay.
-        self.grant(&real, acl::READ)?;
-        Ok((real, format))
+        self.grant_file(&file, &real, acl::READ)?;
+        Ok((real, format, Some(size)))
     }
 
     /// Files for the VM's disk directory are made in a root-only staging
@@ -760,36 +747,75 @@ impl HostStorage {
     }
 }
 
-/// The converter checked the path as written; this checks where it really
-/// leads, so a symlink cannot take a hostDisk out of the allowed roots.
-fn check_under_roots(
+/// How a hostDisk is opened.
+#[derive(Clone, Copy)]
+enum HostOpen {
+    /// The file must be there (hostDisk `Disk`, an ephemeral base).
+    Existing,
+    /// Made, with this size, when missing (`DiskOrCreate`).
+    OrCreate(u64),
+}
+
+/// A hostDisk, opened beneath the allowed root it is written under, with
+/// the rules of the VM's own directories ([`Beneath`]): a link anywhere on
+/// the way, or a FIFO or device at the end, is refused, so a local user
+/// who can write below a root cannot swap a directory for a link between
+/// a check and a use and steer root's create or ACL elsewhere. Missing
+/// directories of a new disk are made through fds too. Returns the open
+/// file (what is lent is this inode) and its path below the real root.
+fn host_disk(
     path: &Path,
     roots: &[PathBuf],
-    parent_only: bool,
-) -> Result<(), StorageError> {
-    let target = if parent_only {
-        match path.parent().map(std::fs::canonicalize) {
-            Some(Ok(p)) => p,
-            _ => return Ok(()), // parent created later, checked again then
-        }
-    } else {
-        std::fs::canonicalize(path).map_err(io(path, "resolve"))?
+    how: HostOpen,
+) -> Result<(File, PathBuf), StorageError> {
+    let disk_err = |message: String| StorageError::Disk {
+        path: path.to_owned(),
+        message,
     };
-    let roots: Vec<PathBuf> = roots
+    // The deepest root the path is written under (the converter checked
+    // the path as written; roots are the administrator's, trusted by name).
+    let root = roots
         .iter()
-        .map(|r| std::fs::canonicalize(r).unwrap_or_else(|_| r.clone()))
-        .collect();
-    if roots.iter().any(|r| target.starts_with(r)) {
-        Ok(())
-    } else {
-        Err(StorageError::Disk {
-            path: path.into(),
-            message: format!(
-                "resolves to {}, outside the allowed hostDisk roots",
-                target.display()
-            ),
-        })
-    }
+        .filter(|r| path.starts_with(r))
+        .max_by_key(|r| r.components().count())
+        .ok_or_else(|| disk_err("is outside the allowed hostDisk roots".into()))?;
+    let rel = path.strip_prefix(root).unwrap_or(path);
+    let real_root = std::fs::canonicalize(root).map_err(io(root, "resolve"))?;
+    let real = real_root.join(rel);
+    let (Some(name), parent) = (rel.file_name(), rel.parent().unwrap_or(Path::new(""))) else {
+        return Err(disk_err("names no file below its root".into()));
+    };
+    let no_links = |e: std::io::Error| match e.raw_os_error() {
+        Some(libc::ELOOP | libc::EXDEV | libc::ENOTDIR) => disk_err(format!(
+            "{e}: a hostDisk is reached below its root without following links"
+        )),
+        _ if e.kind() == std::io::ErrorKind::NotFound && matches!(how, HostOpen::Existing) => {
+            disk_err("hostDisk does not exist (type Disk needs an existing file)".into())
+        }
+        _ => io(path, "open")(e),
+    };
+    let top = Beneath::open(&real_root).map_err(io(&real_root, "open"))?;
+    let file = match how {
+        HostOpen::Existing => top.file(rel, OFlag::O_RDONLY).map_err(no_links)?,
+        HostOpen::OrCreate(size) => {
+            let dir = top.make_missing(parent, 0o755).map_err(no_links)?;
+            let name = name
+                .to_str()
+                .ok_or_else(|| disk_err("is not UTF-8".into()))?;
+            // root's, 0600: the VM is given it by an ACL entry.
+            match dir.create(name, 0o600) {
+                Ok(f) => {
+                    f.set_len(size).map_err(io(path, "size disk"))?;
+                    f
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    dir.file(name, OFlag::O_RDONLY).map_err(no_links)?
+                }
+                Err(e) => return Err(no_links(e)),
+            }
+        }
+    };
+    Ok((file, real))
 }
 
 async fn blocking<T: Send + 'static>(
@@ -1138,7 +1164,7 @@ mod tests {
             )
             .await
             .unwrap_err();
-        assert!(err.to_string().contains("outside the allowed"), "{err}");
+        assert!(err.to_string().contains("without following links"), "{err}");
 
         let new = root.join("sub/new.img");
         s.prepare_disk(
@@ -1168,6 +1194,85 @@ mod tests {
             .await
             .unwrap_err();
         assert!(missing.to_string().contains("does not exist"), "{missing}");
+    }
+
+    /// A local user who can write below a hostDisk root swaps a directory
+    /// of the path for a link (to `/etc`, say), or plants a FIFO: root
+    /// creates nothing, lends nothing and blocks on nothing outside.
+    #[tokio::test]
+    async fn host_disk_paths_through_swapped_links_never_steer_root() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = storage(tmp.path());
+        let root = tmp.path().join("images");
+        let etc = tmp.path().join("etc");
+        std::fs::create_dir_all(root.join("team")).unwrap();
+        std::fs::create_dir_all(&etc).unwrap();
+        std::fs::write(etc.join("shadow"), b"root's").unwrap();
+        std::fs::set_permissions(etc.join("shadow"), std::fs::Permissions::from_mode(0o600))
+            .unwrap();
+        // The directory the VMI names is now a link to "/etc".
+        std::fs::remove_dir(root.join("team")).unwrap();
+        std::os::unix::fs::symlink(&etc, root.join("team")).unwrap();
+        let roots = vec![root.clone()];
+        let vm = Some(Owner {
+            uid: 300_010,
+            gid: 300_010,
+        });
+        let try_prep = |prep: DiskPrep| {
+            let s = &s;
+            let roots = &roots;
+            async move { s.prepare_disk(&prep, roots, &Pulled::new(), vm).await }
+        };
+        let create = try_prep(DiskPrep::CreateRawIfMissing {
+            volume: "v".into(),
+            path: root.join("team/new/disk.img"),
+            size_bytes: 1 << 20,
+        });
+        let err = create.await.unwrap_err();
+        assert!(err.to_string().contains("without following links"), "{err}");
+        let existing = try_prep(DiskPrep::RequireExisting {
+            volume: "v".into(),
+            path: root.join("team/shadow"),
+        });
+        assert!(existing.await.is_err());
+        let or_create = try_prep(DiskPrep::CreateRawIfMissing {
+            volume: "v".into(),
+            path: root.join("team/shadow"),
+            size_bytes: 1 << 20,
+        });
+        assert!(or_create.await.is_err());
+        let base = try_prep(DiskPrep::Overlay {
+            volume: "v".into(),
+            path: tmp.path().join("overlay.qcow2"),
+            backing: Backing::HostDisk(root.join("team/shadow")),
+        });
+        assert!(base.await.is_err());
+        let mut names: Vec<_> = std::fs::read_dir(&etc)
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        assert_eq!(names, ["shadow"], "root made something through the link");
+        let shadow = std::fs::File::open(etc.join("shadow")).unwrap();
+        assert!(crate::host::grants::read_acl(&shadow).unwrap().is_minimal());
+        assert_eq!(std::fs::read(etc.join("shadow")).unwrap(), b"root's");
+
+        // A FIFO where the disk should be: refused at once, never waited on.
+        nix::unistd::mkfifo(&root.join("fifo.img"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        for prep in [
+            DiskPrep::RequireExisting {
+                volume: "v".into(),
+                path: root.join("fifo.img"),
+            },
+            DiskPrep::CreateRawIfMissing {
+                volume: "v".into(),
+                path: root.join("fifo.img"),
+                size_bytes: 1 << 20,
+            },
+        ] {
+            let r = tokio::time::timeout(std::time::Duration::from_secs(10), try_prep(prep)).await;
+            assert!(r.expect("blocked on a FIFO").is_err());
+        }
     }
 
     fn qemu_img() -> bool {
@@ -1302,6 +1407,26 @@ mod tests {
             backing_of(&p.overlay("e")),
             (good.display().to_string(), "qcow2".to_owned())
         );
+        // qemu-img is told the base's size (it never opens a hostDisk by
+        // name as root): the guest sees the base's, raw or qcow2.
+        assert_eq!(virtual_size_of(&p.overlay("e")), 1 << 20);
+        let raw = root.join("base.raw");
+        std::fs::write(&raw, vec![0u8; 3 << 20]).unwrap();
+        std::fs::remove_file(p.overlay("e")).unwrap();
+        s.prepare_disk(&prep(&raw), &roots, &Pulled::new(), None)
+            .await
+            .unwrap();
+        assert_eq!(virtual_size_of(&p.overlay("e")), 3 << 20);
+    }
+
+    fn virtual_size_of(image: &Path) -> u64 {
+        let out = std::process::Command::new("qemu-img")
+            .args(["info", "--output=json", "-U"])
+            .arg(image)
+            .output()
+            .unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        v["virtual-size"].as_u64().unwrap()
     }
 
     #[tokio::test]
