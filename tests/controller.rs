@@ -9,7 +9,7 @@ use kvirt::core::plan::{DomainState, GuestAgent, UnitActivity};
 use kvirt::core::trigger::Trigger;
 use kvirt::core::unit::Prop;
 use kvirt::core::vmi::{Phase, VirtualMachineInstance};
-use kvirt::daemon::controller::{Controller, Settings};
+use kvirt::daemon::controller::{Controller, Settings, VmiView};
 use kvirt::daemon::fake::FakeHost;
 use kvirt::host::storage::Owner;
 use kvirt::sources::EventReason;
@@ -506,6 +506,45 @@ async fn a_replaced_manifest_replaces_the_vm() {
         Some("new")
     );
     assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
+}
+
+/// A manifest edited while the old instance's start is under way (chaos
+/// seed 1796337339813738289): the old pass's outcome is the old
+/// instance's. Before, its Running landed on the new VMI, which then
+/// counted as a running VM whose unit had disappeared, and failed.
+#[tokio::test]
+async fn a_vmi_replaced_during_its_predecessors_start_runs_as_itself() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    ctl.set_vmis(set(&[vmi("vm1", "old", "")])).await;
+    let gate = host.gate("start kvirt-vm@default_vm1");
+    let pass = tokio::spawn({
+        let ctl = ctl.clone();
+        async move { ctl.reconcile("default_vm1").await }
+    });
+    wait_for(|| host.state().calls.iter().any(|c| c.starts_with("start "))).await;
+    ctl.set_vmis(set(&[vmi("vm1", "new", "")])).await;
+    gate.add_permits(100);
+    pass.await.unwrap().unwrap();
+    let (now, _) = ctl.view("default_vm1");
+    assert_eq!(
+        now.unwrap().status.phase,
+        None,
+        "the new instance took the old one's outcome"
+    );
+    for _ in 0..5 {
+        ctl.reconcile("default_vm1").await.unwrap();
+    }
+    assert_eq!(
+        host.state().domains["default_vm1"].uid.as_deref(),
+        Some("new")
+    );
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
+    assert!(
+        !reasons(&host).contains(&EventReason::Stopped),
+        "{:?}",
+        host.state().events
+    );
 }
 
 #[tokio::test]

@@ -223,14 +223,18 @@ pub struct Plan {
     /// Look again soon: something is in motion (a unit starting or stopping,
     /// an old instance being replaced).
     pub requeue: bool,
+    /// Which case of the plan this is, for the log line that shows the
+    /// steps: a teardown says what made it one.
+    pub why: &'static str,
 }
 
 impl Plan {
-    fn new(steps: Vec<Step>, outcome: Outcome) -> Self {
+    fn new(steps: Vec<Step>, outcome: Outcome, why: &'static str) -> Self {
         Self {
             steps,
             outcome,
             requeue: false,
+            why,
         }
     }
 }
@@ -283,13 +287,21 @@ pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
             .as_ref()
             .and_then(|u| u.grace)
             .unwrap_or(DEFAULT_GRACE);
-        return Plan::new(teardown(obs, grace, false), Outcome::Unchanged);
+        return Plan::new(
+            teardown(obs, grace, false),
+            Outcome::Unchanged,
+            "the VMI is gone or being deleted",
+        );
     };
 
     // A different instance of the same name (the manifest was replaced):
     // clear the old one out first, then come back for the new one.
     if obs.uid().is_some_and(|uid| uid != d.uid) {
-        let mut p = Plan::new(teardown(obs, d.grace, true), Outcome::Unchanged);
+        let mut p = Plan::new(
+            teardown(obs, d.grace, true),
+            Outcome::Unchanged,
+            "the host runs another instance of this name",
+        );
         p.requeue = true;
         return p;
     }
@@ -298,12 +310,17 @@ pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
         return Plan::new(
             teardown(obs, d.grace, true),
             Outcome::Invalid(reason.clone()),
+            "the VMI cannot run",
         );
     }
 
     if d.phase.is_some_and(is_final) {
         // Done: nothing of it runs any more, but its status stays readable.
-        return Plan::new(teardown(obs, d.grace, true), Outcome::Unchanged);
+        return Plan::new(
+            teardown(obs, d.grace, true),
+            Outcome::Unchanged,
+            "the VMI has finished",
+        );
     }
 
     let was_running = d.phase == Some(Phase::Running);
@@ -312,6 +329,7 @@ pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
             return Plan::new(
                 teardown(obs, d.grace, true),
                 Outcome::Failed("the VM's unit disappeared".into()),
+                "the unit of a running VM is gone",
             );
         }
         let mut steps = vec![Step::AcquireIdentity, Step::CreateDirs, Step::PrepareDisks];
@@ -325,12 +343,16 @@ pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
             Step::StartDomain,
         ]);
         steps.extend(register(obs));
-        return Plan::new(steps, Outcome::Phase(Phase::Running));
+        return Plan::new(steps, Outcome::Phase(Phase::Running), "creating the VM");
     };
 
     match unit.activity {
         UnitActivity::Activating | UnitActivity::Deactivating => {
-            let mut p = Plan::new(vec![], Outcome::Unchanged);
+            let mut p = Plan::new(
+                vec![],
+                Outcome::Unchanged,
+                "the unit is starting or stopping",
+            );
             p.requeue = true;
             p
         }
@@ -340,11 +362,13 @@ pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
                 "the VM's libvirt daemon stopped (result: {})",
                 unit.result
             )),
+            "the VM's unit stopped",
         ),
         UnitActivity::Active if obs.unresponsive => {
             let mut p = Plan::new(
                 vec![],
                 Outcome::Unresponsive("the VM's libvirt daemon does not answer".into()),
+                "the VM's libvirt daemon does not answer",
             );
             p.requeue = true;
             p
@@ -356,27 +380,34 @@ pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
                     .chain(register(obs))
                     .collect(),
                 Outcome::Phase(Phase::Running),
+                "the unit runs without the domain",
             ),
-            Some(DomainState::Running | DomainState::Paused) => {
-                Plan::new(register(obs).collect(), Outcome::Phase(Phase::Running))
-            }
+            Some(DomainState::Running | DomainState::Paused) => Plan::new(
+                register(obs).collect(),
+                Outcome::Phase(Phase::Running),
+                "the VM runs",
+            ),
             Some(DomainState::Shutoff | DomainState::Other) if !was_running => Plan::new(
                 std::iter::once(Step::StartDomain)
                     .chain(register(obs))
                     .collect(),
                 Outcome::Phase(Phase::Running),
+                "the domain is defined but not started",
             ),
             Some(DomainState::Shutdown) => Plan::new(
                 teardown(obs, d.grace, true),
                 Outcome::Phase(Phase::Succeeded),
+                "the guest powered off",
             ),
             Some(DomainState::Crashed) => Plan::new(
                 teardown(obs, d.grace, true),
                 Outcome::Failed("the guest crashed".into()),
+                "the guest crashed",
             ),
             Some(DomainState::Shutoff | DomainState::Other) => Plan::new(
                 teardown(obs, d.grace, true),
                 Outcome::Failed("the domain stopped unexpectedly".into()),
+                "the domain stopped",
             ),
         },
     }

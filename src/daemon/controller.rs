@@ -617,7 +617,7 @@ impl<A: Adapters> Controller<A> {
         let plan = plan::plan(desired.as_ref(), &obs);
         let mut outcome = plan.outcome.clone();
         if !plan.steps.is_empty() {
-            info!(steps = ?plan.steps, "acting");
+            info!(steps = ?plan.steps, why = plan.why, "acting");
         }
 
         let creating =
@@ -631,6 +631,7 @@ impl<A: Adapters> Controller<A> {
             ) {
                 self.report(
                     k,
+                    v.uid(),
                     &Outcome::Phase(Phase::Scheduled),
                     &Default::default(),
                     None,
@@ -737,7 +738,7 @@ impl<A: Adapters> Controller<A> {
                 // Everything of it is gone from the host: let the object go.
                 self.deps.status.release(v).await.map_err(status_err(id))?;
             }
-            (_, Some(k)) => {
+            (Some(v), Some(k)) => {
                 let mut live = status::Live::default();
                 if let (Outcome::Phase(Phase::Running), Some(d)) = (&outcome, &dom) {
                     let seen = obs.domain.as_ref();
@@ -770,7 +771,7 @@ impl<A: Adapters> Controller<A> {
                     .as_ref()
                     .and_then(|c| c.as_ref().ok())
                     .and_then(|c| c.network.as_ref());
-                deferred = self.report(k, &outcome, &live, net).await?;
+                deferred = self.report(k, v.uid(), &outcome, &live, net).await?;
             }
             _ => {}
         }

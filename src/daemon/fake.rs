@@ -57,6 +57,9 @@ pub struct HostState {
     pub fail: BTreeSet<String>,
     /// Calls (by prefix) that panic, as a bug in an adapter would.
     pub panic: BTreeSet<String>,
+    /// Calls (by prefix) that wait, once recorded, until the test adds a
+    /// permit: a pass held at that point while the test changes the world.
+    pub gates: BTreeMap<String, Arc<tokio::sync::Semaphore>>,
     /// VM ids whose libvirt daemon does not answer.
     pub unresponsive: BTreeSet<String>,
     /// Ids whose daemon's socket cannot be connected to.
@@ -135,6 +138,23 @@ impl FakeHost {
         fail
     }
 
+    /// Holds calls starting with `prefix` until the returned semaphore
+    /// gets a permit.
+    pub fn gate(&self, prefix: &str) -> Arc<tokio::sync::Semaphore> {
+        let g = Arc::new(tokio::sync::Semaphore::new(0));
+        self.state().gates.insert(prefix.into(), g.clone());
+        g
+    }
+
+    async fn wait_at_gate(&self, what: &str) {
+        let gate = (self.state().gates.iter())
+            .find(|(prefix, _)| what.starts_with(prefix.as_str()))
+            .map(|(_, g)| g.clone());
+        if let Some(g) = gate {
+            g.acquire().await.expect("gate open").forget();
+        }
+    }
+
     /// The guest powers itself off, as a real one would.
     pub fn guest_poweroff(&self, id: &str) {
         if let Some(d) = self.state().domains.get_mut(id) {
@@ -166,7 +186,10 @@ fn injected(what: &str) -> String {
 
 impl Units for FakeHost {
     async fn start(&self, spec: &UnitSpec) -> Result<(), SystemdError> {
-        if self.call(format!("start {}", spec.name)) {
+        let what = format!("start {}", spec.name);
+        let fail = self.call(what.clone());
+        self.wait_at_gate(&what).await;
+        if fail {
             return Err(SystemdError::Job {
                 unit: spec.name.clone(),
                 verb: "start",

@@ -92,7 +92,7 @@ impl<A: Adapters> Controller<A> {
         self.deps.recorder.record(vmi, reason, message, true);
         // Only an administrator can fix this one: not a passing wait.
         let unsynchronized = reason == EventReason::NamespaceNotOptedIn;
-        self.set_waiting_as(key, &format!("{reason:?}"), message, unsynchronized)
+        self.set_waiting_as(vmi, key, &format!("{reason:?}"), message, unsynchronized)
             .await;
     }
 
@@ -148,7 +148,7 @@ impl<A: Adapters> Controller<A> {
                         if let Some(p) = p {
                             let msg = format!("pulling {image}: {}", mib_of(p));
                             info!(volume = %volume, "{msg}");
-                            self.set_waiting(key, "PullingContainerDisk", &msg).await;
+                            self.set_waiting(vmi, key, "PullingContainerDisk", &msg).await;
                         }
                     }
                 }
@@ -202,16 +202,32 @@ impl<A: Adapters> Controller<A> {
     }
 
     /// Why a VM that is not running yet is waiting (the Ready condition),
-    /// saved at once; a failed save is retried by the next report.
-    pub(super) async fn set_waiting(&self, key: &VmKey, reason: &str, message: &str) {
-        self.set_waiting_as(key, reason, message, false).await
+    /// saved at once; a failed save is retried by the next report. Only
+    /// while `vmi` is the instance known by its name (see `report`).
+    pub(super) async fn set_waiting(
+        &self,
+        vmi: &VirtualMachineInstance,
+        key: &VmKey,
+        reason: &str,
+        message: &str,
+    ) {
+        self.set_waiting_as(vmi, key, reason, message, false).await
     }
 
-    async fn set_waiting_as(&self, key: &VmKey, reason: &str, message: &str, unsynchronized: bool) {
+    async fn set_waiting_as(
+        &self,
+        of: &VirtualMachineInstance,
+        key: &VmKey,
+        reason: &str,
+        message: &str,
+        unsynchronized: bool,
+    ) {
         let id = key.id();
         let vmi = {
             let mut vmis = self.vmis();
-            let Some(vmi) = vmis.get_mut(&id) else { return };
+            let Some(vmi) = vmis.get_mut(&id).filter(|v| v.uid() == of.uid()) else {
+                return;
+            };
             let now = now_rfc3339();
             let Some(next) = status::waiting_as(&vmi.status, reason, message, unsynchronized, &now)
             else {

@@ -19,10 +19,14 @@ impl<A: Adapters> Controller<A> {
     /// truth at once (the next plan relies on it); writing it out is retried
     /// until it succeeds, so an outage of the status store loses nothing.
     /// `net`: the VMI's pod network as this pass converted it. A write the
-    /// budget does not allow yet waits, and says how long.
+    /// budget does not allow yet waits, and says how long. `uid`: the
+    /// instance the pass worked on; when the VMI was replaced meanwhile (a
+    /// manifest edited, an object recreated), the outcome is the old
+    /// instance's and says nothing of the new one, whose own pass follows.
     pub(super) async fn report(
         &self,
         key: &VmKey,
+        uid: Option<&str>,
         outcome: &Outcome,
         live: &status::Live,
         net: Option<&NetSpec>,
@@ -32,7 +36,7 @@ impl<A: Adapters> Controller<A> {
         let interfaces = self.interfaces(&id, outcome, net);
         let changed = {
             let mut vmis = self.vmis();
-            let Some(vmi) = vmis.get_mut(&id) else {
+            let Some(vmi) = vmis.get_mut(&id).filter(|v| v.uid() == uid) else {
                 return Ok(None);
             };
             let next =
@@ -61,7 +65,7 @@ impl<A: Adapters> Controller<A> {
                 })
             })
         };
-        let current = self.vmis().get(&id).cloned();
+        let current = self.vmis().get(&id).filter(|v| v.uid() == uid).cloned();
         if let (Some((old, new)), Some(vmi)) = (changed, &current) {
             self.unsaved().insert(id.clone());
             if let Outcome::Unresponsive(m) = outcome {
