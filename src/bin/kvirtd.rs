@@ -84,10 +84,35 @@ struct Args {
     /// Print this manual page (roff) for packaging.
     #[arg(long, hide = true)]
     print_man: bool,
+    /// A VM unit's ExecStop= (not for people): SIGTERM to every other
+    /// process of the unit this runs in.
+    #[arg(long, hide = true)]
+    stop_unit_processes: bool,
+}
+
+/// `--stop-unit-processes`: each process of this process's cgroup pinned
+/// by a pidfd, checked to be in it still, then sent SIGTERM (never this
+/// process, which ignores it). Fails where there is no unified hierarchy
+/// to list them from, so the unit's ExecStop falls back to `systemctl kill`.
+fn stop_unit_processes() -> Result<()> {
+    use nix::sys::signal::{signal, SigHandler, Signal};
+    // SAFETY: SIG_IGN installs no handler code.
+    unsafe { signal(Signal::SIGTERM, SigHandler::SigIgn) }?;
+    let cgroup =
+        kvirt::host::pidfd::cgroup_of(std::process::id()).context("no unified cgroup hierarchy")?;
+    anyhow::ensure!(cgroup != "/", "not in a unit's cgroup");
+    if !kvirt::host::pidfd::can_list(&cgroup) {
+        anyhow::bail!("cannot list the processes of {cgroup}");
+    }
+    kvirt::host::pidfd::signal_cgroup(&cgroup, libc::SIGTERM);
+    Ok(())
 }
 
 fn main() -> Result<()> {
     let args = Args::parse();
+    if args.stop_unit_processes {
+        return stop_unit_processes();
+    }
     if args.print_man {
         use clap::CommandFactory;
         kvirt::daemon::man::render(

@@ -44,6 +44,13 @@ impl Pidfd {
             .map(Self)
     }
 
+    /// [`Pidfd::open`], only while `pid` runs in the cgroup `path`
+    /// (checked after it is pinned).
+    pub fn open_in(pid: u32, path: &str) -> Option<Self> {
+        let fd = Self::open(pid)?;
+        (cgroup_of(pid)?.as_str() == path).then_some(fd)
+    }
+
     /// Whether the signal was delivered (false: the process has exited).
     pub fn signal(&self, signal: i32) -> bool {
         send(self.0.get_ref(), signal)
@@ -59,31 +66,69 @@ impl Pidfd {
     }
 }
 
+/// A process pinned by a pidfd: its pid number may be handed to another
+/// process once it is gone, the pidfd never.
+pub struct Pinned(OwnedFd);
+
+impl Pinned {
+    /// `None` when the process is gone already.
+    pub fn pin(pid: u32) -> Option<Self> {
+        open(pid).map(Self)
+    }
+
+    /// Whether the pinned process still runs (so its pid is still its own).
+    pub fn alive(&self) -> bool {
+        send(&self.0, 0)
+    }
+}
+
+/// The `0::` line of `/proc/<pid>/cgroup` (the unified hierarchy path),
+/// read after the caller pinned `pid`: if the number was reused, the pin
+/// is of the newcomer, which is then the one read here.
+pub fn cgroup_of(pid: u32) -> Option<String> {
+    use std::io::Read;
+    let mut text = String::new();
+    std::fs::File::open(format!("/proc/{pid}/cgroup"))
+        .ok()?
+        .take(4096)
+        .read_to_string(&mut text)
+        .ok()?;
+    text.lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .map(str::to_owned)
+}
+
+/// The `cgroup.procs` of the unified hierarchy's `path`, at its own
+/// mount or beside the legacy ones on a hybrid host.
+fn procs_of(path: &str) -> Option<String> {
+    let relative = path.trim_start_matches('/');
+    ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
+        .iter()
+        .find_map(|root| {
+            std::fs::read_to_string(Path::new(root).join(relative).join("cgroup.procs")).ok()
+        })
+}
+
+/// Whether the processes of the cgroup `path` can be listed here.
+pub fn can_list(path: &str) -> bool {
+    procs_of(path).is_some()
+}
+
 /// Sends `signal` to every process in the cgroup `path` (a unified
 /// hierarchy path, as systemd's `ControlGroup` gives it; the hierarchy is
 /// at /sys/fs/cgroup, or beside the legacy ones on a hybrid host), each
 /// checked to be in it after it is pinned by its pidfd. How many were
 /// signalled.
 pub fn signal_cgroup(path: &str, signal: i32) -> usize {
-    let relative = path.trim_start_matches('/');
-    let Some(procs) = ["/sys/fs/cgroup", "/sys/fs/cgroup/unified"]
-        .iter()
-        .find_map(|root| {
-            std::fs::read_to_string(Path::new(root).join(relative).join("cgroup.procs")).ok()
-        })
-    else {
+    let Some(procs) = procs_of(path) else {
         return 0;
     };
-    let member = format!("0::{path}");
     procs
         .lines()
         .filter_map(|l| l.parse::<u32>().ok())
         .filter_map(|pid| {
             let fd = open(pid)?;
-            // Read after the pidfd pins the process: if the pid was reused,
-            // the pidfd is of the newcomer, which is then checked here.
-            let now = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()?;
-            (now.lines().any(|l| l == member) && send(&fd, signal)).then_some(())
+            (cgroup_of(pid)? == path && send(&fd, signal)).then_some(())
         })
         .count()
 }

@@ -32,8 +32,15 @@ const CHUNK: u64 = 1 << 20;
 /// libvirt's pid file holds a number and a newline.
 const MAX_PID_FILE: u64 = 32;
 
-/// Which unit a process runs in (`unit_of_process`, or a fake in tests).
-pub type UnitOf = Box<dyn Fn(u32) -> Option<String> + Send + Sync>;
+/// A process the forwarder names as a line's writer: pinned first, its
+/// unit read after, and alive at each line it is named for.
+pub struct Writer {
+    pub unit: String,
+    pub alive: Box<dyn Fn() -> bool + Send>,
+}
+
+/// Pins a process and tells its unit (`pin_process`, or a fake in tests).
+pub type UnitOf = Box<dyn Fn(u32) -> Option<Writer> + Send + Sync>;
 
 pub struct Forwarder<K: Sink> {
     sink: K,
@@ -43,7 +50,7 @@ pub struct Forwarder<K: Sink> {
 
 impl<K: Sink> Forwarder<K> {
     pub fn new(sink: K, layout: HostLayout) -> Self {
-        Self::with_units(sink, layout, Box::new(unit_of_process))
+        Self::with_units(sink, layout, Box::new(pin_process))
     }
 
     pub fn with_units(sink: K, layout: HostLayout, unit_of: UnitOf) -> Self {
@@ -139,11 +146,15 @@ impl<K: Sink> Forwarder<K> {
         // daemon. A pid is taken only of a process in the VM's own unit:
         // the pid files are the VM's, and could name anyone.
         let paths = self.layout.vm_by_id(id);
-        let ours = |pid: &u32| (self.unit_of)(*pid).as_deref() == Some(unit.as_str());
-        let mut writer = match first_pid(&paths, &[paths.qemu_pid_file(domain)]).filter(ours) {
+        let ours = |pid: u32| {
+            (self.unit_of)(pid)
+                .filter(|w| w.unit == unit)
+                .map(|w| (pid, w))
+        };
+        let mut writer = match first_pid(&paths, &[paths.qemu_pid_file(domain)]).and_then(ours) {
             Some(p) => Some(p),
             None if written_within(&meta, QEMU_PID_WAIT) => return Ok(()),
-            None => first_pid(&paths, &paths.daemon_pid_files()).filter(ours),
+            None => first_pid(&paths, &paths.daemon_pid_files()).and_then(ours),
         };
         for line in String::from_utf8_lossy(&buf[..upto]).lines() {
             if line.is_empty() {
@@ -154,7 +165,12 @@ impl<K: Sink> Forwarder<K> {
                 ("OBJECT_SYSTEMD_UNIT", unit.as_str()),
                 (VM_FIELD, vm.as_str()),
             ];
-            if let Some(pid) = writer {
+            // Gone since it was pinned: its number may be anyone's now.
+            if writer.as_ref().is_some_and(|(_, w)| !(w.alive)()) {
+                writer = None;
+            }
+            if let Some((pid, _)) = &writer {
+                let pid = *pid;
                 let pid_text = pid.to_string();
                 let mut as_writer = fields.to_vec();
                 as_writer.extend([
@@ -193,17 +209,17 @@ fn first_pid(paths: &crate::core::layout::VmPaths, files: &[PathBuf]) -> Option<
     })
 }
 
-/// The systemd unit process `pid` runs in, from its cgroup: the first
-/// component below the slices. Deeper ones prove nothing: below its unit a
-/// process may create cgroups of any name.
-pub fn unit_of_process(pid: u32) -> Option<String> {
-    let mut text = String::new();
-    std::fs::File::open(format!("/proc/{pid}/cgroup"))
-        .ok()?
-        .take(4096)
-        .read_to_string(&mut text)
-        .ok()?;
-    unit_in_cgroup(text.lines().find_map(|l| l.strip_prefix("0::"))?)
+/// `pid` pinned by a pidfd, with the systemd unit it runs in, read from
+/// its cgroup after the pin: the first component below the slices. Deeper
+/// ones prove nothing: below its unit a process may create cgroups of any
+/// name.
+pub fn pin_process(pid: u32) -> Option<Writer> {
+    let pinned = crate::host::pidfd::Pinned::pin(pid)?;
+    let unit = unit_in_cgroup(&crate::host::pidfd::cgroup_of(pid)?)?;
+    Some(Writer {
+        unit,
+        alive: Box::new(move || pinned.alive()),
+    })
 }
 
 fn unit_in_cgroup(path: &str) -> Option<String> {
@@ -249,10 +265,16 @@ mod tests {
         Forwarder::with_units(
             rec.clone(),
             layout.clone(),
-            Box::new(|pid| match pid {
-                77 | 4242 => Some("kvirt-vm@default_vm1.service".into()),
-                999 => Some("kvirt-vm@default_other.service".into()),
-                _ => None,
+            Box::new(|pid| {
+                let unit = match pid {
+                    77 | 4242 => "kvirt-vm@default_vm1.service",
+                    999 => "kvirt-vm@default_other.service",
+                    _ => return None,
+                };
+                Some(Writer {
+                    unit: unit.into(),
+                    alive: Box::new(|| true),
+                })
             }),
         )
     }
@@ -342,8 +364,66 @@ mod tests {
         );
         assert_eq!(unit("/"), None);
         assert_eq!(unit("/user.slice"), None);
-        let me = unit_of_process(std::process::id());
+        let me = pin_process(std::process::id()).map(|w| w.unit);
         assert!(me.is_none() || !me.unwrap().ends_with(".slice"));
+    }
+
+    /// QEMU exits while its lines are forwarded and its pid goes to some
+    /// other process: the rest of the lines are not sent under that pid
+    /// (journald would file them under whatever unit the newcomer is in).
+    #[test]
+    fn a_writer_gone_since_it_was_pinned_is_named_no_more() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = host(dir.path());
+        let path = log_path(&layout, "default_vm1");
+        let rec = Recording::default();
+        let lines_left = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(2));
+        let fwd = Forwarder::with_units(rec.clone(), layout.clone(), {
+            let lines_left = lines_left.clone();
+            Box::new(move |_| {
+                let lines_left = lines_left.clone();
+                Some(Writer {
+                    unit: "kvirt-vm@default_vm1.service".into(),
+                    // Alive for two lines, then gone.
+                    alive: Box::new(move || {
+                        use std::sync::atomic::Ordering::SeqCst;
+                        lines_left
+                            .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
+                            .is_ok()
+                    }),
+                })
+            })
+        });
+        let pid_file = layout.vm_by_id("default_vm1").qemu_pid_file("default_vm1");
+        std::fs::create_dir_all(pid_file.parent().unwrap()).unwrap();
+        std::fs::write(&pid_file, "4242\n").unwrap();
+        std::fs::write(&path, "one\ntwo\nthree\nfour\n").unwrap();
+        assert!(fwd.pass().is_empty());
+        let sent: Vec<Option<String>> = (rec.0.lock().unwrap().iter())
+            .map(|e| field(e, "_PID").map(str::to_owned))
+            .collect();
+        assert_eq!(sent, [Some("4242".into()), Some("4242".into()), None, None]);
+    }
+
+    /// The real pin: a process reaped is not alive, whoever has its pid.
+    #[test]
+    fn a_pinned_process_is_alive_until_it_exits() {
+        let mut child = std::process::Command::new("sleep")
+            .arg("300")
+            .spawn()
+            .unwrap();
+        let own = crate::host::pidfd::cgroup_of(std::process::id()).unwrap();
+        // Outside any unit (a container's root cgroup) there is no unit to
+        // name: nothing is pinned for the journal, only for the check.
+        let w = pin_process(child.id());
+        assert_eq!(w.as_ref().map(|w| w.unit.clone()), unit_in_cgroup(&own));
+        let pinned = crate::host::pidfd::Pinned::pin(child.id()).unwrap();
+        assert!(pinned.alive());
+        assert!(w.as_ref().is_none_or(|w| (w.alive)()));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        assert!(!pinned.alive());
+        assert!(w.as_ref().is_none_or(|w| !(w.alive)()));
     }
 
     #[test]

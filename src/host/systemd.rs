@@ -208,7 +208,10 @@ impl SystemdBus {
         // two calls outstanding, hit the bus's limit of pending replies
         // per connection.
         let pid = service.main_pid().await?;
-        Ok((Pidfd::open(pid), service.control_group().await?))
+        let cgroup = service.control_group().await?;
+        // MainPID is a number: pinned, then checked to be the unit's, so a
+        // pid reused since systemd answered is never signalled.
+        Ok((Pidfd::open_in(pid, &cgroup), cgroup))
     }
 
     async fn service_at(
