@@ -356,7 +356,7 @@ fn a_private_container_disk_is_pulled_with_its_pull_secret_only() {
         "get vmi k-nosecret -o jsonpath='{.status.phase} {.status.conditions[?(@.type==\"Ready\")].reason} {.status.conditions[?(@.type==\"Ready\")].message}'",
     );
     assert!(
-        ready.starts_with("Scheduled ErrImagePull") && ready.contains("Not authorized"),
+        ready.starts_with("Scheduled ErrImagePull") && ready.contains("not authorized"),
         "{ready}"
     );
     assert!(!unit_loaded(&a, "k-nosecret"));

@@ -128,6 +128,8 @@ lease_seconds = 8
 efi_vars_check_seconds = 2
 [network]
 subnet = \"$subnet\"
+[storage]
+local_registries = [\"127.0.0.1:5001\"]
 [storage.host_disk_roots_by_namespace]
 default = [\"/var/lib/kvirt/images\"]
 EOF

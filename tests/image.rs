@@ -69,6 +69,20 @@ fn start_registry_with(dir: &Path, extra: &str) -> Option<Registry> {
     })
 }
 
+/// A layer's download in progress from `repository` (registry/path): per
+/// registry and repository, so a slow registry holds up no other's.
+fn partial_name(repository: &str, hex: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let h = Sha256::digest(repository.as_bytes());
+    let key: String = h.iter().take(16).map(|b| format!("{b:02x}")).collect();
+    format!("{key}-{hex}.partial")
+}
+
+/// A cache that may pull from the tests' registry on the loopback.
+fn local_images(dir: std::path::PathBuf) -> OciImages {
+    OciImages::new(dir, vec![]).with_local_registries(vec!["127.0.0.1".into()])
+}
+
 /// The largest blob the registry stores: the disk layer.
 fn layer_blob(storage: &Path) -> (String, Vec<u8>) {
     let mut best: Option<(String, Vec<u8>)> = None;
@@ -111,7 +125,7 @@ async fn container_disks_from_a_real_registry() {
 
     // Two VMs starting together: one download, one copy in the cache.
     let cache = tmp.path().join("cache");
-    let images = OciImages::new(cache.clone(), vec![]);
+    let images = local_images(cache.clone());
     let (a, b) = (AtomicUsize::new(0), AtomicUsize::new(0));
     let (pa, pb) = (counting(&a), counting(&b));
     let (da, db) = tokio::join!(
@@ -157,11 +171,12 @@ async fn container_disks_from_a_real_registry() {
     let (hex, blob) = layer_blob(&registry.storage);
     let resumed = tmp.path().join("resumed");
     std::fs::create_dir_all(resumed.join("blobs")).unwrap();
-    let partial = resumed.join("blobs").join(format!("{hex}.partial"));
+    let guest = format!("127.0.0.1:{}/kvirt/guest", registry.port);
+    let partial = resumed.join("blobs").join(partial_name(&guest, &hex));
     std::fs::write(&partial, &blob[..blob.len() / 2]).unwrap();
     let stale = resumed.join(".tmp/abc-1");
     std::fs::create_dir_all(&stale).unwrap();
-    let again = OciImages::new(resumed.clone(), vec![]);
+    let again = local_images(resumed.clone());
     assert!(!stale.exists(), "a crashed unpack is cleaned up at start");
     let d = again
         .disk(&image, PullPolicy::Always, None, None, &|_| {})
@@ -172,9 +187,9 @@ async fn container_disks_from_a_real_registry() {
 
     let corrupt = tmp.path().join("corrupt");
     std::fs::create_dir_all(corrupt.join("blobs")).unwrap();
-    let partial = corrupt.join("blobs").join(format!("{hex}.partial"));
+    let partial = corrupt.join("blobs").join(partial_name(&guest, &hex));
     std::fs::write(&partial, vec![0u8; blob.len() / 2]).unwrap();
-    let bad = OciImages::new(corrupt.clone(), vec![]);
+    let bad = local_images(corrupt.clone());
     let err = bad
         .disk(&image, PullPolicy::Always, None, None, &|_| {})
         .await
@@ -240,7 +255,7 @@ async fn private_images_need_their_credentials_even_from_the_cache() {
         .unwrap();
 
     let cache = tmp.path().join("cache");
-    let images = OciImages::new(cache.clone(), vec![]);
+    let images = local_images(cache.clone());
     let pull = |auth: Option<Credentials>| {
         let images = &images;
         let image = image.clone();
@@ -259,7 +274,7 @@ async fn private_images_need_their_credentials_even_from_the_cache() {
     for wrong in [None, Some(user("wrong"))] {
         let err = pull(wrong).await.unwrap_err();
         assert!(
-            err.to_string().contains("registry: Not authorized"),
+            err.to_string().contains("registry: not authorized"),
             "{err}"
         );
     }
@@ -272,7 +287,7 @@ async fn private_images_need_their_credentials_even_from_the_cache() {
     for wrong in [None, Some(user("wrong"))] {
         let err = pull(wrong).await.unwrap_err();
         assert!(
-            err.to_string().contains("registry: Not authorized"),
+            err.to_string().contains("registry: not authorized"),
             "{err}"
         );
     }
@@ -386,7 +401,7 @@ async fn oversized_images_fail_cleanly_and_leave_the_cache_as_it_was() {
         max_entries: 100,
     };
     let cache = tmp.path().join("cache");
-    let images = OciImages::new(cache.clone(), vec![]).with_limits(limits);
+    let images = local_images(cache.clone()).with_limits(limits);
     let pull = |image: String| {
         let images = &images;
         async move {
@@ -461,7 +476,7 @@ async fn concurrent_pulls_of_one_digest_make_one_correct_entry() {
     .await;
     for round in 0..8 {
         let cache = tmp.path().join(format!("cache{round}"));
-        let images = OciImages::new(cache.clone(), vec![]);
+        let images = local_images(cache.clone());
         let first = images
             .disk(&tag, PullPolicy::Always, None, None, &|_| {})
             .await

@@ -218,12 +218,13 @@ fn init_logging() {
 
 /// Each VM's QEMU log into the journal under its unit, and each VM's
 /// console log kept to its cap: whenever a log changed (at most once a
-/// second), and every five minutes in case a change went unseen (each
-/// such pass looks at every VM: once a minute, they were half of
+/// second), every second while lines wait (for QEMU's pid, or past a VM's
+/// share of a pass), and every five minutes in case a change went unseen
+/// (each such pass looks at every VM: once a minute, they were half of
 /// kvirtd's CPU between resyncs at 100 idle VMs).
-fn tend_vm_logs(layout: HostLayout) -> Result<()> {
+fn tend_vm_logs(layout: HostLayout, slice: &str) -> Result<()> {
     let fwd = match Journal::connect() {
-        Ok(journal) => Some(Forwarder::new(journal, layout.clone())),
+        Ok(journal) => Some(Forwarder::new(journal, layout.clone(), slice)),
         Err(_) => {
             warn!("no journal: QEMU logs stay in each VM's cache directory");
             None
@@ -236,14 +237,24 @@ fn tend_vm_logs(layout: HostLayout) -> Result<()> {
             // A directory made since the last pass gets its watch first,
             // so nothing written after the pass goes unseen.
             watch.rewatch();
-            for e in fwd.iter().flat_map(|f| f.pass()) {
-                warn!("{e}");
+            let mut pending = false;
+            if let Some(f) = &fwd {
+                let pass = f.pass();
+                pending = pass.pending;
+                for e in pass.errors {
+                    warn!("{e}");
+                }
             }
             for e in consolelog::cap_all(&layout, consolelog::MAX_SIZE) {
                 warn!("{e}");
             }
             std::thread::sleep(Duration::from_secs(1));
-            if let Err(e) = watch.wait(Duration::from_secs(300)) {
+            let wait = if pending {
+                Duration::ZERO
+            } else {
+                Duration::from_secs(300)
+            };
+            if let Err(e) = watch.wait(wait) {
                 // Not expected of a valid inotify descriptor; looking once
                 // a second still tends every log.
                 debug!("watching the VMs' logs: {e}");
@@ -398,6 +409,7 @@ async fn run(config: Config) -> Result<()> {
                 settings.layout.images_dir(),
                 config.storage.insecure_registries.clone(),
             )
+            .with_local_registries(config.storage.local_registries.clone())
             .with_limits(config.storage.image_limits().map_err(anyhow::Error::msg)?)
             .with_budget(
                 config
@@ -411,7 +423,7 @@ async fn run(config: Config) -> Result<()> {
         },
     };
     let resync = Duration::from_secs(config.source.resync_seconds);
-    tend_vm_logs(settings.layout.clone())?;
+    tend_vm_logs(settings.layout.clone(), &settings.slice)?;
     // Metrics are for watching VMs, never a reason not to run them.
     let metrics = match config.metrics.address() {
         Some(addr) => tokio::net::TcpListener::bind(addr)

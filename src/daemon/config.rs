@@ -255,6 +255,10 @@ pub struct StorageConfig {
     /// containerDisk registries (`host:port`) spoken to over plain HTTP;
     /// loopback registries always are.
     pub insecure_registries: Vec<String>,
+    /// Registries on this host or its link (loopback, `localhost`,
+    /// link-local: a cloud's metadata service) kvirt may pull from, as
+    /// `host:port` or `host`; any other such registry is refused.
+    pub local_registries: Vec<String>,
     /// A containerDisk image may be at most this per layer and in all as
     /// downloaded, and this unpacked (quantities such as "10Gi"), with at
     /// most `image_max_files` files and directories.
@@ -327,6 +331,7 @@ impl Default for StorageConfig {
             host_disk_roots: vec!["/var/lib/kvirt/images".into()],
             host_disk_roots_by_namespace: BTreeMap::new(),
             insecure_registries: Vec::new(),
+            local_registries: Vec::new(),
             image_max_layer: "10Gi".into(),
             image_max_download: "20Gi".into(),
             image_max_unpacked: "40Gi".into(),

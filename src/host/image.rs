@@ -45,10 +45,24 @@ pub enum ImageError {
     Reference { image: String, message: String },
     #[error("{image}: not in the cache, and imagePullPolicy is Never")]
     NeverPull { image: String },
-    #[error("{image}: registry: {source}")]
+    /// What the registry answered, told without its body: a VMI's status
+    /// never carries what a registry chose to say.
+    #[error("{image}: registry: {}", told(.source))]
     Registry {
         image: String,
         source: oci_client::errors::OciDistributionError,
+    },
+    #[error("{image}: registry {registry} is on this host or its link (resolves to {address}); kvirt pulls from such a registry only when storage.local_registries lists it")]
+    LocalRegistry {
+        image: String,
+        registry: String,
+        address: std::net::IpAddr,
+    },
+    #[error("{image}: the registry took longer than {seconds} s to answer, or sent less than {min_kib} KiB a minute")]
+    Slow {
+        image: String,
+        seconds: u64,
+        min_kib: u64,
     },
     #[error("{image}: {path}: {op}: {source}")]
     Io {
@@ -205,6 +219,8 @@ pub struct OciImages {
     /// first one's pull and then finds the image cached, whatever
     /// reference each named it by.
     locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Registries on this host or its link that may be pulled from.
+    local: Vec<String>,
 }
 
 /// An entry used this recently is kept whatever the budget: its VM may be
@@ -255,6 +271,27 @@ impl OciImages {
             budget: u64::MAX,
             in_use: Box::new(Vec::new),
             locks: Mutex::default(),
+            local: Vec::new(),
+        }
+    }
+
+    /// Registries on this host or its link that may be pulled from
+    /// (`storage.local_registries`; see [`local_address`]).
+    pub fn with_local_registries(mut self, local: Vec<String>) -> Self {
+        self.local = local;
+        self
+    }
+
+    /// Refuses a registry on this host or its link that is not listed.
+    async fn may_reach(&self, image: &str, r: &Reference) -> Result<(), ImageError> {
+        let registry = r.resolve_registry();
+        match local_address(registry, &self.local).await {
+            None => Ok(()),
+            Some(address) => Err(ImageError::LocalRegistry {
+                image: image.to_owned(),
+                registry: registry.to_owned(),
+                address,
+            }),
         }
     }
 
@@ -328,15 +365,17 @@ impl OciImages {
         auth: Option<&Credentials>,
         progress: &(dyn Fn(Progress) + Send + Sync),
     ) -> Result<CachedImage, ImageError> {
+        self.may_reach(image, r).await?;
         let (client, registry_auth) = self.client_for(r, auth);
         let client = client.as_ref();
         let registry = |source| ImageError::Registry {
             image: image.to_owned(),
             source,
         };
-        let (manifest, digest) = client
-            .pull_image_manifest(r, &registry_auth)
-            .await
+        // The manifest (and the token before it) is read whole by the OCI
+        // client: bounded in time here, in memory by kvirtd's MemoryMax=.
+        let (manifest, digest) = within(image, client.pull_image_manifest(r, &registry_auth))
+            .await?
             .map_err(registry)?;
         let content = |message: String| ImageError::Content {
             image: image.to_owned(),
@@ -428,7 +467,11 @@ impl OciImages {
         };
         let hex = hex_of(&layer.digest)
             .ok_or_else(|| content(format!("layer digest {:?}", layer.digest)))?;
-        let lock = self.lock_for(format!("blob {hex}"));
+        // Per registry and repository: a slow registry holds up only its
+        // own pulls of a layer, not another registry's of the same digest
+        // (what lands in `blobs/<digest>` is checked against the digest).
+        let source = repo_key(r);
+        let lock = self.lock_for(format!("blob {source} {hex}"));
         let _one_download = lock.lock().await;
         let dir = self.dir.join("blobs");
         self.private_dir(&dir)
@@ -437,7 +480,7 @@ impl OciImages {
         if done.is_file() {
             return Ok(done);
         }
-        let partial = dir.join(format!("{hex}.partial"));
+        let partial = dir.join(format!("{source}-{hex}.partial"));
         let size = layer.size.max(0) as u64;
         let mut have = std::fs::metadata(&partial).map_or(0, |m| m.len());
         if have > size {
@@ -452,9 +495,8 @@ impl OciImages {
             ),
         };
         if have < size {
-            let response = client
-                .pull_blob_stream_partial(r, layer, have, None)
-                .await
+            let response = within(image, client.pull_blob_stream_partial(r, layer, have, None))
+                .await?
                 .map_err(|source| ImageError::Registry {
                     image: image.to_owned(),
                     source,
@@ -473,8 +515,12 @@ impl OciImages {
             };
             let mut file = file.map_err(io_err(image, &partial, "open"))?;
             use futures::StreamExt;
+            let mut pace = Pace::new();
             while let Some(chunk) = stream.next().await {
                 let chunk = chunk.map_err(io_err(image, &partial, "download"))?;
+                if !pace.keeps_up(chunk.len()) {
+                    return Err(slow(image));
+                }
                 if at + chunk.len() as u64 > size {
                     drop(file);
                     let _ = std::fs::remove_file(&partial);
@@ -538,10 +584,10 @@ impl OciImages {
                 if self.is_private(&r, &c.digest) {
                     // A private image in the cache is not a licence to use
                     // it: the registry must say these credentials may.
+                    self.may_reach(image, &r).await?;
                     let (client, registry_auth) = self.client_for(&r, auth);
-                    client
-                        .fetch_manifest_digest(&r, &registry_auth)
-                        .await
+                    within(image, client.fetch_manifest_digest(&r, &registry_auth))
+                        .await?
                         .map_err(|source| ImageError::Registry {
                             image: image.to_owned(),
                             source,
@@ -652,6 +698,139 @@ impl OciImages {
         }
         Ok(())
     }
+}
+
+/// How long one request to a registry (a token, a manifest, the start of
+/// a layer) may take in all.
+const REQUEST_SECONDS: u64 = 120;
+/// A layer download must bring at least this much a minute: a registry
+/// that sends a byte now and then cannot hold a pull (and its lock) for
+/// ever; per-read timeouts alone would let it.
+const MIN_KIB_PER_MINUTE: u64 = 64;
+
+fn slow(image: &str) -> ImageError {
+    ImageError::Slow {
+        image: image.to_owned(),
+        seconds: REQUEST_SECONDS,
+        min_kib: MIN_KIB_PER_MINUTE,
+    }
+}
+
+/// `request`, bounded by [`REQUEST_SECONDS`].
+async fn within<T>(image: &str, request: impl Future<Output = T>) -> Result<T, ImageError> {
+    tokio::time::timeout(std::time::Duration::from_secs(REQUEST_SECONDS), request)
+        .await
+        .map_err(|_| slow(image))
+}
+
+/// A download's pace, by the minute.
+struct Pace {
+    since: tokio::time::Instant,
+    bytes: u64,
+}
+
+impl Pace {
+    fn new() -> Self {
+        Self {
+            since: tokio::time::Instant::now(),
+            bytes: 0,
+        }
+    }
+
+    /// Counts `n` bytes; false once a whole minute brought too few.
+    fn keeps_up(&mut self, n: usize) -> bool {
+        self.bytes += n as u64;
+        if self.since.elapsed() < std::time::Duration::from_secs(60) {
+            return true;
+        }
+        let ok = self.bytes >= MIN_KIB_PER_MINUTE << 10;
+        *self = Self::new();
+        ok
+    }
+}
+
+/// An answer of a registry as kvirt tells it: the kind of failure and the
+/// HTTP status, never the body (which is the registry's to choose: a
+/// hostile one would write into the VMI's status, at any length).
+fn told(e: &oci_client::errors::OciDistributionError) -> String {
+    use oci_client::errors::OciDistributionError as E;
+    match e {
+        E::AuthenticationFailure(t) => {
+            format!("authentication failed ({} bytes of answer)", t.len())
+        }
+        E::ImageManifestNotFoundError(_) => "image manifest not found".into(),
+        E::ServerError { code, message, .. } => {
+            format!("HTTP status {code} ({} bytes of answer)", message.len())
+        }
+        E::RegistryError { .. } => "the registry answered with an error".into(),
+        E::UnauthorizedError { .. } => "not authorized".into(),
+        E::RequestError(r) => match r.status() {
+            Some(status) => format!("HTTP status {}", status.as_u16()),
+            None if r.is_timeout() => "timed out".into(),
+            None if r.is_connect() => "cannot connect".into(),
+            None => "the request failed".into(),
+        },
+        E::ManifestParsingError(_)
+        | E::VersionedParsingError(_)
+        | E::JsonError(_)
+        | E::ManifestEncodingError(_) => "its manifest cannot be parsed".into(),
+        E::UnsupportedMediaTypeError(_) | E::IncompatibleLayerMediaTypeError(_) => {
+            "an unsupported media type".into()
+        }
+        E::UnsupportedSchemaVersionError(v) => format!("unsupported manifest schema version {v}"),
+        E::ImageIndexParsingNoPlatformResolverError => {
+            "an image index without a linux/amd64 image".into()
+        }
+        E::RegistryTokenDecodeError(_) => "its token cannot be decoded".into(),
+        E::SpecViolationError(_) => "it violates the OCI distribution spec".into(),
+        E::DigestError(_) => "a digest that does not match".into(),
+        E::IoError(e) => format!("I/O error: {}", e.kind()),
+        _ => "the pull failed".into(),
+    }
+}
+
+/// Whether the registry `registry` (`host[:port]`) may be pulled from:
+/// one on this host (loopback, `localhost`), on its link (link-local, as a
+/// cloud's metadata service at 169.254.169.254 is) or unspecified only when
+/// `local` lists it (as `host:port`, or `host` for any port), so a tenant
+/// cannot have root reach the host's own services. Names are resolved
+/// here; where DNS answers differently for the pull itself (rebinding),
+/// the pull's own resolution is not checked again.
+pub async fn local_address(registry: &str, local: &[String]) -> Option<std::net::IpAddr> {
+    let (host, port) = match registry.rsplit_once(':') {
+        Some((h, p)) if !h.ends_with(':') && p.bytes().all(|b| b.is_ascii_digit()) => (h, p),
+        _ => (registry, ""),
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if local.iter().any(|l| l == registry || l == host) {
+        return None;
+    }
+    let near = |ip: &std::net::IpAddr| match ip {
+        std::net::IpAddr::V4(v4) => v4.is_loopback() || v4.is_link_local() || v4.is_unspecified(),
+        std::net::IpAddr::V6(v6) => {
+            v6.is_loopback()
+                || v6.is_unspecified()
+                || v6.is_unicast_link_local()
+                || v6
+                    .to_ipv4_mapped()
+                    .is_some_and(|v4| v4.is_loopback() || v4.is_link_local())
+        }
+    };
+    if host == "localhost" || host.ends_with(".localhost") {
+        return Some(std::net::Ipv4Addr::LOCALHOST.into());
+    }
+    if let Ok(ip) = host.parse::<std::net::IpAddr>() {
+        return near(&ip).then_some(ip);
+    }
+    let port = port.parse().unwrap_or(443);
+    let found = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        tokio::net::lookup_host((host, port)),
+    )
+    .await;
+    // A name that does not resolve fails the pull itself, with its own error.
+    let addrs = found.ok()?.ok()?;
+    addrs.map(|a| a.ip()).find(near)
 }
 
 /// The cache's name for a registry and repository: a path component
@@ -1020,6 +1199,86 @@ pub async fn push_disk(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A tenant names a registry on the host's loopback or its link (a
+    /// cloud's metadata service): refused unless the host lists it.
+    #[tokio::test]
+    async fn registries_on_this_host_or_its_link_are_refused_unless_listed() {
+        let ip = |s: &str| s.parse::<std::net::IpAddr>().unwrap();
+        for (registry, at) in [
+            ("127.0.0.1:5000", "127.0.0.1"),
+            ("169.254.169.254", "169.254.169.254"),
+            ("[::1]:5000", "::1"),
+            ("[fe80::1]:443", "fe80::1"),
+            ("0.0.0.0:80", "0.0.0.0"),
+            ("localhost:5000", "127.0.0.1"),
+            ("registry.localhost", "127.0.0.1"),
+        ] {
+            assert_eq!(
+                local_address(registry, &[]).await,
+                Some(ip(at)),
+                "{registry}"
+            );
+        }
+        let listed = ["127.0.0.1:5000".to_owned(), "169.254.1.1".to_owned()];
+        assert_eq!(local_address("127.0.0.1:5000", &listed).await, None);
+        assert!(local_address("127.0.0.1:5001", &listed).await.is_some());
+        assert_eq!(local_address("169.254.1.1:8080", &listed).await, None);
+        assert_eq!(local_address("192.0.2.10:5000", &[]).await, None);
+
+        // Refused before anything is sent, with why.
+        let tmp = tempfile::tempdir().unwrap();
+        let images = OciImages::new(tmp.path().join("cache"), vec![]);
+        let err = images
+            .ensure(
+                "169.254.169.254/latest/meta:1",
+                PullPolicy::Always,
+                None,
+                &|_| {},
+            )
+            .await
+            .unwrap_err();
+        let text = err.to_string();
+        assert!(text.contains("storage.local_registries"), "{text}");
+    }
+
+    /// What a registry says in a body never reaches a status: only the
+    /// kind of failure, the HTTP status and the body's length.
+    #[test]
+    fn a_registrys_answer_is_told_without_its_body() {
+        use oci_client::errors::OciDistributionError as E;
+        let body = "<script>".repeat(100_000);
+        for e in [
+            E::ServerError {
+                code: 500,
+                url: "http://r/v2/x".into(),
+                message: body.clone(),
+            },
+            E::AuthenticationFailure(body.clone()),
+            E::ManifestParsingError(body.clone()),
+            E::SpecViolationError(body.clone()),
+            E::ImageManifestNotFoundError(body.clone()),
+        ] {
+            let text = ImageError::Registry {
+                image: "r/x:1".into(),
+                source: e,
+            }
+            .to_string();
+            assert!(!text.contains("<script>"), "{text}");
+            assert!(text.len() < 200, "{text}");
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_layer_that_trickles_is_given_up() {
+        let mut pace = Pace::new();
+        assert!(pace.keeps_up(10));
+        tokio::time::advance(std::time::Duration::from_secs(61)).await;
+        assert!(!pace.keeps_up(10), "20 bytes in a minute");
+        let mut pace = Pace::new();
+        tokio::time::advance(std::time::Duration::from_secs(61)).await;
+        assert!(pace.keeps_up(1 << 20), "a MiB in a minute");
+    }
 
     #[test]
     fn plain_http_only_for_loopback_and_configured_registries() {

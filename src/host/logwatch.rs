@@ -40,8 +40,17 @@ impl LogWatch {
     /// already watched keeps its watch). Directories not there yet are
     /// watched once their parent says they were made.
     pub fn rewatch(&self) {
-        for top in [self.layout.vms_state_dir(), self.layout.vms_runtime_dir()] {
-            let _ = Beneath::open(&top).and_then(|d| self.add(&d, PARENT));
+        // kvirt's own directories too: on a fresh host the VMs' ones are
+        // made with the first VM, after kvirtd started (unwatched, its
+        // QEMU's log waited for the five-minute look).
+        let l = &self.layout;
+        for top in [
+            &l.state_dir,
+            &l.runtime_dir,
+            &l.vms_state_dir(),
+            &l.vms_runtime_dir(),
+        ] {
+            let _ = Beneath::open(top).and_then(|d| self.add(&d, PARENT));
         }
         for id in self.ids() {
             let paths = self.layout.vm_by_id(&id);
@@ -166,6 +175,23 @@ mod tests {
         // Reading does not wake it.
         std::fs::read(&qemu_log).unwrap();
         assert!(!w.wait(NOW).unwrap());
+    }
+
+    /// A fresh host: kvirtd starts before there is any VM directory.
+    #[test]
+    fn the_first_vm_on_a_fresh_host_wakes_it() {
+        let t = tempfile::tempdir().unwrap();
+        let l = layout(t.path());
+        std::fs::create_dir_all(&l.state_dir).unwrap();
+        std::fs::create_dir_all(&l.runtime_dir).unwrap();
+        let w = LogWatch::new(l.clone()).unwrap();
+        w.rewatch();
+        assert!(!w.wait(NOW).unwrap());
+        std::fs::create_dir_all(l.vms_state_dir()).unwrap();
+        assert!(w.wait(SOON).unwrap(), "the VMs' state directory made");
+        w.rewatch();
+        std::fs::create_dir_all(l.vm_by_id("default_vm1").state_dir).unwrap();
+        assert!(w.wait(SOON).unwrap(), "the first VM's directory");
     }
 
     /// The VM's user replaces its log directory with a link to a directory

@@ -109,6 +109,15 @@ fn procs_of(path: &str) -> Option<String> {
         })
 }
 
+/// The processes of the cgroup `path` (none when it cannot be listed).
+pub fn pids_of(path: &str) -> Vec<u32> {
+    procs_of(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| l.parse().ok())
+        .collect()
+}
+
 /// Whether the processes of the cgroup `path` can be listed here.
 pub fn can_list(path: &str) -> bool {
     procs_of(path).is_some()

@@ -3,8 +3,16 @@
 //! rest of kvirt's overhead), so libvirt writes QEMU's log to a file in the
 //! VM's cache; kvirtd, as root, forwards it with `OBJECT_SYSTEMD_UNIT=`.
 //!
-//! Where each file was read up to is kept under the runtime directory, so a
-//! restarted kvirtd continues without repeating or losing lines.
+//! Only the file libvirt names for the VM's domain (`<id>.log`) is read.
+//! Where it was read up to (by inode) is kept in root's own directory under
+//! a name kvirtd makes from the VM's id, so a restarted kvirtd continues
+//! without repeating or losing lines, and nothing the VM names steers it.
+//!
+//! Each line is sent as a process of the VM's unit (QEMU's, else the
+//! daemon's, else any process in the unit's cgroup), each pinned by a
+//! pidfd: it counts against the VM's journald rate limit, never kvirtd's.
+//! Only once nothing of the VM runs are its last lines sent by kvirtd, as
+//! `qemu` lines of the VM's unit, and then at most [`UNNAMED_LINES`].
 //!
 //! The log directory is the VM's user's: everything in it is reached
 //! through [`Beneath`], so a link planted there leads nowhere, a FIFO does
@@ -14,6 +22,7 @@ use crate::core::key::{self, VmKey};
 use crate::core::layout::HostLayout;
 use crate::host::beneath::Beneath;
 use crate::host::journal::{Sink, VM_FIELD};
+use crate::host::pidfd::{self, Pinned};
 use nix::fcntl::OFlag;
 use std::io::{self, Read, Seek, SeekFrom};
 use std::os::unix::fs::MetadataExt;
@@ -26,11 +35,15 @@ pub struct QemuLogError {
     pub source: io::Error,
 }
 
-/// At most this much of one log per pass, so one chatty VM cannot hold up
-/// the others.
-const CHUNK: u64 = 1 << 20;
+/// At most this much of one log per pass: a chatty VM gets its share and
+/// the rest of its log waits for the next pass (a second later), so it
+/// cannot hold up the others or the console caps.
+const CHUNK: u64 = 256 << 10;
 /// libvirt's pid file holds a number and a newline.
 const MAX_PID_FILE: u64 = 32;
+/// Lines kvirtd sends itself for a VM of which nothing runs any more (a
+/// failed start's last words); the rest of such a log is skipped.
+pub const UNNAMED_LINES: usize = 100;
 
 /// A process the forwarder names as a line's writer: pinned first, its
 /// unit read after, and alive at each line it is named for.
@@ -39,78 +52,130 @@ pub struct Writer {
     pub alive: Box<dyn Fn() -> bool + Send>,
 }
 
-/// Pins a process and tells its unit (`pin_process`, or a fake in tests).
-pub type UnitOf = Box<dyn Fn(u32) -> Option<Writer> + Send + Sync>;
+/// The processes lines are sent as (`HostProcesses`, or a fake in tests).
+pub trait Processes: Send + Sync {
+    /// `pid` pinned, with the unit it runs in.
+    fn pin(&self, pid: u32) -> Option<Writer>;
+    /// Some process of `unit`, pinned.
+    fn any_of(&self, unit: &str) -> Option<(u32, Writer)>;
+}
 
-pub struct Forwarder<K: Sink> {
+/// The host's processes; `slice` is the one VM units run in.
+pub struct HostProcesses {
+    pub slice: String,
+}
+
+impl Processes for HostProcesses {
+    fn pin(&self, pid: u32) -> Option<Writer> {
+        pin_process(pid)
+    }
+
+    fn any_of(&self, unit: &str) -> Option<(u32, Writer)> {
+        let cgroup = format!("{}/{unit}", slice_cgroup(&self.slice));
+        pidfd::pids_of(&cgroup)
+            .into_iter()
+            .find_map(|pid| Some((pid, pin_process(pid).filter(|w| w.unit == unit)?)))
+    }
+}
+
+/// What one pass did.
+#[derive(Debug, Default)]
+pub struct Pass {
+    pub errors: Vec<QemuLogError>,
+    /// Lines are left (waiting for QEMU's pid, or past a VM's share):
+    /// pass again in a second, whether or not a log changes.
+    pub pending: bool,
+}
+
+pub struct Forwarder<K: Sink, P: Processes = HostProcesses> {
     sink: K,
     layout: HostLayout,
-    unit_of: UnitOf,
+    processes: P,
+    /// Each VM's last error, told once: a FIFO a VM planted for its log
+    /// fails every pass, and must not fill kvirtd's own log.
+    told: std::sync::Mutex<std::collections::HashMap<String, String>>,
 }
 
 impl<K: Sink> Forwarder<K> {
-    pub fn new(sink: K, layout: HostLayout) -> Self {
-        Self::with_units(sink, layout, Box::new(pin_process))
+    pub fn new(sink: K, layout: HostLayout, slice: &str) -> Self {
+        let slice = slice.to_owned();
+        Self::with_processes(sink, layout, HostProcesses { slice })
     }
+}
 
-    pub fn with_units(sink: K, layout: HostLayout, unit_of: UnitOf) -> Self {
+/// How one VM's log stands after a pass.
+enum Left {
+    Nothing,
+    More,
+}
+
+impl<K: Sink, P: Processes> Forwarder<K, P> {
+    pub fn with_processes(sink: K, layout: HostLayout, processes: P) -> Self {
         Self {
             sink,
             layout,
-            unit_of,
+            processes,
+            told: Default::default(),
         }
     }
 
-    fn offsets_dir(&self) -> PathBuf {
-        self.layout.log_positions_dir()
-    }
-
-    /// One pass over every VM's log; errors are per file, the rest go on.
-    pub fn pass(&self) -> Vec<QemuLogError> {
-        let mut errors = Vec::new();
-        let mut ids = Vec::new();
+    /// One pass over every VM's log; errors are per VM, the rest go on.
+    pub fn pass(&self) -> Pass {
+        let mut pass = Pass::default();
+        let mut kept = Vec::new();
         for entry in std::fs::read_dir(self.layout.vms_state_dir())
             .into_iter()
             .flatten()
             .flatten()
         {
             let id = entry.file_name().to_string_lossy().into_owned();
+            kept.push(position_name(&id));
             let paths = self.layout.vm_by_id(&id);
             // No log directory yet (or not one of ours): nothing to forward.
             let log_dir = paths.qemu_log_dir();
             let below = log_dir.strip_prefix(&paths.state_dir).unwrap_or(&log_dir);
             let Ok(logs) = Beneath::open(&paths.state_dir).and_then(|d| d.dir(below)) else {
-                ids.push(id);
                 continue;
             };
-            for name in logs.entries().unwrap_or_default() {
-                let name = name.to_string_lossy().into_owned();
-                if let Some(domain) = name.strip_suffix(".log") {
-                    if let Err(source) = self.forward(&id, &logs, domain) {
-                        let path = logs.path().join(&name);
-                        errors.push(QemuLogError { path, source });
+            let result = self.forward(&id, &logs);
+            let mut told = self.told.lock().unwrap_or_else(|p| p.into_inner());
+            match result {
+                Ok(left) => {
+                    pass.pending |= matches!(left, Left::More);
+                    told.remove(&id);
+                }
+                Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+                Err(source) => {
+                    if told.insert(id.clone(), source.to_string()).as_ref()
+                        != Some(&source.to_string())
+                    {
+                        pass.errors.push(QemuLogError {
+                            path: logs.path().join(format!("{id}.log")),
+                            source,
+                        });
                     }
                 }
             }
-            ids.push(id);
         }
         // Positions of VMs that are gone.
-        for entry in std::fs::read_dir(self.offsets_dir())
+        for entry in std::fs::read_dir(self.layout.log_positions_dir())
             .into_iter()
             .flatten()
             .flatten()
         {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if !ids.iter().any(|id| name.starts_with(&format!("{id}."))) {
+            if !kept
+                .iter()
+                .any(|k| *k == entry.file_name().to_string_lossy())
+            {
                 let _ = std::fs::remove_file(entry.path());
             }
         }
-        errors
+        pass
     }
 
-    fn forward(&self, id: &str, logs: &Beneath, domain: &str) -> io::Result<()> {
-        let pos_file = self.offsets_dir().join(format!("{id}.{domain}.log.pos"));
-        let mut file = logs.file(format!("{domain}.log"), OFlag::O_RDONLY)?;
+    fn forward(&self, id: &str, logs: &Beneath) -> io::Result<Left> {
+        let pos_file = self.layout.log_positions_dir().join(position_name(id));
+        let mut file = logs.file(format!("{id}.log"), OFlag::O_RDONLY)?;
         let meta = file.metadata()?;
         // "<inode> <offset>": a new file (the VM was recreated) starts over.
         let mut offset = std::fs::read_to_string(&pos_file)
@@ -124,7 +189,7 @@ impl<K: Sink> Forwarder<K> {
             offset = 0;
         }
         if offset == meta.len() {
-            return Ok(());
+            return Ok(Left::Nothing);
         }
         file.seek(SeekFrom::Start(offset))?;
         let mut buf = Vec::new();
@@ -134,68 +199,129 @@ impl<K: Sink> Forwarder<K> {
         let upto = match buf.iter().rposition(|b| *b == b'\n') {
             Some(i) => i + 1,
             None if buf.len() as u64 == CHUNK => buf.len(),
-            None => return Ok(()),
+            None => return Ok(Left::Nothing),
         };
+        let Some(writer) = self.writer(id, &meta) else {
+            // QEMU's pid file is not there yet: in a second.
+            return Ok(Left::More);
+        };
+        self.send_lines(id, &buf[..upto], writer)?;
+        std::fs::create_dir_all(self.layout.log_positions_dir())?;
+        let tmp = pos_file.with_extension("tmp");
+        let read_to = offset + upto as u64;
+        std::fs::write(&tmp, format!("{} {read_to}\n", meta.ino()))?;
+        std::fs::rename(&tmp, &pos_file)?;
+        Ok(if read_to < meta.len() {
+            Left::More
+        } else {
+            Left::Nothing
+        })
+    }
+
+    /// Who the lines are sent as. QEMU's lines are QEMU's in the journal
+    /// (`qemu[<its pid>]`, its unit). Before QEMU exists libvirt writes its
+    /// command line here: those lines wait for QEMU's pid file a little
+    /// (`None`); when there is none (QEMU did not start, or has gone) they
+    /// are the daemon's, which wrote them, or any process's of the unit.
+    /// A pid is taken only of a process in the VM's own unit: the pid
+    /// files are the VM's, and could name anyone.
+    fn writer(&self, id: &str, meta: &std::fs::Metadata) -> Option<Option<(u32, Writer)>> {
         let unit = key::unit_name_of(id);
-        let vm = VmKey::parse(id).map_or_else(|_| id.to_owned(), |k| k.to_string());
-        // QEMU's lines are QEMU's in the journal (`qemu[<its pid>]`, its
-        // unit), never kvirtd's, which only forwards them. Before QEMU
-        // exists libvirt writes its command line here: those lines wait
-        // for QEMU's pid file a little; when there is none (QEMU did not
-        // start, or has gone) they are the writer's, the VM's libvirt
-        // daemon. A pid is taken only of a process in the VM's own unit:
-        // the pid files are the VM's, and could name anyone.
         let paths = self.layout.vm_by_id(id);
         let ours = |pid: u32| {
-            (self.unit_of)(pid)
-                .filter(|w| w.unit == unit)
-                .map(|w| (pid, w))
+            let w = self.processes.pin(pid).filter(|w| w.unit == unit)?;
+            Some((pid, w))
         };
-        let mut writer = match first_pid(&paths, &[paths.qemu_pid_file(domain)]).and_then(ours) {
-            Some(p) => Some(p),
-            None if written_within(&meta, QEMU_PID_WAIT) => return Ok(()),
-            None => first_pid(&paths, &paths.daemon_pid_files()).and_then(ours),
-        };
-        for line in String::from_utf8_lossy(&buf[..upto]).lines() {
-            if line.is_empty() {
+        if let Some(w) = first_pid(&paths, &[paths.qemu_pid_file(id)]).and_then(ours) {
+            return Some(Some(w));
+        }
+        if written_within(meta, QEMU_PID_WAIT) {
+            return None;
+        }
+        let daemon = first_pid(&paths, &paths.daemon_pid_files()).and_then(ours);
+        Some(daemon.or_else(|| self.processes.any_of(&unit)))
+    }
+
+    fn send_lines(
+        &self,
+        id: &str,
+        text: &[u8],
+        mut writer: Option<(u32, Writer)>,
+    ) -> io::Result<()> {
+        let unit = key::unit_name_of(id);
+        let vm = VmKey::parse(id).map_or_else(|_| id.to_owned(), |k| k.to_string());
+        let fields = [
+            ("PRIORITY", "6"),
+            ("OBJECT_SYSTEMD_UNIT", unit.as_str()),
+            (VM_FIELD, vm.as_str()),
+            ("SYSLOG_IDENTIFIER", "qemu"),
+        ];
+        let mut unnamed = 0;
+        let lines = String::from_utf8_lossy(text);
+        let mut lines = lines.lines().filter(|l| !l.is_empty()).peekable();
+        while let Some(line) = lines.next() {
+            // Gone since it was pinned (its number may be anyone's now), or
+            // gone at the send: another of the unit, if any, sends it.
+            let mut tries = 0;
+            while let Some((pid, w)) = &writer {
+                if tries < 2 && (w.alive)() {
+                    let pid_text = pid.to_string();
+                    let mut as_writer = fields.to_vec();
+                    as_writer.extend([("SYSLOG_PID", pid_text.as_str()), ("MESSAGE", line)]);
+                    match self.sink.send_as(*pid, &as_writer) {
+                        Ok(()) => break,
+                        Err(e) if e.raw_os_error() == Some(libc::ESRCH) => {}
+                        Err(e) => return Err(e),
+                    }
+                }
+                tries += 1;
+                writer = if tries < 2 {
+                    self.processes.any_of(&unit)
+                } else {
+                    None
+                };
+            }
+            if writer.is_some() {
                 continue;
             }
-            let fields = [
-                ("PRIORITY", "6"),
-                ("OBJECT_SYSTEMD_UNIT", unit.as_str()),
-                (VM_FIELD, vm.as_str()),
-            ];
-            // Gone since it was pinned: its number may be anyone's now.
-            if writer.as_ref().is_some_and(|(_, w)| !(w.alive)()) {
-                writer = None;
+            // Nothing of the VM runs: kvirtd sends its last words, as the
+            // VM unit's `qemu` lines, up to a bound.
+            if unnamed == UNNAMED_LINES {
+                let skipped = 1 + lines.by_ref().count();
+                let message = format!("{skipped} more lines of QEMU's log not forwarded: no process of the VM is left to send them as");
+                let mut note = fields.to_vec();
+                note.push(("MESSAGE", &message));
+                return self.sink.send(&note);
             }
-            if let Some((pid, _)) = &writer {
-                let pid = *pid;
-                let pid_text = pid.to_string();
-                let mut as_writer = fields.to_vec();
-                as_writer.extend([
-                    ("SYSLOG_IDENTIFIER", "qemu"),
-                    ("SYSLOG_PID", pid_text.as_str()),
-                    ("MESSAGE", line),
-                ]);
-                match self.sink.send_as(pid, &as_writer) {
-                    Ok(()) => continue,
-                    // Gone since: the rest are forwarded as kvirtd's.
-                    Err(e) if e.raw_os_error() == Some(libc::ESRCH) => writer = None,
-                    Err(e) => return Err(e),
-                }
-            }
-            // No process of the VM's to name: kvirtd says it forwards them.
-            let message = format!("{vm}: QEMU log: {line}");
-            let mut as_kvirtd = fields.to_vec();
-            as_kvirtd.extend([("SYSLOG_IDENTIFIER", "kvirtd"), ("MESSAGE", &message)]);
-            self.sink.send(&as_kvirtd)?;
+            unnamed += 1;
+            let mut own = fields.to_vec();
+            own.push(("MESSAGE", line));
+            self.sink.send(&own)?;
         }
-        std::fs::create_dir_all(self.offsets_dir())?;
-        let tmp = pos_file.with_extension("tmp");
-        std::fs::write(&tmp, format!("{} {}\n", meta.ino(), offset + upto as u64))?;
-        std::fs::rename(&tmp, &pos_file)
+        Ok(())
     }
+}
+
+/// The name a VM's position file has: from its id (which may be longer
+/// than a file name may be), never from anything the VM names.
+fn position_name(id: &str) -> String {
+    use sha2::{Digest, Sha256};
+    let digest = Sha256::digest(id.as_bytes());
+    let hex: String = digest[..16].iter().map(|b| format!("{b:02x}")).collect();
+    format!("{hex}.pos")
+}
+
+/// The cgroup directory of a systemd slice: `machine-kvirt.slice` is
+/// `/machine.slice/machine-kvirt.slice`.
+pub fn slice_cgroup(slice: &str) -> String {
+    let name = slice.strip_suffix(".slice").unwrap_or(slice);
+    let mut path = String::new();
+    for (i, _) in name.match_indices('-').chain([(name.len(), "")]) {
+        path.push('/');
+        path.push_str(&name[..i]);
+        path.push_str(".slice");
+    }
+    path
 }
 
 /// The pid in the first of `files` (below the VM's runtime directory)
@@ -214,8 +340,8 @@ fn first_pid(paths: &crate::core::layout::VmPaths, files: &[PathBuf]) -> Option<
 /// ones prove nothing: below its unit a process may create cgroups of any
 /// name.
 pub fn pin_process(pid: u32) -> Option<Writer> {
-    let pinned = crate::host::pidfd::Pinned::pin(pid)?;
-    let unit = unit_in_cgroup(&crate::host::pidfd::cgroup_of(pid)?)?;
+    let pinned = Pinned::pin(pid)?;
+    let unit = unit_in_cgroup(&pidfd::cgroup_of(pid)?)?;
     Some(Writer {
         unit,
         alive: Box::new(move || pinned.alive()),
@@ -245,6 +371,8 @@ mod tests {
     use crate::host::journal::tests::{field, Recording};
     use std::io::Write;
     use std::path::Path;
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    use std::sync::Arc;
 
     fn host(dir: &Path) -> HostLayout {
         HostLayout {
@@ -260,23 +388,54 @@ mod tests {
         p
     }
 
-    /// Pids 77 and 4242 run in vm1's unit, 999 in another VM's.
-    fn forwarder(rec: &Recording, layout: &HostLayout) -> Forwarder<Recording> {
-        Forwarder::with_units(
-            rec.clone(),
-            layout.clone(),
-            Box::new(|pid| {
-                let unit = match pid {
-                    77 | 4242 => "kvirt-vm@default_vm1.service",
-                    999 => "kvirt-vm@default_other.service",
-                    _ => return None,
-                };
-                Some(Writer {
-                    unit: unit.into(),
-                    alive: Box::new(|| true),
-                })
-            }),
-        )
+    /// Pids 77 and 4242 run in vm1's unit (or `unit`), 999 in another
+    /// VM's; `extra` is what else runs in vm1's unit (found through its
+    /// cgroup); each pin stays alive for `lives` lines.
+    #[derive(Default)]
+    struct Procs {
+        unit: Option<String>,
+        extra: Option<u32>,
+        lives: Option<Arc<AtomicUsize>>,
+    }
+
+    impl Procs {
+        fn writer(&self, unit: &str) -> Writer {
+            let lives = self.lives.clone();
+            Writer {
+                unit: unit.into(),
+                alive: Box::new(move || {
+                    lives.as_ref().is_none_or(|l| {
+                        l.fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1)).is_ok()
+                    })
+                }),
+            }
+        }
+    }
+
+    const VM1: &str = "kvirt-vm@default_vm1.service";
+
+    impl Processes for Procs {
+        fn pin(&self, pid: u32) -> Option<Writer> {
+            match pid {
+                77 | 4242 => Some(self.writer(self.unit.as_deref().unwrap_or(VM1))),
+                999 => Some(self.writer("kvirt-vm@default_other.service")),
+                p if Some(p) == self.extra => Some(self.writer(VM1)),
+                _ => None,
+            }
+        }
+
+        fn any_of(&self, unit: &str) -> Option<(u32, Writer)> {
+            let pid = self.extra.filter(|_| unit == VM1)?;
+            Some((pid, self.writer(unit)))
+        }
+    }
+
+    fn forwarder(rec: &Recording, layout: &HostLayout) -> Forwarder<Recording, Procs> {
+        with(rec, layout, Procs::default())
+    }
+
+    fn with(rec: &Recording, layout: &HostLayout, p: Procs) -> Forwarder<Recording, Procs> {
+        Forwarder::with_processes(rec.clone(), layout.clone(), p)
     }
 
     fn messages(rec: &Recording) -> Vec<String> {
@@ -288,11 +447,22 @@ mod tests {
             .collect()
     }
 
+    fn pids(rec: &Recording) -> Vec<Option<String>> {
+        (rec.0.lock().unwrap().iter())
+            .map(|e| field(e, "_PID").map(str::to_owned))
+            .collect()
+    }
+
     /// The log as last written a minute ago.
     fn age(path: &Path) {
         let f = std::fs::File::options().append(true).open(path).unwrap();
         f.set_modified(std::time::SystemTime::now() - std::time::Duration::from_secs(60))
             .unwrap();
+    }
+
+    fn write_pid(file: &Path, pid: &str) {
+        std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+        std::fs::write(file, format!("{pid}\n")).unwrap();
     }
 
     #[test]
@@ -303,52 +473,77 @@ mod tests {
         let rec = Recording::default();
         let fwd = forwarder(&rec, &layout);
         std::fs::write(&path, "LC_ALL=C /usr/bin/qemu-system-x86_64 \\\n").unwrap();
-        fwd.pass();
+        let pass = fwd.pass();
         assert!(
             messages(&rec).is_empty(),
             "sent before QEMU's pid was known"
         );
+        assert!(pass.pending, "the forwarder must look again soon");
         // QEMU never came: the daemon, which wrote them, is named.
-        let daemon = layout.vm_by_id("default_vm1").daemon_pid_files()[0].clone();
-        std::fs::create_dir_all(daemon.parent().unwrap()).unwrap();
-        std::fs::write(&daemon, "77\n").unwrap();
+        write_pid(&layout.vm_by_id("default_vm1").daemon_pid_files()[0], "77");
         age(&path);
-        fwd.pass();
+        assert!(!fwd.pass().pending);
         let e = rec.0.lock().unwrap()[0].clone();
         assert_eq!(field(&e, "SYSLOG_PID"), Some("77"));
         assert_eq!(field(&e, "_PID"), Some("77"), "sent as the daemon's");
     }
 
     /// A pid file naming another VM's QEMU, or a process that is not
-    /// there: the lines are not passed off as that process's.
+    /// there: the lines are not passed off as that process's. They go as
+    /// another process of the VM's unit; with none left, kvirtd sends
+    /// them as the unit's `qemu` lines, never as its own.
     #[test]
     fn a_pid_outside_the_vms_unit_is_not_taken() {
         let dir = tempfile::tempdir().unwrap();
         let layout = host(dir.path());
         let path = log_path(&layout, "default_vm1");
-        let rec = Recording::default();
-        let fwd = forwarder(&rec, &layout);
         let paths = layout.vm_by_id("default_vm1");
-        let pid_file = paths.qemu_pid_file("default_vm1");
-        std::fs::create_dir_all(pid_file.parent().unwrap()).unwrap();
-        std::fs::write(&pid_file, "999\n").unwrap();
-        let daemon = paths.daemon_pid_files()[0].clone();
-        std::fs::create_dir_all(daemon.parent().unwrap()).unwrap();
-        std::fs::write(&daemon, "31337\n").unwrap();
+        write_pid(&paths.qemu_pid_file("default_vm1"), "999");
+        write_pid(&paths.daemon_pid_files()[0], "31337");
         std::fs::write(&path, "planted\n").unwrap();
-        fwd.pass();
+        let rec = Recording::default();
+        forwarder(&rec, &layout).pass();
         assert!(messages(&rec).is_empty(), "999 is another VM's QEMU");
         age(&path);
-        fwd.pass();
-        let e = rec.0.lock().unwrap()[0].clone();
+        let in_unit = Procs {
+            extra: Some(5),
+            ..Default::default()
+        };
+        with(&rec, &layout, in_unit).pass();
+        assert_eq!(pids(&rec), [Some("5".to_owned())], "a process of the unit");
+
+        let mut f = std::fs::File::options().append(true).open(&path).unwrap();
+        f.write_all(b"once more\n").unwrap();
+        age(&path);
+        forwarder(&rec, &layout).pass();
+        let e = rec.0.lock().unwrap()[1].clone();
         assert_eq!(field(&e, "_PID"), None);
         assert_eq!(field(&e, "SYSLOG_PID"), None);
-        assert_eq!(field(&e, "SYSLOG_IDENTIFIER"), Some("kvirtd"));
-        assert_eq!(field(&e, "MESSAGE"), Some("default/vm1: QEMU log: planted"));
-        assert_eq!(
-            field(&e, "OBJECT_SYSTEMD_UNIT"),
-            Some("kvirt-vm@default_vm1.service")
-        );
+        assert_eq!(field(&e, "SYSLOG_IDENTIFIER"), Some("qemu"));
+        assert_eq!(field(&e, "MESSAGE"), Some("once more"));
+        assert_eq!(field(&e, VM_FIELD), Some("default/vm1"));
+        assert_eq!(field(&e, "OBJECT_SYSTEMD_UNIT"), Some(VM1));
+    }
+
+    /// Lines of a VM of which nothing runs are kvirtd's to send: a bounded
+    /// number, then one line saying how many more there were.
+    #[test]
+    fn lines_no_process_can_send_are_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = host(dir.path());
+        let path = log_path(&layout, "default_vm1");
+        let text: String = (0..UNNAMED_LINES + 50)
+            .map(|i| format!("line {i}\n"))
+            .collect();
+        std::fs::write(&path, text).unwrap();
+        age(&path);
+        let rec = Recording::default();
+        forwarder(&rec, &layout).pass();
+        let sent = messages(&rec);
+        assert_eq!(sent.len(), UNNAMED_LINES + 1);
+        assert!(sent[UNNAMED_LINES].starts_with("50 more lines"), "{sent:?}");
+        forwarder(&rec, &layout).pass();
+        assert!(messages(&rec).is_empty(), "skipped lines come back");
     }
 
     #[test]
@@ -359,13 +554,23 @@ mod tests {
             Some("kvirt-vm@default_a.service")
         );
         assert_eq!(
-            unit("/machine.slice/kvirt-vm@default_a.service/kvirt-vm@default_b.service").as_deref(),
+            unit("/machine.slice/machine-kvirt.slice/kvirt-vm@default_a.service/sub/x.scope")
+                .as_deref(),
             Some("kvirt-vm@default_a.service")
         );
         assert_eq!(unit("/"), None);
         assert_eq!(unit("/user.slice"), None);
         let me = pin_process(std::process::id()).map(|w| w.unit);
         assert!(me.is_none() || !me.unwrap().ends_with(".slice"));
+        assert_eq!(
+            slice_cgroup("machine-kvirt.slice"),
+            "/machine.slice/machine-kvirt.slice"
+        );
+        assert_eq!(slice_cgroup("kvirt.slice"), "/kvirt.slice");
+        assert_eq!(
+            slice_cgroup("a-b-c.slice"),
+            "/a.slice/a-b.slice/a-b-c.slice"
+        );
     }
 
     /// QEMU exits while its lines are forwarded and its pid goes to some
@@ -377,32 +582,19 @@ mod tests {
         let layout = host(dir.path());
         let path = log_path(&layout, "default_vm1");
         let rec = Recording::default();
-        let lines_left = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(2));
-        let fwd = Forwarder::with_units(rec.clone(), layout.clone(), {
-            let lines_left = lines_left.clone();
-            Box::new(move |_| {
-                let lines_left = lines_left.clone();
-                Some(Writer {
-                    unit: "kvirt-vm@default_vm1.service".into(),
-                    // Alive for two lines, then gone.
-                    alive: Box::new(move || {
-                        use std::sync::atomic::Ordering::SeqCst;
-                        lines_left
-                            .fetch_update(SeqCst, SeqCst, |n| n.checked_sub(1))
-                            .is_ok()
-                    }),
-                })
-            })
-        });
-        let pid_file = layout.vm_by_id("default_vm1").qemu_pid_file("default_vm1");
-        std::fs::create_dir_all(pid_file.parent().unwrap()).unwrap();
-        std::fs::write(&pid_file, "4242\n").unwrap();
+        let two_lines = Procs {
+            lives: Some(Arc::new(AtomicUsize::new(2))),
+            ..Default::default()
+        };
+        let fwd = with(&rec, &layout, two_lines);
+        write_pid(
+            &layout.vm_by_id("default_vm1").qemu_pid_file("default_vm1"),
+            "4242",
+        );
         std::fs::write(&path, "one\ntwo\nthree\nfour\n").unwrap();
-        assert!(fwd.pass().is_empty());
-        let sent: Vec<Option<String>> = (rec.0.lock().unwrap().iter())
-            .map(|e| field(e, "_PID").map(str::to_owned))
-            .collect();
-        assert_eq!(sent, [Some("4242".into()), Some("4242".into()), None, None]);
+        assert!(fwd.pass().errors.is_empty());
+        let some = |p: &str| Some(p.to_owned());
+        assert_eq!(pids(&rec), [some("4242"), some("4242"), None, None]);
     }
 
     /// The real pin: a process reaped is not alive, whoever has its pid.
@@ -417,7 +609,7 @@ mod tests {
         // name: nothing is pinned for the journal, only for the check.
         let w = pin_process(child.id());
         assert_eq!(w.as_ref().map(|w| w.unit.clone()), unit_in_cgroup(&own));
-        let pinned = crate::host::pidfd::Pinned::pin(child.id()).unwrap();
+        let pinned = Pinned::pin(child.id()).unwrap();
         assert!(pinned.alive());
         assert!(w.as_ref().is_none_or(|w| (w.alive)()));
         child.kill().unwrap();
@@ -434,18 +626,17 @@ mod tests {
         let rec = Recording::default();
         let fwd = forwarder(&rec, &layout);
 
-        let pid_file = layout.vm_by_id("default_vm1").qemu_pid_file("default_vm1");
-        std::fs::create_dir_all(pid_file.parent().unwrap()).unwrap();
-        std::fs::write(&pid_file, "4242\n").unwrap();
+        write_pid(
+            &layout.vm_by_id("default_vm1").qemu_pid_file("default_vm1"),
+            "4242",
+        );
         std::fs::write(&path, "qemu starting\nhalf a li").unwrap();
-        assert!(fwd.pass().is_empty());
+        assert!(fwd.pass().errors.is_empty());
         let e = rec.0.lock().unwrap()[0].clone();
         assert_eq!(field(&e, "SYSLOG_PID"), Some("4242"));
         assert_eq!(field(&e, "_PID"), Some("4242"), "sent as QEMU's");
-        assert_eq!(
-            field(&e, "OBJECT_SYSTEMD_UNIT"),
-            Some("kvirt-vm@default_vm1.service")
-        );
+        assert_eq!(field(&e, "SYSLOG_IDENTIFIER"), Some("qemu"));
+        assert_eq!(field(&e, "OBJECT_SYSTEMD_UNIT"), Some(VM1));
         assert_eq!(field(&e, VM_FIELD), Some("default/vm1"));
         assert_eq!(messages(&rec), ["qemu starting"]);
 
@@ -479,25 +670,63 @@ mod tests {
         );
     }
 
+    /// A VM's share of a pass is bounded: a log far past it goes on in the
+    /// passes that follow (which `pending` asks for), each line once.
+    #[test]
+    fn a_long_log_goes_in_shares_and_a_long_name_keeps_its_place() {
+        let dir = tempfile::tempdir().unwrap();
+        let layout = host(dir.path());
+        // A name as long as a VM's directory may have: twice over (as the
+        // position's name once was) it is longer than a file name may be.
+        let id = format!("default_{}", "v".repeat(230));
+        let path = log_path(&layout, &id);
+        write_pid(&layout.vm_by_id(&id).qemu_pid_file(&id), "4242");
+        let line = format!("{}\n", "x".repeat(1023));
+        let lines = (3 * CHUNK as usize) / line.len();
+        std::fs::write(&path, line.repeat(lines)).unwrap();
+        let rec = Recording::default();
+        let unit = Procs {
+            unit: Some(key::unit_name_of(&id)),
+            ..Default::default()
+        };
+        let fwd = with(&rec, &layout, unit);
+        let mut passes = 0;
+        loop {
+            let pass = fwd.pass();
+            assert!(pass.errors.is_empty(), "{:?}", pass.errors);
+            passes += 1;
+            if !pass.pending {
+                break;
+            }
+            assert!(passes < 10);
+        }
+        assert!(passes >= 3, "{passes} passes");
+        assert_eq!(messages(&rec).len(), lines);
+        fwd.pass();
+        assert!(messages(&rec).is_empty(), "nothing is sent twice");
+    }
+
     /// What the VM's user can plant in its log directory: a FIFO, links to
-    /// root's files and to an endless device. None of it blocks the pass,
-    /// none of it is read, and the VM's real log still goes through.
+    /// root's files and to an endless device, under any name. None of it
+    /// is read, and the VM's real log still goes through; the real log
+    /// itself swapped for a FIFO or a link is refused without blocking.
     #[test]
     fn planted_fifos_and_links_are_refused_without_blocking() {
         let dir = tempfile::tempdir().unwrap();
         let layout = host(dir.path());
         let good = log_path(&layout, "default_vm1");
         std::fs::write(&good, "real line\n").unwrap();
-        let logs = good.parent().unwrap();
+        let logs = good.parent().unwrap().to_owned();
         let secret = dir.path().join("secret");
         std::fs::write(&secret, "root's secret\n").unwrap();
-        nix::unistd::mkfifo(
-            &logs.join("fifo.log"),
-            nix::sys::stat::Mode::from_bits_truncate(0o600),
-        )
-        .unwrap();
+        let fifo = |p: &Path| {
+            nix::unistd::mkfifo(p, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap()
+        };
+        fifo(&logs.join("fifo.log"));
         std::os::unix::fs::symlink(&secret, logs.join("link.log")).unwrap();
         std::os::unix::fs::symlink("/dev/zero", logs.join("zero.log")).unwrap();
+        let long = format!("{}.log", "n".repeat(250));
+        std::fs::write(logs.join(long), "not libvirt's\n").unwrap();
         // And QEMU's pid file pointing at a root file that holds a number.
         let pid_file = layout.vm_by_id("default_vm1").qemu_pid_file("default_vm1");
         std::fs::create_dir_all(pid_file.parent().unwrap()).unwrap();
@@ -507,28 +736,38 @@ mod tests {
         age(&good);
 
         let rec = Recording::default();
-        let fwd = forwarder(&rec, &layout);
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || tx.send(fwd.pass()).unwrap());
-        let errors = rx
-            .recv_timeout(std::time::Duration::from_secs(10))
-            .expect("the pass blocked");
-        let mut refused: Vec<String> = errors
-            .iter()
-            .map(|e| e.path.file_name().unwrap().to_string_lossy().into_owned())
-            .collect();
-        refused.sort();
-        assert_eq!(refused, ["fifo.log", "link.log", "zero.log"], "{errors:?}");
+        let in_time = |layout: &HostLayout, rec: &Recording| {
+            let fwd = forwarder(rec, layout);
+            let (tx, rx) = std::sync::mpsc::channel();
+            std::thread::spawn(move || tx.send(fwd.pass()).unwrap());
+            rx.recv_timeout(std::time::Duration::from_secs(10))
+                .expect("the pass blocked")
+        };
+        let pass = in_time(&layout, &rec);
+        assert!(pass.errors.is_empty(), "{:?}", pass.errors);
         let sent = rec.0.lock().unwrap().clone();
         assert_eq!(sent.len(), 1, "only the real log");
-        assert_eq!(
-            field(&sent[0], "MESSAGE"),
-            Some("default/vm1: QEMU log: real line")
-        );
+        assert_eq!(field(&sent[0], "MESSAGE"), Some("real line"));
         assert_eq!(
             field(&sent[0], "_PID"),
             None,
             "a linked pid file is not read"
         );
+
+        for swap in ["fifo", "link"] {
+            std::fs::remove_file(&good).unwrap();
+            match swap {
+                "fifo" => fifo(&good),
+                _ => std::os::unix::fs::symlink(&secret, &good).unwrap(),
+            }
+            let pass = in_time(&layout, &rec);
+            assert_eq!(pass.errors.len(), 1, "{swap}: {:?}", pass.errors);
+            assert_eq!(rec.0.lock().unwrap().len(), 1, "{swap} read");
+        }
+        // Told once, not at every pass: kvirtd's own log is not the VM's
+        // to fill.
+        let fwd = forwarder(&rec, &layout);
+        assert_eq!(fwd.pass().errors.len(), 1);
+        assert!(fwd.pass().errors.is_empty());
     }
 }

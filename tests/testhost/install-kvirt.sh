@@ -21,6 +21,9 @@ cat > /etc/kvirt/kvirtd.toml.d/50-test.toml <<'EOF2'
 [vm]
 daemon = \"$daemon\"
 emulation = \"always\"
+[storage]
+# The tests' registry, on the test host's loopback.
+local_registries = [\"127.0.0.1:5000\"]
 [network]
 # Handed to guests by DHCP (a documentation address: nothing is sent there).
 dns = [\"192.0.2.53\"]
