@@ -275,7 +275,15 @@ fn sandbox() -> Vec<Prop> {
         // resolving each VM user's UID went through machined, which was
         // itself waiting on the bus daemon to register a VM: under a burst
         // of starts each such wait ran into the 25 s D-Bus timeout.
-        Prop::Strs("InaccessiblePaths", vec!["-/run/dbus".into()]),
+        // Nor the journal's files: a VM's number is reused once its VM is
+        // gone, and journald lets a uid read its own `user-<uid>.journal`,
+        // which holds what the number's earlier VMs logged.
+        Prop::Strs(
+            "InaccessiblePaths",
+            ["-/run/dbus", "-/var/log/journal", "-/run/log/journal"]
+                .map(String::from)
+                .to_vec(),
+        ),
         // What a service normally needs: no mounts, module loading, raw I/O,
         // clock or reboot. Anything else fails with EPERM instead of
         // killing the VM.
@@ -483,6 +491,9 @@ mod tests {
             "-/var/lib/kvirt/grants",
             "-/run/kvirt/status",
             "-/run/kvirt/qemu-log",
+            // Nor the journal files the VM's reused number may share.
+            "-/var/log/journal",
+            "-/run/log/journal",
         ] {
             assert!(records.contains(&r.to_owned()), "{r}: {records:?}");
         }
