@@ -269,6 +269,9 @@ pub struct StorageConfig {
     /// The image cache is collected down to this after each pull, least
     /// recently used first; images in use are kept.
     pub image_cache_max: String,
+    /// What of the VMs' file system (`/var/lib/kvirt`) stays free: a VM
+    /// whose emptyDisk or overlay could grow past it does not start.
+    pub free_space_reserve: String,
 }
 
 impl StorageConfig {
@@ -284,6 +287,11 @@ impl StorageConfig {
 
     pub fn image_cache_bytes(&self) -> Result<u64, String> {
         parse_bytes(&self.image_cache_max).map_err(|e| format!("storage.image_cache_max: {e}"))
+    }
+
+    pub fn free_space_reserve_bytes(&self) -> Result<u64, String> {
+        parse_bytes(&self.free_space_reserve)
+            .map_err(|e| format!("storage.free_space_reserve: {e}"))
     }
 }
 
@@ -337,6 +345,7 @@ impl Default for StorageConfig {
             image_max_unpacked: "40Gi".into(),
             image_max_files: 100_000,
             image_cache_max: "50Gi".into(),
+            free_space_reserve: "2Gi".into(),
         }
     }
 }
@@ -418,6 +427,7 @@ impl Config {
         self.storage.image_limits().map_err(invalid)?;
         self.vm.limits().map_err(invalid)?;
         self.storage.image_cache_bytes().map_err(invalid)?;
+        self.storage.free_space_reserve_bytes().map_err(invalid)?;
         for root in &self.storage.host_disk_roots {
             if !root.is_absolute() {
                 return Err(invalid(format!(

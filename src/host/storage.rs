@@ -165,6 +165,9 @@ pub struct HostStorage {
     /// Whose the files are that this instance makes: set per VM by
     /// [`HostStorage::for_vm`].
     owner: Option<Owner>,
+    /// What of the VMs' file system stays free: a writable disk (an
+    /// emptyDisk, an overlay) that could grow past it is refused.
+    reserve: u64,
 }
 
 fn io(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> StorageError {
@@ -174,7 +177,37 @@ fn io(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> StorageEr
 
 impl HostStorage {
     pub fn new(host: HostLayout) -> Self {
-        Self { host, owner: None }
+        Self {
+            host,
+            owner: None,
+            reserve: 0,
+        }
+    }
+
+    /// Keeps `bytes` of the VMs' file system free (`storage.free_space_reserve`).
+    pub fn with_reserve(mut self, bytes: u64) -> Self {
+        self.reserve = bytes;
+        self
+    }
+
+    /// A writable disk of the VM may grow to `size` (sparse, it takes
+    /// nothing yet): refused unless the file system holding `dir` has that
+    /// much free above the reserve, so VMs cannot fill the host's disk
+    /// with disks it could never have held.
+    fn room_for(&self, dir: &Path, disk: &Path, size: u64) -> Result<(), StorageError> {
+        let st = nix::sys::statvfs::statvfs(dir).map_err(|e| io(dir, "statvfs")(e.into()))?;
+        let free = st.blocks_available() as u64 * st.fragment_size() as u64;
+        let room = free.saturating_sub(self.reserve);
+        if size > room {
+            return Err(StorageError::Disk {
+                path: disk.to_owned(),
+                message: format!(
+                    "may grow to {size} bytes, and the host has {free} bytes free, of which {} are kept free (storage.free_space_reserve)",
+                    self.reserve
+                ),
+            });
+        }
+        Ok(())
     }
 
     /// What a predecessor killed mid-way left in the staging directory:
@@ -217,6 +250,7 @@ impl HostStorage {
         Self {
             host: self.host.clone(),
             owner,
+            reserve: self.reserve,
         }
     }
 
@@ -355,6 +389,11 @@ impl HostStorage {
                 }
                 Ok(top)
             };
+        // The runtime directory is a tmpfs of its own, of a bounded size:
+        // on /run itself a VM could fill the host's /run (systemd's own
+        // runtime state) through what its QEMU writes there.
+        made(&self.host.vms_runtime_dir(), &p.runtime_dir, &[])?;
+        self.own_tmpfs(&p.runtime_dir)?;
         made(
             &self.host.vms_runtime_dir(),
             &p.runtime_dir,
@@ -392,6 +431,36 @@ impl HostStorage {
         Ok(())
     }
 
+    /// Mounts a tmpfs of [`RUNTIME_DIR_BYTES`] on `dir` (a VM's runtime
+    /// directory, just made in root's `/run/kvirt/vms`), unless one is
+    /// there already (a start that a crash cut short).
+    fn own_tmpfs(&self, dir: &Path) -> Result<(), StorageError> {
+        use nix::mount::{mount, MsFlags};
+        if is_mount_point(dir) {
+            return Ok(());
+        }
+        let mut options = format!("size={RUNTIME_DIR_BYTES},mode=0700");
+        if let Some((uid, gid)) = self.ids() {
+            options.push_str(&format!(",uid={uid},gid={gid}"));
+        }
+        let flags = MsFlags::MS_NOSUID | MsFlags::MS_NODEV | MsFlags::MS_NOEXEC;
+        // Through the directory's fd: the one just made, whatever its name
+        // leads to by now.
+        let d = Beneath::open(dir).map_err(io(dir, "open"))?;
+        let target = format!(
+            "/proc/self/fd/{}",
+            std::os::fd::AsRawFd::as_raw_fd(&std::os::fd::AsFd::as_fd(&d))
+        );
+        mount(
+            Some("tmpfs"),
+            target.as_str(),
+            Some("tmpfs"),
+            flags,
+            Some(options.as_str()),
+        )
+        .map_err(|e| io(dir, "mount its tmpfs")(e.into()))
+    }
+
     fn prepare_disk_blocking(
         &self,
         disk: &DiskPrep,
@@ -409,6 +478,7 @@ impl HostStorage {
                     Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
                     Err(e) => return Err(io(path, "open")(e)),
                 }
+                self.room_for(&self.host.state_dir, path, *size_bytes)?;
                 self.staged("disk", |work| {
                     let tmp = work.join("disk.qcow2");
                     qemu_img_create(&tmp, &[], Some(*size_bytes))?;
@@ -454,6 +524,12 @@ impl HostStorage {
                     }
                     (Backing::HostDisk(base), _) => self.ephemeral_base(base, roots)?,
                 };
+                // A fresh overlay may grow to its base's size.
+                let grows_to = match size {
+                    Some(s) => s,
+                    None => image_virtual_size(&base).map_err(io(&base, "read"))?,
+                };
+                self.room_for(&self.host.state_dir, path, grows_to)?;
                 // A fresh write layer on every start, as KubeVirt's is.
                 let base = base.to_string_lossy();
                 self.staged("overlay", |work| {
@@ -747,6 +823,35 @@ impl HostStorage {
     }
 }
 
+/// The size of each VM's runtime directory (its own tmpfs): sockets, pid
+/// files, libvirt's state and the console log (capped at 2 MiB, with one
+/// backup) fit many times over.
+pub const RUNTIME_DIR_BYTES: u64 = 16 << 20;
+
+/// Whether `dir` is the root of a mount (another file system than its
+/// parent's; a link is never one).
+fn is_mount_point(dir: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    let (Ok(d), Some(Ok(parent))) = (
+        std::fs::symlink_metadata(dir),
+        dir.parent().map(std::fs::symlink_metadata),
+    ) else {
+        return false;
+    };
+    d.is_dir() && d.dev() != parent.dev()
+}
+
+/// The size a guest sees of the disk file `path` (root's, in the image
+/// cache: read by name).
+fn image_virtual_size(path: &Path) -> std::io::Result<u64> {
+    use std::io::Read;
+    let f = std::fs::File::open(path)?;
+    let len = f.metadata()?.len();
+    let mut header = Vec::with_capacity(104);
+    f.take(104).read_to_end(&mut header)?;
+    Ok(crate::core::image::virtual_size(&header, len))
+}
+
 /// How a hostDisk is opened.
 #[derive(Clone, Copy)]
 enum HostOpen {
@@ -850,9 +955,16 @@ impl Storage for HostStorage {
 
     async fn remove_dir(&self, dir: &Path) -> Result<(), StorageError> {
         let dir = dir.to_owned();
-        blocking(move || match std::fs::remove_dir_all(&dir) {
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&dir, "remove")(e)),
-            _ => Ok(()),
+        blocking(move || {
+            // A VM's runtime directory is a tmpfs of its own: gone with it.
+            if is_mount_point(&dir) {
+                nix::mount::umount2(&dir, nix::mount::MntFlags::MNT_DETACH)
+                    .map_err(|e| io(&dir, "unmount")(e.into()))?;
+            }
+            match std::fs::remove_dir_all(&dir) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&dir, "remove")(e)),
+                _ => Ok(()),
+            }
         })
         .await
     }
@@ -938,8 +1050,35 @@ mod tests {
     use crate::core::key::VmKey;
 
     /// Storage in a temporary root with one VM's directories made.
-    async fn vm_dirs() -> (tempfile::TempDir, HostStorage, VmPaths) {
-        let tmp = tempfile::tempdir().unwrap();
+    /// A temporary directory whose mounts (VMs' runtime tmpfs) go with it.
+    struct Tmp(tempfile::TempDir);
+
+    impl Tmp {
+        fn new() -> Self {
+            Self(tempfile::tempdir().unwrap())
+        }
+
+        fn path(&self) -> &Path {
+            self.0.path()
+        }
+    }
+
+    impl Drop for Tmp {
+        fn drop(&mut self) {
+            let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+            let mut below: Vec<&str> = (mounts.lines())
+                .filter_map(|l| l.split(' ').nth(4))
+                .filter(|m| Path::new(m).starts_with(self.0.path()))
+                .collect();
+            below.sort_by_key(|m| std::cmp::Reverse(m.len()));
+            for m in below {
+                let _ = nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH);
+            }
+        }
+    }
+
+    async fn vm_dirs() -> (Tmp, HostStorage, VmPaths) {
+        let tmp = Tmp::new();
         let s = storage(tmp.path());
         let p = s.host.vm(&VmKey::new("ns", "vm").unwrap());
         s.create_dirs(&p, None).await.unwrap();
@@ -958,7 +1097,7 @@ mod tests {
     /// staging; the next start sweeps them, links and all, following none.
     #[test]
     fn kvirts_records_of_its_vms_are_made_root_s_alone() {
-        let t = tempfile::tempdir().unwrap();
+        let t = Tmp::new();
         let host = HostLayout {
             state_dir: t.path().join("lib"),
             runtime_dir: t.path().join("run"),
@@ -989,7 +1128,7 @@ mod tests {
 
     #[test]
     fn the_next_start_sweeps_staging() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = Tmp::new();
         let s = storage(tmp.path());
         assert_eq!(s.sweep_staging().unwrap(), 0, "nothing there yet");
         let staging = tmp.path().join("lib/.staging");
@@ -1094,6 +1233,64 @@ mod tests {
         s.remove_dir(&p.state_dir).await.unwrap();
         s.remove_dir(&p.state_dir).await.unwrap();
         assert!(!p.state_dir.exists());
+
+        // The runtime directory is a tmpfs of its own: what the VM writes
+        // there stops at its size, not at the host's /run; made again
+        // (a start cut short) it is not mounted twice; it goes whole.
+        assert!(is_mount_point(&p.runtime_dir));
+        let big = vec![0u8; RUNTIME_DIR_BYTES as usize + 4096];
+        let err = std::fs::write(p.runtime_dir.join("fill"), &big).unwrap_err();
+        assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
+        std::fs::remove_file(p.runtime_dir.join("fill")).unwrap();
+        s.create_dirs(&p, None).await.unwrap();
+        let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        let at = p.runtime_dir.to_string_lossy().into_owned();
+        assert_eq!(
+            mounts
+                .lines()
+                .filter(|l| l.split(' ').nth(4) == Some(&at))
+                .count(),
+            1,
+            "mounted twice"
+        );
+        assert!(p.xdg_runtime_dir().is_dir());
+        s.remove_dir(&p.runtime_dir).await.unwrap();
+        assert!(!p.runtime_dir.exists());
+        assert!(!std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap()
+            .contains(&at));
+    }
+
+    /// An emptyDisk or overlay that could grow past the host's free space
+    /// (less its reserve) is refused with the figures, and nothing is made.
+    #[tokio::test]
+    async fn writable_disks_never_grow_past_the_hosts_free_space() {
+        let (_tmp, s, p) = vm_dirs().await;
+        let free = {
+            let st = nix::sys::statvfs::statvfs(&s.host.state_dir).unwrap();
+            st.blocks_available() as u64 * st.fragment_size() as u64
+        };
+        let tight = s.with_reserve(free.saturating_sub(1 << 20));
+        let disk = |size: u64| DiskPrep::CreateQcow2 {
+            volume: "e".into(),
+            path: p.empty_disk("e"),
+            size_bytes: size,
+        };
+        let err = tight
+            .prepare_disk(&disk(64 << 20), &[], &Pulled::new(), None)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("storage.free_space_reserve"), "{err}");
+        assert!(err.contains(&(64u64 << 20).to_string()), "{err}");
+        assert!(!p.empty_disk("e").exists());
+        if qemu_img() {
+            let small = HostStorage::new(tight.host.clone());
+            small
+                .prepare_disk(&disk(64 << 20), &[], &Pulled::new(), None)
+                .await
+                .unwrap();
+        }
     }
 
     #[tokio::test]
@@ -1143,7 +1340,7 @@ mod tests {
 
     #[tokio::test]
     async fn host_disks_stay_under_their_roots_even_through_symlinks() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = Tmp::new();
         let s = storage(tmp.path());
         let root = tmp.path().join("images");
         let outside = tmp.path().join("outside");
@@ -1201,7 +1398,7 @@ mod tests {
     /// creates nothing, lends nothing and blocks on nothing outside.
     #[tokio::test]
     async fn host_disk_paths_through_swapped_links_never_steer_root() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = Tmp::new();
         let s = storage(tmp.path());
         let root = tmp.path().join("images");
         let etc = tmp.path().join("etc");
@@ -1552,7 +1749,7 @@ mod tests {
     /// to write: none reads what another wrote.
     #[tokio::test]
     async fn vms_start_from_their_own_copy_of_the_probes_capabilities() {
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = Tmp::new();
         let s = storage(tmp.path());
         let me = Owner {
             uid: nix::unistd::getuid().as_raw(),
@@ -1586,7 +1783,7 @@ mod tests {
     #[tokio::test]
     async fn host_disks_are_lent_by_acl_and_given_back_as_they_were() {
         use std::os::unix::fs::MetadataExt;
-        let tmp = tempfile::tempdir().unwrap();
+        let tmp = Tmp::new();
         let s = storage(tmp.path());
         let root = tmp.path().join("images");
         std::fs::create_dir_all(&root).unwrap();
