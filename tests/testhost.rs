@@ -1048,6 +1048,63 @@ fn daemon_pid(h: &Host, vm: &str) -> String {
     h.ok(&format!("systemctl show -P MainPID kvirt-vm@default_{vm}"))
 }
 
+/// A process of the VM's unit other than its daemon (what an escaped QEMU
+/// is: the VM's user, in the VM's unit) takes the daemon's socket. kvirtd,
+/// root, checks who listens before it speaks: it says nothing to it, and
+/// once the daemon's socket is back the VM is as it was.
+#[test]
+fn a_listener_planted_for_the_vms_daemon_is_never_spoken_to() {
+    let Some(h) = host() else { return };
+    let _g = h.turn();
+    h.create_vm("mole", "run");
+    h.wait_phase("mole", "Running", BOOT);
+    let qemu = h.qemu_pid("mole");
+    let dir = "/run/kvirt/vms/default_mole/xdg/libvirt";
+    let uid = h.ok("stat -c %u /run/kvirt/vms/default_mole");
+    let cgroup = h.ok("systemctl show -P ControlGroup kvirt-vm@default_mole");
+    h.ok(&format!(
+        "mv {dir}/virtqemud-sock {dir}/real-sock; rm -f /tmp/heard"
+    ));
+    // socat, moved into the VM's unit, then as the VM's user.
+    h.ok(&format!(
+        "(echo $BASHPID > /sys/fs/cgroup{cgroup}/cgroup.procs && exec setpriv --reuid={uid} --regid={uid} --clear-groups socat -u UNIX-LISTEN:{dir}/virtqemud-sock,fork OPEN:/tmp/heard,creat,append) >/dev/null 2>&1 &"
+    ));
+    h.wait(
+        "the planted listener",
+        Duration::from_secs(10),
+        &format!("[ -S {dir}/virtqemud-sock ]"),
+    );
+    // A new kvirtd connects afresh.
+    let since = h.ok("date +%s");
+    let main = h.ok("systemctl show -P MainPID kvirtd");
+    h.ok("systemctl kill -s KILL kvirtd");
+    h.wait_new_kvirtd("SIGKILL", "MainPID", &main);
+    h.wait(
+        "kvirtd refusing the planted listener",
+        Duration::from_secs(60),
+        &format!("journalctl -u kvirtd --since @{since} --no-pager | grep -q 'not the VM.s daemon in kvirt-vm@default_mole'"),
+    );
+    h.ok("! [ -s /tmp/heard ]");
+    // The daemon's socket back: the same QEMU, Running, as before.
+    h.ok(&format!(
+        "pkill -x socat; rm -f {dir}/virtqemud-sock; mv {dir}/real-sock {dir}/virtqemud-sock"
+    ));
+    let main = h.ok("systemctl show -P MainPID kvirtd");
+    h.ok("systemctl kill -s KILL kvirtd");
+    h.wait_new_kvirtd("SIGKILL", "MainPID", &main);
+    // Paused and unpaused through the daemon: kvirtd speaks to it again.
+    h.wait(
+        "kvirtd speaking to the VM's daemon again",
+        Duration::from_secs(60),
+        "kvirtctl pause default/mole || kvirtctl pause default/mole 2>&1 | grep -q 'already paused'",
+    );
+    h.ok("kvirtctl unpause default/mole");
+    h.wait_phase("mole", "Running", BOOT);
+    assert_eq!(h.qemu_pid("mole"), qemu, "the VM was restarted");
+    h.ok("! [ -s /tmp/heard ]");
+    h.remove_vm_and_wait_gone("mole");
+}
+
 #[test]
 fn a_vm_outlives_its_libvirt_daemon_but_not_a_stop_on_purpose() {
     let Some(h) = host() else { return };

@@ -127,6 +127,14 @@ fn in_unit(pid: i32, unit: &str) -> bool {
         .is_ok_and(|text| cgroups_in_unit(&text, unit))
 }
 
+/// A libvirt daemon's executable, as `/proc/<pid>/exe` names it (one
+/// replaced by a package upgrade since it started is "… (deleted)").
+fn is_daemon_binary(exe: &std::path::Path) -> bool {
+    let name = exe.file_name().unwrap_or_default().to_string_lossy();
+    let name = name.strip_suffix(" (deleted)").unwrap_or(&name);
+    matches!(name, "virtqemud" | "libvirtd")
+}
+
 fn cgroups_in_unit(proc_cgroup: &str, unit: &str) -> bool {
     let suffix = format!("/{unit}");
     proc_cgroup
@@ -311,6 +319,16 @@ impl Libvirt {
                 if uid != owner || !in_unit(pid, &unit) {
                     return Err(refuse(format!(
                         "listened on by pid {pid} (uid {uid}), not the VM's daemon in {unit}"
+                    )));
+                }
+                // ...and by the daemon itself, not another process of the
+                // unit: an escaped QEMU runs there as the VM too (and may
+                // not execute anything: its sandbox forbids it).
+                let exe = std::fs::read_link(format!("/proc/{pid}/exe")).unwrap_or_default();
+                if !is_daemon_binary(&exe) {
+                    return Err(refuse(format!(
+                        "listened on by pid {pid} ({}), not the VM's daemon in {unit}",
+                        exe.display()
                     )));
                 }
                 Connect::open(Some(&format!(
@@ -734,6 +752,22 @@ mod tests {
         }
         let long = format!("<kvirt:uid>{}</kvirt:uid>", "u".repeat(1000));
         assert_eq!(metadata_uid(&long), None, "a UID is short");
+        // In the unit, only the daemon's own executable listens for it.
+        for daemon in [
+            "/usr/sbin/virtqemud",
+            "/usr/sbin/libvirtd",
+            "/usr/sbin/virtqemud (deleted)",
+        ] {
+            assert!(is_daemon_binary(std::path::Path::new(daemon)), "{daemon}");
+        }
+        for other in [
+            "/usr/bin/qemu-system-x86_64",
+            "/usr/bin/socat",
+            "",
+            "/tmp/virtqemud-x",
+        ] {
+            assert!(!is_daemon_binary(std::path::Path::new(other)), "{other}");
+        }
     }
 
     #[test]
