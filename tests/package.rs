@@ -153,7 +153,12 @@ fn installed_observed_upgraded_removed_and_purged_as_a_package() {
     assert_eq!(h.status("pkg")["status"]["phase"], "Running");
 
     // Removal stops kvirtd cleanly and leaves the VM running (reinstalling
-    // adopts it); purge removes it and everything kvirt made.
+    // adopts it); purge removes it and everything kvirt made, and gives
+    // back the hostDisk it was lent (a hard link keeps the file to look at
+    // once /var/lib/kvirt is gone: `+` in `ls -l` is an ACL).
+    h.ok("ln /var/lib/kvirt/images/pkg.raw /root/pkg-disk.raw");
+    let acl_mark = "ls -l /root/pkg-disk.raw | cut -c11";
+    assert_eq!(h.ok(acl_mark), "+", "the VM's disk is lent by an ACL");
     h.ok("DEBIAN_FRONTEND=noninteractive apt-get remove -y -q kvirt");
     assert!(!h.succeeds("systemctl is-active -q kvirtd"));
     let log = h.ok("journalctl -u kvirtd --no-pager -o cat -n 20");
@@ -181,6 +186,8 @@ fn installed_observed_upgraded_removed_and_purged_as_a_package() {
     h.ok("! nft list table ip kvirt 2>/dev/null");
     h.ok("! nft list table bridge kvirt 2>/dev/null");
     h.ok("! machinectl list --no-legend | grep -q default.pkg");
+    assert_eq!(h.ok(acl_mark), "", "the purge gave the disk back");
+    h.ok("rm /root/pkg-disk.raw");
 }
 
 fn run(cmd: &str) -> String {

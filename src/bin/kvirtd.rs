@@ -88,6 +88,10 @@ struct Args {
     /// process of the unit this runs in.
     #[arg(long, hide = true)]
     stop_unit_processes: bool,
+    /// The package's purge (not for people): give back every hostDisk and
+    /// image lent to a VM, once every VM is stopped.
+    #[arg(long, hide = true)]
+    give_back_grants: bool,
 }
 
 /// `--stop-unit-processes`: each process of this process's cgroup pinned
@@ -112,6 +116,12 @@ fn main() -> Result<()> {
     let args = Args::parse();
     if args.stop_unit_processes {
         return stop_unit_processes();
+    }
+    if args.give_back_grants {
+        let grants = kvirt::host::grants::Grants::new(HostLayout::default().grants_dir());
+        let n = grants.give_back_all()?;
+        println!("gave back what {n} VM identities were lent");
+        return Ok(());
     }
     if args.print_man {
         use clap::CommandFactory;
