@@ -208,6 +208,7 @@ status: {{phase: \"{phase}\"}}
                 domain_name: None,
                 result: String::new(),
                 restarts: 0,
+                main_pid: None,
             }),
             domain: Some(DomainObs {
                 state: states[state],

@@ -35,6 +35,8 @@ pub struct UnitObs {
     pub result: String,
     /// How often systemd restarted the daemon in this unit (`NRestarts`).
     pub restarts: u32,
+    /// The unit's main process: the VM's libvirt daemon (`MainPID`).
+    pub main_pid: Option<u32>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -438,6 +440,7 @@ mod tests {
             domain_name: Some("ns_vm".into()),
             result: "success".into(),
             restarts: 0,
+            main_pid: None,
         })
     }
 

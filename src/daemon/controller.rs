@@ -517,13 +517,17 @@ impl<A: Adapters> Controller<A> {
             .as_ref()
             .filter(|u| u.activity == UnitActivity::Active)
         {
-            let dom = match dom {
+            let mut dom = match dom {
                 Some(d) => Some(self.domain_ref(id, u.daemon, &d.name)),
                 None => u
                     .domain_name
                     .as_ref()
                     .map(|n| self.domain_ref(id, u.daemon, n)),
             };
+            // Only the unit's main process may be spoken to as its daemon.
+            if let Some(s) = dom.as_mut().and_then(|d| d.socket.as_mut()) {
+                s.daemon_pid = u.main_pid;
+            }
             if let Some(d) = dom {
                 match self.deps.hypervisor.observe(&d).await {
                     Ok(domain) => obs.domain = domain,
@@ -549,6 +553,7 @@ impl<A: Adapters> Controller<A> {
                 .map(|rel| VmSocket {
                     dir: paths.runtime_dir.clone(),
                     rel: rel.to_owned(),
+                    daemon_pid: None,
                 }),
         }
     }

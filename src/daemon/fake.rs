@@ -208,6 +208,7 @@ impl Units for FakeHost {
                 .map(|(a, b)| format!("{a}_{b}")),
             result: "success".into(),
             restarts: 0,
+            main_pid: None,
         };
         let mut s = self.state();
         s.units.insert(spec.name.clone(), obs);

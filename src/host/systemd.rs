@@ -363,6 +363,7 @@ impl Units for SystemdBus {
         let env = svc.environment().await.unwrap_or_default();
         let result = svc.result().await.unwrap_or_default();
         let restarts = svc.n_restarts().await.unwrap_or_default();
+        let main_pid = svc.main_pid().await.ok().filter(|p| *p > 0);
         let var = |k: &str| {
             env.iter()
                 .find_map(|e| e.strip_prefix(k).and_then(|r| r.strip_prefix('=')))
@@ -384,6 +385,7 @@ impl Units for SystemdBus {
                 .map(|(ns, n)| format!("{ns}_{n}")),
             result,
             restarts,
+            main_pid,
         }))
     }
 
