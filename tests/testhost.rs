@@ -1986,10 +1986,12 @@ fn an_always_vm_comes_back_after_poweroff_and_after_a_reboot() {
     let before = vmi_uid(&h, "vma");
 
     // A reboot, as the host sees one: kvirtd and every VM stop, /run is
-    // emptied. Always runs again (a new VMI), Halted stays down.
+    // emptied (and so are the VMs' runtime tmpfs, gone with their mounts).
+    // Always runs again (a new VMI), Halted stays down.
     h.ok("systemctl stop kvirtd
           systemctl stop 'kvirt-vm@*.service'
           for n in $(ip netns list | awk '/^kvirt-/ {print $1}'); do ip netns delete $n; done
+          for m in $(awk '$2 ~ \"^/run/kvirt/vms/\" {print $2}' /proc/self/mounts); do umount -l $m; done
           rm -rf /run/kvirt/*
           systemctl start kvirtd");
     wait_new_vmi_running(&h, "vma", &before, BOOT);
