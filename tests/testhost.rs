@@ -1066,15 +1066,13 @@ fn a_listener_planted_for_the_vms_daemon_is_never_spoken_to() {
         "mv {dir}/virtqemud-sock {dir}/real-sock; rm -f /tmp/heard"
     ));
     // socat, moved into the VM's unit, then as the VM's user.
-    // (On a hybrid host, into the unit's cgroup of each hierarchy.)
+    // (On a hybrid host, into the unit's cgroup of each hierarchy.) The
+    // script waits for the socket: until socat has left the script's own
+    // transient unit, the end of that unit would take it along.
     h.ok(&format!(
-        "(for d in /sys/fs/cgroup/systemd /sys/fs/cgroup/unified /sys/fs/cgroup; do [ -e $d{cgroup}/cgroup.procs ] && echo $BASHPID > $d{cgroup}/cgroup.procs; done; exec setpriv --reuid={uid} --regid={uid} --clear-groups socat -u UNIX-LISTEN:{dir}/virtqemud-sock,fork OPEN:/tmp/heard,creat,append) </dev/null >/dev/null 2>&1 &"
+        "(for d in /sys/fs/cgroup/systemd /sys/fs/cgroup/unified /sys/fs/cgroup; do [ -e $d{cgroup}/cgroup.procs ] && echo $BASHPID > $d{cgroup}/cgroup.procs; done; exec setpriv --reuid={uid} --regid={uid} --clear-groups socat -u UNIX-LISTEN:{dir}/virtqemud-sock,fork OPEN:/tmp/heard,creat,append) </dev/null >/dev/null 2>&1 &
+         for i in $(seq 100); do [ -S {dir}/virtqemud-sock ] && exit 0; sleep 0.1; done; exit 1"
     ));
-    h.wait(
-        "the planted listener",
-        Duration::from_secs(10),
-        &format!("[ -S {dir}/virtqemud-sock ]"),
-    );
     // A new kvirtd connects afresh.
     let since = h.ok("date +%s");
     let main = h.ok("systemctl show -P MainPID kvirtd");
