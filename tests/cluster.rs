@@ -294,6 +294,7 @@ metadata: {name: k-vm-sa}
            kubectl create -f - -o jsonpath='{{.status.user.username}}'; rm -f $t"
     ));
     assert_eq!(who, "system:serviceaccount:default:k-vm-sa");
+    token_is_renewed_in_the_running_vms_iso(&a, "k-config", iso);
     // Secret data is on the host only in the VM's own, private files.
     let mode = a.ok(&format!(
         "stat -c '%a %U' {iso} /var/lib/kvirt/vms/default_k-config/disks/app-secret.iso"
@@ -308,6 +309,59 @@ metadata: {name: k-vm-sa}
     kubectl(&a, "delete secret k-userdata k-app-secret");
     kubectl(&a, "delete configmap k-app-config");
     kubectl(&a, "delete serviceaccount k-vm-sa");
+}
+
+/// The token lives an hour (`kubernetes.service_account_token_seconds`),
+/// bound to no object, and is renewed in the very file QEMU holds:
+/// kvirtd, restarted, cannot tell how old it is and renews it at once,
+/// the VM untouched. The new token is the ServiceAccount's too.
+fn token_is_renewed_in_the_running_vms_iso(a: &Host, vm: &str, iso: &str) {
+    use base64::Engine;
+    let qemu = a.qemu_pid(vm);
+    // What QEMU reads: the ISO through its own open file.
+    let held = a.ok(&format!(
+        "for f in /proc/{qemu}/fd/*; do [ \"$(readlink $f)\" = {iso} ] && echo $f && break; done"
+    ));
+    assert!(held.starts_with("/proc/"), "QEMU holds {iso}: {held}");
+    let token = || {
+        a.ok(&format!(
+            "t=$(mktemp) && cat {held} > $t.iso && xorriso -osirrox on -indev $t.iso -extract /token $t 2>/dev/null; cat $t; rm -f $t $t.iso"
+        ))
+    };
+    let claims = |jwt: &str| -> serde_json::Value {
+        let payload = jwt.split('.').nth(1).expect("a JWT");
+        let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(payload)
+            .expect("base64url");
+        serde_json::from_slice(&bytes).expect("JSON claims")
+    };
+    let first = token();
+    let c = claims(&first);
+    assert_eq!(
+        c["exp"].as_i64().unwrap() - c["iat"].as_i64().unwrap(),
+        3600
+    );
+    assert!(c["kubernetes.io"].get("pod").is_none(), "{c}");
+    let inode = a.ok(&format!("stat -c %i {iso}"));
+    a.ok("systemctl restart kvirtd");
+    a.wait_until(
+        "the token renewed in the ISO QEMU holds",
+        Duration::from_secs(60),
+        || token() != first,
+    );
+    let second = token();
+    let who = a.ok(&format!(
+        "printf '{{\"apiVersion\": \"authentication.k8s.io/v1\", \"kind\": \"TokenReview\", \"spec\": {{\"token\": \"%s\"}}}}' '{second}' |
+           kubectl create -f - -o jsonpath='{{.status.user.username}}'"
+    ));
+    assert_eq!(who, "system:serviceaccount:default:k-vm-sa");
+    assert_eq!(a.qemu_pid(vm), qemu, "the VM was not touched");
+    assert_eq!(
+        a.ok(&format!("stat -c %i {iso}")),
+        inode,
+        "written in place"
+    );
+    a.ok("journalctl -u kvirtd | grep -q 'renewed the serviceAccount tokens'");
 }
 
 #[test]

@@ -37,6 +37,7 @@ fn settings() -> Settings {
         capacity: None,
         limits: kvirt::core::convert::Limits::default(),
         placement: None,
+        token_renewal: Some(Duration::from_secs(2880)),
     }
 }
 
@@ -1203,6 +1204,103 @@ async fn cluster_objects_are_read_at_start_and_a_missing_one_is_waited_for() {
     host.state().objects.clear();
     ctl.reconcile("default_vm1").await.unwrap();
     assert!(!host.take_calls().iter().any(|c| c.starts_with("read ")));
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
+}
+
+/// serviceAccount tokens are bound to no object (a VMI cannot be one), so
+/// they are short-lived and renewed in the running VM's ISO, in place,
+/// once four fifths of their life are over; only the token is read again.
+/// A failed renewal is retried and leaves the VM running; after a kvirtd
+/// restart, which cannot tell how old they are, they are renewed at once.
+#[tokio::test(start_paused = true)]
+async fn a_running_vms_service_account_token_is_renewed_before_it_lapses() {
+    let host = FakeHost::default();
+    let put = |token: &str| {
+        for (r, k, v) in [
+            (ObjectRef::Secret("userdata".into()), "userdata", "x"),
+            (ObjectRef::ConfigMap("app-config".into()), "app.conf", "x"),
+            (
+                ObjectRef::ServiceAccountToken("default".into()),
+                "token",
+                token,
+            ),
+        ] {
+            let data = [(k.to_string(), v.as_bytes().to_vec())]
+                .into_iter()
+                .collect();
+            host.state().objects.insert(("default".into(), r), data);
+        }
+    };
+    let reads = |host: &FakeHost| -> Vec<String> {
+        host.take_calls()
+            .into_iter()
+            .filter(|c| c.starts_with("read ") || c.starts_with("reseed "))
+            .collect()
+    };
+    let renewed = |host: &FakeHost| {
+        let s = host.state();
+        let (path, seed) = s.reseeded.last().cloned().expect("an ISO written anew");
+        let token = seed
+            .files
+            .iter()
+            .find(|(f, _)| f == "token")
+            .unwrap()
+            .1
+            .clone();
+        (path, String::from_utf8(token).unwrap(), s.reseeded.len())
+    };
+    put("t1");
+    let ctl = controller(&host);
+    ctl.set_vmis(set(&[with_config_volumes("vm1", "u1")])).await;
+    let r = ctl.reconcile("default_vm1").await.unwrap();
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
+    let every = Duration::from_secs(2880);
+    assert_eq!(r.requeue_after, Some(every));
+    reads(&host);
+
+    // Not due yet: nothing is read.
+    tokio::time::advance(Duration::from_secs(2000)).await;
+    let r = ctl.reconcile("default_vm1").await.unwrap();
+    assert_eq!(reads(&host), Vec::<String>::new());
+    assert_eq!(r.requeue_after, Some(Duration::from_secs(880)));
+
+    // Due: the token alone is asked for again and written over the ISO.
+    put("t2");
+    tokio::time::advance(Duration::from_secs(880)).await;
+    let r = ctl.reconcile("default_vm1").await.unwrap();
+    let sa_iso = "/var/lib/kvirt/vms/default_vm1/disks/sa.iso";
+    assert_eq!(
+        reads(&host),
+        [
+            "read default/serviceaccount \"default\"".to_owned(),
+            format!("reseed {sa_iso}")
+        ]
+    );
+    assert_eq!(renewed(&host), (sa_iso.into(), "t2".into(), 1));
+    assert_eq!(r.requeue_after, Some(every));
+
+    // The API server refuses: tried again in a minute, the VM runs on.
+    tokio::time::advance(every).await;
+    host.fail("read default/serviceaccount");
+    let r = ctl.reconcile("default_vm1").await.unwrap();
+    assert_eq!(r.requeue_after, Some(Duration::from_secs(60)));
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
+    host.heal("read default/serviceaccount");
+    put("t3");
+    tokio::time::advance(Duration::from_secs(60)).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert_eq!(renewed(&host).1, "t3");
+
+    // kvirtd restarted: renewed on its first pass.
+    put("t4");
+    reads(&host);
+    let again = controller(&host);
+    again
+        .set_vmis(set(&[with_config_volumes("vm1", "u1")]))
+        .await;
+    let r = again.reconcile("default_vm1").await.unwrap();
+    assert_eq!(renewed(&host).1, "t4");
+    assert_eq!(r.requeue_after, Some(every));
     assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
 }
 

@@ -341,6 +341,8 @@ fn settings(config: &Config) -> Result<Settings> {
         limits: config.vm.limits().map_err(anyhow::Error::msg)?,
         placement: (config.source.kind == kvirt::daemon::config::SourceKind::Kubernetes)
             .then(|| config.kubernetes.host_facts(&config.node_name)),
+        token_renewal: (config.source.kind == kvirt::daemon::config::SourceKind::Kubernetes)
+            .then(|| Duration::from_secs(config.kubernetes.service_account_token_seconds * 4 / 5)),
     })
 }
 
@@ -535,6 +537,10 @@ async fn run(config: Config) -> Result<()> {
             let status = cluster::status::KubeStatus {
                 client: client.clone(),
                 ca_pem,
+                token: cluster::status::TokenSpec {
+                    seconds: k.service_account_token_seconds as i64,
+                    audiences: k.service_account_token_audiences.clone(),
+                },
             };
             let events = cluster::events::KubeEvents::new(client, &node);
             let sources = Sources {

@@ -147,7 +147,15 @@ pub struct KubernetesConfig {
     /// How often kept EFI variables are checked against their
     /// VirtualMachine: those of a deleted VM are removed.
     pub efi_vars_check_seconds: u64,
+    /// The lifetime asked for a serviceAccount disk's token; a running
+    /// VM's is renewed, in place, when four fifths of it are over.
+    pub service_account_token_seconds: u64,
+    /// The audiences of those tokens; none: the API server's own.
+    pub service_account_token_audiences: Vec<String>,
 }
+
+/// A year: what kubelet's own tokens may be extended to.
+pub const MAX_TOKEN_SECONDS: u64 = 365 * 24 * 3600;
 
 impl KubernetesConfig {
     /// What this host offers VMIs, for claiming and for admitting them.
@@ -172,6 +180,8 @@ impl Default for KubernetesConfig {
             virtual_machines: true,
             lease_seconds: 40,
             efi_vars_check_seconds: 600,
+            service_account_token_seconds: 3600,
+            service_account_token_audiences: Vec::new(),
         }
     }
 }
@@ -483,6 +493,13 @@ impl Config {
                 self.kubernetes.kubeconfig.display()
             )));
         }
+        // The API server's bounds for a TokenRequest.
+        let token = self.kubernetes.service_account_token_seconds;
+        if !(600..=MAX_TOKEN_SECONDS).contains(&token) {
+            return Err(invalid(format!(
+                "kubernetes.service_account_token_seconds must be 600 to {MAX_TOKEN_SECONDS} (got {token})"
+            )));
+        }
         if self.source.resync_seconds == 0 {
             return Err(invalid("source.resync_seconds must be > 0".into()));
         }
@@ -611,6 +628,18 @@ mod tests {
         assert!(e.to_string().contains("metrics.listen"), "{e}");
         let off = Config::parse("[metrics]\nlisten=\"\"", Path::new("x")).unwrap();
         assert_eq!(off.metrics.address(), None);
+        // The API server refuses a token under ten minutes, and a year is
+        // what it extends kubelet's to.
+        for bad in [0, 599, MAX_TOKEN_SECONDS + 1] {
+            let text = format!("[kubernetes]\nservice_account_token_seconds={bad}");
+            let e = Config::parse(&text, Path::new("x")).unwrap_err();
+            assert!(
+                e.to_string().contains("service_account_token_seconds"),
+                "{e}"
+            );
+        }
+        let text = "[kubernetes]\nservice_account_token_seconds=600";
+        assert!(Config::parse(text, Path::new("x")).is_ok());
     }
 
     #[test]

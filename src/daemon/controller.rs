@@ -6,6 +6,7 @@
 mod inputs;
 mod report;
 mod steps;
+mod tokens;
 
 use crate::core::budget::{Rate, WriteBudget};
 use crate::core::convert::{
@@ -140,6 +141,9 @@ pub struct Settings {
     /// a VMI is run only where the host would have claimed it, whoever put
     /// the node label on it. `None`: the host's own manifests, trusted.
     pub placement: Option<HostFacts>,
+    /// How often a running VM's serviceAccount tokens are renewed (four
+    /// fifths of their lifetime); `None`: never (standalone).
+    pub token_renewal: Option<Duration>,
 }
 
 /// The systems one controller drives, named once: the host's adapters and
@@ -202,6 +206,8 @@ pub struct Controller<A: Adapters> {
     passes: tokio::sync::watch::Sender<u64>,
     /// How often each VM's status, and the host's, may be written.
     write_budget: Mutex<WriteBudget>,
+    /// When each running VM's serviceAccount tokens are next renewed.
+    tokens: Mutex<HashMap<String, tokens::Due>>,
 }
 
 /// What a VMI's loop shows of one id to the VirtualMachines above it.
@@ -301,6 +307,7 @@ impl<A: Adapters> Controller<A> {
             unwanted: Mutex::default(),
             passes: tokio::sync::watch::Sender::new(0),
             write_budget: Mutex::new(WriteBudget::new(Rate::PER_VM, Rate::PER_HOST)),
+            tokens: Mutex::default(),
         })
     }
 
@@ -780,9 +787,18 @@ impl<A: Adapters> Controller<A> {
             }
             _ => {}
         }
+        let renew = match (&vmi, &key, &outcome, &converted) {
+            (Some(v), Some(k), Outcome::Phase(Phase::Running), Some(Ok(conv))) => {
+                self.renew_tokens(v, k, conv, creating).await
+            }
+            _ => {
+                self.forget_tokens(id);
+                None
+            }
+        };
         let requeue = plan.requeue.then_some(Duration::from_millis(500));
         Ok(Reconciled {
-            requeue_after: requeue.into_iter().chain(deferred).min(),
+            requeue_after: requeue.into_iter().chain(deferred).chain(renew).min(),
             found,
         })
     }

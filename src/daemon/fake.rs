@@ -32,6 +32,8 @@ pub struct HostState {
     pub netns: BTreeSet<String>,
     pub dirs: BTreeSet<PathBuf>,
     pub disks: Vec<DiskPrep>,
+    /// Seed ISOs written again over a running VM's (renewed tokens).
+    pub reseeded: Vec<(PathBuf, crate::core::convert::seed::Seed)>,
     /// The hostDisk roots each disk was prepared with, by its path.
     pub disk_roots: BTreeMap<PathBuf, Vec<PathBuf>>,
     /// Whose each directory and disk was made for (uid, gid), by path; and
@@ -534,6 +536,22 @@ impl Storage for FakeHost {
             });
         }
         self.state().kept_efi_vars.remove(id);
+        Ok(())
+    }
+
+    async fn rewrite_seed_iso(
+        &self,
+        path: &Path,
+        seed: &crate::core::convert::seed::Seed,
+        _owner: Option<Owner>,
+    ) -> Result<(), StorageError> {
+        if self.call(format!("reseed {}", path.display())) {
+            return Err(StorageError::Disk {
+                path: path.to_owned(),
+                message: injected("reseed"),
+            });
+        }
+        self.state().reseeded.push((path.to_owned(), seed.clone()));
         Ok(())
     }
 

@@ -119,6 +119,14 @@ pub trait Storage: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), StorageError>> + Send;
     /// Ids of VMs that have a state or runtime directory.
     fn list_ids(&self) -> impl Future<Output = Vec<String>> + Send;
+    /// Writes a seed ISO made anew over the one a running VM has (a
+    /// serviceAccount disk's token renewed), in place.
+    fn rewrite_seed_iso(
+        &self,
+        path: &Path,
+        seed: &Seed,
+        owner: Option<Owner>,
+    ) -> impl Future<Output = Result<(), StorageError>> + Send;
 }
 
 /// In a VM's kept EFI variables directory (root's, out of the VM's reach):
@@ -778,49 +786,90 @@ impl HostStorage {
     }
 
     fn seed_iso_in(&self, work: &Path, path: &Path, seed: &Seed) -> Result<(), StorageError> {
-        let refuse = |message: String| StorageError::Disk {
-            path: path.to_owned(),
-            message,
-        };
-        if let Some(o) = seed.from_objects.first() {
-            return Err(refuse(format!("{}: {} was not read", o.field, o.object)));
-        }
-        let files = work.join("files");
-        for (rel, bytes) in &seed.files {
-            let safe = Path::new(rel)
-                .components()
-                .all(|c| matches!(c, std::path::Component::Normal(_)));
-            if !safe {
-                return Err(refuse(format!("{rel:?} is not a path inside the image")));
-            }
-            let f = files.join(rel);
-            if let Some(parent) = f.parent() {
-                std::fs::create_dir_all(parent).map_err(io(parent, "create directory"))?;
-            }
-            std::fs::write(&f, bytes).map_err(io(&f, "write"))?;
-        }
-        let iso = work.join("seed.iso");
-        let out = std::process::Command::new("xorrisofs")
-            .args(["-quiet", "-input-charset", "utf-8", "-joliet", "-rock"])
-            .args(["-volid", &seed.label, "-output"])
-            .arg(&iso)
-            .arg(&files)
-            .output()
-            .map_err(io(path, "run xorrisofs"))?;
-        if !out.status.success() {
-            return Err(StorageError::Disk {
-                path: path.to_owned(),
-                message: format!(
-                    "xorrisofs failed: {}",
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ),
-            });
-        }
+        let iso = make_iso(work, path, seed)?;
         std::fs::set_permissions(&iso, std::fs::Permissions::from_mode(0o640))
             .map_err(io(&iso, "chmod"))?;
         self.own(&iso)?;
         self.place(&iso, path)
     }
+
+    /// The seed ISO at `path` made again from `seed` (a serviceAccount
+    /// disk's token renewed) and written over the one the VM has, in place:
+    /// QEMU keeps the file open, so the guest reads the new one once it
+    /// rereads the disk. The file is the VM's user's: it is opened beneath
+    /// the VM's directory, never followed through a link nor opened as a
+    /// FIFO or device, and must still be the VM's one file with room for
+    /// the new image (what follows it is left as it was).
+    fn rewrite_seed_iso_blocking(&self, path: &Path, seed: &Seed) -> Result<(), StorageError> {
+        let refuse = |message: String| StorageError::Disk {
+            path: path.to_owned(),
+            message,
+        };
+        self.staged("seed", |work| {
+            let iso = make_iso(work, path, seed)?;
+            let new = std::fs::read(&iso).map_err(io(&iso, "read"))?;
+            let (dir, name) = self.vm_parent(path)?;
+            let f = dir.file(&name, OFlag::O_WRONLY).map_err(io(path, "open"))?;
+            let st = nix::sys::stat::fstat(&f).map_err(|e| io(path, "stat")(e.into()))?;
+            if self.owner.is_some_and(|o| o.uid != st.st_uid) || st.st_nlink != 1 {
+                return Err(refuse("is no longer the VM's own image".into()));
+            }
+            if new.len() as u64 > st.st_size as u64 {
+                return Err(refuse(format!(
+                    "the new image ({} bytes) is larger than the disk the guest has ({} bytes)",
+                    new.len(),
+                    st.st_size
+                )));
+            }
+            std::os::unix::fs::FileExt::write_all_at(&f, &new, 0)
+                .and_then(|()| f.sync_data())
+                .map_err(io(path, "write"))
+        })
+    }
+}
+
+/// A seed ISO with `seed`'s files, made in `work` (root's staging
+/// directory): its path there.
+fn make_iso(work: &Path, path: &Path, seed: &Seed) -> Result<PathBuf, StorageError> {
+    let refuse = |message: String| StorageError::Disk {
+        path: path.to_owned(),
+        message,
+    };
+    if let Some(o) = seed.from_objects.first() {
+        return Err(refuse(format!("{}: {} was not read", o.field, o.object)));
+    }
+    let files = work.join("files");
+    for (rel, bytes) in &seed.files {
+        let safe = Path::new(rel)
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)));
+        if !safe {
+            return Err(refuse(format!("{rel:?} is not a path inside the image")));
+        }
+        let f = files.join(rel);
+        if let Some(parent) = f.parent() {
+            std::fs::create_dir_all(parent).map_err(io(parent, "create directory"))?;
+        }
+        std::fs::write(&f, bytes).map_err(io(&f, "write"))?;
+    }
+    let iso = work.join("seed.iso");
+    let out = std::process::Command::new("xorrisofs")
+        .args(["-quiet", "-input-charset", "utf-8", "-joliet", "-rock"])
+        .args(["-volid", &seed.label, "-output"])
+        .arg(&iso)
+        .arg(&files)
+        .output()
+        .map_err(io(path, "run xorrisofs"))?;
+    if !out.status.success() {
+        return Err(StorageError::Disk {
+            path: path.to_owned(),
+            message: format!(
+                "xorrisofs failed: {}",
+                String::from_utf8_lossy(&out.stderr).trim()
+            ),
+        });
+    }
+    Ok(iso)
 }
 
 /// The size of each VM's runtime directory (its own tmpfs): sockets, pid
@@ -951,6 +1000,16 @@ impl Storage for HostStorage {
             images.clone(),
         );
         blocking(move || this.prepare_disk_blocking(&d, &r, &i)).await
+    }
+
+    async fn rewrite_seed_iso(
+        &self,
+        path: &Path,
+        seed: &Seed,
+        owner: Option<Owner>,
+    ) -> Result<(), StorageError> {
+        let (this, p, s) = (self.for_vm(owner), path.to_owned(), seed.clone());
+        blocking(move || this.rewrite_seed_iso_blocking(&p, &s)).await
     }
 
     async fn remove_dir(&self, dir: &Path) -> Result<(), StorageError> {
@@ -1334,6 +1393,76 @@ mod tests {
         s.prepare_disk(&prep, &[], &Pulled::new(), None)
             .await
             .unwrap();
+        let staging = s.host.state_dir.join(".staging");
+        assert_eq!(std::fs::read_dir(staging).unwrap().count(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_renewed_token_is_written_into_the_iso_qemu_holds_and_nowhere_else() {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::fs::MetadataExt;
+        if std::process::Command::new("xorrisofs")
+            .arg("-version")
+            .output()
+            .is_err()
+        {
+            eprintln!("skipped: no xorrisofs (tests/run-all installs it)");
+            return;
+        }
+        let (tmp, s, p) = vm_dirs().await;
+        let iso = p.cloud_init_iso("sa");
+        let seed = |token: &str| {
+            let mut seed = Seed::new("cfgdata");
+            seed.files = vec![("token".into(), token.as_bytes().to_vec())];
+            seed
+        };
+        let prep = DiskPrep::SeedIso {
+            volume: "sa".into(),
+            path: iso.clone(),
+            seed: seed("old-token-AAAA"),
+        };
+        s.prepare_disk(&prep, &[], &Pulled::new(), None)
+            .await
+            .unwrap();
+        // QEMU's open file: the same inode must carry the new token.
+        let held = std::fs::File::open(&iso).unwrap();
+        let (ino, len) = (
+            held.metadata().unwrap().ino(),
+            held.metadata().unwrap().len(),
+        );
+        s.rewrite_seed_iso(&iso, &seed("new-token-BBBB"), None)
+            .await
+            .unwrap();
+        let after = std::fs::read(format!("/proc/self/fd/{}", held.as_raw_fd())).unwrap();
+        let text = String::from_utf8_lossy(&after);
+        assert!(text.contains("new-token-BBBB") && !text.contains("old-token-AAAA"));
+        assert_eq!(
+            (std::fs::metadata(&iso).unwrap().ino(), after.len() as u64),
+            (ino, len)
+        );
+
+        // What the VM's user puts in its place is never written through.
+        let victim = tmp.path().join("victim");
+        std::fs::write(&victim, b"untouched").unwrap();
+        std::fs::remove_file(&iso).unwrap();
+        std::os::unix::fs::symlink(&victim, &iso).unwrap();
+        assert!(s.rewrite_seed_iso(&iso, &seed("t"), None).await.is_err());
+        std::fs::remove_file(&iso).unwrap();
+        nix::unistd::mkfifo(&iso, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+        // A FIFO with no reader: refused at once, never waited on.
+        assert!(s.rewrite_seed_iso(&iso, &seed("t"), None).await.is_err());
+        std::fs::remove_file(&iso).unwrap();
+        std::fs::hard_link(&victim, &iso).unwrap();
+        assert!(s.rewrite_seed_iso(&iso, &seed("t"), None).await.is_err());
+        assert_eq!(std::fs::read(&victim).unwrap(), b"untouched");
+        // Truncated by the VM: the new image does not fit, and says so.
+        std::fs::remove_file(&iso).unwrap();
+        std::fs::write(&iso, b"").unwrap();
+        let e = s
+            .rewrite_seed_iso(&iso, &seed("t"), None)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("larger than the disk"), "{e}");
         let staging = s.host.state_dir.join(".staging");
         assert_eq!(std::fs::read_dir(staging).unwrap().count(), 0);
     }

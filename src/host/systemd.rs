@@ -36,6 +36,55 @@ pub enum SystemdError {
     },
 }
 
+/// How much of a failed unit's log goes into its error.
+const LOG_LINES: usize = 6;
+const LOG_LINE_CHARS: usize = 200;
+
+/// What the journal holds of `unit` since `since` (systemd's messages
+/// about it and its processes' own), as ": line; line", or nothing. Best
+/// effort and bounded: the journal may not have it yet.
+async fn unit_log(unit: &str, since: std::time::SystemTime) -> String {
+    let secs = since
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    let unit = unit.to_owned();
+    let read = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("journalctl")
+            .args(["--no-pager", "-o", "cat", "-n", &LOG_LINES.to_string()])
+            .arg(format!("--since=@{secs}"))
+            .arg(format!("--unit={unit}"))
+            .stdin(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .output()
+    });
+    match tokio::time::timeout(Duration::from_secs(5), read).await {
+        Ok(Ok(Ok(out))) => log_tail(&out.stdout),
+        _ => String::new(),
+    }
+}
+
+/// The last lines of a unit's log, each cut short and stripped of control
+/// characters (its processes wrote some of them), joined on one line.
+pub fn log_tail(text: &[u8]) -> String {
+    let text = String::from_utf8_lossy(text);
+    let lines: Vec<String> = text
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| {
+            l.chars()
+                .map(|c| if c.is_control() { ' ' } else { c })
+                .take(LOG_LINE_CHARS)
+                .collect()
+        })
+        .collect();
+    let tail = &lines[lines.len().saturating_sub(LOG_LINES)..];
+    if tail.is_empty() {
+        String::new()
+    } else {
+        format!(": {}", tail.join("; "))
+    }
+}
+
 /// The units kvirtd manages, as far as it needs them.
 pub trait Units: Send + Sync + 'static {
     /// Starts the unit and waits for its start job; fails with the job's result.
@@ -296,11 +345,26 @@ impl Units for SystemdBus {
             .map(|p| to_dbus(&spec.name, p))
             .collect::<Result<Vec<_>, _>>()?;
         let name = spec.name.clone();
-        self.run_job(&spec.name, "start", |m| async move {
-            m.start_transient_unit(name, "fail".into(), props, vec![])
-                .await
-        })
-        .await
+        let since = std::time::SystemTime::now();
+        let started = self
+            .run_job(&spec.name, "start", |m| async move {
+                m.start_transient_unit(name, "fail".into(), props, vec![])
+                    .await
+            })
+            .await;
+        match started {
+            // "failed" alone says nothing: what systemd logged says why
+            // (a namespace it could not set up, the daemon's exit...).
+            Err(SystemdError::Job { unit, verb, result }) => {
+                let why = unit_log(&unit, since).await;
+                Err(SystemdError::Job {
+                    unit,
+                    verb,
+                    result: format!("{result}{why}"),
+                })
+            }
+            r => r,
+        }
     }
 
     async fn stop(&self, unit: &str) -> Result<(), SystemdError> {
@@ -504,6 +568,34 @@ fn to_dbus(unit: &str, p: &Prop) -> Result<(String, OwnedValue), SystemdError> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_failed_units_log_is_its_last_lines_cut_short_on_one_line() {
+        assert_eq!(log_tail(b""), "");
+        assert_eq!(log_tail(b"\n  \n"), "");
+        let log = "Starting kvirt VM a/b...\n\
+            kvirt-vm@a_b.service: Failed to set up mount namespacing: /run/x: No such file or directory\n\
+            kvirt-vm@a_b.service: Failed at step NAMESPACE spawning /usr/sbin/virtqemud: No such file or directory\n\
+            kvirt-vm@a_b.service: Main process exited, code=exited, status=226/NAMESPACE\n";
+        let tail = log_tail(log.as_bytes());
+        assert!(tail.starts_with(": Starting kvirt VM a/b...; kvirt-vm@a_b.service: Failed"));
+        assert!(tail.ends_with("status=226/NAMESPACE"), "{tail}");
+        // What the unit's processes wrote is bounded and cannot forge lines.
+        let mut hostile = b"x\x1b[2Jy\r".to_vec();
+        hostile.extend(std::iter::repeat_n(b'z', 10_000));
+        hostile.extend(b"\n".repeat(3));
+        for i in 0..20 {
+            hostile.extend(format!("line {i}\n").as_bytes());
+        }
+        let tail = log_tail(&hostile);
+        assert_eq!(
+            tail,
+            ": line 14; line 15; line 16; line 17; line 18; line 19"
+        );
+        let first = log_tail(&hostile[..10_007]);
+        assert!(!first.contains('\x1b') && !first.contains('\r'));
+        assert_eq!(first.chars().count(), 2 + LOG_LINE_CHARS);
+    }
 
     #[test]
     fn object_paths_unescape_to_unit_names() {

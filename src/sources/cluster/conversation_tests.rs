@@ -106,6 +106,7 @@ async fn status_is_one_merge_patch_of_owned_fields() {
     KubeStatus {
         client,
         ca_pem: None,
+        token: Default::default(),
     }
     .save(&v)
     .await
@@ -135,6 +136,7 @@ async fn a_status_for_a_replaced_vmi_is_refused_and_dropped() {
     KubeStatus {
         client,
         ca_pem: None,
+        token: Default::default(),
     }
     .save(&v)
     .await
@@ -161,6 +163,7 @@ async fn hold_adds_the_finalizer_guarded_by_resource_version() {
     KubeStatus {
         client,
         ca_pem: None,
+        token: Default::default(),
     }
     .hold(&vmi())
     .await
@@ -189,6 +192,7 @@ async fn release_drops_ours_and_kubevirts_finalizer_only() {
     KubeStatus {
         client,
         ca_pem: None,
+        token: Default::default(),
     }
     .release(&vmi())
     .await
@@ -210,6 +214,7 @@ async fn release_of_a_vanished_or_replaced_vmi_patches_nothing() {
     let store = KubeStatus {
         client,
         ca_pem: None,
+        token: Default::default(),
     };
     store.release(&vmi()).await.unwrap();
     store.release(&vmi()).await.unwrap();
@@ -242,6 +247,7 @@ async fn an_unreachable_api_is_an_error_to_retry() {
     let err = KubeStatus {
         client,
         ca_pem: None,
+        token: Default::default(),
     }
     .save(&v)
     .await
@@ -286,8 +292,11 @@ async fn objects_are_read_as_a_pod_volume_would_be() {
             )
         );
         assert_eq!(
-            body["spec"]["expirationSeconds"],
-            super::status::TOKEN_SECONDS
+            (
+                &body["spec"]["expirationSeconds"],
+                &body["spec"]["audiences"]
+            ),
+            (&json!(600), &json!(["https://api.example"]))
         );
         reply(
             send,
@@ -301,6 +310,10 @@ async fn objects_are_read_as_a_pod_volume_would_be() {
     let store = KubeStatus {
         client,
         ca_pem: Some(b"PEM".to_vec()),
+        token: super::status::TokenSpec {
+            seconds: 600,
+            audiences: vec!["https://api.example".into()],
+        },
     };
     let secret = store
         .object("ns1", &ObjectRef::Secret("s1".into()))
@@ -380,6 +393,7 @@ async fn a_virtual_machine_exists_only_with_its_uid_and_until_deleted() {
     let store = KubeStatus {
         client,
         ca_pem: None,
+        token: Default::default(),
     };
     let exists = || store.virtual_machine_exists("ns1", "vm1", "u1");
     assert!(exists().await.unwrap(), "same uid");

@@ -77,12 +77,28 @@ pub struct KubeStatus {
     pub client: kube::Client,
     /// The cluster's CA (PEM), the `ca.crt` of serviceAccount disks.
     pub ca_pem: Option<Vec<u8>>,
+    /// What serviceAccount disks' tokens are asked for.
+    pub token: TokenSpec,
 }
 
-/// How long a serviceAccount disk's token lasts. It is written once, when
-/// the VM starts, so it must outlive the VM as KubeVirt's does (its pod's
-/// token is one kubelet extends to a year); the API server may cap it.
-pub const TOKEN_SECONDS: i64 = 365 * 24 * 3600;
+/// A serviceAccount disk's token: bound to no object (a VMI cannot be
+/// one), so short-lived and renewed while the VM runs (see
+/// `daemon::controller::tokens`); the API server may cap it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct TokenSpec {
+    pub seconds: i64,
+    /// None: the API server's own, as a pod's default token.
+    pub audiences: Vec<String>,
+}
+
+impl Default for TokenSpec {
+    fn default() -> Self {
+        Self {
+            seconds: 3600,
+            audiences: Vec::new(),
+        }
+    }
+}
 
 impl KubeStatus {
     fn api(&self, vmi: &VirtualMachineInstance) -> Api<VirtualMachineInstance> {
@@ -220,8 +236,8 @@ impl StatusStore for KubeStatus {
             ObjectRef::ServiceAccountToken(name) => {
                 let request = TokenRequest {
                     spec: TokenRequestSpec {
-                        audiences: Vec::new(),
-                        expiration_seconds: Some(TOKEN_SECONDS),
+                        audiences: self.token.audiences.clone(),
+                        expiration_seconds: Some(self.token.seconds),
                         ..Default::default()
                     },
                     ..Default::default()
