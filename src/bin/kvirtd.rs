@@ -241,6 +241,7 @@ fn tend_vm_logs(layout: HostLayout, slice: &str) -> Result<()> {
         }
     };
     let watch = LogWatch::new(layout.clone()).context("watching the VMs' logs")?;
+    let mut told = std::collections::HashMap::new();
     std::thread::Builder::new()
         .name("vm-logs".into())
         .spawn(move || loop {
@@ -255,7 +256,8 @@ fn tend_vm_logs(layout: HostLayout, slice: &str) -> Result<()> {
                     warn!("{e}");
                 }
             }
-            for e in consolelog::cap_all(&layout, consolelog::MAX_SIZE) {
+            let capped = consolelog::cap_all(&layout, consolelog::MAX_SIZE);
+            for e in consolelog::untold(&mut told, capped) {
                 warn!("{e}");
             }
             std::thread::sleep(Duration::from_secs(1));

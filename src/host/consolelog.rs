@@ -46,6 +46,26 @@ pub fn cap_all(layout: &HostLayout, max: u64) -> Vec<ConsoleLogError> {
     errors
 }
 
+/// The errors of a pass not told before: a FIFO or link a VM planted for
+/// its log fails every pass (each one the VM's writes wake), and is told
+/// once, again only once it changes or after it went away. `told` keeps
+/// the last error per log between passes.
+pub fn untold(
+    told: &mut std::collections::HashMap<PathBuf, String>,
+    errors: Vec<ConsoleLogError>,
+) -> Vec<ConsoleLogError> {
+    let now: std::collections::HashMap<PathBuf, String> = errors
+        .iter()
+        .map(|e| (e.path.clone(), e.source.to_string()))
+        .collect();
+    let fresh = errors
+        .into_iter()
+        .filter(|e| told.get(&e.path) != now.get(&e.path))
+        .collect();
+    *told = now;
+    fresh
+}
+
 /// Rotates `name` in `dir` once it is larger than `max`.
 pub fn cap(dir: &Beneath, name: &str, max: u64) -> io::Result<()> {
     let mut log = dir.file(name, OFlag::O_RDWR)?;
@@ -130,6 +150,11 @@ mod tests {
             .recv_timeout(std::time::Duration::from_secs(10))
             .expect("the pass blocked");
         assert_eq!(errors.len(), 3, "{errors:?}");
+        // Told once: the next passes fail the same way, and say nothing.
+        let mut told = Default::default();
+        assert_eq!(untold(&mut told, errors).len(), 3);
+        assert!(untold(&mut told, cap_all(&l, 100)).is_empty());
+        assert!(untold(&mut told, cap_all(&l, 100)).is_empty());
         assert_eq!(std::fs::metadata(&secret).unwrap().len(), 4096);
         for id in ["default_link", "default_zero", "default_fifo"] {
             assert!(!l.vm_by_id(id).runtime_dir.join("console.log.1").exists());
