@@ -751,34 +751,16 @@ impl<A: Adapters> Controller<A> {
                 self.deps.status.release(v).await.map_err(status_err(id))?;
             }
             (Some(v), Some(k)) => {
-                let mut live = status::Live::default();
-                if let (Outcome::Phase(Phase::Running), Some(d)) = (&outcome, &dom) {
-                    let seen = obs.domain.as_ref();
-                    // Asked only once its channel says it is there (the
-                    // agent's connecting wakes the VM): a resync of a
-                    // hundred agentless VMs asks none.
-                    if seen.is_none_or(|d| d.agent) {
-                        live.agent =
-                            self.deps
-                                .hypervisor
-                                .guest_agent(d)
-                                .await
-                                .unwrap_or_else(|e| {
-                                    warn!("asking the guest agent: {e}");
-                                    None
-                                });
+                let live = match (&outcome, &dom) {
+                    (Outcome::Phase(Phase::Running), Some(d)) => {
+                        let start_paused = creating
+                            && converted
+                                .as_ref()
+                                .is_some_and(|c| c.as_ref().is_ok_and(|c| c.start_paused));
+                        self.live(d, obs.domain.as_ref(), start_paused).await
                     }
-                    live.paused = match seen {
-                        Some(d) => d.paused.clone(),
-                        // Just started: paused if it was started so.
-                        None => converted
-                            .as_ref()
-                            .and_then(|c| c.as_ref().ok())
-                            .filter(|c| creating && c.start_paused)
-                            .map(|_| "PausedStartStrategy".to_owned()),
-                    };
-                    live.machine = seen.and_then(|d| d.machine.clone());
-                }
+                    _ => status::Live::default(),
+                };
                 let net = converted
                     .as_ref()
                     .and_then(|c| c.as_ref().ok())

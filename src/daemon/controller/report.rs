@@ -5,9 +5,10 @@
 use super::{now_rfc3339, status_err, Adapters, Controller, ControllerError};
 use crate::core::convert::network::NetSpec;
 use crate::core::key::VmKey;
-use crate::core::plan::Outcome;
+use crate::core::plan::{DomainObs, Outcome};
 use crate::core::status;
 use crate::core::vmi::Phase;
+use crate::host::libvirt::{DomainRef, Hypervisor};
 use crate::host::network::Network;
 use crate::sources::{EventReason, Recorder, StatusStore};
 use std::collections::HashSet;
@@ -23,6 +24,41 @@ impl<A: Adapters> Controller<A> {
     /// instance the pass worked on; when the VMI was replaced meanwhile (a
     /// manifest edited, an object recreated), the outcome is the old
     /// instance's and says nothing of the new one, whose own pass follows.
+    /// What a running VM shows besides its phase: its guest agent, why it
+    /// is paused, its machine type. `seen`: the domain as observed (none
+    /// when this pass started it, `start_paused` if it started so).
+    pub(super) async fn live(
+        &self,
+        dom: &DomainRef,
+        seen: Option<&DomainObs>,
+        start_paused: bool,
+    ) -> status::Live {
+        // Asked only once its channel says it is there (the agent's
+        // connecting wakes the VM): a resync of a hundred agentless VMs
+        // asks none.
+        let agent = if seen.is_none_or(|d| d.agent) {
+            self.deps
+                .hypervisor
+                .guest_agent(dom)
+                .await
+                .unwrap_or_else(|e| {
+                    warn!("asking the guest agent: {e}");
+                    None
+                })
+        } else {
+            None
+        };
+        let paused = match seen {
+            Some(d) => d.paused.clone(),
+            None => start_paused.then(|| "PausedStartStrategy".to_owned()),
+        };
+        status::Live {
+            agent,
+            paused,
+            machine: seen.and_then(|d| d.machine.clone()),
+        }
+    }
+
     pub(super) async fn report(
         &self,
         key: &VmKey,
