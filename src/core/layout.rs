@@ -139,6 +139,11 @@ impl HostLayout {
         self.state_dir.join("network").join("leases.json")
     }
 
+    /// What each VM's writable disks may grow to (`host::growth`).
+    pub fn disk_growth_dir(&self) -> PathBuf {
+        self.state_dir.join("disk-growth")
+    }
+
     /// How far each VM's QEMU log has been forwarded to the journal.
     pub fn log_positions_dir(&self) -> PathBuf {
         self.runtime_dir.join("qemu-log")
@@ -159,6 +164,7 @@ impl HostLayout {
             self.efi_vars_dir(),
             self.status_dir(),
             self.log_positions_dir(),
+            self.disk_growth_dir(),
         ]
     }
 

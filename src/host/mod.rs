@@ -10,6 +10,7 @@ pub mod commit;
 pub mod consolelog;
 pub mod dhcp;
 pub mod grants;
+pub mod growth;
 pub mod hugepages;
 pub mod identity;
 pub mod image;

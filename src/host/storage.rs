@@ -12,6 +12,7 @@ use crate::core::convert::{Backing, DiskPrep};
 use crate::core::efivars::{self, Kept};
 use crate::host::beneath::{Beneath, Ids};
 use crate::host::grants::Grants;
+use crate::host::growth::Growth;
 use crate::host::hugepages;
 use crate::host::image::ImageDisk;
 
@@ -202,20 +203,38 @@ impl HostStorage {
     /// nothing yet): refused unless the file system holding `dir` has that
     /// much free above the reserve, so VMs cannot fill the host's disk
     /// with disks it could never have held.
+    /// What the other writable disks may still take counts as taken, and
+    /// the disk is recorded before it is made (see `host::growth`).
     fn room_for(&self, dir: &Path, disk: &Path, size: u64) -> Result<(), StorageError> {
         let st = nix::sys::statvfs::statvfs(dir).map_err(|e| io(dir, "statvfs")(e.into()))?;
-        let free = st.blocks_available() as u64 * st.fragment_size() as u64;
-        let room = free.saturating_sub(self.reserve);
-        if size > room {
-            return Err(StorageError::Disk {
-                path: disk.to_owned(),
-                message: format!(
-                    "may grow to {size} bytes, and the host has {free} bytes free, of which {} are kept free (storage.free_space_reserve)",
-                    self.reserve
-                ),
-            });
+        let growth = self.growth();
+        room(&st, self.reserve, growth.pending(), disk, size)?;
+        let (id, rel) = self.state_rel(disk)?;
+        growth
+            .record(&id, rel, size)
+            .map_err(io(&growth.dir, "record disk size"))
+    }
+
+    fn growth(&self) -> Growth {
+        Growth {
+            dir: self.host.disk_growth_dir(),
+            vms: self.host.vms_state_dir(),
         }
-        Ok(())
+    }
+
+    /// The VM id and the path below its state directory of `path`.
+    fn state_rel<'p>(&self, path: &'p Path) -> Result<(String, &'p Path), StorageError> {
+        let refuse = || StorageError::Disk {
+            path: path.to_owned(),
+            message: "not in a VM's state directory".into(),
+        };
+        let rel = path
+            .strip_prefix(self.host.vms_state_dir())
+            .map_err(|_| refuse())?;
+        let mut parts = rel.components();
+        let id = parts.next().ok_or_else(refuse)?;
+        let id = id.as_os_str().to_str().ok_or_else(refuse)?.to_owned();
+        Ok((id, parts.as_path()))
     }
 
     /// What a predecessor killed mid-way left in the staging directory:
@@ -555,7 +574,11 @@ impl HostStorage {
             DiskPrep::CreateRawIfMissing {
                 path, size_bytes, ..
             } => {
-                let (file, real) = host_disk(path, roots, HostOpen::OrCreate(*size_bytes))?;
+                let how = HostOpen::OrCreate {
+                    size: *size_bytes,
+                    reserve: self.reserve,
+                };
+                let (file, real) = host_disk(path, roots, how)?;
                 self.grant_file(&file, &real, acl::READ | acl::WRITE)
             }
             DiskPrep::SeedIso { path, seed, .. } => self.seed_iso(path, seed),
@@ -877,6 +900,27 @@ fn make_iso(work: &Path, path: &Path, seed: &Seed) -> Result<PathBuf, StorageErr
 /// backup) fit many times over.
 pub const RUNTIME_DIR_BYTES: u64 = 16 << 20;
 
+/// Whether a disk that may grow to `size` fits the file system `st`
+/// describes, above `reserve`.
+fn room(
+    st: &nix::sys::statvfs::Statvfs,
+    reserve: u64,
+    pending: u64,
+    disk: &Path,
+    size: u64,
+) -> Result<(), StorageError> {
+    let free = st.blocks_available() * st.fragment_size();
+    if size > free.saturating_sub(reserve).saturating_sub(pending) {
+        return Err(StorageError::Disk {
+            path: disk.to_owned(),
+            message: format!(
+                "may grow to {size} bytes, and the host has {free} bytes free, of which {reserve} are kept free (storage.free_space_reserve) and {pending} may still be taken by the VMs' other disks"
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Whether `dir` is the root of a mount (another file system than its
 /// parent's; a link is never one).
 fn is_mount_point(dir: &Path) -> bool {
@@ -906,8 +950,9 @@ fn image_virtual_size(path: &Path) -> std::io::Result<u64> {
 enum HostOpen {
     /// The file must be there (hostDisk `Disk`, an ephemeral base).
     Existing,
-    /// Made, with this size, when missing (`DiskOrCreate`).
-    OrCreate(u64),
+    /// Made, with this size, when missing (`DiskOrCreate`), and only when
+    /// its file system has that much free above `reserve`.
+    OrCreate { size: u64, reserve: u64 },
 }
 
 /// A hostDisk, opened beneath the allowed root it is written under, with
@@ -951,11 +996,21 @@ fn host_disk(
     let top = Beneath::open(&real_root).map_err(io(&real_root, "open"))?;
     let file = match how {
         HostOpen::Existing => top.file(rel, OFlag::O_RDONLY).map_err(no_links)?,
-        HostOpen::OrCreate(size) => {
+        HostOpen::OrCreate { size, reserve } => {
             let dir = top.make_missing(parent, 0o755).map_err(no_links)?;
             let name = name
                 .to_str()
                 .ok_or_else(|| disk_err("is not UTF-8".into()))?;
+            match dir.file(name, OFlag::O_RDONLY) {
+                Ok(f) => return Ok((f, real)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(no_links(e)),
+            }
+            // Sparse, it takes nothing yet; the guest may fill it.
+            let st =
+                nix::sys::statvfs::fstatvfs(&dir).map_err(|e| io(path, "statvfs")(e.into()))?;
+            // The admin's roots: not counted against the VMs' own disks.
+            room(&st, reserve, 0, path, size)?;
             // root's, 0600: the VM is given it by an ACL entry.
             match dir.create(name, 0o600) {
                 Ok(f) => {
@@ -1014,6 +1069,8 @@ impl Storage for HostStorage {
 
     async fn remove_dir(&self, dir: &Path) -> Result<(), StorageError> {
         let dir = dir.to_owned();
+        let growth = self.growth();
+        let vms = self.host.vms_state_dir();
         blocking(move || {
             // A VM's runtime directory is a tmpfs of its own: gone with it.
             if is_mount_point(&dir) {
@@ -1021,7 +1078,16 @@ impl Storage for HostStorage {
                     .map_err(|e| io(&dir, "unmount")(e.into()))?;
             }
             match std::fs::remove_dir_all(&dir) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(io(&dir, "remove")(e)),
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(io(&dir, "remove")(e))
+                }
+                _ => {}
+            }
+            // A state directory's disks are gone with it, then their record.
+            match (dir.parent(), dir.file_name()) {
+                (Some(parent), Some(id)) if parent == vms => growth
+                    .forget(&id.to_string_lossy())
+                    .map_err(io(&growth.dir, "forget disk sizes")),
                 _ => Ok(()),
             }
         })
@@ -1324,12 +1390,12 @@ mod tests {
     /// (less its reserve) is refused with the figures, and nothing is made.
     #[tokio::test]
     async fn writable_disks_never_grow_past_the_hosts_free_space() {
-        let (_tmp, s, p) = vm_dirs().await;
+        let (tmp, s, p) = vm_dirs().await;
         let free = {
             let st = nix::sys::statvfs::statvfs(&s.host.state_dir).unwrap();
             st.blocks_available() as u64 * st.fragment_size() as u64
         };
-        let tight = s.with_reserve(free.saturating_sub(1 << 20));
+        let tight = s.clone().with_reserve(free.saturating_sub(1 << 20));
         let disk = |size: u64| DiskPrep::CreateQcow2 {
             volume: "e".into(),
             path: p.empty_disk("e"),
@@ -1347,6 +1413,73 @@ mod tests {
             let small = HostStorage::new(tight.host.clone());
             small
                 .prepare_disk(&disk(64 << 20), &[], &Pulled::new(), None)
+                .await
+                .unwrap();
+        }
+        // What another VM's disk may still take counts as taken: a 1 GiB
+        // emptyDisk made, another VM's 1 GiB one does not fit in 1.5 GiB.
+        const GIB: u64 = 1 << 30;
+        if qemu_img() && free > 4 * GIB {
+            let roomy = s.clone().with_reserve(free - 3 * GIB / 2);
+            let big = DiskPrep::CreateQcow2 {
+                volume: "big".into(),
+                path: p.empty_disk("big"),
+                size_bytes: GIB,
+            };
+            roomy
+                .prepare_disk(&big, &[], &Pulled::new(), None)
+                .await
+                .unwrap();
+            let other = s.host.vm(&VmKey::new("ns", "other").unwrap());
+            s.create_dirs(&other, None).await.unwrap();
+            let second = DiskPrep::CreateQcow2 {
+                volume: "e".into(),
+                path: other.empty_disk("e"),
+                size_bytes: GIB,
+            };
+            let err = roomy
+                .prepare_disk(&second, &[], &Pulled::new(), None)
+                .await
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains("may still be taken by the VMs' other disks"),
+                "{err}"
+            );
+            // The first VM gone, its disk's share is free again.
+            s.remove_dir(&p.state_dir).await.unwrap();
+            roomy
+                .prepare_disk(&second, &[], &Pulled::new(), None)
+                .await
+                .unwrap();
+        }
+        // A DiskOrCreate hostDisk is made only where it fits too.
+        let root = tmp.path().join("hostdisks");
+        std::fs::create_dir(&root).unwrap();
+        let host_disk = DiskPrep::CreateRawIfMissing {
+            volume: "h".into(),
+            path: root.join("vm/disk.img"),
+            size_bytes: 64 << 20,
+        };
+        let roots = [root.clone()];
+        let err = tight
+            .prepare_disk(&host_disk, &roots, &Pulled::new(), None)
+            .await
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("storage.free_space_reserve"), "{err}");
+        assert!(!root.join("vm/disk.img").exists());
+        if nix::unistd::geteuid().is_root() {
+            let roomy = HostStorage::new(tight.host.clone());
+            roomy
+                .prepare_disk(&host_disk, &roots, &Pulled::new(), None)
+                .await
+                .unwrap();
+            let made = std::fs::metadata(root.join("vm/disk.img")).unwrap();
+            assert_eq!(made.len(), 64 << 20);
+            // There already: kept as it is, whatever the space now.
+            tight
+                .prepare_disk(&host_disk, &roots, &Pulled::new(), None)
                 .await
                 .unwrap();
         }
