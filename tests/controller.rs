@@ -307,9 +307,19 @@ async fn guest_poweroff_is_succeeded_and_the_unit_is_collected() {
             "net teardown default_vm1",
             "netns del kvirt-default_vm1",
             "rmdir /var/lib/kvirt/vms/default_vm1",
+            // Its runtime directory becomes its console's tail, root's,
+            // and its number is free at once.
+            "keep /run/kvirt/vms/default_vm1",
+            "revoke 100000",
+            "identity release default_vm1",
         ]
     );
     assert!(host.state().units.is_empty());
+    assert!(host
+        .state()
+        .kept
+        .contains(std::path::Path::new("/run/kvirt/vms/default_vm1")));
+    assert!(!host.state().identities.contains_key("default_vm1"));
     // Final is final: nothing restarts it.
     ctl.reconcile("default_vm1").await.unwrap();
     assert!(host.take_calls().is_empty());

@@ -130,6 +130,16 @@ fn a_guest_powering_off_is_succeeded_and_its_unit_collected() {
     h.ok("[ ! -e /run/netns/kvirt-default_bravo ]");
     let log = h.ok("cat /run/kvirt/vms/default_bravo/console.log");
     assert!(log.contains("KVIRT-GUEST-POWEROFF"), "{log}");
+    // What is left is the console's tail, root's: no tmpfs, no identity.
+    h.wait(
+        "the runtime directory kept as the console's tail",
+        Duration::from_secs(20),
+        "! mountpoint -q /run/kvirt/vms/default_bravo
+         [ \"$(stat -c '%U %a' /run/kvirt/vms/default_bravo)\" = 'root 700' ]
+         [ \"$(ls /run/kvirt/vms/default_bravo)\" = console.log ]
+         [ $(stat -c %s /run/kvirt/vms/default_bravo/console.log) -le 65536 ]
+         ! grep -q default_bravo /var/lib/kvirt/identities.json",
+    );
     // Final stays final: no restart on a kvirtd restart.
     h.restart_kvirtd();
     assert_eq!(h.status("bravo")["status"]["phase"], "Succeeded");

@@ -80,6 +80,9 @@ pub struct Observed {
     pub netns: bool,
     pub state_dir: bool,
     pub runtime_dir: bool,
+    /// The runtime directory holds only a finished VM's console tail
+    /// (root's): nothing of it is the VM's identity's any more.
+    pub runtime_kept: bool,
     /// An address is leased to this VM id.
     pub network: bool,
     pub domain: Option<DomainObs>,
@@ -157,6 +160,10 @@ pub enum Step {
     DeleteNetns,
     RemoveStateDir,
     RemoveRuntimeDir,
+    /// A finished VM's runtime directory (its tmpfs, its identity's)
+    /// replaced at once by the last of its console log, root's: what a
+    /// user reads after a failure stays, and costs little.
+    KeepConsoleLog,
     /// Once nothing of the VM is left that its identity owns.
     ReleaseIdentity,
 }
@@ -264,12 +271,14 @@ fn teardown(obs: &Observed, grace: Duration, keep_runtime: bool) -> Vec<Step> {
     if obs.state_dir {
         steps.push(Step::RemoveStateDir);
     }
-    if obs.runtime_dir && !keep_runtime {
-        steps.push(Step::RemoveRuntimeDir);
+    match (obs.runtime_dir, keep_runtime) {
+        (true, false) => steps.push(Step::RemoveRuntimeDir),
+        // A finished VMI keeps its console log readable until it goes.
+        (true, true) if !obs.runtime_kept => steps.push(Step::KeepConsoleLog),
+        _ => {}
     }
-    // A finished VMI keeps its runtime directory (its user's) readable:
-    // the number stays taken until that goes too.
-    if obs.identity && !keep_runtime {
+    // Nothing of the VM is its identity's after these steps.
+    if obs.identity {
         steps.push(Step::ReleaseIdentity);
     }
     steps
@@ -460,6 +469,7 @@ mod tests {
             netns: true,
             state_dir: true,
             runtime_dir: true,
+            runtime_kept: false,
             network: true,
             domain: dom(state),
             machine: None,
@@ -547,6 +557,8 @@ mod tests {
             TeardownNetwork,
             DeleteNetns,
             RemoveStateDir,
+            KeepConsoleLog,
+            ReleaseIdentity,
         ];
         type Case = (&'static str, Option<Desired>, Observed, Vec<Step>, Outcome);
         let cases: Vec<Case> = vec![
@@ -594,14 +606,28 @@ mod tests {
                 "guest powered off: Succeeded, unit collected, status kept",
                 Some(desired(Some(Running))),
                 running_host(D::Shutdown),
-                vec![StopUnit, TeardownNetwork, DeleteNetns, RemoveStateDir],
+                vec![
+                    StopUnit,
+                    TeardownNetwork,
+                    DeleteNetns,
+                    RemoveStateDir,
+                    KeepConsoleLog,
+                    ReleaseIdentity,
+                ],
                 Outcome::Phase(Succeeded),
             ),
             (
                 "guest crashed",
                 Some(desired(Some(Running))),
                 running_host(D::Crashed),
-                vec![StopUnit, TeardownNetwork, DeleteNetns, RemoveStateDir],
+                vec![
+                    StopUnit,
+                    TeardownNetwork,
+                    DeleteNetns,
+                    RemoveStateDir,
+                    KeepConsoleLog,
+                    ReleaseIdentity,
+                ],
                 Outcome::Failed("the guest crashed".into()),
             ),
             (
@@ -612,7 +638,13 @@ mod tests {
                     domain: None,
                     ..running_host(D::Running)
                 },
-                vec![TeardownNetwork, DeleteNetns, RemoveStateDir],
+                vec![
+                    TeardownNetwork,
+                    DeleteNetns,
+                    RemoveStateDir,
+                    KeepConsoleLog,
+                    ReleaseIdentity,
+                ],
                 Outcome::Failed("the VM's unit disappeared".into()),
             ),
             (
@@ -678,7 +710,14 @@ mod tests {
                     domain: None,
                     ..running_host(D::Running)
                 },
-                vec![StopUnit, TeardownNetwork, DeleteNetns, RemoveStateDir],
+                vec![
+                    StopUnit,
+                    TeardownNetwork,
+                    DeleteNetns,
+                    RemoveStateDir,
+                    KeepConsoleLog,
+                    ReleaseIdentity,
+                ],
                 Outcome::Failed("the VM's libvirt daemon stopped (result: exit-code)".into()),
             ),
         ];
@@ -697,9 +736,37 @@ mod tests {
         let p = plan(Some(&desired(None)), &obs);
         assert_eq!(
             p.steps,
-            vec![StopUnit, TeardownNetwork, DeleteNetns, RemoveStateDir]
+            vec![
+                StopUnit,
+                TeardownNetwork,
+                DeleteNetns,
+                RemoveStateDir,
+                KeepConsoleLog,
+                ReleaseIdentity
+            ]
         );
         assert!(p.requeue);
+    }
+
+    /// A finished VM's console tail is root's: kept as it is, and nothing
+    /// of it holds the VM's number any more; it goes with the VMI.
+    #[test]
+    fn a_finished_vm_keeps_only_its_console_tail_and_no_identity() {
+        let kept = Observed {
+            runtime_dir: true,
+            runtime_kept: true,
+            identity: true,
+            ..Observed::default()
+        };
+        let done = plan(Some(&desired(Some(Phase::Failed))), &kept);
+        assert_eq!(done.steps, vec![ReleaseIdentity]);
+        let released = Observed {
+            identity: false,
+            ..kept.clone()
+        };
+        let done = plan(Some(&desired(Some(Phase::Failed))), &released);
+        assert!(done.steps.is_empty());
+        assert_eq!(plan(None, &released).steps, vec![RemoveRuntimeDir]);
     }
 
     #[test]

@@ -514,6 +514,7 @@ impl<A: Adapters> Controller<A> {
             network: self.deps.network.address(id).is_some(),
             state_dir: self.deps.storage.exists(&paths.state_dir).await,
             runtime_dir: self.deps.storage.exists(&paths.runtime_dir).await,
+            runtime_kept: self.deps.storage.is_kept(&paths.runtime_dir).await,
             domain: None,
             unit,
             identity: self.deps.users.uid_of(id).is_some(),
@@ -681,7 +682,9 @@ impl<A: Adapters> Controller<A> {
             }
             for (step, result) in stage.iter().zip(self.run_stage(stage, &ctx).await) {
                 let Err(e) = result else { continue };
-                unit_may_run |= *step == Step::StopUnit;
+                // Its processes may still run as it, or its files still
+                // be its identity's.
+                unit_may_run |= matches!(step, Step::StopUnit | Step::KeepConsoleLog);
                 if step.best_effort() {
                     warn!("{e}");
                     continue;

@@ -31,6 +31,8 @@ pub struct HostState {
     pub unit_specs: BTreeMap<String, UnitSpec>,
     pub netns: BTreeSet<String>,
     pub dirs: BTreeSet<PathBuf>,
+    /// Runtime directories replaced by a finished VM's kept console log.
+    pub kept: BTreeSet<PathBuf>,
     pub disks: Vec<DiskPrep>,
     /// Seed ISOs written again over a running VM's (renewed tokens).
     pub reseeded: Vec<(PathBuf, crate::core::convert::seed::Seed)>,
@@ -480,6 +482,7 @@ impl Storage for FakeHost {
         for d in [&paths.state_dir, &paths.runtime_dir] {
             s.owners.insert(d.clone(), owner.map(|o| (o.uid, o.gid)));
         }
+        s.kept.remove(&paths.runtime_dir);
         s.dirs.insert(paths.state_dir.clone());
         s.dirs.insert(paths.runtime_dir.clone());
         Ok(())
@@ -509,7 +512,9 @@ impl Storage for FakeHost {
 
     async fn remove_dir(&self, dir: &Path) -> Result<(), StorageError> {
         self.call(format!("rmdir {}", dir.display()));
-        self.state().dirs.remove(dir);
+        let mut s = self.state();
+        s.dirs.remove(dir);
+        s.kept.remove(dir);
         Ok(())
     }
 
@@ -536,6 +541,24 @@ impl Storage for FakeHost {
             });
         }
         self.state().kept_efi_vars.remove(id);
+        Ok(())
+    }
+
+    async fn is_kept(&self, dir: &Path) -> bool {
+        self.state().kept.contains(dir)
+    }
+
+    async fn keep_console_log(&self, paths: &VmPaths) -> Result<(), StorageError> {
+        let dir = &paths.runtime_dir;
+        if self.call(format!("keep {}", dir.display())) {
+            return Err(StorageError::Disk {
+                path: dir.clone(),
+                message: injected("keep"),
+            });
+        }
+        let mut s = self.state();
+        s.kept.insert(dir.clone());
+        s.owners.insert(dir.clone(), None);
         Ok(())
     }
 

@@ -120,6 +120,15 @@ pub trait Storage: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), StorageError>> + Send;
     /// Ids of VMs that have a state or runtime directory.
     fn list_ids(&self) -> impl Future<Output = Vec<String>> + Send;
+    /// Whether `dir`, a VM's runtime directory, holds only a finished VM's
+    /// kept console log (root's, no tmpfs).
+    fn is_kept(&self, dir: &Path) -> impl Future<Output = bool> + Send;
+    /// Replaces a finished VM's runtime directory (its tmpfs, its
+    /// identity's) by the last [`KEPT_CONSOLE`] bytes of its console log.
+    fn keep_console_log(
+        &self,
+        paths: &VmPaths,
+    ) -> impl Future<Output = Result<(), StorageError>> + Send;
     /// Writes a seed ISO made anew over the one a running VM has (a
     /// serviceAccount disk's token renewed), in place.
     fn rewrite_seed_iso(
@@ -419,6 +428,10 @@ impl HostStorage {
         // The runtime directory is a tmpfs of its own, of a bounded size:
         // on /run itself a VM could fill the host's /run (systemd's own
         // runtime state) through what its QEMU writes there.
+        // A finished instance's kept console log makes way.
+        if is_kept(&p.runtime_dir) {
+            std::fs::remove_dir_all(&p.runtime_dir).map_err(io(&p.runtime_dir, "remove"))?;
+        }
         made(&self.host.vms_runtime_dir(), &p.runtime_dir, &[])?;
         self.own_tmpfs(&p.runtime_dir)?;
         made(
@@ -816,6 +829,27 @@ impl HostStorage {
         self.place(&iso, path)
     }
 
+    fn keep_console_log_blocking(&self, dir: &Path) -> Result<(), StorageError> {
+        let tail = Beneath::open(dir)
+            .map(|d| console_tail(&d, KEPT_CONSOLE))
+            .unwrap_or_default();
+        // The tmpfs and all the VM wrote there go; root's copy stays.
+        if is_mount_point(dir) {
+            nix::mount::umount2(dir, nix::mount::MntFlags::MNT_DETACH)
+                .map_err(|e| io(dir, "unmount")(e.into()))?;
+        }
+        match std::fs::remove_dir_all(dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(io(dir, "remove")(e)),
+            _ => {}
+        }
+        let name = dir.file_name().unwrap_or_default().to_string_lossy();
+        let kept = Beneath::open(&self.host.vms_runtime_dir())
+            .and_then(|parent| parent.mkdir(&name, 0o700, None))
+            .map_err(io(dir, "create directory"))?;
+        kept.write("console.log", &tail, 0o600, None)
+            .map_err(io(dir, "keep the console log"))
+    }
+
     /// The seed ISO at `path` made again from `seed` (a serviceAccount
     /// disk's token renewed) and written over the one the VM has, in place:
     /// QEMU keeps the file open, so the guest reads the new one once it
@@ -895,6 +929,31 @@ fn make_iso(work: &Path, path: &Path, seed: &Seed) -> Result<PathBuf, StorageErr
     Ok(iso)
 }
 
+/// What is kept of a finished VM's console log: enough to see why it
+/// ended, little enough for any number of finished VMIs.
+pub const KEPT_CONSOLE: u64 = 64 << 10;
+
+/// The last `max` bytes of the console log and its backup in `dir` (the
+/// VM's): read beneath it, never through a link, never from a FIFO, and
+/// only the end of a file however large.
+fn console_tail(dir: &Beneath, max: u64) -> Vec<u8> {
+    use std::os::unix::fs::FileExt;
+    let mut out = Vec::new();
+    for name in ["console.log.1", "console.log"] {
+        let Ok(f) = dir.file(name, OFlag::O_RDONLY) else {
+            continue;
+        };
+        let len = f.metadata().map_or(0, |m| m.len());
+        let take = len.min(max);
+        let mut buf = vec![0; take as usize];
+        if f.read_exact_at(&mut buf, len - take).is_ok() {
+            out.extend(buf);
+        }
+    }
+    let cut = out.len().saturating_sub(max as usize);
+    out.split_off(cut)
+}
+
 /// The size of each VM's runtime directory (its own tmpfs): sockets, pid
 /// files, libvirt's state and the console log (capped at 2 MiB, with one
 /// backup) fit many times over.
@@ -919,6 +978,15 @@ fn room(
         });
     }
     Ok(())
+}
+
+/// Whether `dir` is a finished VM's kept console log: root's (kvirtd's),
+/// and no tmpfs of its own.
+fn is_kept(dir: &Path) -> bool {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::symlink_metadata(dir).is_ok_and(|m| {
+        m.is_dir() && m.uid() == nix::unistd::geteuid().as_raw() && !is_mount_point(dir)
+    })
 }
 
 /// Whether `dir` is the root of a mount (another file system than its
@@ -1055,6 +1123,16 @@ impl Storage for HostStorage {
             images.clone(),
         );
         blocking(move || this.prepare_disk_blocking(&d, &r, &i)).await
+    }
+
+    async fn is_kept(&self, dir: &Path) -> bool {
+        let dir = dir.to_owned();
+        blocking(move || Ok(is_kept(&dir))).await.unwrap_or(false)
+    }
+
+    async fn keep_console_log(&self, paths: &VmPaths) -> Result<(), StorageError> {
+        let (this, dir) = (self.clone(), paths.runtime_dir.clone());
+        blocking(move || this.keep_console_log_blocking(&dir)).await
     }
 
     async fn rewrite_seed_iso(
@@ -1528,6 +1606,73 @@ mod tests {
             .unwrap();
         let staging = s.host.state_dir.join(".staging");
         assert_eq!(std::fs::read_dir(staging).unwrap().count(), 0);
+    }
+
+    /// A finished VM's runtime directory (its tmpfs) becomes the last
+    /// 64 KiB of its console, root's; what the VM planted there is neither
+    /// followed nor waited on; the next instance gets a directory of its own.
+    #[tokio::test]
+    async fn a_finished_vm_leaves_only_its_consoles_tail() {
+        use std::os::unix::fs::MetadataExt;
+        let (tmp, s, p) = vm_dirs().await;
+        let rt = &p.runtime_dir;
+        std::fs::write(rt.join("console.log.1"), vec![b'a'; 100 << 10]).unwrap();
+        let mut newest = vec![b'b'; 10 << 10];
+        newest.extend(b"END");
+        std::fs::write(rt.join("console.log"), &newest).unwrap();
+        std::fs::write(rt.join("qga.sock"), b"x").unwrap();
+        s.keep_console_log(&p).await.unwrap();
+        let kept = std::fs::read(rt.join("console.log")).unwrap();
+        assert_eq!(kept.len() as u64, KEPT_CONSOLE);
+        assert!(kept.ends_with(&newest) && kept.starts_with(b"aaaa"));
+        let names: Vec<_> = std::fs::read_dir(rt)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(names, ["console.log"]);
+        assert!(!is_mount_point(rt));
+        let meta = std::fs::metadata(rt).unwrap();
+        assert_eq!(
+            (meta.uid(), meta.mode() & 0o777),
+            (nix::unistd::geteuid().as_raw(), 0o700)
+        );
+        assert!(s.is_kept(rt).await);
+
+        // Planted: a link to a secret, a FIFO with no writer.
+        let other = s.host.vm(&VmKey::new("ns", "planted").unwrap());
+        s.create_dirs(&other, None).await.unwrap();
+        let secret = tmp.path().join("secret");
+        std::fs::write(&secret, b"s3cret").unwrap();
+        std::os::unix::fs::symlink(&secret, other.runtime_dir.join("console.log")).unwrap();
+        nix::unistd::mkfifo(
+            &other.runtime_dir.join("console.log.1"),
+            nix::sys::stat::Mode::from_bits_truncate(0o600),
+        )
+        .unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (s2, o2) = (s.clone(), other.clone());
+        std::thread::spawn(move || {
+            tx.send(s2.keep_console_log_blocking(&o2.runtime_dir))
+                .unwrap()
+        });
+        rx.recv_timeout(std::time::Duration::from_secs(10))
+            .expect("keeping the log blocked")
+            .unwrap();
+        assert_eq!(
+            std::fs::read(other.runtime_dir.join("console.log")).unwrap(),
+            b""
+        );
+        assert_eq!(std::fs::read(&secret).unwrap(), b"s3cret");
+
+        // The next instance of the name: a directory of its own again.
+        s.create_dirs(&p, None).await.unwrap();
+        assert!(!rt.join("console.log").exists());
+        if nix::unistd::geteuid().is_root() {
+            assert!(!s.is_kept(rt).await, "a tmpfs of its own again");
+        }
+        s.remove_dir(rt).await.unwrap();
+        assert!(!rt.exists());
     }
 
     #[tokio::test]

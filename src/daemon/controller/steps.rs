@@ -61,6 +61,7 @@ impl<A: Adapters> Controller<A> {
             Step::PrepareDisks => self.prepare_disks(c).await,
             Step::RemoveStateDir => self.remove_state_dir(c.id).await,
             Step::RemoveRuntimeDir => self.remove_runtime_dir(c.id).await,
+            Step::KeepConsoleLog => self.keep_console_log(c.id).await,
             Step::CreateNetns => self.create_netns(c.id).await,
             Step::SetupNetwork => self.setup_network(c).await,
             Step::TeardownNetwork => self.teardown_network(c.id).await,
@@ -109,6 +110,7 @@ impl<A: Adapters> Controller<A> {
                     network: true,
                     state_dir: true,
                     runtime_dir: false,
+                    runtime_kept: false,
                     domain: None,
                     machine: None,
                     identity: false,
@@ -233,6 +235,15 @@ impl<A: Adapters> Controller<A> {
         // A VM deleted with its VMI leaves nobody to keep them for.
         self.sweep_efi_vars(Some(id)).await;
         Ok(())
+    }
+
+    async fn keep_console_log(&self, id: &str) -> Result<(), ControllerError> {
+        let paths = self.paths(id);
+        let storage = &self.deps.storage;
+        storage
+            .keep_console_log(&paths)
+            .await
+            .map_err(storage_err(id))
     }
 
     async fn remove_runtime_dir(&self, id: &str) -> Result<(), ControllerError> {
