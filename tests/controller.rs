@@ -221,6 +221,18 @@ async fn a_daemon_that_does_not_answer_is_reported_and_its_vm_left_alone() {
         ("False".into(), Some("DaemonUnresponsive".into()))
     );
     assert_eq!(ready("vm2").0, "True");
+    // The condition says why: here, a call that timed out.
+    let message = host.state().statuses[&VmKey::new("default", "vm1").unwrap()]
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .and_then(|c| c.message.clone())
+        .unwrap_or_default();
+    assert!(
+        message.contains("does not answer: VM default_vm1: its libvirt daemon did not answer"),
+        "{message}"
+    );
     assert_eq!(
         reasons(&host).last(),
         Some(&EventReason::DaemonUnresponsive)

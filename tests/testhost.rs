@@ -1089,11 +1089,11 @@ fn a_listener_planted_for_the_vms_daemon_is_never_spoken_to() {
     h.ok("systemctl kill -s KILL kvirtd");
     h.wait_new_kvirtd("SIGKILL", "MainPID", &main);
     // It connects (to learn who listens), sends nothing, and leaves the VM
-    // alone as one whose daemon does not answer.
+    // alone as one whose daemon does not answer, saying why.
     h.wait(
         "kvirtd refusing the planted listener",
         Duration::from_secs(60),
-        &format!("journalctl -u kvirtd --since @{since} --no-pager | grep -q 'default/mole: the VM.s libvirt daemon does not answer'"),
+        &format!("journalctl -u kvirtd --since @{since} --no-pager | grep -q 'default/mole: the VM.s libvirt daemon does not answer: .*listened on by pid [0-9]*, not the VM.s daemon'"),
     );
     h.ok("[ -e /tmp/heard ] && ! [ -s /tmp/heard ]");
     assert_eq!(h.qemu_pid("mole"), qemu);

@@ -91,8 +91,9 @@ pub struct Observed {
     /// The VM has an identity (a uid of its own) allocated.
     pub identity: bool,
     /// The unit runs but its libvirt daemon did not answer: what the
-    /// domain does is unknown.
-    pub unresponsive: bool,
+    /// domain does is unknown. Why (a timeout, a socket nobody or
+    /// something else listens on), for the VMI's condition.
+    pub unresponsive: Option<String>,
 }
 
 impl Observed {
@@ -375,10 +376,11 @@ pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
             )),
             "the VM's unit stopped",
         ),
-        UnitActivity::Active if obs.unresponsive => {
+        UnitActivity::Active if obs.unresponsive.is_some() => {
+            let why = obs.unresponsive.as_deref().unwrap_or_default();
             let mut p = Plan::new(
                 vec![],
-                Outcome::Unresponsive("the VM's libvirt daemon does not answer".into()),
+                Outcome::Unresponsive(format!("the VM's libvirt daemon does not answer: {why}")),
                 "the VM's libvirt daemon does not answer",
             );
             p.requeue = true;
@@ -474,7 +476,7 @@ mod tests {
             domain: dom(state),
             machine: None,
             identity: true,
-            unresponsive: false,
+            unresponsive: None,
         }
     }
 
@@ -520,7 +522,7 @@ mod tests {
     fn a_daemon_that_does_not_answer_keeps_its_vm_and_only_a_teardown_acts() {
         let stuck = Observed {
             domain: None,
-            unresponsive: true,
+            unresponsive: Some("timed out".into()),
             ..running_host(DomainState::Running)
         };
         let p = plan(Some(&desired(Some(Phase::Running))), &stuck);

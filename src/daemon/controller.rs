@@ -518,7 +518,7 @@ impl<A: Adapters> Controller<A> {
             domain: None,
             unit,
             identity: self.deps.users.uid_of(id).is_some(),
-            unresponsive: false,
+            unresponsive: None,
         };
         if let Some(u) = obs
             .unit
@@ -539,7 +539,7 @@ impl<A: Adapters> Controller<A> {
             if let Some(d) = dom {
                 match self.deps.hypervisor.observe(&d).await {
                     Ok(domain) => obs.domain = domain,
-                    Err(e) if e.is_unresponsive() => obs.unresponsive = true,
+                    Err(e) if e.is_unresponsive() => obs.unresponsive = Some(e.to_string()),
                     Err(source) => return Err(ControllerError::Libvirt { source }),
                 }
             }

@@ -114,7 +114,7 @@ impl<A: Adapters> Controller<A> {
                     domain: None,
                     machine: None,
                     identity: false,
-                    unresponsive: false,
+                    unresponsive: None,
                 }
             }
         };
