@@ -391,12 +391,14 @@ async fn run(config: Config) -> Result<()> {
         .context("connecting to systemd over D-Bus")?;
     systemd.watch(unit_tx).await.context("watching units")?;
     let machines = Machined::new(systemd.connection());
-    let storage = HostStorage::new(settings.layout.clone()).with_reserve(
-        config
-            .storage
-            .free_space_reserve_bytes()
-            .map_err(anyhow::Error::msg)?,
-    );
+    let storage = HostStorage::new(settings.layout.clone())
+        .with_reserve(
+            config
+                .storage
+                .free_space_reserve_bytes()
+                .map_err(anyhow::Error::msg)?,
+        )
+        .with_vm_limit(settings.limits.max_disk_bytes);
     storage
         .seal_records()
         .context("making kvirt's records of its VMs root's alone")?;

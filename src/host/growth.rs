@@ -94,6 +94,16 @@ impl Growth {
         total
     }
 
+    /// What VM `id`'s recorded disks may grow to together, `rel` (a disk
+    /// being made again) left out.
+    pub fn vm_total(&self, id: &str, rel: &Path) -> u64 {
+        self.read(id)
+            .unwrap_or_default()
+            .iter()
+            .filter(|(r, _)| r.as_path() != rel)
+            .fold(0u64, |sum, (_, size)| sum.saturating_add(*size))
+    }
+
     fn read(&self, id: &str) -> Option<Record> {
         let f = std::fs::File::open(self.dir.join(id)).ok()?;
         let mut text = Vec::new();
@@ -148,6 +158,10 @@ mod tests {
         use std::os::unix::fs::PermissionsExt;
         let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
         assert_eq!((mode(&g.dir), mode(&g.dir.join("ns_a"))), (0o700, 0o600));
+        // A VM's own total, the disk being made again left out.
+        assert_eq!(g.vm_total("ns_a", Path::new("disks/x.qcow2")), 105 * MIB);
+        assert_eq!(g.vm_total("ns_a", Path::new("disks/f.qcow2")), 100 * MIB);
+        assert_eq!(g.vm_total("ns_c", Path::new("disks/f.qcow2")), 0);
         g.forget("ns_a").unwrap();
         g.forget("ns_a").unwrap();
         assert_eq!(g.pending(), 7 * MIB);

@@ -186,6 +186,9 @@ pub struct HostStorage {
     /// What of the VMs' file system stays free: a writable disk (an
     /// emptyDisk, an overlay) that could grow past it is refused.
     reserve: u64,
+    /// What one VM's emptyDisks and overlays may grow to together
+    /// (`vm.max_disk_size`).
+    vm_limit: u64,
 }
 
 fn io(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> StorageError {
@@ -199,7 +202,16 @@ impl HostStorage {
             host,
             owner: None,
             reserve: 0,
+            vm_limit: u64::MAX,
         }
+    }
+
+    /// One VM's emptyDisks and overlays together may grow to `bytes` at
+    /// most (`vm.max_disk_size`): an overlay's size is its image's, known
+    /// only once pulled, so this is checked as each is made.
+    pub fn with_vm_limit(mut self, bytes: u64) -> Self {
+        self.vm_limit = bytes;
+        self
     }
 
     /// Keeps `bytes` of the VMs' file system free (`storage.free_space_reserve`).
@@ -217,8 +229,18 @@ impl HostStorage {
     fn room_for(&self, dir: &Path, disk: &Path, size: u64) -> Result<(), StorageError> {
         let st = nix::sys::statvfs::statvfs(dir).map_err(|e| io(dir, "statvfs")(e.into()))?;
         let growth = self.growth();
-        room(&st, self.reserve, growth.pending(), disk, size)?;
         let (id, rel) = self.state_rel(disk)?;
+        let vm_total = growth.vm_total(&id, rel).saturating_add(size);
+        if vm_total > self.vm_limit {
+            return Err(StorageError::Disk {
+                path: disk.to_owned(),
+                message: format!(
+                    "may grow to {size} bytes: the VM's emptyDisks and overlays would total {vm_total} bytes, more than vm.max_disk_size ({} bytes)",
+                    self.vm_limit
+                ),
+            });
+        }
+        room(&st, self.reserve, growth.pending(), disk, size)?;
         growth
             .record(&id, rel, size)
             .map_err(io(&growth.dir, "record disk size"))
@@ -287,6 +309,7 @@ impl HostStorage {
             host: self.host.clone(),
             owner,
             reserve: self.reserve,
+            vm_limit: self.vm_limit,
         }
     }
 
@@ -1530,6 +1553,34 @@ mod tests {
                 .prepare_disk(&second, &[], &Pulled::new(), None)
                 .await
                 .unwrap();
+        }
+        // One VM's emptyDisks and overlays together: at most vm.max_disk_size
+        // (an overlay's size is known only as it is made).
+        if qemu_img() {
+            let limited = s.clone().with_vm_limit(100 << 20);
+            let vm = s.host.vm(&VmKey::new("ns", "limited").unwrap());
+            s.create_dirs(&vm, None).await.unwrap();
+            let empty = |name: &str| DiskPrep::CreateQcow2 {
+                volume: name.into(),
+                path: vm.empty_disk(name),
+                size_bytes: 64 << 20,
+            };
+            limited
+                .prepare_disk(&empty("one"), &[], &Pulled::new(), None)
+                .await
+                .unwrap();
+            let err = limited
+                .prepare_disk(&empty("two"), &[], &Pulled::new(), None)
+                .await
+                .unwrap_err()
+                .to_string();
+            assert!(
+                err.contains(
+                    "would total 134217728 bytes, more than vm.max_disk_size (104857600 bytes)"
+                ),
+                "{err}"
+            );
+            assert!(!vm.empty_disk("two").exists());
         }
         // A DiskOrCreate hostDisk is made only where it fits too.
         let root = tmp.path().join("hostdisks");
