@@ -600,14 +600,10 @@ impl<A: Adapters> Controller<A> {
             _ => None,
         };
         if self.daemon_restarted(id, obs.unit.as_ref()) {
-            warn!("the VM's libvirt daemon died and was started again; the VM kept running");
+            let m = "the VM's libvirt daemon died and was started again; the VM kept running";
+            warn!("{m}");
             if let Some(v) = &vmi {
-                self.deps.recorder.record(
-                    v,
-                    EventReason::DaemonRestarted,
-                    "the VM's libvirt daemon died and was started again; the VM kept running",
-                    true,
-                );
+                (self.deps.recorder).record(v, EventReason::DaemonRestarted, m, true);
             }
         }
         // A VMI being deleted is wanted no more: tear down, then let it go.
@@ -636,26 +632,8 @@ impl<A: Adapters> Controller<A> {
         let creating =
             plan.steps.contains(&Step::StartUnit) || plan.steps.contains(&Step::DefineDomain);
         if let (Some(v), Some(k), true) = (&vmi, &key, creating) {
-            // Nothing is made on the host before the VMI is held for cleanup.
-            self.deps.status.hold(v).await.map_err(status_err(id))?;
-            if matches!(
-                v.status.phase,
-                None | Some(Phase::Pending | Phase::Scheduling)
-            ) {
-                self.report(
-                    k,
-                    v.uid(),
-                    &Outcome::Phase(Phase::Scheduled),
-                    &Default::default(),
-                    None,
-                )
-                .await?;
-                self.deps
-                    .recorder
-                    .record(v, EventReason::Created, "VM is being created", false);
-            }
+            self.announce_start(v, k).await?;
         }
-
         let (mut disks, mut images) = (Vec::new(), BTreeMap::new());
         if let (Some(v), Some(k), Some(Ok(conv)), true) = (&vmi, &key, &converted, creating) {
             disks = self.read_objects(v, k, conv).await?;
@@ -671,49 +649,15 @@ impl<A: Adapters> Controller<A> {
             converted: converted.as_ref().and_then(|c| c.as_ref().ok()),
             dom: dom.as_ref(),
         };
-        let mut teardown_errors = Vec::new();
-        let mut unit_may_run = false;
-        'stages: for stage in plan::stages(&plan.steps) {
-            if unit_may_run && stage.contains(&Step::ReleaseIdentity) {
-                // Its processes may still run as it: the number is not
-                // free for another VM until the unit is known gone.
-                teardown_errors.push("identity kept: the VM's unit may still run".to_owned());
-                continue;
-            }
-            for (step, result) in stage.iter().zip(self.run_stage(stage, &ctx).await) {
-                let Err(e) = result else { continue };
-                // Its processes may still run as it, or its files still
-                // be its identity's.
-                unit_may_run |= matches!(step, Step::StopUnit | Step::KeepConsoleLog);
-                if step.best_effort() {
-                    warn!("{e}");
-                    continue;
-                }
-                if step.creates() {
-                    // Roll back what this attempt made; the VMI fails with why.
-                    warn!("cannot start: {e}");
-                    self.metrics.error(e.reason());
-                    self.rollback(id, dom.as_ref()).await;
-                    outcome = Outcome::Failed(format!("cannot start: {e}"));
-                    break 'stages;
-                }
-                // Teardown continues past errors, and reports every one.
-                warn!("{e}");
-                teardown_errors.push(e.to_string());
-            }
+        let (failed, teardown_errors) = self.run_plan(&plan.steps, &ctx).await;
+        if let Some(why) = failed {
+            outcome = Outcome::Failed(why);
         }
-
-        let gone = desired.is_none() && teardown_errors.is_empty();
-        self.gone
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(id.into(), gone);
-        if gone && vmi.is_none() {
-            self.unwanted
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .remove(id);
-        }
+        self.record_gone(
+            id,
+            desired.is_none() && teardown_errors.is_empty(),
+            vmi.is_none(),
+        );
         if !teardown_errors.is_empty() {
             return Err(ControllerError::Teardown {
                 id: id.into(),
@@ -727,53 +671,17 @@ impl<A: Adapters> Controller<A> {
                 .unwrap_or_else(|p| p.into_inner())
                 .forget(id);
         }
-        // A running VM's DHCP lives in kvirtd: after a restart it is
-        // attached again here (idempotent), the VM untouched.
-        if let (Outcome::Phase(Phase::Running), Some(Ok(conv))) = (&outcome, &converted) {
-            if let Some(net) = &conv.network {
-                if let Err(e) = self.deps.network.attach(id, net).await {
-                    warn!("re-attaching the network: {e}");
-                }
-            }
+        let running = outcome == Outcome::Phase(Phase::Running);
+        if running {
+            self.reattach_network(&ctx).await;
         }
-        if creating && outcome == Outcome::Phase(Phase::Running) {
+        if creating && running {
             self.metrics.started(started.elapsed());
         }
-        let on_host = obs.unit.is_some() || obs.domain.is_some();
-        let found = match (&outcome, &desired) {
-            _ if !on_host => None,
-            (Outcome::Phase(Phase::Running), Some(_)) if !creating => Some(Adoption::Adopted),
-            (Outcome::Failed(_), Some(_)) => Some(Adoption::Failed),
-            (_, None) | (Outcome::Unchanged, _) => Some(Adoption::Cleaned),
-            _ => None,
-        };
-        let mut deferred = None;
-        match (&vmi, &key) {
-            (Some(v), _) if deleting => {
-                // Everything of it is gone from the host: let the object go.
-                self.deps.status.release(v).await.map_err(status_err(id))?;
-            }
-            (Some(v), Some(k)) => {
-                let live = match (&outcome, &dom) {
-                    (Outcome::Phase(Phase::Running), Some(d)) => {
-                        let start_paused = creating
-                            && converted
-                                .as_ref()
-                                .is_some_and(|c| c.as_ref().is_ok_and(|c| c.start_paused));
-                        self.live(d, obs.domain.as_ref(), start_paused).await
-                    }
-                    _ => status::Live::default(),
-                };
-                let net = converted
-                    .as_ref()
-                    .and_then(|c| c.as_ref().ok())
-                    .and_then(|c| c.network.as_ref());
-                deferred = self.report(k, v.uid(), &outcome, &live, net).await?;
-            }
-            _ => {}
-        }
-        let renew = match (&vmi, &key, &outcome, &converted) {
-            (Some(v), Some(k), Outcome::Phase(Phase::Running), Some(Ok(conv))) => {
+        let found = adoption(&outcome, desired.is_some(), &obs, creating);
+        let deferred = self.tell(&ctx, deleting, &outcome, creating).await?;
+        let renew = match (ctx.vmi, ctx.key, ctx.converted) {
+            (Some(v), Some(k), Some(conv)) if running => {
                 self.renew_tokens(v, k, conv, creating).await
             }
             _ => {
@@ -786,6 +694,126 @@ impl<A: Adapters> Controller<A> {
             requeue_after: requeue.into_iter().chain(deferred).chain(renew).min(),
             found,
         })
+    }
+
+    /// A running VM's DHCP lives in kvirtd: after a restart it is attached
+    /// again here (idempotent), the VM untouched.
+    async fn reattach_network(&self, ctx: &StepCtx<'_>) {
+        if let Some(net) = ctx.converted.and_then(|c| c.network.as_ref()) {
+            if let Err(e) = self.deps.network.attach(ctx.id, net).await {
+                warn!("re-attaching the network: {e}");
+            }
+        }
+    }
+
+    /// What the pass says of the VMI: a deleted one, gone from the host, is
+    /// let go; any other gets its status (with what its running domain
+    /// shows). Returns when a status write the budget held back is due.
+    async fn tell(
+        &self,
+        ctx: &StepCtx<'_>,
+        deleting: bool,
+        outcome: &Outcome,
+        creating: bool,
+    ) -> Result<Option<Duration>, ControllerError> {
+        match (ctx.vmi, ctx.key) {
+            (Some(v), _) if deleting => {
+                // Everything of it is gone from the host: let the object go.
+                let released = self.deps.status.release(v).await;
+                released.map_err(status_err(ctx.id)).map(|()| None)
+            }
+            (Some(v), Some(k)) => {
+                let live = match (outcome, ctx.dom) {
+                    (Outcome::Phase(Phase::Running), Some(d)) => {
+                        let start_paused =
+                            creating && ctx.converted.is_some_and(|c| c.start_paused);
+                        self.live(d, ctx.obs.domain.as_ref(), start_paused).await
+                    }
+                    _ => status::Live::default(),
+                };
+                let net = ctx.converted.and_then(|c| c.network.as_ref());
+                self.report(k, v.uid(), outcome, &live, net).await
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// Before anything is made on the host: the VMI held for cleanup, and
+    /// a VMI not yet scheduled shown Scheduled, with its Event.
+    async fn announce_start(
+        &self,
+        v: &VirtualMachineInstance,
+        k: &VmKey,
+    ) -> Result<(), ControllerError> {
+        self.deps
+            .status
+            .hold(v)
+            .await
+            .map_err(status_err(&k.id()))?;
+        if matches!(
+            v.status.phase,
+            None | Some(Phase::Pending | Phase::Scheduling)
+        ) {
+            let scheduled = Outcome::Phase(Phase::Scheduled);
+            self.report(k, v.uid(), &scheduled, &Default::default(), None)
+                .await?;
+            self.deps
+                .recorder
+                .record(v, EventReason::Created, "VM is being created", false);
+        }
+        Ok(())
+    }
+
+    /// Runs the plan's steps, stage by stage. A create step that fails
+    /// rolls the start back and says why (the VMI fails with it); teardown
+    /// goes on past errors and returns every one.
+    async fn run_plan(&self, steps: &[Step], ctx: &StepCtx<'_>) -> (Option<String>, Vec<String>) {
+        let mut teardown_errors = Vec::new();
+        let mut unit_may_run = false;
+        for stage in plan::stages(steps) {
+            if unit_may_run && stage.contains(&Step::ReleaseIdentity) {
+                // Its processes may still run as it: the number is not
+                // free for another VM until the unit is known gone.
+                teardown_errors.push("identity kept: the VM's unit may still run".to_owned());
+                continue;
+            }
+            for (step, result) in stage.iter().zip(self.run_stage(stage, ctx).await) {
+                let Err(e) = result else { continue };
+                // Its processes may still run as it, or its files still
+                // be its identity's.
+                unit_may_run |= matches!(step, Step::StopUnit | Step::KeepConsoleLog);
+                if step.best_effort() {
+                    warn!("{e}");
+                    continue;
+                }
+                if step.creates() {
+                    // Roll back what this attempt made; the VMI fails with why.
+                    warn!("cannot start: {e}");
+                    self.metrics.error(e.reason());
+                    self.rollback(ctx.id, ctx.dom).await;
+                    return (Some(format!("cannot start: {e}")), teardown_errors);
+                }
+                // Teardown continues past errors, and reports every one.
+                warn!("{e}");
+                teardown_errors.push(e.to_string());
+            }
+        }
+        (None, teardown_errors)
+    }
+
+    /// Whether the pass left nothing of `id` on the host; a VMI that is
+    /// gone and left nothing is no longer waited for.
+    fn record_gone(&self, id: &str, gone: bool, vmi_gone: bool) {
+        self.gone
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(id.into(), gone);
+        if gone && vmi_gone {
+            self.unwanted
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .remove(id);
+        }
     }
 
     /// Runs kvirt's own libvirt daemon once, as kvirt's user, so that each
@@ -1032,6 +1060,19 @@ impl<A: Adapters> Controller<A> {
                 }
             }
         }
+    }
+}
+
+/// What a pass found of a VM that was on the host (what adoption means on
+/// the first pass after kvirtd starts).
+fn adoption(outcome: &Outcome, wanted: bool, obs: &Observed, creating: bool) -> Option<Adoption> {
+    let on_host = obs.unit.is_some() || obs.domain.is_some();
+    match (outcome, wanted) {
+        _ if !on_host => None,
+        (Outcome::Phase(Phase::Running), true) if !creating => Some(Adoption::Adopted),
+        (Outcome::Failed(_), true) => Some(Adoption::Failed),
+        (_, false) | (Outcome::Unchanged, _) => Some(Adoption::Cleaned),
+        _ => None,
     }
 }
 
