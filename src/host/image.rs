@@ -23,14 +23,14 @@
 //!   each use asks the registry whether the VM's credentials may;
 //! - `sha256/<digest>/`: entries of earlier releases, left alone.
 
+use super::registry::{is_near, RegistryClient, RegistryError, Session};
 use crate::core::image::{disk_format, parse_reference, ImageLimits, PullPolicy};
 use crate::core::pullsecret::Credentials;
-use oci_client::client::{BlobResponse, ClientConfig, ClientProtocol};
+use oci_client::client::{ClientConfig, ClientProtocol};
 use oci_client::manifest::OciDescriptor;
 use oci_client::secrets::RegistryAuth;
 use oci_client::{Client, Reference};
 use sha2::{Digest, Sha256};
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::future::Future;
 use std::io::Read;
@@ -47,8 +47,14 @@ pub enum ImageError {
     NeverPull { image: String },
     /// What the registry answered, told without its body: a VMI's status
     /// never carries what a registry chose to say.
-    #[error("{image}: registry: {}", told(.source))]
+    #[error("{image}: registry: {source}")]
     Registry {
+        image: String,
+        source: RegistryError,
+    },
+    /// A push (`kvirtctl push-disk`): the user's own tool and registry.
+    #[error("{image}: registry: push: {source}")]
+    Push {
         image: String,
         source: oci_client::errors::OciDistributionError,
     },
@@ -208,8 +214,7 @@ pub type InUse = Box<dyn Fn() -> Vec<PathBuf> + Send + Sync>;
 /// Images from OCI registries, with the cache on the host.
 pub struct OciImages {
     dir: PathBuf,
-    https: Client,
-    http: Client,
+    registry: RegistryClient,
     insecure: Vec<String>,
     limits: ImageLimits,
     /// The cache is collected down to this size after each pull.
@@ -242,7 +247,8 @@ pub fn is_plain_http(registry: &str, insecure: &[String]) -> bool {
         || insecure.iter().any(|i| i == registry)
 }
 
-fn client(protocol: ClientProtocol) -> Client {
+/// The client `kvirtctl push-disk` pushes with.
+fn push_client(protocol: ClientProtocol) -> Client {
     // reqwest is built without a TLS provider of its own: use ring, as kube does.
     let _ = rustls::crypto::ring::default_provider().install_default();
     Client::new(ClientConfig {
@@ -264,8 +270,7 @@ impl OciImages {
         }
         Self {
             dir,
-            https: client(ClientProtocol::Https),
-            http: client(ClientProtocol::Http),
+            registry: RegistryClient::new(Vec::new()),
             insecure,
             limits: ImageLimits::default(),
             budget: u64::MAX,
@@ -278,6 +283,7 @@ impl OciImages {
     /// Registries on this host or its link that may be pulled from
     /// (`storage.local_registries`; see [`local_address`]).
     pub fn with_local_registries(mut self, local: Vec<String>) -> Self {
+        self.registry = RegistryClient::new(local.clone());
         self.local = local;
         self
     }
@@ -365,18 +371,10 @@ impl OciImages {
         auth: Option<&Credentials>,
         progress: &(dyn Fn(Progress) + Send + Sync),
     ) -> Result<CachedImage, ImageError> {
-        self.may_reach(image, r).await?;
-        let (client, registry_auth) = self.client_for(r, auth);
-        let client = client.as_ref();
-        let registry = |source| ImageError::Registry {
-            image: image.to_owned(),
-            source,
-        };
-        // The manifest (and the token before it) is read whole by the OCI
-        // client: bounded in time here, in memory by kvirtd's MemoryMax=.
-        let (manifest, digest) = within(image, client.pull_image_manifest(r, &registry_auth))
+        let session = self.session(image, r, auth).await?;
+        let (manifest, digest) = within(image, session.manifest(r))
             .await?
-            .map_err(registry)?;
+            .map_err(registry(image))?;
         let content = |message: String| ImageError::Content {
             image: image.to_owned(),
             message,
@@ -416,7 +414,7 @@ impl OciImages {
         let mut blobs = Vec::new();
         for layer in &manifest.layers {
             let blob = self
-                .blob(client, image, r, layer, |n| {
+                .blob(&session, image, r, layer, |n| {
                     progress(Progress {
                         done: done + n,
                         total,
@@ -455,7 +453,7 @@ impl OciImages {
     /// Downloads one layer into `blobs/`, resuming a partial download.
     async fn blob(
         &self,
-        client: &Client,
+        session: &Session,
         image: &str,
         r: &Reference,
         layer: &OciDescriptor,
@@ -495,29 +493,23 @@ impl OciImages {
             ),
         };
         if have < size {
-            let response = within(image, client.pull_blob_stream_partial(r, layer, have, None))
+            let mut blob = within(image, session.blob(layer, have))
                 .await?
-                .map_err(|source| ImageError::Registry {
-                    image: image.to_owned(),
-                    source,
-                })?;
-            let (mut stream, mut at, file) = match response {
-                BlobResponse::Partial(s) => {
-                    let f = tokio::fs::OpenOptions::new()
-                        .create(true)
-                        .append(true)
-                        .open(&partial)
-                        .await;
-                    (s, have, f)
-                }
+                .map_err(registry(image))?;
+            let (mut at, file) = if blob.from_start {
                 // The registry sent it all again: start over.
-                BlobResponse::Full(s) => (s, 0, tokio::fs::File::create(&partial).await),
+                (0, tokio::fs::File::create(&partial).await)
+            } else {
+                let f = tokio::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&partial)
+                    .await;
+                (have, f)
             };
             let mut file = file.map_err(io_err(image, &partial, "open"))?;
-            use futures::StreamExt;
             let mut pace = Pace::new();
-            while let Some(chunk) = stream.next().await {
-                let chunk = chunk.map_err(io_err(image, &partial, "download"))?;
+            while let Some(chunk) = blob.chunk().await.map_err(registry(image))? {
                 if !pace.keeps_up(chunk.len()) {
                     return Err(slow(image));
                 }
@@ -584,14 +576,10 @@ impl OciImages {
                 if self.is_private(&r, &c.digest) {
                     // A private image in the cache is not a licence to use
                     // it: the registry must say these credentials may.
-                    self.may_reach(image, &r).await?;
-                    let (client, registry_auth) = self.client_for(&r, auth);
-                    within(image, client.fetch_manifest_digest(&r, &registry_auth))
+                    let session = self.session(image, &r, auth).await?;
+                    within(image, session.may_pull(&r))
                         .await?
-                        .map_err(|source| ImageError::Registry {
-                            image: image.to_owned(),
-                            source,
-                        })?;
+                        .map_err(registry(image))?;
                 }
                 touch(&c.root);
                 return Ok(c);
@@ -652,32 +640,23 @@ impl OciImages {
         gone
     }
 
-    /// The client and credentials for a registry. A pull with credentials
-    /// gets a client of its own: oci-client keeps the tokens it is given
-    /// per repository, and one VM's must never serve another's pull.
-    fn client_for(
+    /// A pull's own conversation with the image's registry (refused first
+    /// if the registry is on this host or its link and not listed).
+    async fn session(
         &self,
+        image: &str,
         r: &Reference,
         auth: Option<&Credentials>,
-    ) -> (Cow<'_, Client>, RegistryAuth) {
-        let protocol = if is_plain_http(r.resolve_registry(), &self.insecure) {
-            ClientProtocol::Http
+    ) -> Result<Session, ImageError> {
+        self.may_reach(image, r).await?;
+        let scheme = if is_plain_http(r.resolve_registry(), &self.insecure) {
+            "http"
         } else {
-            ClientProtocol::Https
+            "https"
         };
-        match auth {
-            None => {
-                let shared = match protocol {
-                    ClientProtocol::Http => &self.http,
-                    _ => &self.https,
-                };
-                (Cow::Borrowed(shared), RegistryAuth::Anonymous)
-            }
-            Some(c) => (
-                Cow::Owned(client(protocol)),
-                RegistryAuth::Basic(c.username.clone(), c.password.clone()),
-            ),
-        }
+        within(image, self.registry.session(scheme, r, auth))
+            .await?
+            .map_err(registry(image))
     }
 
     /// Images pulled with credentials are marked, by repository and digest.
@@ -749,43 +728,10 @@ impl Pace {
     }
 }
 
-/// An answer of a registry as kvirt tells it: the kind of failure and the
-/// HTTP status, never the body (which is the registry's to choose: a
-/// hostile one would write into the VMI's status, at any length).
-fn told(e: &oci_client::errors::OciDistributionError) -> String {
-    use oci_client::errors::OciDistributionError as E;
-    match e {
-        E::AuthenticationFailure(t) => {
-            format!("authentication failed ({} bytes of answer)", t.len())
-        }
-        E::ImageManifestNotFoundError(_) => "image manifest not found".into(),
-        E::ServerError { code, message, .. } => {
-            format!("HTTP status {code} ({} bytes of answer)", message.len())
-        }
-        E::RegistryError { .. } => "the registry answered with an error".into(),
-        E::UnauthorizedError { .. } => "not authorized".into(),
-        E::RequestError(r) => match r.status() {
-            Some(status) => format!("HTTP status {}", status.as_u16()),
-            None if r.is_timeout() => "timed out".into(),
-            None if r.is_connect() => "cannot connect".into(),
-            None => "the request failed".into(),
-        },
-        E::ManifestParsingError(_)
-        | E::VersionedParsingError(_)
-        | E::JsonError(_)
-        | E::ManifestEncodingError(_) => "its manifest cannot be parsed".into(),
-        E::UnsupportedMediaTypeError(_) | E::IncompatibleLayerMediaTypeError(_) => {
-            "an unsupported media type".into()
-        }
-        E::UnsupportedSchemaVersionError(v) => format!("unsupported manifest schema version {v}"),
-        E::ImageIndexParsingNoPlatformResolverError => {
-            "an image index without a linux/amd64 image".into()
-        }
-        E::RegistryTokenDecodeError(_) => "its token cannot be decoded".into(),
-        E::SpecViolationError(_) => "it violates the OCI distribution spec".into(),
-        E::DigestError(_) => "a digest that does not match".into(),
-        E::IoError(e) => format!("I/O error: {}", e.kind()),
-        _ => "the pull failed".into(),
+fn registry(image: &str) -> impl FnOnce(RegistryError) -> ImageError + '_ {
+    move |source| ImageError::Registry {
+        image: image.to_owned(),
+        source,
     }
 }
 
@@ -793,9 +739,10 @@ fn told(e: &oci_client::errors::OciDistributionError) -> String {
 /// one on this host (loopback, `localhost`), on its link (link-local, as a
 /// cloud's metadata service at 169.254.169.254 is) or unspecified only when
 /// `local` lists it (as `host:port`, or `host` for any port), so a tenant
-/// cannot have root reach the host's own services. Names are resolved
-/// here; where DNS answers differently for the pull itself (rebinding),
-/// the pull's own resolution is not checked again.
+/// cannot have root reach the host's own services. This check is for the
+/// error's sake: the pull's own requests resolve names without such
+/// addresses too (see [`super::registry`]), so DNS answering differently
+/// later (rebinding) gains nothing.
 pub async fn local_address(registry: &str, local: &[String]) -> Option<std::net::IpAddr> {
     let (host, port) = match registry.rsplit_once(':') {
         Some((h, p)) if !h.ends_with(':') && p.bytes().all(|b| b.is_ascii_digit()) => (h, p),
@@ -805,22 +752,11 @@ pub async fn local_address(registry: &str, local: &[String]) -> Option<std::net:
     if local.iter().any(|l| l == registry || l == host) {
         return None;
     }
-    let near = |ip: &std::net::IpAddr| match ip {
-        std::net::IpAddr::V4(v4) => v4.is_loopback() || v4.is_link_local() || v4.is_unspecified(),
-        std::net::IpAddr::V6(v6) => {
-            v6.is_loopback()
-                || v6.is_unspecified()
-                || v6.is_unicast_link_local()
-                || v6
-                    .to_ipv4_mapped()
-                    .is_some_and(|v4| v4.is_loopback() || v4.is_link_local())
-        }
-    };
     if host == "localhost" || host.ends_with(".localhost") {
         return Some(std::net::Ipv4Addr::LOCALHOST.into());
     }
     if let Ok(ip) = host.parse::<std::net::IpAddr>() {
-        return near(&ip).then_some(ip);
+        return is_near(&ip).then_some(ip);
     }
     let port = port.parse().unwrap_or(443);
     let found = tokio::time::timeout(
@@ -830,7 +766,7 @@ pub async fn local_address(registry: &str, local: &[String]) -> Option<std::net:
     .await;
     // A name that does not resolve fails the pull itself, with its own error.
     let addrs = found.ok()?.ok()?;
-    addrs.map(|a| a.ip()).find(near)
+    addrs.map(|a| a.ip()).find(is_near)
 }
 
 /// The cache's name for a registry and repository: a path component
@@ -1176,7 +1112,7 @@ pub async fn push_disk(
         "rootfs": {"type": "layers", "diff_ids": []},
         "config": {},
     });
-    let client = client(if is_plain_http(r.resolve_registry(), insecure) {
+    let client = push_client(if is_plain_http(r.resolve_registry(), insecure) {
         ClientProtocol::Http
     } else {
         ClientProtocol::Https
@@ -1189,7 +1125,7 @@ pub async fn push_disk(
     let pushed = client
         .push(&r, &layers, config, &registry_auth, None)
         .await
-        .map_err(|source| ImageError::Registry {
+        .map_err(|source| ImageError::Push {
             image: image.to_owned(),
             source,
         })?;
@@ -1240,33 +1176,6 @@ mod tests {
             .unwrap_err();
         let text = err.to_string();
         assert!(text.contains("storage.local_registries"), "{text}");
-    }
-
-    /// What a registry says in a body never reaches a status: only the
-    /// kind of failure, the HTTP status and the body's length.
-    #[test]
-    fn a_registrys_answer_is_told_without_its_body() {
-        use oci_client::errors::OciDistributionError as E;
-        let body = "<script>".repeat(100_000);
-        for e in [
-            E::ServerError {
-                code: 500,
-                url: "http://r/v2/x".into(),
-                message: body.clone(),
-            },
-            E::AuthenticationFailure(body.clone()),
-            E::ManifestParsingError(body.clone()),
-            E::SpecViolationError(body.clone()),
-            E::ImageManifestNotFoundError(body.clone()),
-        ] {
-            let text = ImageError::Registry {
-                image: "r/x:1".into(),
-                source: e,
-            }
-            .to_string();
-            assert!(!text.contains("<script>"), "{text}");
-            assert!(text.len() < 200, "{text}");
-        }
     }
 
     #[tokio::test(start_paused = true)]

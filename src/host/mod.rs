@@ -24,5 +24,6 @@ pub mod network;
 pub mod nft;
 pub mod pidfd;
 pub mod qemulog;
+pub mod registry;
 pub mod storage;
 pub mod systemd;
