@@ -680,6 +680,9 @@ fn the_lease_is_renewed_and_rbac_is_least_privilege() {
         !can("create virtualmachines.kubevirt.io") && !can("delete virtualmachines.kubevirt.io")
     );
     assert!(!can("update virtualmachines.kubevirt.io"));
+    // ResourceQuotas bound emptyDisks: listed, never changed.
+    assert!(can("list resourcequotas"));
+    assert!(!can("create resourcequotas") && !can("patch resourcequotas"));
     // The shipped manifests are what kvirtd prints.
     a.ok("diff <(kvirtd --print-crd) /etc/kvirt/manifests/crd.yaml");
 }
@@ -775,6 +778,73 @@ fn a_tenant_cannot_use_another_namespaces_host_disk() {
         owner_before
     );
     kubectl(&a, "-n tenant-x delete vmi k-tenant --timeout=60s");
+}
+
+/// A namespace's ResourceQuota (`requests.ephemeral-storage`) bounds its
+/// VMs' emptyDisks across hosts: a VMI for node-b that would take the
+/// namespace past it beside node-a's VM waits, taken on by nobody, with the
+/// figures in its Ready condition and an Event; it runs once node-a's VM
+/// is gone.
+#[test]
+fn a_namespaces_resource_quota_bounds_its_vms_empty_disks_across_hosts() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = serial();
+    struct Quota<'a>(&'a Host);
+    impl Drop for Quota<'_> {
+        fn drop(&mut self) {
+            self.0
+                .sh("kubectl delete resourcequota kvirt-test-disks --ignore-not-found");
+        }
+    }
+    apply(
+        &a,
+        "apiVersion: v1\nkind: ResourceQuota\nmetadata: {name: kvirt-test-disks, namespace: default}\nspec:\n  hard: {requests.ephemeral-storage: 1Gi}\n",
+    );
+    let _quota = Quota(&a);
+    disk(&[&a], "k-quota-1", "run");
+    disk(&[&b], "k-quota-2", "run");
+    let with_scratch = |name: &str, node: &str| {
+        support::vmi_manifest(
+            name,
+            &format!("kubevirt.io/nodeName: {node}"),
+            "",
+            "      - name: scratch\n        disk: {bus: virtio}\n",
+        ) + "  - name: scratch\n    emptyDisk: {capacity: 600Mi}\n"
+    };
+    apply(&a, &with_scratch("k-quota-1", "node-a"));
+    wait_vmi(&a, "k-quota-1", ".status.phase", "Running", BOOT);
+    apply(&a, &with_scratch("k-quota-2", "node-b"));
+    let ready = ".status.conditions[?(@.type==\"Ready\")]";
+    wait_vmi(
+        &a,
+        "k-quota-2",
+        &format!("{ready}.reason"),
+        "ExceededQuota",
+        WAIT,
+    );
+    assert_eq!(
+        kubectl(
+            &a,
+            &format!("get vmi k-quota-2 -o jsonpath='{{{ready}.message}}'")
+        ),
+        "exceeded quota: kvirt-test-disks, requested: requests.ephemeral-storage=0.6 GiB \
+         (emptyDisks), used: 0.6 GiB, limited: 1.0 GiB"
+    );
+    assert!(events(&a, "k-quota-2").contains(&"ExceededQuota".to_owned()));
+    assert!(host_clean(&b, "k-quota-2"), "nothing of it on node-b");
+    let finalizers = kubectl(&a, "get vmi k-quota-2 -o jsonpath='{.metadata.finalizers}'");
+    assert!(!finalizers.contains("kvirt.io"), "{finalizers}");
+
+    delete(&a, "k-quota-1");
+    // Retried within the loop's backoff (at most 64 s), then booted.
+    wait_vmi(
+        &a,
+        "k-quota-2",
+        ".status.phase",
+        "Running",
+        BOOT + Duration::from_secs(70),
+    );
+    delete(&a, "k-quota-2");
 }
 
 fn vm_field(h: &Host, name: &str, jsonpath: &str) -> String {

@@ -97,6 +97,8 @@ async fn a_new_vmi_becomes_a_running_vm_in_order() {
     assert_eq!(
         calls,
         vec![
+            // The namespace's quota, before the VMI is taken on.
+            "allowance default",
             "hold default/vm1",
             "identity default_vm1",
             "mkdir /var/lib/kvirt/vms/default_vm1",
@@ -976,8 +978,9 @@ async fn a_container_disk_is_pulled_before_anything_is_made_and_bound_read_only(
         .filter(|c| !c.starts_with("save"))
         .collect();
     assert_eq!(
-        &calls[..5],
+        &calls[..6],
         [
+            "allowance default",
             "hold default/vm1",
             "pull registry.example:5000/disks/guest:1",
             "identity default_vm1",
@@ -1020,6 +1023,12 @@ async fn a_container_disk_is_pulled_before_anything_is_made_and_bound_read_only(
 /// waits in Scheduled, not failed: the reason in its Ready condition and an
 /// Event. Returns the condition's message.
 fn waits_with_nothing_made(host: &FakeHost, vm: &str, reason: EventReason) -> String {
+    waits_in(host, vm, reason, Some(Phase::Scheduled))
+}
+
+/// Waits with nothing made, in `phase`: a VMI kvirt has not taken on
+/// (held) stays where it was, as KubeVirt's stays Pending.
+fn waits_in(host: &FakeHost, vm: &str, reason: EventReason, phase: Option<Phase>) -> String {
     let calls = host.take_calls();
     let id = format!("default_{vm}");
     assert!(
@@ -1029,7 +1038,7 @@ fn waits_with_nothing_made(host: &FakeHost, vm: &str, reason: EventReason) -> St
         "nothing of {vm} on the host: {calls:?}"
     );
     let st = host.state().statuses[&VmKey::new("default", vm).unwrap()].clone();
-    assert_eq!(st.status.phase, Some(Phase::Scheduled));
+    assert_eq!(st.status.phase, phase);
     let ready = st
         .status
         .conditions
@@ -1072,6 +1081,97 @@ async fn a_failed_pull_leaves_nothing_and_is_retried_while_the_vmi_waits() {
         .find(|c| c.type_ == "Ready")
         .unwrap();
     assert_eq!(ready.status, "True");
+}
+
+fn with_scratch(name: &str, uid: &str, capacity: &str) -> VirtualMachineInstance {
+    VirtualMachineInstance::from_yaml(&format!(
+        "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata: {{name: {name}, namespace: default, uid: {uid}}}\nspec:\n  domain:\n    memory: {{guest: 64Mi}}\n    devices: {{disks: [{{name: d}}]}}\n  volumes: [{{name: d, emptyDisk: {{capacity: {capacity}}}}}]\n"
+    ))
+    .unwrap()
+}
+
+/// A namespace's ResourceQuota bounds its VMs' emptyDisks, VMs on other
+/// hosts included: a VMI that does not fit waits with the figures and
+/// nothing is made; it starts once the quota allows; a quota lowered
+/// never stops a VM that runs; a quota that cannot be read starts nothing
+/// that might not fit.
+#[tokio::test]
+async fn a_namespaces_quota_bounds_its_vms_empty_disks_across_hosts() {
+    use kvirt::core::quota::{bounds, Claim};
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    let quota = |figure: &str| {
+        bounds([(
+            "disks".to_owned(),
+            vec![("requests.ephemeral-storage".to_owned(), figure.to_owned())],
+        )])
+    };
+    {
+        let mut s = host.state();
+        s.quotas.insert("default".into(), quota("1Gi"));
+        let elsewhere = Claim {
+            name: "elsewhere".into(),
+            uid: "u0".into(),
+            created: "2026-01-01T00:00:00Z".into(),
+            bytes: 512 << 20,
+            admitted: true,
+        };
+        s.other_claims.insert("default".into(), vec![elsewhere]);
+    }
+    ctl.set_vmis(set(&[
+        with_scratch("vm1", "u1", "768Mi"),
+        vmi("vm2", "u2", ""),
+    ]))
+    .await;
+    let err = ctl.reconcile("default_vm1").await.unwrap_err();
+    assert_eq!(err.reason(), "quota");
+    ctl.reconcile("default_vm2").await.unwrap();
+    let message = waits_in(&host, "vm1", EventReason::ExceededQuota, None);
+    assert_eq!(
+        message,
+        "exceeded quota: disks, requested: requests.ephemeral-storage=0.8 GiB (emptyDisks), \
+         used: 0.5 GiB, limited: 1.0 GiB"
+    );
+    assert!(!host
+        .state()
+        .held
+        .contains(&VmKey::new("default", "vm1").unwrap()));
+    assert_eq!(phase(&host, "vm2"), Some(Phase::Running), "no emptyDisk");
+
+    // The other host's VM goes: vm1 fits and starts.
+    host.state().other_claims.clear();
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
+
+    // Lowered under it, the quota stops nothing and admits no more.
+    host.state().quotas.insert("default".into(), quota("100Mi"));
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
+    ctl.set_vmis(set(&[
+        with_scratch("vm1", "u1", "768Mi"),
+        vmi("vm2", "u2", ""),
+        with_scratch("vm3", "u3", "1Mi"),
+    ]))
+    .await;
+    host.take_calls();
+    assert_eq!(
+        ctl.reconcile("default_vm3").await.unwrap_err().reason(),
+        "quota"
+    );
+    waits_in(&host, "vm3", EventReason::ExceededQuota, None);
+
+    // A quota that cannot be read: nothing that might not fit starts.
+    host.state().quotas.clear();
+    host.fail("allowance ");
+    assert_eq!(
+        ctl.reconcile("default_vm3").await.unwrap_err().reason(),
+        "quota"
+    );
+    let message = waits_in(&host, "vm3", EventReason::QuotaUnknown, None);
+    assert!(message.contains("ResourceQuotas"), "{message}");
+    host.heal("allowance ");
+    ctl.reconcile("default_vm3").await.unwrap();
+    assert_eq!(phase(&host, "vm3"), Some(Phase::Running));
 }
 
 #[tokio::test]

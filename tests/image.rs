@@ -399,6 +399,7 @@ async fn oversized_images_fail_cleanly_and_leave_the_cache_as_it_was() {
         max_image_bytes: 6 << 20,
         max_unpacked_bytes: 8 << 20,
         max_entries: 100,
+        ..ImageLimits::default()
     };
     let cache = tmp.path().join("cache");
     let images = local_images(cache.clone()).with_limits(limits);

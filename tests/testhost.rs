@@ -1440,7 +1440,7 @@ fn chaos_kills_at_random_points_and_everything_converges() {
 /// running VM whose unit had gone
 /// (`a_vmi_replaced_during_its_predecessors_start_runs_as_itself` is the
 /// same race on the fakes).
-const CHAOS_ONCE_FAILED: &[u64] = &[1_796_337_339_813_738_289];
+const CHAOS_ONCE_FAILED: &[u64] = &[1_796_337_339_813_738_289, 1_796_389_352_919_579_155];
 
 #[test]
 fn chaos_runs_that_once_failed_converge() {

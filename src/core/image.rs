@@ -148,6 +148,10 @@ pub struct ImageLimits {
     pub max_unpacked_bytes: u64,
     /// Files and directories in the unpacked image.
     pub max_entries: u64,
+    /// One pull in all (the token, manifests and every layer): a slow
+    /// registry holds a VM's start no longer; what it downloaded is kept
+    /// and resumed by the next try.
+    pub max_pull_seconds: u64,
 }
 
 impl Default for ImageLimits {
@@ -158,6 +162,7 @@ impl Default for ImageLimits {
             max_image_bytes: 20 * GI,
             max_unpacked_bytes: 40 * GI,
             max_entries: 100_000,
+            max_pull_seconds: 3600,
         }
     }
 }

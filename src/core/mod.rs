@@ -23,6 +23,7 @@ pub mod phase;
 pub mod plan;
 pub mod pullsecret;
 pub mod quantity;
+pub mod quota;
 pub mod runstrategy;
 pub mod scheduling;
 pub mod status;

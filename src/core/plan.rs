@@ -368,6 +368,20 @@ pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
             p.requeue = true;
             p
         }
+        // A unit that stopped before it said whose it is (its properties
+        // gone with it, or an older instance's torn down while its daemon
+        // died): cleared out, and the VMI not blamed for it.
+        UnitActivity::Failed | UnitActivity::Inactive
+            if unit.uid.as_deref() != Some(d.uid.as_str()) =>
+        {
+            let mut p = Plan::new(
+                teardown(obs, d.grace, true),
+                Outcome::Unchanged,
+                "a unit of no known instance stopped",
+            );
+            p.requeue = true;
+            p
+        }
         UnitActivity::Failed | UnitActivity::Inactive => Plan::new(
             teardown(obs, d.grace, true),
             Outcome::Failed(format!(
@@ -808,5 +822,33 @@ mod tests {
         assert!(!plan(None, &running_host(DomainState::Running))
             .steps
             .contains(&UnregisterMachine));
+    }
+
+    /// Chaos (seed 1796389352919579155): an old instance's unit, torn down
+    /// while its daemon was killed, was read back without its uid as it
+    /// stopped, and the new instance was failed for it.
+    #[test]
+    fn a_stopped_unit_of_no_known_instance_fails_no_vmi() {
+        let d = desired(None);
+        let mut stopped = unit(UnitActivity::Inactive, "u1");
+        stopped.as_mut().unwrap().uid = None;
+        let obs = Observed {
+            unit: stopped,
+            state_dir: true,
+            ..Observed::default()
+        };
+        let p = plan(Some(&d), &obs);
+        assert_eq!(p.outcome, Outcome::Unchanged);
+        assert!(p.requeue);
+        assert_eq!(p.steps, vec![StopUnit, RemoveStateDir]);
+        // Then the new instance is made, as if nothing had been there.
+        let p = plan(Some(&d), &Observed::default());
+        assert_eq!(p.outcome, Outcome::Phase(Phase::Running));
+        // Its own unit stopping is still its failure.
+        let own = Observed {
+            unit: unit(UnitActivity::Failed, "u1"),
+            ..Observed::default()
+        };
+        assert!(matches!(plan(Some(&d), &own).outcome, Outcome::Failed(_)));
     }
 }

@@ -276,6 +276,8 @@ pub struct StorageConfig {
     pub image_max_download: String,
     pub image_max_unpacked: String,
     pub image_max_files: u64,
+    /// One pull may take this long in all (60 s to a week).
+    pub image_max_pull_seconds: u64,
     /// The image cache is collected down to this after each pull, least
     /// recently used first; images in use are kept.
     pub image_cache_max: String,
@@ -292,6 +294,14 @@ impl StorageConfig {
             max_image_bytes: bytes("image_max_download", &self.image_max_download)?,
             max_unpacked_bytes: bytes("image_max_unpacked", &self.image_max_unpacked)?,
             max_entries: self.image_max_files,
+            max_pull_seconds: match self.image_max_pull_seconds {
+                s @ 60..=604_800 => s,
+                s => {
+                    return Err(format!(
+                        "storage.image_max_pull_seconds: {s} is not between 60 and 604800"
+                    ))
+                }
+            },
         })
     }
 
@@ -354,6 +364,7 @@ impl Default for StorageConfig {
             image_max_download: "20Gi".into(),
             image_max_unpacked: "40Gi".into(),
             image_max_files: 100_000,
+            image_max_pull_seconds: 3600,
             image_cache_max: "50Gi".into(),
             free_space_reserve: "2Gi".into(),
         }
@@ -720,6 +731,11 @@ mod shipped {
         assert_eq!((l.max_layer_bytes, l.max_entries), (1 << 20, 7));
         assert_eq!(l.max_image_bytes, 20 << 30);
         assert_eq!(c.storage.image_cache_bytes().unwrap(), 2 << 30);
+        assert_eq!(l.max_pull_seconds, 3600);
+        let err = Config::parse("[storage]\nimage_max_pull_seconds = 0\n", Path::new("x"))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("image_max_pull_seconds"), "{err}");
         let err = Config::parse("[storage]\nimage_max_unpacked = \"lots\"\n", Path::new("x"))
             .unwrap_err()
             .to_string();

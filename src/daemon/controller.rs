@@ -29,7 +29,7 @@ use crate::host::libvirt::{DomainRef, Hypervisor, LibvirtError, VmSocket};
 use crate::host::machined::Machines;
 use crate::host::netns::{Netns, NetnsError};
 use crate::host::network::{Network, NetworkError};
-use crate::host::storage::{Owner, Storage, StorageError};
+use crate::host::storage::{Owner, RuntimeDir, Storage, StorageError};
 use crate::host::systemd::{SystemdError, Units};
 use crate::sources::{EventReason, Recorder, SourceError, StatusStore};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -64,6 +64,8 @@ pub enum ControllerError {
     Image { id: String, source: ImageError },
     #[error("VM {id}: {message}")]
     Objects { id: String, message: String },
+    #[error("VM {id}: {message}")]
+    Quota { id: String, message: String },
     #[error("VM {id}: teardown incomplete: {}", errors.join("; "))]
     Teardown { id: String, errors: Vec<String> },
     #[error("VM {id}: identity: {source}")]
@@ -86,6 +88,7 @@ impl ControllerError {
             ControllerError::Machined { .. } => "machined",
             ControllerError::Image { .. } => "image",
             ControllerError::Objects { .. } => "objects",
+            ControllerError::Quota { .. } => "quota",
             ControllerError::Teardown { .. } => "teardown",
             ControllerError::Identity { .. } => "identity",
         }
@@ -508,13 +511,14 @@ impl<A: Adapters> Controller<A> {
                 warn!("{e}");
                 None
             });
+        let runtime = self.deps.storage.runtime_dir(&paths.runtime_dir).await;
         let mut obs = Observed {
             machine,
             netns,
             network: self.deps.network.address(id).is_some(),
             state_dir: self.deps.storage.exists(&paths.state_dir).await,
-            runtime_dir: self.deps.storage.exists(&paths.runtime_dir).await,
-            runtime_kept: self.deps.storage.is_kept(&paths.runtime_dir).await,
+            runtime_dir: runtime != RuntimeDir::Absent,
+            runtime_kept: runtime == RuntimeDir::Kept,
             domain: None,
             unit,
             identity: self.deps.users.uid_of(id).is_some(),
@@ -745,6 +749,7 @@ impl<A: Adapters> Controller<A> {
         v: &VirtualMachineInstance,
         k: &VmKey,
     ) -> Result<(), ControllerError> {
+        self.fit_allowance(v, k).await?;
         self.deps
             .status
             .hold(v)

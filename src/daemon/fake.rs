@@ -82,6 +82,11 @@ pub struct HostState {
     pub objects: BTreeMap<(String, ObjectRef), ObjectData>,
     /// Namespaces whose objects kvirtd may not read (not opted in).
     pub closed_namespaces: BTreeSet<String>,
+    /// ResourceQuota bounds on emptyDisks, by namespace.
+    pub quotas: BTreeMap<String, Vec<crate::core::quota::Hard>>,
+    /// VMIs of other hosts, by namespace, as the allowance counts them
+    /// (this host's are its statuses, admitted once held).
+    pub other_claims: BTreeMap<String, Vec<crate::core::quota::Claim>>,
     /// Kept EFI variables, by VM id.
     pub kept_efi_vars: BTreeMap<String, crate::core::efivars::Kept>,
     /// VirtualMachines that exist, as `namespace/name uid`; `None`: there
@@ -544,8 +549,14 @@ impl Storage for FakeHost {
         Ok(())
     }
 
-    async fn is_kept(&self, dir: &Path) -> bool {
-        self.state().kept.contains(dir)
+    async fn runtime_dir(&self, dir: &Path) -> crate::host::storage::RuntimeDir {
+        use crate::host::storage::RuntimeDir;
+        let s = self.state();
+        match (s.dirs.contains(dir), s.kept.contains(dir)) {
+            (_, true) => RuntimeDir::Kept,
+            (true, false) => RuntimeDir::Live,
+            (false, false) => RuntimeDir::Absent,
+        }
     }
 
     async fn keep_console_log(&self, paths: &VmPaths) -> Result<(), StorageError> {
@@ -658,6 +669,38 @@ impl StatusStore for FakeHost {
         }
         let key = (namespace.to_owned(), object.clone());
         Ok(self.state().objects.get(&key).cloned())
+    }
+
+    async fn allowance(
+        &self,
+        namespace: &str,
+    ) -> Result<
+        (
+            Vec<crate::core::quota::Hard>,
+            Vec<crate::core::quota::Claim>,
+        ),
+        SourceError,
+    > {
+        if self.call(format!("allowance {namespace}")) {
+            return Err(SourceError::Allowance {
+                namespace: namespace.into(),
+                message: injected("allowance"),
+            });
+        }
+        let s = self.state();
+        let bounds = s.quotas.get(namespace).cloned().unwrap_or_default();
+        let mut claims = s.other_claims.get(namespace).cloned().unwrap_or_default();
+        for (key, vmi) in s
+            .statuses
+            .iter()
+            .filter(|(k, _)| k.namespace() == namespace)
+        {
+            if let Some(mut c) = crate::core::quota::claim_of(vmi, "") {
+                c.admitted = s.held.contains(key);
+                claims.push(c);
+            }
+        }
+        Ok((bounds, claims))
     }
 
     async fn virtual_machine_exists(

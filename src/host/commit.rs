@@ -3,7 +3,37 @@
 //! directory (~10 ms on a disk): a hundred VMs deleted at once would
 //! otherwise wait for a hundred of them in a row.
 
+use std::io::Write;
+use std::os::unix::fs::OpenOptionsExt;
+use std::path::Path;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, PoisonError};
+
+/// Replaces `file` with `bytes`, root's alone (0600): written to a hidden
+/// temporary file beside it (never through a link), synced, renamed over
+/// it, then the directory synced, so after a crash the file holds the old
+/// or the new bytes, never a torn mix.
+pub fn replace_private(file: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    let dir = match file.parent() {
+        Some(d) if !d.as_os_str().is_empty() => d,
+        _ => Path::new("."),
+    };
+    let mut name = std::ffi::OsString::from(".");
+    name.push(file.file_name().unwrap_or_default());
+    name.push(".tmp");
+    let tmp = dir.join(name);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(nix::libc::O_NOFOLLOW)
+        .open(&tmp)?;
+    f.write_all(bytes)?;
+    f.sync_all()?;
+    drop(f);
+    std::fs::rename(&tmp, file)?;
+    std::fs::File::open(dir)?.sync_all()
+}
 
 /// How a batch of changes ended.
 enum Outcome<E> {
@@ -167,6 +197,33 @@ impl<T: Clone, E> Drop for Saving<'_, T, E> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The whole new content or the old, root's alone; a link planted
+    /// where the temporary file goes is not written through.
+    #[test]
+    fn a_private_file_is_replaced_whole_and_never_through_a_link() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let file = dir.path().join("state.json");
+        replace_private(&file, b"old").unwrap();
+        replace_private(&file, b"new").unwrap();
+        assert_eq!(std::fs::read(&file).unwrap(), b"new");
+        let mode = std::fs::metadata(&file).unwrap().permissions().mode();
+        assert_eq!(mode & 0o777, 0o600);
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name())
+            .collect();
+        assert_eq!(names, ["state.json"], "no temporary file left");
+
+        let elsewhere = dir.path().join("elsewhere");
+        std::fs::write(&elsewhere, b"untouched").unwrap();
+        std::os::unix::fs::symlink(&elsewhere, dir.path().join(".state.json.tmp")).unwrap();
+        assert!(replace_private(&file, b"newer").is_err());
+        assert_eq!(std::fs::read(&elsewhere).unwrap(), b"untouched");
+        assert_eq!(std::fs::read(&file).unwrap(), b"new");
+    }
     use std::sync::atomic::{AtomicUsize, Ordering};
     use std::sync::Barrier;
 

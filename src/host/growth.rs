@@ -11,10 +11,10 @@
 //! counts between zero and what was admitted, never past it.
 
 use crate::host::beneath::Beneath;
+use crate::host::commit::replace_private;
 use nix::fcntl::OFlag;
 use std::collections::BTreeMap;
-use std::io::Write;
-use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+use std::os::unix::fs::DirBuilderExt;
 use std::path::{Path, PathBuf};
 
 /// A VM's record: its disks (below its state directory) and the bytes each
@@ -42,17 +42,8 @@ impl Growth {
             .recursive(true)
             .mode(0o700)
             .create(&self.dir)?;
-        let file = self.dir.join(id);
-        let tmp = self.dir.join(format!(".{id}.tmp"));
-        let mut f = std::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&tmp)?;
-        f.write_all(&serde_json::to_vec(&record).map_err(std::io::Error::other)?)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, &file)
+        let bytes = serde_json::to_vec(&record).map_err(std::io::Error::other)?;
+        replace_private(&self.dir.join(id), &bytes)
     }
 
     /// Forgets VM `id`'s disks (its state directory is gone).

@@ -6,9 +6,7 @@
 //! unit needs a record for its user (measured with systemd 257).
 
 use crate::core::identity::{self, IdRange, Identities, IdentityError};
-use crate::host::commit::GroupCommit;
-use std::io::Write;
-use std::os::unix::fs::OpenOptionsExt;
+use crate::host::commit::{replace_private, GroupCommit};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -257,22 +255,8 @@ impl IdentityStore {
 fn save(file: &Path, ids: &Identities) -> Result<(), IdentityStoreError> {
     let dir = file.parent().unwrap_or(Path::new("."));
     std::fs::create_dir_all(dir).map_err(io(dir, "create directory"))?;
-    let tmp = file.with_extension("json.tmp");
     // Root's alone: which uid each VM has names every tenant of the host.
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create(true)
-        .truncate(true)
-        .mode(0o600)
-        .open(&tmp)
-        .map_err(io(&tmp, "create"))?;
-    f.write_all(&ids.encode())
-        .and_then(|()| f.sync_all())
-        .map_err(io(&tmp, "write"))?;
-    std::fs::rename(&tmp, file).map_err(io(file, "rename"))?;
-    std::fs::File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io(dir, "sync"))
+    replace_private(file, &ids.encode()).map_err(io(file, "save"))
 }
 
 #[cfg(test)]

@@ -64,6 +64,8 @@ pub enum ImageError {
         registry: String,
         address: std::net::IpAddr,
     },
+    #[error("{image}: the pull took longer than {seconds} s in all (storage.image_max_pull_seconds); the next try resumes it")]
+    PullTimeout { image: String, seconds: u64 },
     #[error("{image}: the registry took longer than {seconds} s to answer, or sent less than {min_kib} KiB a minute")]
     Slow {
         image: String,
@@ -228,6 +230,19 @@ pub struct OciImages {
     local: Vec<String>,
 }
 
+/// What [`OciImages::fetch`] brings: the entry another pull made, or the
+/// manifest digest, the entry's place, the downloaded layers and the
+/// entry's lock.
+enum Fetched {
+    Cached(CachedImage),
+    Layers(
+        String,
+        PathBuf,
+        Vec<PathBuf>,
+        tokio::sync::OwnedMutexGuard<()>,
+    ),
+}
+
 /// An entry used this recently is kept whatever the budget: its VM may be
 /// between pulling it and taking its grant.
 const RECENT: std::time::Duration = std::time::Duration::from_secs(600);
@@ -364,6 +379,8 @@ impl OciImages {
             .map_err(io_err(image, &f, "write"))
     }
 
+    /// Fetches the image's layers (within `max_pull_seconds` in all) and
+    /// unpacks them into the cache.
     async fn pull(
         &self,
         image: &str,
@@ -371,6 +388,53 @@ impl OciImages {
         auth: Option<&Credentials>,
         progress: &(dyn Fn(Progress) + Send + Sync),
     ) -> Result<CachedImage, ImageError> {
+        let seconds = self.limits.max_pull_seconds;
+        let fetched = tokio::time::timeout(
+            std::time::Duration::from_secs(seconds),
+            self.fetch(image, r, auth, progress),
+        )
+        .await
+        .map_err(|_| ImageError::PullTimeout {
+            image: image.to_owned(),
+            seconds,
+        })??;
+        let (digest, root, blobs, _one_pull) = match fetched {
+            Fetched::Cached(c) => return Ok(c),
+            Fetched::Layers(digest, root, blobs, guard) => (digest, root, blobs, guard),
+        };
+        let (dir, img, limits) = (self.dir.clone(), image.to_owned(), self.limits);
+        let layers = blobs.clone();
+        let into = root.clone();
+        let unpacked =
+            tokio::task::spawn_blocking(move || unpack(&dir, &img, &into, &layers, &limits))
+                .await
+                .map_err(|_| ImageError::Content {
+                    image: image.to_owned(),
+                    message: "unpacking: worker thread died".into(),
+                })
+                .and_then(|r| r);
+        // Unpacked or not, the layers are of no more use.
+        remove_all(&blobs);
+        unpacked?;
+        self.remember(image, &digest)?;
+        touch(&root);
+        Ok(CachedImage {
+            image: image.to_owned(),
+            digest,
+            root,
+        })
+    }
+
+    /// The image's manifest and layers, downloaded into `blobs/` (what a
+    /// pull cut short leaves there is resumed), with the entry's lock
+    /// held; or the entry, if another pull made it meanwhile.
+    async fn fetch(
+        &self,
+        image: &str,
+        r: &Reference,
+        auth: Option<&Credentials>,
+        progress: &(dyn Fn(Progress) + Send + Sync),
+    ) -> Result<Fetched, ImageError> {
         let session = self.session(image, r, auth).await?;
         let (manifest, digest) = within(image, session.manifest(r))
             .await?
@@ -392,11 +456,11 @@ impl OciImages {
             std::fs::write(&m, b"").map_err(io_err(image, &m, "write"))?;
         }
         let lock = self.lock_for(format!("entry {}", root.display()));
-        let _one_pull = lock.lock().await;
+        let one_pull = lock.lock_owned().await;
         if let Some(c) = self.entry(image, r, &digest) {
             self.remember(image, &digest)?;
             touch(&c.root);
-            return Ok(c);
+            return Ok(Fetched::Cached(c));
         }
         let declared: Vec<(&str, i64)> = manifest
             .layers
@@ -430,24 +494,7 @@ impl OciImages {
             }
             done += layer.size.max(0) as u64;
         }
-        let (dir, img, limits) = (self.dir.clone(), image.to_owned(), self.limits);
-        let layers = blobs.clone();
-        let into = root.clone();
-        let unpacked =
-            tokio::task::spawn_blocking(move || unpack(&dir, &img, &into, &layers, &limits))
-                .await
-                .map_err(|_| content("unpacking: worker thread died".into()))
-                .and_then(|r| r);
-        // Unpacked or not, the layers are of no more use.
-        remove_all(&blobs);
-        unpacked?;
-        self.remember(image, &digest)?;
-        touch(&root);
-        Ok(CachedImage {
-            image: image.to_owned(),
-            digest,
-            root,
-        })
+        Ok(Fetched::Layers(digest, root, blobs, one_pull))
     }
 
     /// Downloads one layer into `blobs/`, resuming a partial download.
@@ -1176,6 +1223,38 @@ mod tests {
             .unwrap_err();
         let text = err.to_string();
         assert!(text.contains("storage.local_registries"), "{text}");
+    }
+
+    /// A registry that takes every connection and never answers cannot
+    /// hold a pull (and the VM's start) past `max_pull_seconds`, though
+    /// each request alone would wait longer.
+    #[tokio::test]
+    async fn a_pull_ends_within_its_time_in_all() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        tokio::spawn(async move {
+            let mut held = Vec::new();
+            while let Ok((s, _)) = listener.accept().await {
+                held.push(s);
+            }
+        });
+        let tmp = tempfile::tempdir().unwrap();
+        let images = OciImages::new(tmp.path().join("cache"), vec![])
+            .with_local_registries(vec![format!("127.0.0.1:{port}")])
+            .with_limits(ImageLimits {
+                max_pull_seconds: 1,
+                ..ImageLimits::default()
+            });
+        let image = format!("127.0.0.1:{port}/x/y:1");
+        let err = images
+            .ensure(&image, PullPolicy::Always, None, &|_| {})
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(err, ImageError::PullTimeout { seconds: 1, .. }),
+            "{err}"
+        );
+        assert!(err.to_string().contains("storage.image_max_pull_seconds"));
     }
 
     #[tokio::test(start_paused = true)]

@@ -5,8 +5,7 @@
 //! (file I/O, waits on a `std` mutex): call it from a blocking thread.
 
 use crate::core::ipam::{DroppedLease, IpamError, Lease, Leases, Loaded, Subnet};
-use crate::host::commit::GroupCommit;
-use std::io::Write;
+use crate::host::commit::{replace_private, GroupCommit};
 use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -72,20 +71,7 @@ impl LeaseFile {
             _ => Path::new("."),
         };
         std::fs::create_dir_all(dir).map_err(self.io("create directory"))?;
-        let mut name = self.path.file_name().unwrap_or_default().to_owned();
-        name.push(".tmp");
-        let tmp = dir.join(name);
-
-        let mut f = std::fs::File::create(&tmp).map_err(self.io("create temporary file"))?;
-        f.write_all(&text)
-            .map_err(self.io("write temporary file"))?;
-        f.sync_all().map_err(self.io("sync temporary file"))?;
-        drop(f);
-        std::fs::rename(&tmp, &self.path).map_err(self.io("rename temporary file"))?;
-        std::fs::File::open(dir)
-            .and_then(|d| d.sync_all())
-            .map_err(self.io("sync directory"))?;
-        Ok(())
+        replace_private(&self.path, &text).map_err(self.io("save"))
     }
 
     fn io(&self, op: &'static str) -> impl FnOnce(std::io::Error) -> LeaseStoreError + '_ {
@@ -190,7 +176,7 @@ mod tests {
         // The cursor survives: the next address follows ns_b's, not ns_a's.
         let mut again = loaded.leases;
         assert_eq!(again.allocate("ns_c", "u3").unwrap(), ip("10.213.0.4"));
-        assert!(!dir.path().join("sub/leases.json.tmp").exists());
+        assert!(!dir.path().join("sub/.leases.json.tmp").exists());
     }
 
     #[test]
@@ -294,7 +280,7 @@ mod tests {
         let path = dir.path().join("leases.json");
         // A directory where the temporary file goes: every save fails, even
         // for root.
-        std::fs::create_dir(dir.path().join("leases.json.tmp")).unwrap();
+        std::fs::create_dir(dir.path().join(".leases.json.tmp")).unwrap();
         let s = subnet("10.213.0.0/24");
         let (ipam, _) = Ipam::open(LeaseFile::new(&path), s).unwrap();
         let err = ipam.lease("ns_a", "u").unwrap_err();

@@ -56,6 +56,8 @@ pub enum RegistryError {
     LocalRealm(String),
     #[error("its token service is not an http(s) address")]
     Realm,
+    #[error("its token service is plain http, the registry https: credentials and tokens would travel in clear")]
+    RealmDowngrade,
     #[error("{}", request_told(.0))]
     Request(#[source] reqwest::Error),
 }
@@ -218,7 +220,8 @@ impl RegistryClient {
             .map(Challenge::parse);
         session.authorization = match (challenge, auth) {
             (Some(Challenge::Bearer { realm, service }), _) => {
-                let token = self.token(&realm, service.as_deref(), r, auth).await?;
+                let realm = realm_url(scheme, &realm, &self.local)?;
+                let token = self.token(realm, service.as_deref(), r, auth).await?;
                 header(&format!("Bearer {token}"))
             }
             (_, Some(c)) => header(&basic(c)),
@@ -231,18 +234,11 @@ impl RegistryClient {
     /// A pull token from the service the registry named.
     async fn token(
         &self,
-        realm: &str,
+        mut url: Url,
         service: Option<&str>,
         r: &Reference,
         auth: Option<&Credentials>,
     ) -> Result<String, RegistryError> {
-        let mut url = Url::parse(realm).map_err(|_| RegistryError::Realm)?;
-        if !matches!(url.scheme(), "http" | "https") {
-            return Err(RegistryError::Realm);
-        }
-        if let Some(host) = near_literal(&url, &self.local) {
-            return Err(RegistryError::LocalRealm(host));
-        }
         {
             let mut q = url.query_pairs_mut();
             q.append_pair("scope", &format!("repository:{}:pull", r.repository()));
@@ -273,6 +269,23 @@ impl RegistryClient {
             .filter(|t| !t.is_empty() && HeaderValue::from_str(&format!("Bearer {t}")).is_ok())
             .ok_or(RegistryError::Parse("token"))
     }
+}
+
+/// The token service a registry reached by `scheme` names: http(s), not
+/// plain http for an https registry (credentials and tokens would travel
+/// in clear), not on this host or its link unless listed.
+fn realm_url(scheme: &str, realm: &str, local: &[String]) -> Result<Url, RegistryError> {
+    let url = Url::parse(realm).map_err(|_| RegistryError::Realm)?;
+    match url.scheme() {
+        "https" => {}
+        "http" if scheme == "http" => {}
+        "http" => return Err(RegistryError::RealmDowngrade),
+        _ => return Err(RegistryError::Realm),
+    }
+    if let Some(host) = near_literal(&url, local) {
+        return Err(RegistryError::LocalRealm(host));
+    }
+    Ok(url)
 }
 
 fn basic(c: &Credentials) -> String {
@@ -779,6 +792,14 @@ mod tests {
             );
         }
         assert!(inner.seen.lock().unwrap().is_empty());
+
+        // An https registry naming a plain http token service.
+        assert!(matches!(
+            realm_url("https", "http://r.example/t", &[]),
+            Err(RegistryError::RealmDowngrade)
+        ));
+        assert!(realm_url("https", "https://r.example/t", &[]).is_ok());
+        assert!(realm_url("http", "http://r.example/t", &[]).is_ok());
 
         // A layer redirected to this host, by address or by name.
         let layer = format!("sha256:{}", "1".repeat(64));

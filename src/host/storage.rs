@@ -120,9 +120,8 @@ pub trait Storage: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), StorageError>> + Send;
     /// Ids of VMs that have a state or runtime directory.
     fn list_ids(&self) -> impl Future<Output = Vec<String>> + Send;
-    /// Whether `dir`, a VM's runtime directory, holds only a finished VM's
-    /// kept console log (root's, no tmpfs).
-    fn is_kept(&self, dir: &Path) -> impl Future<Output = bool> + Send;
+    /// What is at `dir`, a VM's runtime directory.
+    fn runtime_dir(&self, dir: &Path) -> impl Future<Output = RuntimeDir> + Send;
     /// Replaces a finished VM's runtime directory (its tmpfs, its
     /// identity's) by the last [`KEPT_CONSOLE`] bytes of its console log.
     fn keep_console_log(
@@ -1005,6 +1004,16 @@ fn room(
 
 /// Whether `dir` is a finished VM's kept console log: root's (kvirtd's),
 /// and no tmpfs of its own.
+/// What is at a VM's runtime directory.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RuntimeDir {
+    Absent,
+    /// The VM's own (a tmpfs, once it has been made).
+    Live,
+    /// Only a finished VM's kept console log: root's, no tmpfs.
+    Kept,
+}
+
 fn is_kept(dir: &Path) -> bool {
     use std::os::unix::fs::MetadataExt;
     std::fs::symlink_metadata(dir).is_ok_and(|m| {
@@ -1148,9 +1157,17 @@ impl Storage for HostStorage {
         blocking(move || this.prepare_disk_blocking(&d, &r, &i)).await
     }
 
-    async fn is_kept(&self, dir: &Path) -> bool {
+    async fn runtime_dir(&self, dir: &Path) -> RuntimeDir {
         let dir = dir.to_owned();
-        blocking(move || Ok(is_kept(&dir))).await.unwrap_or(false)
+        let state = move || {
+            Ok(match std::fs::symlink_metadata(&dir) {
+                Err(_) => RuntimeDir::Absent,
+                Ok(_) if is_kept(&dir) => RuntimeDir::Kept,
+                Ok(_) => RuntimeDir::Live,
+            })
+        };
+        // A stat that cannot be made: say it is there, as `exists` did not.
+        blocking(state).await.unwrap_or(RuntimeDir::Live)
     }
 
     async fn keep_console_log(&self, paths: &VmPaths) -> Result<(), StorageError> {
@@ -1688,7 +1705,7 @@ mod tests {
             (meta.uid(), meta.mode() & 0o777),
             (nix::unistd::geteuid().as_raw(), 0o700)
         );
-        assert!(s.is_kept(rt).await);
+        assert_eq!(s.runtime_dir(rt).await, RuntimeDir::Kept);
 
         // Planted: a link to a secret, a FIFO with no writer.
         let other = s.host.vm(&VmKey::new("ns", "planted").unwrap());
@@ -1720,7 +1737,11 @@ mod tests {
         s.create_dirs(&p, None).await.unwrap();
         assert!(!rt.join("console.log").exists());
         if nix::unistd::geteuid().is_root() {
-            assert!(!s.is_kept(rt).await, "a tmpfs of its own again");
+            assert_eq!(
+                s.runtime_dir(rt).await,
+                RuntimeDir::Live,
+                "a tmpfs of its own again"
+            );
         }
         s.remove_dir(rt).await.unwrap();
         assert!(!rt.exists());

@@ -424,7 +424,9 @@ impl Units for SystemdBus {
         if load == "not-found" {
             return Ok(None);
         }
-        let env = svc.environment().await.unwrap_or_default();
+        // Whose unit it is: never guessed (a unit going away as it is
+        // read answers nothing here, and must not pass for anyone's).
+        let env = svc.environment().await?;
         let result = svc.result().await.unwrap_or_default();
         let restarts = svc.n_restarts().await.unwrap_or_default();
         let main_pid = svc.main_pid().await.ok().filter(|p| *p > 0);

@@ -10,6 +10,7 @@ pub mod manifest;
 
 use crate::core::key::VmKey;
 use crate::core::objects::{ObjectData, ObjectRef};
+use crate::core::quota::{Claim, Hard};
 use crate::core::vmi::VirtualMachineInstance;
 use std::future::Future;
 use std::path::PathBuf;
@@ -41,6 +42,8 @@ pub enum SourceError {
         namespace: String,
         object: ObjectRef,
     },
+    #[error("reading the ResourceQuotas and VMIs of namespace {namespace}: {message}")]
+    Allowance { namespace: String, message: String },
     #[error("reading VirtualMachine {namespace}/{name}: {message}")]
     VirtualMachine {
         namespace: String,
@@ -92,6 +95,15 @@ pub trait StatusStore: Send + Sync + 'static {
         };
         async { Err(err) }
     }
+    /// What bounds the emptyDisks of `namespace`'s VMs (its
+    /// ResourceQuotas' `ephemeral-storage`) and what each of its VMIs
+    /// claims. Without a cluster there are no quotas.
+    fn allowance(
+        &self,
+        _namespace: &str,
+    ) -> impl Future<Output = Result<(Vec<Hard>, Vec<Claim>), SourceError>> + Send {
+        async { Ok((Vec::new(), Vec::new())) }
+    }
     /// Whether the VirtualMachine `namespace/name` with this uid still
     /// exists and is not being deleted. Without a cluster there is nobody
     /// to ask, and the answer is yes: what it owns stays.
@@ -126,6 +138,11 @@ pub enum EventReason {
     DaemonRestarted,
     /// The VM's libvirt daemon does not answer.
     DaemonUnresponsive,
+    /// The VM's emptyDisks do not fit its namespace's ResourceQuota.
+    ExceededQuota,
+    /// The namespace's ResourceQuotas cannot be read: nothing starts
+    /// that might not fit them.
+    QuotaUnknown,
 }
 
 /// Where Events about a VMI go (the log in standalone mode, Event objects

@@ -7,9 +7,11 @@ use crate::core::convert::{Converted, DiskPrep};
 use crate::core::key::VmKey;
 use crate::core::objects::{ObjectRef, Objects};
 use crate::core::pullsecret::{self, Credentials};
+use crate::core::quota;
 use crate::core::status;
 use crate::core::vmi::VirtualMachineInstance;
 use crate::host::image::{ImageDisk, ImageError, Images, Progress};
+use crate::sources::cluster::FINALIZER;
 use crate::sources::{EventReason, Recorder, SourceError, StatusStore};
 use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
@@ -78,6 +80,38 @@ impl<A: Adapters> Controller<A> {
                 })
             }
         }
+    }
+
+    /// A VMI's emptyDisks must fit its namespace's ResourceQuotas
+    /// (`ephemeral-storage`) before kvirt takes it on (holds it, makes
+    /// anything). Until they do, it waits, as a pod's creation is refused
+    /// until quota frees; once taken, a quota lowered never stops it.
+    pub(super) async fn fit_allowance(
+        &self,
+        vmi: &VirtualMachineInstance,
+        key: &VmKey,
+    ) -> Result<(), ControllerError> {
+        let uid = vmi.uid().unwrap_or_default();
+        let refused = match self.deps.status.allowance(key.namespace()).await {
+            Ok((bounds, mut claims)) => {
+                // The watch may have brought it before a list shows it.
+                if !claims.iter().any(|c| c.uid == uid) {
+                    claims.extend(quota::claim_of(vmi, FINALIZER));
+                }
+                quota::admits(&bounds, &claims, uid)
+                    .err()
+                    .map(|m| (EventReason::ExceededQuota, m))
+            }
+            Err(e) => Some((EventReason::QuotaUnknown, e.to_string())),
+        };
+        let Some((reason, message)) = refused else {
+            return Ok(());
+        };
+        self.wait_for(vmi, key, reason, &message).await;
+        Err(ControllerError::Quota {
+            id: key.id(),
+            message,
+        })
     }
 
     /// A start that cannot go on yet: a warning Event, and the same reason

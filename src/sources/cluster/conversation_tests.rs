@@ -484,3 +484,72 @@ async fn of_two_kvirtds_deciding_on_a_vm_only_the_one_whose_status_lands_acts() 
     reply(send, 201, made);
     task.await.unwrap().unwrap();
 }
+
+/// A namespace's allowance: its ResourceQuotas listed, and its VMIs only
+/// when one bounds ephemeral storage; each VMI claims its emptyDisks, held
+/// ones admitted, finished ones not yet taken on claiming nothing.
+#[tokio::test]
+async fn a_namespaces_allowance_is_its_quotas_and_its_vmis_claims() {
+    let (client, mut api) = client();
+    let list = |kind: &str, items: Value| json!({"apiVersion": "v1", "kind": kind, "metadata": {}, "items": items});
+    let server = tokio::spawn(async move {
+        let quotas = "/api/v1/namespaces/ns1/resourcequotas";
+        let (method, path, _, _, send) = next(&mut api).await;
+        assert_eq!((method.as_str(), path.as_str()), ("GET", quotas));
+        let cpu_only =
+            json!([{"metadata": {"name": "cpu"}, "spec": {"hard": {"requests.cpu": "4"}}}]);
+        reply(send, 200, list("ResourceQuotaList", cpu_only));
+
+        let (_, path, _, _, send) = next(&mut api).await;
+        assert_eq!(path, quotas);
+        let disks = json!([{"metadata": {"name": "disks"},
+            "spec": {"hard": {"limits.ephemeral-storage": "10Gi", "pods": "3"}}}]);
+        reply(send, 200, list("ResourceQuotaList", disks));
+        let (method, path, _, _, send) = next(&mut api).await;
+        assert_eq!(
+            (method.as_str(), path.as_str()),
+            (
+                "GET",
+                "/apis/kubevirt.io/v1/namespaces/ns1/virtualmachineinstances"
+            )
+        );
+        let vmi = |name: &str, finalizers: Value, phase: &str| {
+            json!({"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+                "metadata": {"name": name, "namespace": "ns1", "uid": name,
+                    "creationTimestamp": "2026-12-04T10:00:00Z", "finalizers": finalizers},
+                "spec": {"domain": {"devices": {}},
+                    "volumes": [{"name": "s", "emptyDisk": {"capacity": "1Gi"}}]},
+                "status": {"phase": phase}})
+        };
+        let items = json!([
+            vmi("held", json!([FINALIZER]), "Running"),
+            vmi("waiting", json!([]), "Pending"),
+            vmi("failed", json!([]), "Failed"),
+        ]);
+        reply(send, 200, list("VirtualMachineInstanceList", items));
+        let (_, _, _, _, send) = next(&mut api).await;
+        fail(send, 403, Some("Forbidden"), "forbidden");
+    });
+    let store = KubeStatus {
+        client,
+        ca_pem: None,
+        token: Default::default(),
+    };
+    let (bounds, claims) = store.allowance("ns1").await.unwrap();
+    assert!(bounds.is_empty() && claims.is_empty(), "no VMI list");
+    let (bounds, claims) = store.allowance("ns1").await.unwrap();
+    assert_eq!(bounds.len(), 1);
+    assert_eq!(bounds[0].bytes, 10 << 30);
+    let seen: Vec<(&str, bool, u64)> = claims
+        .iter()
+        .map(|c| (c.name.as_str(), c.admitted, c.bytes))
+        .collect();
+    assert_eq!(seen, [("held", true, 1 << 30), ("waiting", false, 1 << 30)]);
+    let err = store.allowance("ns1").await.unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("ResourceQuotas and VMIs of namespace ns1"),
+        "{err}"
+    );
+    server.await.unwrap();
+}

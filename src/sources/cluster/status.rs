@@ -3,10 +3,11 @@
 use super::{api_err, ClusterError, FINALIZER, KUBEVIRT_FINALIZER};
 use crate::core::key::VmKey;
 use crate::core::objects::{ObjectData, ObjectRef};
+use crate::core::quota::{self, Claim, Hard};
 use crate::core::vmi::VirtualMachineInstance;
 use crate::sources::{SourceError, StatusStore};
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
-use k8s_openapi::api::core::v1::{ConfigMap, Secret, ServiceAccount};
+use k8s_openapi::api::core::v1::{ConfigMap, ResourceQuota, Secret, ServiceAccount};
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
 use serde_json::{json, Map, Value};
 
@@ -263,6 +264,37 @@ impl StatusStore for KubeStatus {
                 }
             }
         })
+    }
+
+    async fn allowance(&self, namespace: &str) -> Result<(Vec<Hard>, Vec<Claim>), SourceError> {
+        let err = |e: kube::Error| SourceError::Allowance {
+            namespace: namespace.into(),
+            message: e.to_string(),
+        };
+        let all = kube::api::ListParams::default();
+        let quotas = Api::<ResourceQuota>::namespaced(self.client.clone(), namespace)
+            .list(&all)
+            .await
+            .map_err(err)?;
+        let bounds = quota::bounds(quotas.items.into_iter().map(|q| {
+            let hard = q.spec.and_then(|s| s.hard).unwrap_or_default();
+            let hard = hard.into_iter().map(|(k, v)| (k, v.0)).collect();
+            (q.metadata.name.unwrap_or_default(), hard)
+        }));
+        if bounds.is_empty() {
+            // No quota of the kind: the VMIs need not be listed.
+            return Ok((bounds, Vec::new()));
+        }
+        let vmis = Api::<VirtualMachineInstance>::namespaced(self.client.clone(), namespace)
+            .list(&all)
+            .await
+            .map_err(err)?;
+        let claims = vmis
+            .items
+            .iter()
+            .filter_map(|v| quota::claim_of(v, FINALIZER))
+            .collect();
+        Ok((bounds, claims))
     }
 
     async fn virtual_machine_exists(
