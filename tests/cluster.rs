@@ -847,6 +847,69 @@ fn a_namespaces_resource_quota_bounds_its_vms_empty_disks_across_hosts() {
     delete(&a, "k-quota-2");
 }
 
+/// The test cluster binds and protects claims as a real one does: a
+/// kube-controller-manager's PV binder binds a claim to a matching local
+/// PV, and the claim carries `kubernetes.io/pvc-protection` until it goes
+/// (what persistent disks stand on; nothing here is kvirt's yet).
+#[test]
+fn claims_are_bound_and_protected_by_the_real_controller_manager() {
+    let Some((a, _b)) = hosts() else { return };
+    let _g = serial();
+    a.ok("mkdir -p /var/lib/kvirt/claims/k-pv-1");
+    apply(
+        &a,
+        "apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {name: kvirt-test-local}
+provisioner: kubernetes.io/no-provisioner
+volumeBindingMode: Immediate
+---
+apiVersion: v1
+kind: PersistentVolume
+metadata: {name: k-pv-1}
+spec:
+  capacity: {storage: 1Gi}
+  accessModes: [ReadWriteOnce]
+  persistentVolumeReclaimPolicy: Retain
+  storageClassName: kvirt-test-local
+  local: {path: /var/lib/kvirt/claims/k-pv-1}
+  nodeAffinity:
+    required:
+      nodeSelectorTerms:
+      - matchExpressions:
+        - {key: kubernetes.io/hostname, operator: In, values: [node-a]}
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: k-claim-1, namespace: default}
+spec:
+  accessModes: [ReadWriteOnce]
+  storageClassName: kvirt-test-local
+  resources: {requests: {storage: 512Mi}}
+",
+    );
+    let field = |what: &str, jsonpath: &str| {
+        kubectl(&a, &format!("get {what} -o jsonpath='{{{jsonpath}}}'"))
+    };
+    a.wait(
+        "k-claim-1 Bound",
+        WAIT,
+        "[ \"$(kubectl get pvc k-claim-1 -o jsonpath='{.status.phase}')\" = Bound ]",
+    );
+    assert_eq!(field("pvc k-claim-1", ".spec.volumeName"), "k-pv-1");
+    assert_eq!(field("pv k-pv-1", ".spec.claimRef.name"), "k-claim-1");
+    assert!(field("pvc k-claim-1", ".metadata.finalizers").contains("kubernetes.io/pvc-protection"));
+
+    kubectl(&a, "delete pvc k-claim-1 --timeout=60s");
+    a.wait(
+        "k-pv-1 Released",
+        WAIT,
+        "[ \"$(kubectl get pv k-pv-1 -o jsonpath='{.status.phase}')\" = Released ]",
+    );
+    kubectl(&a, "delete pv k-pv-1 --timeout=60s");
+    kubectl(&a, "delete storageclass kvirt-test-local");
+}
+
 fn vm_field(h: &Host, name: &str, jsonpath: &str) -> String {
     kubectl(h, &format!("get vm {name} -o jsonpath='{jsonpath}'"))
 }

@@ -243,6 +243,10 @@ enum Fetched {
     ),
 }
 
+/// A download untouched this long was abandoned (its image no longer
+/// wanted, or its registry gone): collected, not resumed.
+const ABANDONED: std::time::Duration = std::time::Duration::from_secs(24 * 3600);
+
 /// An entry used this recently is kept whatever the budget: its VM may be
 /// between pulling it and taking its grant.
 const RECENT: std::time::Duration = std::time::Duration::from_secs(600);
@@ -474,6 +478,8 @@ impl OciImages {
                     image: image.to_owned(),
                     message,
                 })?;
+        // Room for it first: what is being downloaded counts too.
+        self.collect_for(total);
         let mut done = 0;
         let mut blobs = Vec::new();
         for layer in &manifest.layers {
@@ -647,9 +653,28 @@ impl OciImages {
     /// minutes. Each goes by rename first, so a crash never leaves half an
     /// entry where a VM would find it. Returns what went.
     pub fn collect(&self) -> Vec<PathBuf> {
+        self.collect_for(0)
+    }
+
+    /// [`Self::collect`], with room for `incoming` bytes a pull is about to
+    /// download. Downloads and unpacking in progress count against the
+    /// budget too, and downloads untouched for [`ABANDONED`] go first.
+    fn collect_for(&self, incoming: u64) -> Vec<PathBuf> {
         if self.budget == u64::MAX {
             return Vec::new();
         }
+        let blobs = self.dir.join("blobs");
+        for f in std::fs::read_dir(&blobs).into_iter().flatten().flatten() {
+            let idle = f
+                .metadata()
+                .and_then(|m| m.modified())
+                .ok()
+                .and_then(|t| t.elapsed().ok());
+            if idle.is_some_and(|idle| idle > ABANDONED) {
+                let _ = std::fs::remove_file(f.path());
+            }
+        }
+        let in_flight = tree_size(&blobs) + tree_size(&self.dir.join(".tmp"));
         let in_use = (self.in_use)();
         let mut entries: Vec<(std::time::SystemTime, u64, PathBuf)> = Vec::new();
         for repo in read_dirs(&self.dir.join("repos")) {
@@ -660,7 +685,10 @@ impl OciImages {
                 entries.push((used, tree_size(&root), root));
             }
         }
-        let mut total: u64 = entries.iter().map(|e| e.1).sum();
+        let mut total: u64 = entries
+            .iter()
+            .map(|e| e.1)
+            .fold(in_flight.saturating_add(incoming), u64::saturating_add);
         entries.sort();
         let mut gone = Vec::new();
         for (used, size, root) in entries {
@@ -1557,6 +1585,25 @@ mod tests {
         assert!(!oldest.exists() && !older.exists());
         assert!(used.exists() && recent.exists());
         assert!(images.collect().is_empty(), "within budget, or kept");
+
+        // Downloads in progress count, and so does a pull about to start:
+        // room is made for them. A download abandoned for a day goes.
+        let blobs = cache.join("blobs");
+        std::fs::create_dir_all(&blobs).unwrap();
+        std::fs::write(blobs.join("x-1.partial"), vec![0u8; 50]).unwrap();
+        let abandoned = blobs.join("y-2.partial");
+        std::fs::write(&abandoned, vec![0u8; 5000]).unwrap();
+        std::fs::File::options()
+            .write(true)
+            .open(&abandoned)
+            .unwrap()
+            .set_modified(std::time::SystemTime::now() - ABANDONED * 2)
+            .unwrap();
+        let third = entry("c", "5", 40, 6000);
+        assert!(images.collect().is_empty(), "800 + 40, and 50 in flight");
+        assert!(!abandoned.exists());
+        assert_eq!(images.collect_for(20), [third], "20 more to come");
+        assert!(blobs.join("x-1.partial").exists(), "in progress: kept");
     }
 
     fn walk(root: &Path) -> Vec<String> {

@@ -20,8 +20,8 @@ TH_GO_CACHE=$TH_CACHE/go
 
 # ---------------------------------------------------------------- binaries
 
-# th__build_k8s OUT VERSION GO: build kube-apiserver and kubectl from the
-# k8s.io/kubernetes module at VERSION with the machine's Go, into OUT.
+# th__build_k8s OUT VERSION GO: build kube-apiserver, kube-controller-manager and
+# kubectl from the k8s.io/kubernetes module at VERSION with the machine's Go, into OUT.
 th__build_k8s() {
   local out=$1 ver=$2 go=$3
   local w=$TH_WORK minor patch
@@ -31,7 +31,7 @@ th__build_k8s() {
   mkdir -p "$GOPATH" "$GOMODCACHE" "$GOCACHE"
   set -x
   "$go" version
-  mkdir -p "$w/src/cmd/kube-apiserver" "$w/src/cmd/kubectl"
+  mkdir -p "$w/src/cmd/kube-apiserver" "$w/src/cmd/kube-controller-manager" "$w/src/cmd/kubectl"
   cd "$w/src" || return
   echo "[th $(date +%T)] k8s: fetching k8s.io/kubernetes v$ver"
   # The kubernetes go.mod requires its staging repositories as v0.0.0 and replaces
@@ -57,8 +57,12 @@ th__build_k8s() {
     echo ")"
   } >go.mod
   cat go.mod
-  # Mirrors cmd/kube-apiserver/apiserver.go of the kubernetes tree.
-  cat >cmd/kube-apiserver/main.go <<'GO'
+  # Mirror cmd/kube-apiserver/apiserver.go and cmd/kube-controller-manager/
+  # controller-manager.go of the kubernetes tree: one shape, its own app.
+  local component command
+  for component in kube-apiserver:NewAPIServerCommand kube-controller-manager:NewControllerManagerCommand; do
+    command=${component#*:} component=${component%%:*}
+    cat >"cmd/$component/main.go" <<GO
 package main
 
 import (
@@ -68,15 +72,16 @@ import (
 	_ "k8s.io/component-base/logs/json/register"
 	_ "k8s.io/component-base/metrics/prometheus/clientgo"
 	_ "k8s.io/component-base/metrics/prometheus/version"
-	"k8s.io/kubernetes/cmd/kube-apiserver/app"
+	"k8s.io/kubernetes/cmd/$component/app"
 )
 
 func main() {
-	command := app.NewAPIServerCommand()
+	command := app.$command()
 	code := cli.Run(command)
 	os.Exit(code)
 }
 GO
+  done
   # Mirrors cmd/kubectl/kubectl.go of the kubernetes tree.
   cat >cmd/kubectl/main.go <<'GO'
 package main
@@ -107,7 +112,7 @@ GO
     ld+=" -X $p.gitTreeState=clean -X $p.buildDate=1970-01-01T00:00:00Z"
   done
   local bin t
-  for bin in kube-apiserver kubectl; do
+  for bin in kube-apiserver kube-controller-manager kubectl; do
     echo "[th $(date +%T)] k8s: building $bin"
     t=$SECONDS
     "$go" build -trimpath -ldflags="$ld" -o "$out/$bin" "./cmd/$bin"
@@ -115,6 +120,7 @@ GO
   done
   "$out/kube-apiserver" --version | tee "$out/version"
   grep -qx "Kubernetes v$ver" "$out/version"
+  "$out/kube-controller-manager" --version | grep -qx "Kubernetes v$ver"
   "$out/kubectl" version --client
   echo "$ver" >"$out/k8s-version"
   set +x
@@ -183,6 +189,7 @@ th_k8s_binds() {
   k=$(th_k8s_bins) || return
   e=$(th_etcd) || return
   echo "$k/kube-apiserver:/usr/local/bin/kube-apiserver $k/kubectl:/usr/local/bin/kubectl" \
+    "$k/kube-controller-manager:/usr/local/bin/kube-controller-manager" \
     "$e/etcd:/usr/local/bin/etcd $e/etcdctl:/usr/local/bin/etcdctl"
 }
 
@@ -193,7 +200,8 @@ th_k8s_binds() {
 #                              users/<user>.{crt,key}
 #   /etc/kvirt/admin.kubeconfig   (also /root/.kube/config, and share/admin.kubeconfig)
 #   /etc/kvirt/kubeconfigs/<user>.kubeconfig   (th_k8s_kubeconfig)
-#   etcd.service, kube-apiserver.service (/etc/systemd/system, Restart=on-failure)
+#   etcd.service, kube-apiserver.service, kube-controller-manager.service
+#   (/etc/systemd/system, Restart=on-failure)
 #   /var/lib/etcd (data, in the overlay: gone with the host)
 TH_K8S_SERVER=https://127.0.0.1:6443
 TH_K8S_SERVICE_CIDR=${TH_K8S_SERVICE_CIDR:-10.96.0.0/12}
@@ -301,6 +309,23 @@ ExecStart=/usr/local/bin/kube-apiserver \\
 Restart=on-failure
 RestartSec=1
 LimitNOFILE=65536
+### kube-controller-manager.service
+[Unit]
+Description=Kubernetes controller manager (kvirt test control plane)
+Wants=kube-apiserver.service
+After=kube-apiserver.service
+
+[Service]
+# The controllers of persistent storage a cluster without pods needs: claims
+# bound to volumes by the PV binder, and both kept while in use. No leader
+# election (one instance); nothing served but on loopback.
+ExecStart=/usr/local/bin/kube-controller-manager \
+  --kubeconfig=/etc/kvirt/admin.kubeconfig \
+  --controllers=persistentvolume-binder-controller,persistentvolumeclaim-protection-controller,persistentvolume-protection-controller \
+  --leader-elect=false --bind-address=127.0.0.1 \
+  --pvclaimbinder-sync-period=2s
+Restart=on-failure
+RestartSec=1
 EOT
 }
 
@@ -344,7 +369,7 @@ th_k8s_up() {
   bins=$(th_k8s_bins) || return
   etcd=$(th_etcd) || return
   local f src
-  for f in kube-apiserver kubectl etcd etcdctl; do
+  for f in kube-apiserver kube-controller-manager kubectl etcd etcdctl; do
     [[ -x /proc/$pid/root/usr/local/bin/$f ]] && continue
     case $f in etcd*) src=$etcd/$f ;; *) src=$bins/$f ;; esac
     th_log "test host $name: copying $f in (boot with TH_BIND_RO=\"\$(th_k8s_binds)\" to bind it)"
@@ -366,6 +391,7 @@ th_k8s_up() {
   t=$(th__now)
   th_exec "$name" systemctl start kube-apiserver.service || return
   th_k8s_wait_ready "$name" || return
+  th_exec "$name" systemctl start kube-controller-manager.service || return
   th_log "test host $name: kube-apiserver ready in $(th__since "$t") (control plane up in $(th__since "$t0"));" \
     "admin kubeconfig: /etc/kvirt/admin.kubeconfig, outside: $share/admin.kubeconfig"
 }
