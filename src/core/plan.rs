@@ -247,6 +247,14 @@ impl Plan {
             why,
         }
     }
+
+    /// A plan after which the VM is looked at again soon.
+    fn again(steps: Vec<Step>, outcome: Outcome, why: &'static str) -> Self {
+        Self {
+            requeue: true,
+            ..Self::new(steps, outcome, why)
+        }
+    }
 }
 
 const DEFAULT_GRACE: Duration = Duration::from_secs(30);
@@ -309,13 +317,11 @@ pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
     // A different instance of the same name (the manifest was replaced):
     // clear the old one out first, then come back for the new one.
     if obs.uid().is_some_and(|uid| uid != d.uid) {
-        let mut p = Plan::new(
+        return Plan::again(
             teardown(obs, d.grace, true),
             Outcome::Unchanged,
             "the host runs another instance of this name",
         );
-        p.requeue = true;
-        return p;
     }
 
     if let Some(reason) = &d.invalid {
@@ -335,52 +341,54 @@ pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
         );
     }
 
-    let was_running = d.phase == Some(Phase::Running);
-    let Some(unit) = &obs.unit else {
-        if was_running {
-            return Plan::new(
-                teardown(obs, d.grace, true),
-                Outcome::Failed("the VM's unit disappeared".into()),
-                "the unit of a running VM is gone",
-            );
-        }
-        let mut steps = vec![Step::AcquireIdentity, Step::CreateDirs, Step::PrepareDisks];
-        if !obs.netns {
-            steps.push(Step::CreateNetns);
-        }
-        steps.extend([
-            Step::SetupNetwork,
-            Step::StartUnit,
-            Step::DefineDomain,
-            Step::StartDomain,
-        ]);
-        steps.extend(register(obs));
-        return Plan::new(steps, Outcome::Phase(Phase::Running), "creating the VM");
-    };
+    match &obs.unit {
+        None => without_unit(d, obs),
+        Some(unit) => with_unit(d, obs, unit),
+    }
+}
 
+/// Nothing of the VM runs: made, unless it ran and its unit went.
+fn without_unit(d: &Desired, obs: &Observed) -> Plan {
+    if d.phase == Some(Phase::Running) {
+        return Plan::new(
+            teardown(obs, d.grace, true),
+            Outcome::Failed("the VM's unit disappeared".into()),
+            "the unit of a running VM is gone",
+        );
+    }
+    let mut steps = vec![Step::AcquireIdentity, Step::CreateDirs, Step::PrepareDisks];
+    if !obs.netns {
+        steps.push(Step::CreateNetns);
+    }
+    steps.extend([
+        Step::SetupNetwork,
+        Step::StartUnit,
+        Step::DefineDomain,
+        Step::StartDomain,
+    ]);
+    steps.extend(register(obs));
+    Plan::new(steps, Outcome::Phase(Phase::Running), "creating the VM")
+}
+
+/// The VM's unit is there: what its state says.
+fn with_unit(d: &Desired, obs: &Observed, unit: &UnitObs) -> Plan {
     match unit.activity {
-        UnitActivity::Activating | UnitActivity::Deactivating => {
-            let mut p = Plan::new(
-                vec![],
-                Outcome::Unchanged,
-                "the unit is starting or stopping",
-            );
-            p.requeue = true;
-            p
-        }
+        UnitActivity::Activating | UnitActivity::Deactivating => Plan::again(
+            vec![],
+            Outcome::Unchanged,
+            "the unit is starting or stopping",
+        ),
         // A unit that stopped before it said whose it is (its properties
         // gone with it, or an older instance's torn down while its daemon
         // died): cleared out, and the VMI not blamed for it.
         UnitActivity::Failed | UnitActivity::Inactive
             if unit.uid.as_deref() != Some(d.uid.as_str()) =>
         {
-            let mut p = Plan::new(
+            Plan::again(
                 teardown(obs, d.grace, true),
                 Outcome::Unchanged,
                 "a unit of no known instance stopped",
-            );
-            p.requeue = true;
-            p
+            )
         }
         UnitActivity::Failed | UnitActivity::Inactive => Plan::new(
             teardown(obs, d.grace, true),
@@ -392,51 +400,55 @@ pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
         ),
         UnitActivity::Active if obs.unresponsive.is_some() => {
             let why = obs.unresponsive.as_deref().unwrap_or_default();
-            let mut p = Plan::new(
+            Plan::again(
                 vec![],
                 Outcome::Unresponsive(format!("the VM's libvirt daemon does not answer: {why}")),
                 "the VM's libvirt daemon does not answer",
-            );
-            p.requeue = true;
-            p
+            )
         }
-        UnitActivity::Active => match obs.domain.as_ref().map(|dom| dom.state) {
-            None => Plan::new(
-                [Step::SetupNetwork, Step::DefineDomain, Step::StartDomain]
-                    .into_iter()
-                    .chain(register(obs))
-                    .collect(),
-                Outcome::Phase(Phase::Running),
-                "the unit runs without the domain",
-            ),
-            Some(DomainState::Running | DomainState::Paused) => Plan::new(
-                register(obs).collect(),
-                Outcome::Phase(Phase::Running),
-                "the VM runs",
-            ),
-            Some(DomainState::Shutoff | DomainState::Other) if !was_running => Plan::new(
-                std::iter::once(Step::StartDomain)
-                    .chain(register(obs))
-                    .collect(),
-                Outcome::Phase(Phase::Running),
-                "the domain is defined but not started",
-            ),
-            Some(DomainState::Shutdown) => Plan::new(
-                teardown(obs, d.grace, true),
-                Outcome::Phase(Phase::Succeeded),
-                "the guest powered off",
-            ),
-            Some(DomainState::Crashed) => Plan::new(
-                teardown(obs, d.grace, true),
-                Outcome::Failed("the guest crashed".into()),
-                "the guest crashed",
-            ),
-            Some(DomainState::Shutoff | DomainState::Other) => Plan::new(
-                teardown(obs, d.grace, true),
-                Outcome::Failed("the domain stopped unexpectedly".into()),
-                "the domain stopped",
-            ),
-        },
+        UnitActivity::Active => with_domain(d, obs),
+    }
+}
+
+/// The unit runs: what the domain's state says.
+fn with_domain(d: &Desired, obs: &Observed) -> Plan {
+    let was_running = d.phase == Some(Phase::Running);
+    match obs.domain.as_ref().map(|dom| dom.state) {
+        None => Plan::new(
+            [Step::SetupNetwork, Step::DefineDomain, Step::StartDomain]
+                .into_iter()
+                .chain(register(obs))
+                .collect(),
+            Outcome::Phase(Phase::Running),
+            "the unit runs without the domain",
+        ),
+        Some(DomainState::Running | DomainState::Paused) => Plan::new(
+            register(obs).collect(),
+            Outcome::Phase(Phase::Running),
+            "the VM runs",
+        ),
+        Some(DomainState::Shutoff | DomainState::Other) if !was_running => Plan::new(
+            std::iter::once(Step::StartDomain)
+                .chain(register(obs))
+                .collect(),
+            Outcome::Phase(Phase::Running),
+            "the domain is defined but not started",
+        ),
+        Some(DomainState::Shutdown) => Plan::new(
+            teardown(obs, d.grace, true),
+            Outcome::Phase(Phase::Succeeded),
+            "the guest powered off",
+        ),
+        Some(DomainState::Crashed) => Plan::new(
+            teardown(obs, d.grace, true),
+            Outcome::Failed("the guest crashed".into()),
+            "the guest crashed",
+        ),
+        Some(DomainState::Shutoff | DomainState::Other) => Plan::new(
+            teardown(obs, d.grace, true),
+            Outcome::Failed("the domain stopped unexpectedly".into()),
+            "the domain stopped",
+        ),
     }
 }
 

@@ -245,6 +245,25 @@ pub(super) fn convert(
     (disks, controllers, preps)
 }
 
+/// The volumes' check: what it needs of the VM, and what the volumes
+/// checked so far hold together.
+struct Volumes<'a, 'c> {
+    ctx: &'a ConvertContext<'c>,
+    who: Identity<'a>,
+    preps: Vec<DiskPrep>,
+    /// hostDisk files in use: one volume each.
+    host_paths: BTreeSet<PathBuf>,
+    cloud_init: bool,
+    writable: DiskBudget,
+}
+
+/// Who the VM is, for the seeds that carry it.
+struct Identity<'a> {
+    meta: &'a ObjectMeta,
+    hostname: &'a str,
+    uuid: &'a str,
+}
+
 /// Checks every volume; returns the usable ones by name and their preps.
 fn volumes<'v>(
     volumes: &'v [Volume],
@@ -254,11 +273,20 @@ fn volumes<'v>(
     uuid: &str,
     errs: &mut Errors,
 ) -> (BTreeMap<&'v str, Source>, Vec<DiskPrep>) {
+    let who = Identity {
+        meta,
+        hostname,
+        uuid,
+    };
     let mut sources = BTreeMap::new();
-    let mut preps = Vec::new();
-    let mut host_paths = BTreeSet::new();
-    let mut cloud_init_seen = false;
-    let mut writable = DiskBudget::new(ctx.limits.max_disk_bytes);
+    let mut check = Volumes {
+        ctx,
+        who,
+        preps: Vec::new(),
+        host_paths: BTreeSet::new(),
+        cloud_init: false,
+        writable: DiskBudget::new(ctx.limits.max_disk_bytes),
+    };
     for (i, v) in volumes.iter().enumerate() {
         let path = format!("spec.volumes[{i}]");
         if !is_dns_label(&v.name) {
@@ -275,6 +303,17 @@ fn volumes<'v>(
             );
             continue;
         }
+        if let Some(source) = check.volume(v, &path, errs) {
+            sources.insert(v.name.as_str(), source);
+        }
+    }
+    (sources, check.preps)
+}
+
+impl Volumes<'_, '_> {
+    /// One volume: its source checked, its prep recorded, the disk it gives.
+    fn volume(&mut self, v: &Volume, path: &str, errs: &mut Errors) -> Option<Source> {
+        let ctx = self.ctx;
         for k in v.extra.keys() {
             errs.add(
                 format!("{path}.{k}"),
@@ -297,156 +336,167 @@ fn volumes<'v>(
         .filter(|s| *s)
         .count();
         if set > 1 {
-            errs.add(&path, "set only one volume source");
-            continue;
+            errs.add(path, "set only one volume source");
+            return None;
+        }
+        let config_disk = v.config_map.is_some()
+            || v.secret.is_some()
+            || v.service_account.is_some()
+            || v.downward_api.is_some();
+        if let Some(cd) = &v.container_disk {
+            let p = format!("{path}.containerDisk");
+            let backing = container_disk(cd, &p, ctx.cluster, errs)?;
+            return Some(self.overlay(v, backing));
+        }
+        if config_disk {
+            return self.config_disk_volume(v, path, errs);
+        }
+        if let Some(eph) = &v.ephemeral {
+            let p = format!("{path}.ephemeral");
+            let base = ephemeral(eph, ctx, &p, errs)?;
+            if !self.host_paths.insert(base.clone()) {
+                errs.add(format!("{p}.hostDisk.path"), "used by another volume");
+            }
+            return Some(self.overlay(v, Backing::HostDisk(base)));
         }
         let cloud_init = match (&v.cloud_init_no_cloud, &v.cloud_init_config_drive) {
             (Some(ci), _) => Some((Flavor::NoCloud, ci)),
             (_, Some(ci)) => Some((Flavor::ConfigDrive, ci)),
             _ => None,
         };
-        if let Some(cd) = &v.container_disk {
-            let p = format!("{path}.containerDisk");
-            if let Some(backing) = container_disk(cd, &p, ctx.cluster, errs) {
-                let file = ctx.paths.overlay(&v.name);
-                preps.push(DiskPrep::Overlay {
-                    volume: v.name.clone(),
-                    path: file.clone(),
-                    backing,
-                });
-                sources.insert(v.name.as_str(), qcow2(file));
-            }
-            continue;
-        }
-        let config_disk = v.config_map.is_some()
-            || v.secret.is_some()
-            || v.service_account.is_some()
-            || v.downward_api.is_some();
-        if config_disk {
-            let seed = match &v.downward_api {
-                Some(d) => downwardapi::seed(d, meta, &path, errs),
-                None => configdisk::seed(v, &path, ctx.cluster, errs),
-            };
-            if let Some(seed) = seed {
-                let file = ctx.paths.config_iso(&v.name);
-                preps.push(DiskPrep::SeedIso {
-                    volume: v.name.clone(),
-                    path: file.clone(),
-                    seed,
-                });
-                sources.insert(
-                    v.name.as_str(),
-                    Source {
-                        path: file,
-                        format: "raw",
-                    },
-                );
-            }
-            continue;
-        }
-        if let Some(eph) = &v.ephemeral {
-            let p = format!("{path}.ephemeral");
-            if let Some(base) = ephemeral(eph, ctx, &p, errs) {
-                if !host_paths.insert(base.clone()) {
-                    errs.add(format!("{p}.hostDisk.path"), "used by another volume");
-                }
-                let file = ctx.paths.overlay(&v.name);
-                preps.push(DiskPrep::Overlay {
-                    volume: v.name.clone(),
-                    path: file.clone(),
-                    backing: Backing::HostDisk(base),
-                });
-                sources.insert(v.name.as_str(), qcow2(file));
-            }
-            continue;
-        }
-        let source = match (&v.host_disk, &v.empty_disk, cloud_init) {
+        match (&v.host_disk, &v.empty_disk, cloud_init) {
             (None, None, None) => {
                 if v.extra.is_empty() {
-                    errs.add(&path, "has no volume source");
+                    errs.add(path, "has no volume source");
                 }
-                continue;
+                None
             }
             (_, _, Some((flavor, ci))) => {
                 let p = format!("{path}.{}", flavor.field());
-                if cloud_init_seen {
-                    errs.add(&p, "only one cloud-init volume is allowed");
-                    continue;
-                }
-                cloud_init_seen = true;
-                let Some(seed) =
-                    cloudinit::seed(flavor, ci, &p, ctx.key, hostname, uuid, ctx.cluster, errs)
-                else {
-                    continue;
-                };
-                let file = ctx.paths.cloud_init_iso(&v.name);
-                preps.push(DiskPrep::SeedIso {
-                    volume: v.name.clone(),
-                    path: file.clone(),
-                    seed,
-                });
-                Source {
-                    path: file,
-                    format: "raw",
-                }
+                self.cloud_init_volume(v, (flavor, ci), &p, errs)
             }
-            (Some(hd), _, None) => {
-                let p = format!("{path}.hostDisk");
-                errs.reject_extra(&p, &hd.extra);
-                let Some(file) = host_disk_path(&hd.path, ctx, &format!("{p}.path"), errs) else {
-                    continue;
-                };
-                if !host_paths.insert(file.clone()) {
-                    errs.add(format!("{p}.path"), "used by another volume");
-                }
-                match (hd.type_, &hd.capacity) {
-                    (HostDiskType::Disk, Some(_)) => errs.add(
-                        format!("{p}.capacity"),
-                        "only allowed with type DiskOrCreate",
-                    ),
-                    (HostDiskType::Disk, None) => preps.push(DiskPrep::RequireExisting {
-                        volume: v.name.clone(),
-                        path: file.clone(),
-                    }),
-                    (HostDiskType::DiskOrCreate, None) => {
-                        errs.add(format!("{p}.capacity"), "required with type DiskOrCreate")
-                    }
-                    (HostDiskType::DiskOrCreate, Some(q)) => {
-                        let field = format!("{p}.capacity");
-                        if let Some(size_bytes) = capacity(q, &field, errs) {
-                            writable.charge(size_bytes, &field, errs);
-                            preps.push(DiskPrep::CreateRawIfMissing {
-                                volume: v.name.clone(),
-                                path: file.clone(),
-                                size_bytes,
-                            });
-                        }
-                    }
-                }
-                Source {
-                    path: file,
-                    format: "raw",
-                }
-            }
+            (Some(hd), _, None) => self.host_disk_volume(v, hd, path, errs),
             (None, Some(ed), None) => {
                 let p = format!("{path}.emptyDisk");
                 errs.reject_extra(&p, &ed.extra);
                 let file = ctx.paths.empty_disk(&v.name);
                 let field = format!("{p}.capacity");
                 if let Some(size_bytes) = capacity(&ed.capacity, &field, errs) {
-                    writable.charge(size_bytes, &field, errs);
-                    preps.push(DiskPrep::CreateQcow2 {
+                    self.writable.charge(size_bytes, &field, errs);
+                    self.preps.push(DiskPrep::CreateQcow2 {
                         volume: v.name.clone(),
                         path: file.clone(),
                         size_bytes,
                     });
                 }
-                qcow2(file)
+                Some(qcow2(file))
             }
-        };
-        sources.insert(v.name.as_str(), source);
+        }
     }
-    (sources, preps)
+
+    /// The one cloud-init volume a VM may have: a seed ISO.
+    fn cloud_init_volume(
+        &mut self,
+        v: &Volume,
+        (flavor, ci): (Flavor, &crate::core::vmi::CloudInit),
+        p: &str,
+        errs: &mut Errors,
+    ) -> Option<Source> {
+        let ctx = self.ctx;
+        if self.cloud_init {
+            errs.add(p, "only one cloud-init volume is allowed");
+            return None;
+        }
+        self.cloud_init = true;
+        let seed = cloudinit::seed(
+            flavor,
+            ci,
+            p,
+            ctx.key,
+            self.who.hostname,
+            self.who.uuid,
+            ctx.cluster,
+            errs,
+        )?;
+        Some(self.seed_iso(v, ctx.paths.cloud_init_iso(&v.name), seed))
+    }
+
+    /// A fresh qcow2 overlay over `backing`, made on every start.
+    fn overlay(&mut self, v: &Volume, backing: Backing) -> Source {
+        let file = self.ctx.paths.overlay(&v.name);
+        self.preps.push(DiskPrep::Overlay {
+            volume: v.name.clone(),
+            path: file.clone(),
+            backing,
+        });
+        qcow2(file)
+    }
+
+    /// An ISO made from `seed` at `file`.
+    fn seed_iso(&mut self, v: &Volume, file: PathBuf, seed: super::seed::Seed) -> Source {
+        self.preps.push(DiskPrep::SeedIso {
+            volume: v.name.clone(),
+            path: file.clone(),
+            seed,
+        });
+        Source {
+            path: file,
+            format: "raw",
+        }
+    }
+
+    /// configMap, secret, serviceAccount and downwardAPI volumes: a seed ISO.
+    fn config_disk_volume(&mut self, v: &Volume, path: &str, errs: &mut Errors) -> Option<Source> {
+        let seed = match &v.downward_api {
+            Some(d) => downwardapi::seed(d, self.who.meta, path, errs),
+            None => configdisk::seed(v, path, self.ctx.cluster, errs),
+        }?;
+        Some(self.seed_iso(v, self.ctx.paths.config_iso(&v.name), seed))
+    }
+
+    /// A hostDisk: an existing file, or one made if missing (DiskOrCreate).
+    fn host_disk_volume(
+        &mut self,
+        v: &Volume,
+        hd: &crate::core::vmi::HostDisk,
+        path: &str,
+        errs: &mut Errors,
+    ) -> Option<Source> {
+        let p = format!("{path}.hostDisk");
+        errs.reject_extra(&p, &hd.extra);
+        let file = host_disk_path(&hd.path, self.ctx, &format!("{p}.path"), errs)?;
+        if !self.host_paths.insert(file.clone()) {
+            errs.add(format!("{p}.path"), "used by another volume");
+        }
+        match (hd.type_, &hd.capacity) {
+            (HostDiskType::Disk, Some(_)) => errs.add(
+                format!("{p}.capacity"),
+                "only allowed with type DiskOrCreate",
+            ),
+            (HostDiskType::Disk, None) => self.preps.push(DiskPrep::RequireExisting {
+                volume: v.name.clone(),
+                path: file.clone(),
+            }),
+            (HostDiskType::DiskOrCreate, None) => {
+                errs.add(format!("{p}.capacity"), "required with type DiskOrCreate")
+            }
+            (HostDiskType::DiskOrCreate, Some(q)) => {
+                let field = format!("{p}.capacity");
+                if let Some(size_bytes) = capacity(q, &field, errs) {
+                    self.writable.charge(size_bytes, &field, errs);
+                    self.preps.push(DiskPrep::CreateRawIfMissing {
+                        volume: v.name.clone(),
+                        path: file.clone(),
+                        size_bytes,
+                    });
+                }
+            }
+        }
+        Some(Source {
+            path: file,
+            format: "raw",
+        })
+    }
 }
 
 fn qcow2(path: PathBuf) -> Source {
