@@ -36,6 +36,15 @@ fn vmi() -> VirtualMachineInstance {
     serde_json::from_value(object(&[])).unwrap()
 }
 
+/// kvirtd's status store over the scripted API.
+fn store(client: kube::Client) -> KubeStatus {
+    KubeStatus {
+        client,
+        ca_pem: None,
+        token: Default::default(),
+    }
+}
+
 /// Expects one request; returns (method, path, content-type, JSON body).
 async fn next(
     handle: &mut Handle,
@@ -103,14 +112,7 @@ async fn status_is_one_merge_patch_of_owned_fields() {
         );
         reply(send, 200, object(&[]));
     });
-    KubeStatus {
-        client,
-        ca_pem: None,
-        token: Default::default(),
-    }
-    .save(&v)
-    .await
-    .unwrap();
+    store(client).save(&v).await.unwrap();
     server.await.unwrap();
 }
 
@@ -133,14 +135,7 @@ async fn a_status_for_a_replaced_vmi_is_refused_and_dropped() {
             "Operation cannot be fulfilled on virtualmachineinstances.kubevirt.io \"vm1\": Precondition failed: UID in precondition: u1, UID in object meta: u2",
         );
     });
-    KubeStatus {
-        client,
-        ca_pem: None,
-        token: Default::default(),
-    }
-    .save(&v)
-    .await
-    .unwrap();
+    store(client).save(&v).await.unwrap();
     server.await.unwrap();
 }
 
@@ -160,14 +155,7 @@ async fn hold_adds_the_finalizer_guarded_by_resource_version() {
         );
         reply(send, 200, object(&["someone/else", FINALIZER]));
     });
-    KubeStatus {
-        client,
-        ca_pem: None,
-        token: Default::default(),
-    }
-    .hold(&vmi())
-    .await
-    .unwrap();
+    store(client).hold(&vmi()).await.unwrap();
     server.await.unwrap();
 }
 
@@ -189,14 +177,7 @@ async fn release_drops_ours_and_kubevirts_finalizer_only() {
         );
         reply(send, 200, object(&["other/one"]));
     });
-    KubeStatus {
-        client,
-        ca_pem: None,
-        token: Default::default(),
-    }
-    .release(&vmi())
-    .await
-    .unwrap();
+    store(client).release(&vmi()).await.unwrap();
     server.await.unwrap();
 }
 
@@ -211,11 +192,7 @@ async fn release_of_a_vanished_or_replaced_vmi_patches_nothing() {
         replaced["metadata"]["uid"] = json!("another-uid");
         reply(send, 200, replaced);
     });
-    let store = KubeStatus {
-        client,
-        ca_pem: None,
-        token: Default::default(),
-    };
+    let store = store(client);
     store.release(&vmi()).await.unwrap();
     store.release(&vmi()).await.unwrap();
     server.await.unwrap();
@@ -244,14 +221,7 @@ async fn an_unreachable_api_is_an_error_to_retry() {
     });
     let mut v = vmi();
     v.status.phase = Some(Phase::Running);
-    let err = KubeStatus {
-        client,
-        ca_pem: None,
-        token: Default::default(),
-    }
-    .save(&v)
-    .await
-    .unwrap_err();
+    let err = store(client).save(&v).await.unwrap_err();
     assert!(err.to_string().contains("patch status"), "{err}");
     server.await.unwrap();
 }
@@ -390,11 +360,7 @@ async fn a_virtual_machine_exists_only_with_its_uid_and_until_deleted() {
         let (_, _, _, _, send) = next(&mut api).await;
         fail(send, 403, Some("Forbidden"), "forbidden");
     });
-    let store = KubeStatus {
-        client,
-        ca_pem: None,
-        token: Default::default(),
-    };
+    let store = store(client);
     let exists = || store.virtual_machine_exists("ns1", "vm1", "u1");
     assert!(exists().await.unwrap(), "same uid");
     assert!(!exists().await.unwrap(), "made anew under the same name");
@@ -530,11 +496,7 @@ async fn a_namespaces_allowance_is_its_quotas_and_its_vmis_claims() {
         let (_, _, _, _, send) = next(&mut api).await;
         fail(send, 403, Some("Forbidden"), "forbidden");
     });
-    let store = KubeStatus {
-        client,
-        ca_pem: None,
-        token: Default::default(),
-    };
+    let store = store(client);
     let (bounds, claims) = store.allowance("ns1").await.unwrap();
     assert!(bounds.is_empty() && claims.is_empty(), "no VMI list");
     let (bounds, claims) = store.allowance("ns1").await.unwrap();
