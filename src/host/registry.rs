@@ -420,7 +420,12 @@ fn platform() -> &'static str {
 
 impl Session {
     fn get(&self, url: &str) -> reqwest::RequestBuilder {
-        let request = self.http.get(url);
+        self.request(reqwest::Method::GET, url)
+    }
+
+    /// A request with this session's authorization.
+    fn request(&self, method: reqwest::Method, url: &str) -> reqwest::RequestBuilder {
+        let request = self.http.request(method, url);
         match &self.authorization {
             Some(a) => request.header(AUTHORIZATION, a.clone()),
             None => request,
@@ -510,10 +515,7 @@ impl Session {
     /// of the answer is read).
     pub async fn may_pull(&self, r: &Reference) -> Result<(), RegistryError> {
         let reference = r.digest().or(r.tag()).unwrap_or("latest");
-        let mut request = self.http.head(self.manifest_url(reference));
-        if let Some(a) = &self.authorization {
-            request = request.header(AUTHORIZATION, a.clone());
-        }
+        let request = self.request(reqwest::Method::HEAD, &self.manifest_url(reference));
         Self::accepted(request.header(ACCEPT, ACCEPTED).send().await?).map(drop)
     }
 
