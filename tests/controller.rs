@@ -38,6 +38,8 @@ fn settings() -> Settings {
         limits: kvirt::core::convert::Limits::default(),
         placement: None,
         token_renewal: Some(Duration::from_secs(2880)),
+        claims: Default::default(),
+        claim_roots: vec!["/var/lib/kvirt/claims".into()],
     }
 }
 

@@ -69,6 +69,37 @@ fn fixtures() -> Vec<Fixture> {
         .collect()
 }
 
+/// `[storage.claims]` of the fixtures' standalone host.
+fn configured_claims() -> kvirt::core::convert::Claims {
+    use kvirt::core::pvc::configured;
+    let roots = [PathBuf::from("/var/lib/kvirt/claims")];
+    let data = configured(
+        "data",
+        "/var/lib/kvirt/claims/data",
+        "Filesystem",
+        Some("2Gi"),
+        false,
+        &roots,
+    );
+    let base = configured(
+        "base",
+        "/var/lib/kvirt/claims/base",
+        "Filesystem",
+        None,
+        true,
+        &roots,
+    );
+    let fast = configured("fast", "/dev/loop7", "Block", None, false, &roots);
+    let by_name = [data, base, fast]
+        .into_iter()
+        .map(|c| {
+            let c = c.unwrap();
+            (c.name.clone(), c)
+        })
+        .collect();
+    kvirt::core::convert::Claims::known(by_name, 0.055)
+}
+
 fn convert_fixture(
     f: &Fixture,
 ) -> Result<kvirt::core::convert::Converted, Vec<kvirt::core::convert::ConvertError>> {
@@ -77,6 +108,13 @@ fn convert_fixture(
     let key = vmi.key().unwrap();
     let paths = HostLayout::default().vm(&key);
     let roots = [PathBuf::from(HOST_DISK_ROOT)];
+    // Standalone, the host's configured claims are all there are; in a
+    // cluster each start reads its own (not here).
+    let claims = if f.cluster {
+        kvirt::core::convert::NO_CLAIMS.clone()
+    } else {
+        configured_claims()
+    };
     let ctx = ConvertContext {
         key: &key,
         paths: &paths,
@@ -85,6 +123,7 @@ fn convert_fixture(
         cluster: f.cluster,
         capacity: None,
         limits: kvirt::core::convert::Limits::default(),
+        claims: &claims,
     };
     let all = convert_all_errors(&vmi, &ctx);
     // `convert` must agree with `convert_all_errors` and report the first.
@@ -203,6 +242,7 @@ fn error_display_names_the_field() {
             cluster: false,
             capacity: None,
             limits: kvirt::core::convert::Limits::default(),
+            claims: &kvirt::core::convert::NO_CLAIMS,
         },
     )
     .unwrap_err();

@@ -82,6 +82,7 @@ fn context<'a>(key: &'a VmKey, paths: &'a VmPaths) -> ConvertContext<'a> {
             cpus: 64,
         }),
         limits: kvirt::core::convert::Limits::default(),
+        claims: &kvirt::core::convert::NO_CLAIMS,
     }
 }
 

@@ -430,6 +430,7 @@ fn the_test_manifests_convert() {
             cluster: false,
             capacity: None,
             limits: kvirt::core::convert::Limits::default(),
+            claims: &kvirt::core::convert::NO_CLAIMS,
         };
         let c = convert(&vmi, &ctx).unwrap_or_else(|e| panic!("{e}\n{m}"));
         assert!(c.network.is_some());

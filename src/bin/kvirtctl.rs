@@ -479,6 +479,7 @@ fn domxml(config: &Config, file: &Path, domain_type: DomainTypeArg) -> Result<()
     let layout = config.layout();
     let paths = layout.vm(&key);
     let roots = config.host_disk_roots();
+    let claims = config.claims().map_err(anyhow::Error::msg)?;
     let ctx = ConvertContext {
         key: &key,
         paths: &paths,
@@ -492,6 +493,7 @@ fn domxml(config: &Config, file: &Path, domain_type: DomainTypeArg) -> Result<()
         // Nor on the host it is made on: it may be for another.
         capacity: None,
         limits: config.vm.limits().map_err(anyhow::Error::msg)?,
+        claims: &claims,
     };
     match convert::convert_all_errors(&vmi, &ctx) {
         Ok(c) => {

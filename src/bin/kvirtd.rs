@@ -345,6 +345,8 @@ fn settings(config: &Config) -> Result<Settings> {
             .then(|| config.kubernetes.host_facts(&config.node_name)),
         token_renewal: (config.source.kind == kvirt::daemon::config::SourceKind::Kubernetes)
             .then(|| Duration::from_secs(config.kubernetes.service_account_token_seconds * 4 / 5)),
+        claims: config.claims().map_err(anyhow::Error::msg)?,
+        claim_roots: config.storage.claim_roots.clone(),
     })
 }
 

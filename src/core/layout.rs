@@ -356,6 +356,11 @@ impl VmPaths {
         self.disk_dir().join("initrd")
     }
 
+    /// A block claim's device node, made for the VM alone.
+    pub fn claim_device(&self, volume: &str) -> PathBuf {
+        self.runtime_dir.join("claims").join(volume)
+    }
+
     /// The VM's writable layer over a containerDisk or ephemeral base.
     pub fn overlay(&self, volume: &str) -> PathBuf {
         self.disk_dir().join(format!("{volume}.overlay.qcow2"))

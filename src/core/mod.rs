@@ -22,6 +22,7 @@ pub mod objects;
 pub mod phase;
 pub mod plan;
 pub mod pullsecret;
+pub mod pvc;
 pub mod quantity;
 pub mod quota;
 pub mod runstrategy;

@@ -78,26 +78,25 @@ fn node_affinity(affinity: &Value, host: &HostFacts) -> Result<(), String> {
     if required.is_null() {
         return Ok(());
     }
-    let terms = required["nodeSelectorTerms"]
-        .as_array()
-        .cloned()
-        .unwrap_or_default();
-    // The terms are ORed; an empty list matches nothing, as Kubernetes'.
+    selector_terms_match(&required["nodeSelectorTerms"], host)
+        .map_err(|why| format!("required node affinity does not match this host ({why})"))
+}
+
+/// `nodeSelectorTerms` (a JSON list) against this host: the terms are
+/// ORed, and an empty list matches nothing, as Kubernetes'.
+pub fn selector_terms_match(terms: &Value, host: &HostFacts) -> Result<(), String> {
     let mut why = Vec::new();
-    for term in &terms {
+    for term in terms.as_array().into_iter().flatten() {
         match term_matches(term, host) {
             Ok(()) => return Ok(()),
             Err(e) => why.push(e),
         }
     }
-    Err(format!(
-        "required node affinity does not match this host ({})",
-        if why.is_empty() {
-            "no nodeSelectorTerms".into()
-        } else {
-            why.join("; ")
-        }
-    ))
+    Err(if why.is_empty() {
+        "no nodeSelectorTerms".into()
+    } else {
+        why.join("; ")
+    })
 }
 
 /// One term: its expressions on labels and on fields, all of them.

@@ -87,8 +87,10 @@ pub struct UnitInput<'a> {
     /// Files and directories QEMU only reads: containerDisk images in the
     /// image cache, ephemeral bases.
     pub extra_ro_paths: Vec<PathBuf>,
-    /// The hostDisk roots, hidden but for the VM's own disks in them.
+    /// The hostDisk and claim roots, hidden but for the VM's own disks.
     pub hidden_roots: Vec<PathBuf>,
+    /// Block claims' host devices the VM may use (`true`: writable).
+    pub devices: Vec<(PathBuf, bool)>,
 }
 
 /// systemd's CPUWeight for a Kubernetes CPU request: 1 CPU = the default
@@ -181,6 +183,15 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
         ),
     ];
     properties.extend(sandbox());
+    for p in properties.iter_mut() {
+        if let Prop::Devices("DeviceAllow", allowed) = p {
+            allowed.extend(
+                i.devices
+                    .iter()
+                    .map(|(d, rw)| (s(d), if *rw { "rw" } else { "r" }.to_owned())),
+            );
+        }
+    }
     // kvirt's records of every VM (names, uids, addresses...) are root's
     // alone anyway; the VM does not even see them.
     for p in properties.iter_mut() {
@@ -382,6 +393,7 @@ mod tests {
             extra_rw_paths: vec!["/var/lib/kvirt/images/a.img".into()],
             extra_ro_paths: vec![],
             hidden_roots: vec!["/var/lib/kvirt/images".into(), "/srv/vms".into()],
+            devices: Vec::new(),
         }
     }
 

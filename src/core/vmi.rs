@@ -520,7 +520,12 @@ pub struct Volume {
     pub service_account: Option<ServiceAccountVolume>,
     #[serde(rename = "downwardAPI", skip_serializing_if = "Option::is_none")]
     pub downward_api: Option<DownwardApiVolume>,
-    /// Other volume sources (persistentVolumeClaim, ...).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub persistent_volume_claim: Option<ClaimVolume>,
+    /// A CDI DataVolume: its PVC, of the same name, once it is populated.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub data_volume: Option<DataVolumeVolume>,
+    /// Other volume sources (memoryDump, ...).
     #[serde(flatten)]
     pub extra: Extra,
 }
@@ -685,6 +690,31 @@ pub struct HostDisk {
     /// it has no effect on the domain.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub shared: Option<bool>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+/// `persistentVolumeClaim`: a claim in the VMI's namespace.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClaimVolume {
+    pub claim_name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub read_only: Option<bool>,
+    /// KubeVirt's hotplug marker: kvirt has no hotplug.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hotpluggable: Option<bool>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+/// `dataVolume`: the DataVolume of that name, through its PVC.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DataVolumeVolume {
+    pub name: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub hotpluggable: Option<bool>,
     #[serde(flatten)]
     pub extra: Extra,
 }

@@ -1,7 +1,7 @@
 //! kvirtd's configuration: `/etc/kvirt/kvirtd.toml`, every field optional,
 //! defaults that run on one host with nothing else installed.
 
-use crate::core::convert::{HostDiskRoots, Limits};
+use crate::core::convert::{Claims, HostDiskRoots, Limits};
 use crate::core::identity::IdRange;
 use crate::core::image::ImageLimits;
 use crate::core::quantity::parse_bytes;
@@ -284,6 +284,35 @@ pub struct StorageConfig {
     /// What of the VMs' file system (`/var/lib/kvirt`) stays free: a VM
     /// whose emptyDisk or overlay could grow past it does not start.
     pub free_space_reserve: String,
+    /// Filesystem claims' volumes (a local or hostPath PV's path, a
+    /// configured claim's) must lie below one of these.
+    pub claim_roots: Vec<PathBuf>,
+    /// The share of a filesystem claim kept for its file system when
+    /// kvirt sizes a new disk.img (CDI's default, 0.055).
+    pub filesystem_overhead: f64,
+    /// Standalone: the claims manifests may name, by name.
+    pub claims: BTreeMap<String, ClaimConfig>,
+}
+
+/// A claim of the host's own (`[storage.claims.<name>]`).
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ClaimConfig {
+    /// The volume's directory (below a claim root), or a block device.
+    pub path: PathBuf,
+    /// `Filesystem` (the default) or `Block`.
+    #[serde(default = "filesystem")]
+    pub volume_mode: String,
+    /// A filesystem claim's size, e.g. "10Gi": what a new disk.img is
+    /// made of (less the overhead).
+    #[serde(default)]
+    pub capacity: Option<String>,
+    #[serde(default)]
+    pub read_only: bool,
+}
+
+fn filesystem() -> String {
+    "Filesystem".into()
 }
 
 impl StorageConfig {
@@ -367,6 +396,9 @@ impl Default for StorageConfig {
             image_max_pull_seconds: 3600,
             image_cache_max: "50Gi".into(),
             free_space_reserve: "2Gi".into(),
+            claim_roots: vec!["/var/lib/kvirt/claims".into(), "/mnt/disks".into()],
+            filesystem_overhead: crate::core::pvc::DEFAULT_FILESYSTEM_OVERHEAD,
+            claims: BTreeMap::new(),
         }
     }
 }
@@ -449,6 +481,13 @@ impl Config {
         self.vm.limits().map_err(invalid)?;
         self.storage.image_cache_bytes().map_err(invalid)?;
         self.storage.free_space_reserve_bytes().map_err(invalid)?;
+        self.claims().map_err(invalid)?;
+        if let Some(r) = self.storage.claim_roots.iter().find(|r| !r.is_absolute()) {
+            return Err(invalid(format!(
+                "storage.claim_roots: {} is not absolute",
+                r.display()
+            )));
+        }
         for root in &self.storage.host_disk_roots {
             if !root.is_absolute() {
                 return Err(invalid(format!(
@@ -515,6 +554,38 @@ impl Config {
             return Err(invalid("source.resync_seconds must be > 0".into()));
         }
         Ok(self)
+    }
+
+    /// The claims conversions know: standalone, the configured ones (all
+    /// there are); in a cluster none, each start reads its own.
+    pub fn claims(&self) -> Result<Claims, String> {
+        let overhead = self.storage.filesystem_overhead;
+        if !(0.0..1.0).contains(&overhead) {
+            return Err(format!(
+                "storage.filesystem_overhead: {overhead} is not in [0, 1)"
+            ));
+        }
+        if self.source.kind == SourceKind::Kubernetes {
+            return Ok(Claims {
+                filesystem_overhead: overhead,
+                ..Claims::default()
+            });
+        }
+        let mut by_name = BTreeMap::new();
+        for (name, c) in &self.storage.claims {
+            let key = format!("storage.claims.{name}");
+            let pvc = crate::core::pvc::configured(
+                name,
+                c.path.to_str().unwrap_or(""),
+                &c.volume_mode,
+                c.capacity.as_deref(),
+                c.read_only,
+                &self.storage.claim_roots,
+            )
+            .map_err(|e| format!("{key}: {e}"))?;
+            by_name.insert(name.clone(), pvc);
+        }
+        Ok(Claims::known(by_name, overhead))
     }
 
     /// The hostDisk roots VMIs may use: the host's in standalone mode,

@@ -3,6 +3,7 @@
 //! Each reconcile observes the host, plans, carries the plan out and
 //! reports status; one VM's trouble never blocks another's.
 
+mod claims;
 mod inputs;
 mod report;
 mod steps;
@@ -10,7 +11,7 @@ mod tokens;
 
 use crate::core::budget::{Rate, WriteBudget};
 use crate::core::convert::{
-    self, ConvertContext, Converted, DomainType, HostCapacity, HostDiskRoots, Limits,
+    self, Claims, ConvertContext, Converted, DomainType, HostCapacity, HostDiskRoots, Limits,
 };
 use crate::core::efivars;
 use crate::core::key::{self, VmKey};
@@ -66,6 +67,8 @@ pub enum ControllerError {
     Objects { id: String, message: String },
     #[error("VM {id}: {message}")]
     Quota { id: String, message: String },
+    #[error("VM {id}: {message}")]
+    Claims { id: String, message: String },
     #[error("VM {id}: teardown incomplete: {}", errors.join("; "))]
     Teardown { id: String, errors: Vec<String> },
     #[error("VM {id}: identity: {source}")]
@@ -89,6 +92,7 @@ impl ControllerError {
             ControllerError::Image { .. } => "image",
             ControllerError::Objects { .. } => "objects",
             ControllerError::Quota { .. } => "quota",
+            ControllerError::Claims { .. } => "claims",
             ControllerError::Teardown { .. } => "teardown",
             ControllerError::Identity { .. } => "identity",
         }
@@ -147,6 +151,12 @@ pub struct Settings {
     /// How often a running VM's serviceAccount tokens are renewed (four
     /// fifths of their lifetime); `None`: never (standalone).
     pub token_renewal: Option<Duration>,
+    /// Standalone: the configured claims (all there are). In a cluster:
+    /// none, only the filesystem overhead; each start reads its own.
+    pub claims: Claims,
+    /// Filesystem claims' volumes must lie below one of these; every VM's
+    /// unit hides them but for its own disks.
+    pub claim_roots: Vec<PathBuf>,
 }
 
 /// The systems one controller drives, named once: the host's adapters and
@@ -449,6 +459,7 @@ impl<A: Adapters> Controller<A> {
         vmi: &VirtualMachineInstance,
         key: &VmKey,
         admitted: bool,
+        claims: &Claims,
     ) -> Result<Converted, String> {
         if vmi.uid().is_none() {
             return Err("metadata.uid: the VMI has no UID".into());
@@ -472,6 +483,7 @@ impl<A: Adapters> Controller<A> {
                 } else {
                     self.settings.limits
                 },
+                claims,
             },
         )
         .map_err(|e| e.to_string())
@@ -590,7 +602,7 @@ impl<A: Adapters> Controller<A> {
             .as_ref()
             .map(|k| self.domain_ref(id, None, &k.domain_name()));
         let mut obs = self.observe(id, dom.as_ref()).await?;
-        let converted = match (&vmi, &key) {
+        let mut converted = match (&vmi, &key) {
             (Some(v), Some(k)) => {
                 // Only the host says what was admitted: a VMI's status is
                 // its author's to write too (KubeVirt's CRD has no status
@@ -599,7 +611,7 @@ impl<A: Adapters> Controller<A> {
                     .unit
                     .as_ref()
                     .is_some_and(|u| u.uid.is_some() && u.uid.as_deref() == v.uid());
-                Some(self.convert(v, k, admitted))
+                Some(self.convert(v, k, admitted, &self.settings.claims))
             }
             _ => None,
         };
@@ -635,8 +647,19 @@ impl<A: Adapters> Controller<A> {
 
         let creating =
             plan.steps.contains(&Step::StartUnit) || plan.steps.contains(&Step::DefineDomain);
+        let mut refused = None;
         if let (Some(v), Some(k), true) = (&vmi, &key, creating) {
             self.announce_start(v, k).await?;
+            if self.reads_claims(v, false) {
+                let claims = self.read_claims(v, k).await?;
+                let conv = claims.and_then(|c| self.convert(v, k, false, &c));
+                if let Err(why) = &conv {
+                    refused = Some(Outcome::Invalid(why.clone()));
+                } else {
+                    self.hold_claims(v, k).await?;
+                }
+                converted = Some(conv);
+            }
         }
         let (mut disks, mut images) = (Vec::new(), BTreeMap::new());
         if let (Some(v), Some(k), Some(Ok(conv)), true) = (&vmi, &key, &converted, creating) {
@@ -653,9 +676,22 @@ impl<A: Adapters> Controller<A> {
             converted: converted.as_ref().and_then(|c| c.as_ref().ok()),
             dom: dom.as_ref(),
         };
-        let (failed, teardown_errors) = self.run_plan(&plan.steps, &ctx).await;
+        let (failed, teardown_errors) = match refused {
+            // Its claims cannot be used here: nothing is made.
+            Some(r) => {
+                outcome = r;
+                (None, Vec::new())
+            }
+            None => self.run_plan(&plan.steps, &ctx).await,
+        };
         if let Some(why) = failed {
             outcome = Outcome::Failed(why);
+        }
+        if let (Some(v), false, true) = (&vmi, deleting, teardown_errors.is_empty()) {
+            // A finished VM uses its claims no more.
+            if v.status.phase.is_some_and(Phase::is_final) {
+                self.release_claims(v).await?;
+            }
         }
         self.record_gone(
             id,
@@ -722,7 +758,9 @@ impl<A: Adapters> Controller<A> {
     ) -> Result<Option<Duration>, ControllerError> {
         match (ctx.vmi, ctx.key) {
             (Some(v), _) if deleting => {
-                // Everything of it is gone from the host: let the object go.
+                // Everything of it is gone from the host: let its claims
+                // go, then the object.
+                self.release_claims(v).await?;
                 let released = self.deps.status.release(v).await;
                 released.map_err(status_err(ctx.id)).map(|()| None)
             }

@@ -316,6 +316,37 @@ impl Beneath {
         Ok(SocketPath(fd))
     }
 
+    /// A block device node `name` of `rdev` here, with `mode` and
+    /// `owner`; the owner is set on what the name is then without
+    /// following a link (one swapped in meanwhile only gets the owner
+    /// itself).
+    pub fn mknod_block(
+        &self,
+        name: &str,
+        mode: u32,
+        rdev: u64,
+        owner: Option<Ids>,
+    ) -> io::Result<()> {
+        one_component(name)?;
+        nix::sys::stat::mknodat(
+            &self.fd,
+            name,
+            SFlag::S_IFBLK,
+            Mode::from_bits_truncate(mode),
+            rdev,
+        )?;
+        if let Some((uid, gid)) = owner {
+            nix::unistd::fchownat(
+                &self.fd,
+                name,
+                Some(Uid::from_raw(uid)),
+                Some(Gid::from_raw(gid)),
+                nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+            )?;
+        }
+        Ok(())
+    }
+
     /// Removes the file (or link, or FIFO) `name`; one that is not there is fine.
     pub fn remove(&self, name: &str) -> io::Result<()> {
         one_component(name)?;

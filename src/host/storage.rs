@@ -632,7 +632,92 @@ impl HostStorage {
                 let (file, real) = host_disk(path, roots, HostOpen::Existing)?;
                 self.grant_file(&file, &real, acl::READ | acl::WRITE)
             }
+            DiskPrep::Claim {
+                root,
+                path,
+                size_bytes,
+                ..
+            } => self.claim_disk(root, path, *size_bytes),
+            DiskPrep::ClaimDevice {
+                device,
+                node,
+                read_only,
+                ..
+            } => self.claim_device(device, node, *read_only),
         }
+    }
+
+    /// A filesystem claim's disk.img, opened beneath its claim root like a
+    /// hostDisk (a link, FIFO or device is refused): made sparse if
+    /// missing, grown offline when the claim grew (KubeVirt's
+    /// `ExpandDisks`), never shrunk, its owner and mode left as they are.
+    fn claim_disk(&self, root: &Path, path: &Path, size: Option<u64>) -> Result<(), StorageError> {
+        let roots = [root.to_owned()];
+        let Some(target) = size else {
+            let (file, real) = host_disk(path, &roots, HostOpen::Existing)?;
+            return self.grant_file(&file, &real, acl::READ);
+        };
+        let (file, real) = host_disk(path, &roots, HostOpen::Claim { size: target })?;
+        let len = file.metadata().map_err(io(path, "stat"))?.len();
+        if len < target {
+            let st =
+                nix::sys::statvfs::fstatvfs(&file).map_err(|e| io(path, "statvfs")(e.into()))?;
+            let free = st.blocks_available() as u64 * st.fragment_size() as u64;
+            match crate::core::pvc::fit(path, target - len, free) {
+                Ok((more, _)) if more == target - len => {
+                    // The same inode, opened for writing through its fd.
+                    let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
+                    let w = std::fs::OpenOptions::new()
+                        .write(true)
+                        .open(format!("/proc/self/fd/{fd}"))
+                        .map_err(io(path, "reopen to grow"))?;
+                    w.set_len(target).map_err(io(path, "grow"))?;
+                    tracing::info!(path = %path.display(), from = len, to = target, "claim disk grown");
+                }
+                _ => tracing::warn!(
+                    path = %path.display(),
+                    "the claim grew to {target} bytes but its volume has no room to grow disk.img ({len} bytes)"
+                ),
+            }
+        }
+        self.grant_file(&file, &real, acl::READ | acl::WRITE)
+    }
+
+    /// A block claim: the host's device checked to be a block device, and
+    /// a node of it made for the VM in its own run directory (through the
+    /// directory's fd: the VM can write there), the VM's own, 0600. The
+    /// host's `/dev` node is never changed.
+    fn claim_device(
+        &self,
+        device: &Path,
+        node: &Path,
+        read_only: bool,
+    ) -> Result<(), StorageError> {
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        let disk_err = |message: String| StorageError::Disk {
+            path: device.to_owned(),
+            message,
+        };
+        let meta = std::fs::metadata(device).map_err(io(device, "stat"))?;
+        if !meta.file_type().is_block_device() {
+            return Err(disk_err("is not a block device".into()));
+        }
+        let (dir, name) = match (node.parent(), node.file_name().and_then(|n| n.to_str())) {
+            (Some(d), Some(n)) => (d, n),
+            _ => return Err(disk_err("has no node path".into())),
+        };
+        let run = self.host.vms_runtime_dir();
+        let rel = dir
+            .strip_prefix(&run)
+            .map_err(|_| disk_err(format!("{} is not in a VM's run directory", node.display())))?;
+        let top = Beneath::open(&run).map_err(io(&run, "open"))?;
+        let parent = top.make_missing(rel, 0o700).map_err(io(dir, "make"))?;
+        parent.remove(name).map_err(io(node, "remove"))?;
+        let mode = if read_only { 0o400 } else { 0o600 };
+        let owner = self.owner.map(|o| (o.uid, o.gid));
+        parent
+            .mknod_block(name, mode, meta.rdev(), owner)
+            .map_err(io(node, "mknod"))
     }
 
     /// Lends the VM's identity `perm` on a hostDisk (or a cached image)
@@ -1053,6 +1138,9 @@ enum HostOpen {
     /// Made, with this size, when missing (`DiskOrCreate`), and only when
     /// its file system has that much free above `reserve`.
     OrCreate { size: u64, reserve: u64 },
+    /// A claim's disk.img: its directory must exist; made when missing,
+    /// of this size or less within KubeVirt's toleration.
+    Claim { size: u64 },
 }
 
 /// A hostDisk, opened beneath the allowed root it is written under, with
@@ -1096,6 +1184,38 @@ fn host_disk(
     let top = Beneath::open(&real_root).map_err(io(&real_root, "open"))?;
     let file = match how {
         HostOpen::Existing => top.file(rel, OFlag::O_RDONLY).map_err(no_links)?,
+        HostOpen::Claim { size } => {
+            let dir = top.dir(parent).map_err(no_links)?;
+            let name = name
+                .to_str()
+                .ok_or_else(|| disk_err("is not UTF-8".into()))?;
+            match dir.file(name, OFlag::O_RDONLY) {
+                Ok(f) => return Ok((f, real)),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+                Err(e) => return Err(no_links(e)),
+            }
+            let st =
+                nix::sys::statvfs::fstatvfs(&dir).map_err(|e| io(path, "statvfs")(e.into()))?;
+            let free = st.blocks_available() as u64 * st.fragment_size() as u64;
+            let (size, tolerated) = crate::core::pvc::fit(path, size, free).map_err(disk_err)?;
+            if tolerated {
+                tracing::warn!(
+                    reason = "ToleratedSmallPV",
+                    path = %path.display(),
+                    "the claim has less room than asked: disk.img is {size} bytes"
+                );
+            }
+            match dir.create(name, 0o600) {
+                Ok(f) => {
+                    f.set_len(size).map_err(io(path, "size disk"))?;
+                    f
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                    dir.file(name, OFlag::O_RDONLY).map_err(no_links)?
+                }
+                Err(e) => return Err(no_links(e)),
+            }
+        }
         HostOpen::OrCreate { size, reserve } => {
             let dir = top.make_missing(parent, 0o755).map_err(no_links)?;
             let name = name
@@ -1815,6 +1935,72 @@ mod tests {
         assert!(e.to_string().contains("larger than the disk"), "{e}");
         let staging = s.host.state_dir.join(".staging");
         assert_eq!(std::fs::read_dir(staging).unwrap().count(), 0);
+    }
+
+    #[tokio::test]
+    async fn claim_disks_are_made_sparse_grown_never_shrunk_and_never_a_planted_file() {
+        let tmp = Tmp::new();
+        let s = storage(tmp.path());
+        let root = tmp.path().join("claims");
+        let (vol, outside) = (root.join("pv-1"), tmp.path().join("outside"));
+        std::fs::create_dir_all(&vol).unwrap();
+        std::fs::create_dir_all(&outside).unwrap();
+        let prep = |dir: &Path, size: Option<u64>| DiskPrep::Claim {
+            volume: "v".into(),
+            root: root.clone(),
+            path: dir.join("disk.img"),
+            size_bytes: size,
+        };
+        let prepare = |p: DiskPrep| {
+            let s = &s;
+            async move { s.prepare_disk(&p, &[], &Pulled::new(), None).await }
+        };
+        // Missing: made sparse, of the size asked.
+        prepare(prep(&vol, Some(4 << 20))).await.unwrap();
+        let img = vol.join("disk.img");
+        let meta = std::fs::metadata(&img).unwrap();
+        assert_eq!(meta.len(), 4 << 20);
+        assert_eq!(std::os::unix::fs::MetadataExt::blocks(&meta), 0, "sparse");
+        // The claim grew: grown offline, its contents kept.
+        std::fs::write(&img, b"guest data").unwrap();
+        prepare(prep(&vol, Some(8 << 20))).await.unwrap();
+        assert_eq!(std::fs::metadata(&img).unwrap().len(), 8 << 20);
+        assert!(std::fs::read(&img).unwrap().starts_with(b"guest data"));
+        // Smaller than the file: never shrunk.
+        prepare(prep(&vol, Some(1 << 20))).await.unwrap();
+        assert_eq!(std::fs::metadata(&img).unwrap().len(), 8 << 20);
+        // Read-only: must exist, never made.
+        let ro = root.join("pv-ro");
+        std::fs::create_dir_all(&ro).unwrap();
+        assert!(prepare(prep(&ro, None)).await.is_err());
+        assert!(!ro.join("disk.img").exists());
+        // A link, a FIFO, a link to a directory outside: refused, nothing made.
+        let linked = root.join("pv-link");
+        std::fs::create_dir_all(&linked).unwrap();
+        std::os::unix::fs::symlink("/etc/passwd", linked.join("disk.img")).unwrap();
+        let fifo = root.join("pv-fifo");
+        std::fs::create_dir_all(&fifo).unwrap();
+        nix::unistd::mkfifo(&fifo.join("disk.img"), nix::sys::stat::Mode::S_IRWXU).unwrap();
+        std::os::unix::fs::symlink(&outside, root.join("pv-out")).unwrap();
+        for (dir, size) in [
+            (&linked, Some(1 << 20)),
+            (&linked, None),
+            (&fifo, Some(1 << 20)),
+            (&root.join("pv-out"), Some(1 << 20)),
+        ] {
+            let e = prepare(prep(dir, size)).await.unwrap_err();
+            assert!(
+                e.to_string().contains("without following links")
+                    || e.to_string().contains("not a regular file"),
+                "{}: {e}",
+                dir.display()
+            );
+        }
+        assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 0);
+        assert!(std::fs::symlink_metadata(linked.join("disk.img"))
+            .unwrap()
+            .file_type()
+            .is_symlink());
     }
 
     #[tokio::test]

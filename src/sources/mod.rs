@@ -10,8 +10,10 @@ pub mod manifest;
 
 use crate::core::key::VmKey;
 use crate::core::objects::{ObjectData, ObjectRef};
+use crate::core::pvc::{DataVolume, User};
 use crate::core::quota::{Claim, Hard};
 use crate::core::vmi::VirtualMachineInstance;
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use std::future::Future;
 use std::path::PathBuf;
 
@@ -41,6 +43,12 @@ pub enum SourceError {
     NotOptedIn {
         namespace: String,
         object: ObjectRef,
+    },
+    #[error("claim {namespace}/{name}: {message}")]
+    Claim {
+        namespace: String,
+        name: String,
+        message: String,
     },
     #[error("reading the ResourceQuotas and VMIs of namespace {namespace}: {message}")]
     Allowance { namespace: String, message: String },
@@ -104,6 +112,63 @@ pub trait StatusStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(Vec<Hard>, Vec<Claim>), SourceError>> + Send {
         async { Ok((Vec::new(), Vec::new())) }
     }
+    /// A claim of `namespace` as the cluster has it: the PVC, its bound
+    /// PV and its StorageClass's binding mode. Only a cluster has them.
+    fn claim(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> impl Future<Output = Result<ClaimObjects, SourceError>> + Send {
+        let err = SourceError::Claim {
+            namespace: namespace.into(),
+            name: name.into(),
+            message: "there is no cluster to read it from".into(),
+        };
+        async { Err(err) }
+    }
+    /// The DataVolume `namespace/name`, `None` when there is none.
+    fn data_volume(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> impl Future<Output = Result<Option<DataVolume>, SourceError>> + Send {
+        let err = SourceError::Claim {
+            namespace: namespace.into(),
+            name: name.into(),
+            message: "DataVolumes need a cluster".into(),
+        };
+        async { Err(err) }
+    }
+    /// A `WaitForFirstConsumer` claim is bound for `node`: what the
+    /// scheduler does for a pod.
+    fn select_node(
+        &self,
+        _namespace: &str,
+        _name: &str,
+        _node: &str,
+    ) -> impl Future<Output = Result<(), SourceError>> + Send {
+        async { Ok(()) }
+    }
+    /// `user` is recorded on the claim, with kvirt's finalizer, unless
+    /// the claim's access modes forbid it (then `Ok(Err(why))`).
+    fn hold_claim(
+        &self,
+        _namespace: &str,
+        _name: &str,
+        _user: &User,
+    ) -> impl Future<Output = Result<Result<(), String>, SourceError>> + Send {
+        async { Ok(Ok(())) }
+    }
+    /// The VMI of `uid` no longer uses the claim: its record goes, and
+    /// the finalizer with the last one.
+    fn release_claim(
+        &self,
+        _namespace: &str,
+        _name: &str,
+        _uid: &str,
+    ) -> impl Future<Output = Result<(), SourceError>> + Send {
+        async { Ok(()) }
+    }
     /// Whether the VirtualMachine `namespace/name` with this uid still
     /// exists and is not being deleted. Without a cluster there is nobody
     /// to ask, and the answer is yes: what it owns stays.
@@ -115,6 +180,15 @@ pub trait StatusStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<bool, SourceError>> + Send {
         async { Ok(true) }
     }
+}
+
+/// A claim as the cluster has it.
+#[derive(Clone, Debug, Default)]
+pub struct ClaimObjects {
+    pub pvc: Option<PersistentVolumeClaim>,
+    pub pv: Option<PersistentVolume>,
+    /// The StorageClass's `volumeBindingMode`.
+    pub binding_mode: Option<String>,
 }
 
 /// KubeVirt's event reasons, as kvirtd records them.
@@ -143,6 +217,14 @@ pub enum EventReason {
     /// The namespace's ResourceQuotas cannot be read: nothing starts
     /// that might not fit them.
     QuotaUnknown,
+    /// A claim is not Bound yet (or its PV is not found).
+    PVCNotBound,
+    /// A DataVolume is not populated yet.
+    DataVolumeNotReady,
+    /// A ReadWriteOnce claim is used by a VMI on another node.
+    PVCInUse,
+    /// A claim's disk is smaller than asked, within KubeVirt's toleration.
+    ToleratedSmallPV,
 }
 
 /// Where Events about a VMI go (the log in standalone mode, Event objects

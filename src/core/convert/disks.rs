@@ -5,8 +5,9 @@ use super::cloudinit::{self, Flavor};
 use super::configdisk;
 use super::domain::{Alias, Boot, Controller, Disk, DiskDriver, DiskSource, DiskTarget, Present};
 use super::downwardapi;
-use super::{is_dns_label, Backing, ConvertContext, DiskPrep, Errors};
+use super::{is_dns_label, is_dns_subdomain, Backing, ConvertContext, DiskPrep, Errors};
 use crate::core::image::{self, PullPolicy};
+use crate::core::pvc::{self, Backend};
 use crate::core::vmi::{ContainerDisk, Ephemeral, HostDiskType, VmiSpec, Volume};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -16,10 +17,24 @@ use std::path::{Path, PathBuf};
 /// the raw files kvirt creates match and keeps sizes predictable.
 const SECTOR: u64 = 512;
 
-/// A volume resolved to a file on the host.
+/// A volume resolved to a file (or a block device) on the host.
 struct Source {
     path: PathBuf,
     format: &'static str,
+    block: bool,
+    /// The volume itself is read-only, whatever the disk says.
+    readonly: bool,
+}
+
+impl Source {
+    fn file(path: PathBuf, format: &'static str) -> Self {
+        Self {
+            path,
+            format,
+            block: false,
+            readonly: false,
+        }
+    }
 }
 
 pub(super) fn convert(
@@ -199,8 +214,9 @@ pub(super) fn convert(
         *index += 1;
 
         if let Some(src) = source {
+            let file = src.path.to_string_lossy().into_owned();
             disks.push(Disk {
-                type_: "file",
+                type_: if src.block { "block" } else { "file" },
                 device,
                 driver: DiskDriver {
                     name: "qemu",
@@ -208,13 +224,21 @@ pub(super) fn convert(
                     cache,
                     io,
                 },
-                source: DiskSource {
-                    file: src.path.to_string_lossy().into_owned(),
+                source: if src.block {
+                    DiskSource {
+                        file: None,
+                        dev: Some(file),
+                    }
+                } else {
+                    DiskSource {
+                        file: Some(file),
+                        dev: None,
+                    }
                 },
                 target: DiskTarget { dev, bus, tray },
                 serial: d.serial.clone(),
                 boot,
-                readonly: readonly.then_some(Present {}),
+                readonly: (readonly || src.readonly).then_some(Present {}),
                 shareable: shareable.then_some(Present {}),
                 // KubeVirt's user-alias convention: lets events and the
                 // runtime map a libvirt device back to the VMI disk.
@@ -331,6 +355,8 @@ impl Volumes<'_, '_> {
             v.secret.is_some(),
             v.service_account.is_some(),
             v.downward_api.is_some(),
+            v.persistent_volume_claim.is_some(),
+            v.data_volume.is_some(),
         ]
         .into_iter()
         .filter(|s| *s)
@@ -350,6 +376,9 @@ impl Volumes<'_, '_> {
         }
         if config_disk {
             return self.config_disk_volume(v, path, errs);
+        }
+        if v.persistent_volume_claim.is_some() || v.data_volume.is_some() {
+            return self.claim_volume(v, path, errs);
         }
         if let Some(eph) = &v.ephemeral {
             let p = format!("{path}.ephemeral");
@@ -439,10 +468,7 @@ impl Volumes<'_, '_> {
             path: file.clone(),
             seed,
         });
-        Source {
-            path: file,
-            format: "raw",
-        }
+        Source::file(file, "raw")
     }
 
     /// configMap, secret, serviceAccount and downwardAPI volumes: a seed ISO.
@@ -452,6 +478,105 @@ impl Volumes<'_, '_> {
             None => configdisk::seed(v, path, self.ctx.cluster, errs),
         }?;
         Some(self.seed_iso(v, self.ctx.paths.config_iso(&v.name), seed))
+    }
+
+    /// A `persistentVolumeClaim` or `dataVolume`: KubeVirt's `disk.img` in
+    /// a filesystem claim's root, or a block claim's device.
+    fn claim_volume(&mut self, v: &Volume, path: &str, errs: &mut Errors) -> Option<Source> {
+        let ctx = self.ctx;
+        let (claim, asked_ro, hotplug, p) = match (&v.persistent_volume_claim, &v.data_volume) {
+            (Some(c), _) => {
+                let p = format!("{path}.persistentVolumeClaim");
+                errs.reject_extra(&p, &c.extra);
+                (&c.claim_name, c.read_only == Some(true), c.hotpluggable, p)
+            }
+            (None, Some(d)) => {
+                let p = format!("{path}.dataVolume");
+                errs.reject_extra(&p, &d.extra);
+                if !ctx.cluster {
+                    errs.add(&p, "DataVolumes need a cluster (CDI populates them)");
+                }
+                (&d.name, false, d.hotpluggable, p)
+            }
+            (None, None) => return None,
+        };
+        if hotplug == Some(true) {
+            errs.add(format!("{p}.hotpluggable"), "kvirt has no volume hotplug");
+        }
+        if !is_dns_subdomain(claim) {
+            errs.add(&p, format!("{claim:?} is not a claim name"));
+            return None;
+        }
+        let Some(pvc) = ctx.claims.by_name.get(claim) else {
+            if ctx.claims.complete {
+                let known: Vec<&str> = ctx.claims.by_name.keys().map(String::as_str).collect();
+                errs.add(
+                    &p,
+                    format!(
+                        "claim {claim:?} is not configured on this host ([storage.claims]: {})",
+                        if known.is_empty() {
+                            "none".to_owned()
+                        } else {
+                            known.join(", ")
+                        }
+                    ),
+                );
+                return None;
+            }
+            // Not read in this pass: the VM does not start from it.
+            return Some(Source::file(
+                PathBuf::from(format!("/dev/null/{claim}")),
+                "raw",
+            ));
+        };
+        let readonly = asked_ro || pvc.read_only;
+        match &pvc.backend {
+            Backend::Directory { root, dir } => {
+                let file = dir.join(pvc::DISK_IMG);
+                if !self.host_paths.insert(file.clone()) {
+                    errs.add(&p, format!("claim {claim:?} is used by another volume"));
+                }
+                let size_bytes = if readonly {
+                    None
+                } else {
+                    match pvc.disk_bytes(ctx.claims.filesystem_overhead) {
+                        Ok(b) => Some(b),
+                        Err(e) => {
+                            errs.add(&p, e);
+                            return None;
+                        }
+                    }
+                };
+                self.preps.push(DiskPrep::Claim {
+                    volume: v.name.clone(),
+                    root: root.clone(),
+                    path: file.clone(),
+                    size_bytes,
+                });
+                Some(Source {
+                    readonly,
+                    ..Source::file(file, "raw")
+                })
+            }
+            Backend::Block(device) => {
+                if !self.host_paths.insert(device.clone()) {
+                    errs.add(&p, format!("claim {claim:?} is used by another volume"));
+                }
+                let node = ctx.paths.claim_device(&v.name);
+                self.preps.push(DiskPrep::ClaimDevice {
+                    volume: v.name.clone(),
+                    device: device.clone(),
+                    node: node.clone(),
+                    read_only: readonly,
+                });
+                Some(Source {
+                    path: node,
+                    format: "raw",
+                    block: true,
+                    readonly,
+                })
+            }
+        }
     }
 
     /// A hostDisk: an existing file, or one made if missing (DiskOrCreate).
@@ -492,18 +617,12 @@ impl Volumes<'_, '_> {
                 }
             }
         }
-        Some(Source {
-            path: file,
-            format: "raw",
-        })
+        Some(Source::file(file, "raw"))
     }
 }
 
 fn qcow2(path: PathBuf) -> Source {
-    Source {
-        path,
-        format: "qcow2",
-    }
+    Source::file(path, "qcow2")
 }
 
 fn container_disk(

@@ -386,8 +386,11 @@ pub struct DiskDriver {
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct DiskSource {
-    #[serde(rename = "@file")]
-    pub file: String,
+    #[serde(rename = "@file", skip_serializing_if = "Option::is_none")]
+    pub file: Option<String>,
+    /// A block device (`<disk type='block'>`).
+    #[serde(rename = "@dev", skip_serializing_if = "Option::is_none")]
+    pub dev: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]

@@ -114,6 +114,41 @@ pub struct ConvertContext<'a> {
     pub capacity: Option<HostCapacity>,
     /// What the host allows one VM, whatever it has.
     pub limits: Limits,
+    /// The claims its `persistentVolumeClaim` and `dataVolume` volumes name.
+    pub claims: &'a Claims,
+}
+
+/// The claims a conversion knows, by claim name.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Claims {
+    pub by_name: std::collections::BTreeMap<String, crate::core::pvc::Pvc>,
+    /// All there are: a claim not here is refused. Otherwise (a cluster's
+    /// claims, read only for a start) a claim not here is not looked up
+    /// in this pass, and its disk only stands in.
+    pub complete: bool,
+    /// The share of a filesystem claim kept for its file system.
+    pub filesystem_overhead: f64,
+}
+
+/// No claims known, none refused: for conversions that never start a VM.
+pub static NO_CLAIMS: Claims = Claims {
+    by_name: std::collections::BTreeMap::new(),
+    complete: false,
+    filesystem_overhead: crate::core::pvc::DEFAULT_FILESYSTEM_OVERHEAD,
+};
+
+impl Claims {
+    /// Claims read from the cluster for one start, or configured.
+    pub fn known(
+        by_name: std::collections::BTreeMap<String, crate::core::pvc::Pvc>,
+        overhead: f64,
+    ) -> Self {
+        Self {
+            by_name,
+            complete: true,
+            filesystem_overhead: overhead,
+        }
+    }
 }
 
 /// What the host allows one VM (`[vm]` settings): a VMI asking for more is
@@ -213,6 +248,23 @@ pub enum DiskPrep {
         pages: u64,
         qemu_conf: PathBuf,
     },
+    /// A filesystem claim's `disk.img`, below the claim root `root`:
+    /// made sparse of `size_bytes` if missing and grown to it if smaller
+    /// (`None`: read-only, it must exist and is never changed).
+    Claim {
+        volume: String,
+        root: PathBuf,
+        path: PathBuf,
+        size_bytes: Option<u64>,
+    },
+    /// A block claim: a node of the host's `device` made at `node`, in the
+    /// VM's own run directory, for the VM alone.
+    ClaimDevice {
+        volume: String,
+        device: PathBuf,
+        node: PathBuf,
+        read_only: bool,
+    },
     /// `kernelBoot`: files of an image copied into the VM's directory.
     KernelBoot {
         image: String,
@@ -292,7 +344,9 @@ impl DiskPrep {
             | DiskPrep::CreateRawIfMissing { path, .. }
             | DiskPrep::RequireExisting { path, .. }
             | DiskPrep::SeedIso { path, .. }
-            | DiskPrep::Overlay { path, .. } => path,
+            | DiskPrep::Overlay { path, .. }
+            | DiskPrep::Claim { path, .. } => path,
+            DiskPrep::ClaimDevice { node, .. } => node,
             DiskPrep::Hugepages { qemu_conf, .. } => qemu_conf,
             DiskPrep::EfiVars { nvram, .. } => nvram,
             DiskPrep::KernelBoot { kernel, initrd, .. } => kernel
@@ -656,6 +710,11 @@ fn is_dns_label(s: &str) -> bool {
         && !s.ends_with('-')
 }
 
+/// A DNS-1123 subdomain: what Kubernetes allows as a claim's name.
+fn is_dns_subdomain(s: &str) -> bool {
+    s.len() <= 253 && s.split('.').all(is_dns_label)
+}
+
 #[cfg(test)]
 pub(crate) mod test_support {
     use super::*;
@@ -691,6 +750,7 @@ pub(crate) mod test_support {
                     cpus: 64,
                 }),
                 limits: Limits::default(),
+                claims: &NO_CLAIMS,
             },
         )
     }
@@ -773,6 +833,7 @@ mod tests {
                 cluster: false,
                 capacity: None,
                 limits: Limits::default(),
+                claims: &NO_CLAIMS,
             },
         )
         .expect_err("too long");

@@ -116,7 +116,7 @@ impl<A: Adapters> Controller<A> {
 
     /// A start that cannot go on yet: a warning Event, and the same reason
     /// in the Ready condition while the VMI waits (the loop retries).
-    async fn wait_for(
+    pub(super) async fn wait_for(
         &self,
         vmi: &VirtualMachineInstance,
         key: &VmKey,

@@ -320,9 +320,21 @@ impl<A: Adapters> Controller<A> {
                 .map_or(30, |v| v.termination_grace_period().as_secs()),
             extra_rw_paths: writable_disks(conv),
             extra_ro_paths: read_only_disks(conv, c.images),
-            hidden_roots: self.settings.host_disk_roots.all(),
+            hidden_roots: self.hidden_roots(),
+            devices: claim_devices(conv),
         });
         self.deps.units.start(&spec).await.map_err(sd_err(c.id))
+    }
+
+    /// What a VM's unit hides but for its own disks: every hostDisk root
+    /// and the claim roots there are.
+    fn hidden_roots(&self) -> Vec<PathBuf> {
+        let mut roots = self.settings.host_disk_roots.all();
+        let claims = self.settings.claim_roots.iter();
+        roots.extend(claims.filter(|r| r.is_dir()).cloned());
+        roots.sort();
+        roots.dedup();
+        roots
     }
 
     /// The connection to the VM's daemon closes while the unit stops: a
@@ -466,9 +478,13 @@ fn writable_disks(conv: &Converted) -> Vec<PathBuf> {
     conv.disks
         .iter()
         .filter_map(|d| match d {
-            DiskPrep::CreateRawIfMissing { path, .. } | DiskPrep::RequireExisting { path, .. } => {
-                Some(path.clone())
-            }
+            DiskPrep::CreateRawIfMissing { path, .. }
+            | DiskPrep::RequireExisting { path, .. }
+            | DiskPrep::Claim {
+                path,
+                size_bytes: Some(_),
+                ..
+            } => Some(path.clone()),
             _ => None,
         })
         .collect()
@@ -481,6 +497,11 @@ fn read_only_disks(conv: &Converted, images: &BTreeMap<String, ImageDisk>) -> Ve
         DiskPrep::Overlay {
             backing: Backing::HostDisk(base),
             ..
+        }
+        | DiskPrep::Claim {
+            path: base,
+            size_bytes: None,
+            ..
         } => Some(base.clone()),
         _ => None,
     });
@@ -489,6 +510,19 @@ fn read_only_disks(conv: &Converted, images: &BTreeMap<String, ImageDisk>) -> Ve
         _ => None,
     });
     bases.chain(cached).collect()
+}
+
+/// Block claims' host devices, and whether the VM may write them.
+fn claim_devices(conv: &Converted) -> Vec<(PathBuf, bool)> {
+    conv.disks
+        .iter()
+        .filter_map(|d| match d {
+            DiskPrep::ClaimDevice {
+                device, read_only, ..
+            } => Some((device.clone(), !read_only)),
+            _ => None,
+        })
+        .collect()
 }
 
 fn storage_err(id: &str) -> impl FnOnce(StorageError) -> ControllerError + '_ {

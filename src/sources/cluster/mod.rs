@@ -3,6 +3,7 @@
 //! a merge patch of the fields kvirtd owns (KubeVirt's VMI CRD has no status
 //! subresource); Events, a finalizer and a Lease as a node agent keeps them.
 
+pub mod claims;
 pub mod events;
 pub mod lease;
 pub mod source;

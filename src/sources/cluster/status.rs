@@ -3,9 +3,10 @@
 use super::{api_err, ClusterError, FINALIZER, KUBEVIRT_FINALIZER};
 use crate::core::key::VmKey;
 use crate::core::objects::{ObjectData, ObjectRef};
+use crate::core::pvc::{DataVolume, User};
 use crate::core::quota::{self, Claim, Hard};
 use crate::core::vmi::VirtualMachineInstance;
-use crate::sources::{SourceError, StatusStore};
+use crate::sources::{ClaimObjects, SourceError, StatusStore};
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{ConfigMap, ResourceQuota, Secret, ServiceAccount};
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams};
@@ -295,6 +296,45 @@ impl StatusStore for KubeStatus {
             .filter_map(|v| quota::claim_of(v, FINALIZER))
             .collect();
         Ok((bounds, claims))
+    }
+
+    async fn claim(&self, namespace: &str, name: &str) -> Result<ClaimObjects, SourceError> {
+        self.read_claim(namespace, name).await
+    }
+
+    async fn data_volume(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<Option<DataVolume>, SourceError> {
+        self.read_data_volume(namespace, name).await
+    }
+
+    async fn select_node(
+        &self,
+        namespace: &str,
+        name: &str,
+        node: &str,
+    ) -> Result<(), SourceError> {
+        self.set_selected_node(namespace, name, node).await
+    }
+
+    async fn hold_claim(
+        &self,
+        namespace: &str,
+        name: &str,
+        user: &User,
+    ) -> Result<Result<(), String>, SourceError> {
+        self.hold_pvc(namespace, name, user).await
+    }
+
+    async fn release_claim(
+        &self,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+    ) -> Result<(), SourceError> {
+        self.release_pvc(namespace, name, uid).await
     }
 
     async fn virtual_machine_exists(
