@@ -1071,3 +1071,396 @@ fn a_virtual_machine_runs_one_vmi_across_two_kvirtds_and_obeys_its_run_strategy(
     );
     assert!(host_clean(runner, "k-vm"));
 }
+
+/// A local PersistentVolume on node-a, in `kvirt-test-local`, bound (by
+/// the real controller manager) to a claim of the same name.
+fn local_claim(a: &Host, name: &str, node: &str) {
+    a.ok(&format!("mkdir -p /var/lib/kvirt/claims/{name}"));
+    apply(
+        a,
+        &format!(
+            "apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {{name: kvirt-test-local}}
+provisioner: kubernetes.io/no-provisioner
+volumeBindingMode: Immediate
+---
+apiVersion: v1
+kind: PersistentVolume
+metadata: {{name: {name}}}
+spec:
+  capacity: {{storage: 1Gi}}
+  accessModes: [ReadWriteOnce]
+  persistentVolumeReclaimPolicy: Retain
+  storageClassName: kvirt-test-local
+  local: {{path: /var/lib/kvirt/claims/{name}}}
+  nodeAffinity:
+    required:
+      nodeSelectorTerms:
+      - matchExpressions:
+        - {{key: kubernetes.io/hostname, operator: In, values: [{node}]}}
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {{name: {name}, namespace: default}}
+spec:
+  accessModes: [ReadWriteOnce]
+  storageClassName: kvirt-test-local
+  volumeName: {name}
+  resources: {{requests: {{storage: 512Mi}}}}
+"
+        ),
+    );
+    a.wait(
+        &format!("{name} Bound"),
+        WAIT,
+        &format!("[ \"$(kubectl get pvc {name} -o jsonpath='{{.status.phase}}')\" = Bound ]"),
+    );
+}
+
+/// A VMI on node-a with a claim as its second disk, and a script that
+/// shows what the claim held and writes a marker into it.
+fn claim_vmi(name: &str, claim: &str) -> String {
+    let script = "#!/bin/sh\\necho \\\"KVIRT-CLAIM-WAS $(head -c 15 /dev/vdb | tr '\\\\000' .)\\\"\\nprintf KVIRT-PERSISTED >/dev/vdb && sync && echo KVIRT-CLAIM-WRITTEN\\n";
+    support::vmi_manifest(
+        name,
+        "kubevirt.io/nodeName: node-a",
+        "",
+        "      - name: data\n        disk: {bus: virtio}\n      - name: seed\n        disk: {bus: virtio}\n",
+    ) + &format!(
+        "  - name: data\n    persistentVolumeClaim: {{claimName: {claim}}}\n  - name: seed\n    cloudInitNoCloud: {{userData: \"{script}\"}}\n"
+    )
+}
+
+/// A claim's data outlives its VMI: kvirt makes the claim's disk.img
+/// (sparse, min(request, capacity) less the 5.5 % overhead), holds the
+/// claim with its finalizer while a VM uses it (a `kubectl delete pvc`
+/// leaves it Terminating until the VM goes), and a second VMI on the claim
+/// reads what the first wrote. A claim whose PV is on another node is
+/// refused with the affinity named, and nothing is made.
+#[test]
+fn a_claims_data_outlives_its_vmi_and_the_claim_is_held_while_used() {
+    let Some((a, _b)) = hosts() else { return };
+    let _g = serial();
+    local_claim(&a, "k-claim-2", "node-a");
+    local_claim(&a, "k-claim-3", "node-b");
+    let pvc = |name: &str, jsonpath: &str| {
+        kubectl(&a, &format!("get pvc {name} -o jsonpath='{{{jsonpath}}}'"))
+    };
+
+    disk(&[&a], "k-pvc-1", "run");
+    apply(&a, &claim_vmi("k-pvc-1", "k-claim-2"));
+    wait_vmi(&a, "k-pvc-1", ".status.phase", "Running", BOOT);
+    a.serial_log_shows("k-pvc-1", "KVIRT-CLAIM-WAS ...............");
+    a.serial_log_shows("k-pvc-1", "KVIRT-CLAIM-WRITTEN");
+    let img = "/var/lib/kvirt/claims/k-claim-2/disk.img";
+    // 512 MiB less 5.5 %, in whole MiB: 483 MiB.
+    assert_eq!(
+        a.ok(&format!("stat -c %s {img}")),
+        (483u64 << 20).to_string()
+    );
+    assert!(pvc("k-claim-2", ".metadata.finalizers").contains("kvirt.io/pvc-in-use"));
+    assert!(pvc("k-claim-2", ".metadata.annotations.kvirt\\.io/used-by").contains("node-a"));
+    delete(&a, "k-pvc-1");
+    assert!(!pvc("k-claim-2", ".metadata.finalizers").contains("kvirt.io/pvc-in-use"));
+    // The grant went with the VM: the file is root's, 0600, as made.
+    assert_eq!(a.ok(&format!("stat -c %u:%a {img}")), "0:600");
+
+    disk(&[&a], "k-pvc-2", "run");
+    apply(&a, &claim_vmi("k-pvc-2", "k-claim-2"));
+    wait_vmi(&a, "k-pvc-2", ".status.phase", "Running", BOOT);
+    a.serial_log_shows("k-pvc-2", "KVIRT-CLAIM-WAS KVIRT-PERSISTED");
+    kubectl(&a, "delete pvc k-claim-2 --wait=false");
+    assert!(!pvc("k-claim-2", ".metadata.deletionTimestamp").is_empty());
+    assert_eq!(
+        pvc("k-claim-2", ".status.phase"),
+        "Bound",
+        "held while used"
+    );
+    delete(&a, "k-pvc-2");
+    a.wait(
+        "k-claim-2 gone",
+        WAIT,
+        "! kubectl get pvc k-claim-2 2>/dev/null",
+    );
+
+    // Another node's local volume: refused, naming why, nothing made.
+    disk(&[&a], "k-pvc-3", "run");
+    apply(&a, &claim_vmi("k-pvc-3", "k-claim-3"));
+    wait_vmi(&a, "k-pvc-3", ".status.phase", "Failed", WAIT);
+    let sync = kubectl(
+        &a,
+        "get vmi k-pvc-3 -o jsonpath='{.status.conditions[?(@.type==\"Synchronized\")]}'",
+    );
+    assert!(
+        sync.contains("PVCNodeAffinity") && sync.contains("kubernetes.io/hostname"),
+        "{sync}"
+    );
+    assert!(host_clean(&a, "k-pvc-3"));
+    assert!(!a.succeeds("[ -e /var/lib/kvirt/claims/k-claim-3/disk.img ]"));
+    delete(&a, "k-pvc-3");
+    assert!(!pvc("k-claim-3", ".metadata.finalizers").contains("kvirt.io/pvc-in-use"));
+    kubectl(&a, "delete pvc k-claim-3 --timeout=60s");
+    for pv in ["k-claim-2", "k-claim-3"] {
+        kubectl(&a, &format!("delete pv {pv} --timeout=60s"));
+        a.ok(&format!("rm -rf /var/lib/kvirt/claims/{pv}"));
+    }
+}
+
+/// The Ready condition's reason and message of a VMI.
+fn ready(h: &Host, name: &str) -> (String, String) {
+    let c = ".status.conditions[?(@.type==\"Ready\")]";
+    (
+        kubectl(h, &format!("get vmi {name} -o jsonpath='{{{c}.reason}}'")),
+        kubectl(h, &format!("get vmi {name} -o jsonpath='{{{c}.message}}'")),
+    )
+}
+
+/// What kvirt waits for before a claim's VM starts, with nothing made
+/// meanwhile: a DataVolume until CDI says it is populated (CDI's own
+/// schema is not needed: a minimal CRD stands in, its status set by the
+/// test as CDI's importer would); a `WaitForFirstConsumer` claim until it
+/// is bound, after kvirtd selected its node for the provisioner (the test
+/// provisions, as a provisioner would on seeing the annotation).
+#[test]
+fn data_volumes_and_wait_for_first_consumer_claims_are_waited_for() {
+    let Some((a, _b)) = hosts() else { return };
+    let _g = serial();
+    apply(
+        &a,
+        "apiVersion: apiextensions.k8s.io/v1
+kind: CustomResourceDefinition
+metadata: {name: datavolumes.cdi.kubevirt.io}
+spec:
+  group: cdi.kubevirt.io
+  names: {kind: DataVolume, plural: datavolumes, singular: datavolume, shortNames: [dv]}
+  scope: Namespaced
+  versions:
+  - name: v1beta1
+    served: true
+    storage: true
+    schema: {openAPIV3Schema: {type: object, x-kubernetes-preserve-unknown-fields: true}}
+",
+    );
+    kubectl(
+        &a,
+        "wait crd/datavolumes.cdi.kubevirt.io --for=condition=Established --timeout=60s",
+    );
+    local_claim(&a, "k-dv-1", "node-a");
+    apply(
+        &a,
+        "apiVersion: cdi.kubevirt.io/v1beta1
+kind: DataVolume
+metadata: {name: k-dv-1, namespace: default}
+spec: {source: {blank: {}}, storage: {resources: {requests: {storage: 512Mi}}}}
+status: {phase: ImportInProgress, progress: 42.0%}
+",
+    );
+    disk(&[&a], "k-dv-vm", "run");
+    let dv_vmi = claim_vmi("k-dv-vm", "k-dv-1").replace(
+        "persistentVolumeClaim: {claimName: k-dv-1}",
+        "dataVolume: {name: k-dv-1}",
+    );
+    apply(&a, &dv_vmi);
+    wait_vmi(
+        &a,
+        "k-dv-vm",
+        ".status.conditions[?(@.type==\"Ready\")].reason",
+        "DataVolumeNotReady",
+        WAIT,
+    );
+    let (_, message) = ready(&a, "k-dv-vm");
+    assert!(
+        message.contains("ImportInProgress") && message.contains("42.0%"),
+        "{message}"
+    );
+    assert!(host_clean(&a, "k-dv-vm"), "nothing made while it waits");
+    assert!(events(&a, "k-dv-vm").contains(&"DataVolumeNotReady".to_owned()));
+    kubectl(&a, "patch dv k-dv-1 --type merge -p '{\"status\":{\"phase\":\"Succeeded\",\"progress\":\"100.0%\"}}'");
+    wait_vmi(
+        &a,
+        "k-dv-vm",
+        ".status.phase",
+        "Running",
+        BOOT + Duration::from_secs(70),
+    );
+    a.serial_log_shows("k-dv-vm", "KVIRT-CLAIM-WRITTEN");
+    // KubeVirt's volumeStatus, with the claim's facts.
+    let info = kubectl(
+        &a,
+        "get vmi k-dv-vm -o jsonpath='{.status.volumeStatus[?(@.name==\"data\")]}'",
+    );
+    for want in [
+        "\"target\":\"vdb\"",
+        "\"claimName\":\"k-dv-1\"",
+        "\"volumeMode\":\"Filesystem\"",
+        "\"filesystemOverhead\":\"0.055\"",
+        "\"requests\":{\"storage\":\"512Mi\"}",
+    ] {
+        assert!(info.contains(want), "{want} not in {info}");
+    }
+    delete(&a, "k-dv-vm");
+
+    apply(
+        &a,
+        "apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {name: kvirt-test-wffc}
+provisioner: kubernetes.io/no-provisioner
+volumeBindingMode: WaitForFirstConsumer
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: k-wffc-1, namespace: default}
+spec:
+  accessModes: [ReadWriteOnce]
+  storageClassName: kvirt-test-wffc
+  resources: {requests: {storage: 256Mi}}
+",
+    );
+    disk(&[&a], "k-wffc-vm", "run");
+    apply(&a, &claim_vmi("k-wffc-vm", "k-wffc-1"));
+    a.wait(
+        "k-wffc-1 selected for node-a",
+        WAIT,
+        "[ \"$(kubectl get pvc k-wffc-1 -o jsonpath='{.metadata.annotations.volume\\.kubernetes\\.io/selected-node}')\" = node-a ]",
+    );
+    let (reason, message) = ready(&a, "k-wffc-vm");
+    assert_eq!(reason, "PVCNotBound", "{message}");
+    assert!(host_clean(&a, "k-wffc-vm"));
+    // The provisioner's part: a volume on the selected node, for the claim.
+    a.ok("mkdir -p /var/lib/kvirt/claims/k-wffc-1");
+    apply(
+        &a,
+        "apiVersion: v1
+kind: PersistentVolume
+metadata: {name: k-wffc-1}
+spec:
+  capacity: {storage: 256Mi}
+  accessModes: [ReadWriteOnce]
+  persistentVolumeReclaimPolicy: Retain
+  storageClassName: kvirt-test-wffc
+  claimRef: {namespace: default, name: k-wffc-1}
+  local: {path: /var/lib/kvirt/claims/k-wffc-1}
+  nodeAffinity:
+    required:
+      nodeSelectorTerms:
+      - matchExpressions:
+        - {key: kubernetes.io/hostname, operator: In, values: [node-a]}
+",
+    );
+    wait_vmi(
+        &a,
+        "k-wffc-vm",
+        ".status.phase",
+        "Running",
+        BOOT + Duration::from_secs(70),
+    );
+    delete(&a, "k-wffc-vm");
+    for c in ["k-dv-1", "k-wffc-1"] {
+        kubectl(&a, &format!("delete pvc {c} --timeout=60s"));
+        kubectl(&a, &format!("delete pv {c} --timeout=60s"));
+        a.ok(&format!("rm -rf /var/lib/kvirt/claims/{c}"));
+    }
+    kubectl(&a, "delete dv k-dv-1 --ignore-not-found");
+    kubectl(&a, "delete storageclass kvirt-test-wffc");
+}
+
+/// A ReadWriteOnce claim one node's VM uses is refused to a VMI on the
+/// other node, naming where it is used, until that VM is gone; and a
+/// kvirtd killed (-9) while it tears a claim's VM down converges when it
+/// is back: VMI gone, claim no longer held, the VM's grant on its
+/// disk.img taken back.
+#[test]
+fn a_claim_in_use_on_one_node_is_refused_on_the_other_and_a_crash_converges() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = serial();
+    for h in [&a, &b] {
+        h.ok("mkdir -p /var/lib/kvirt/claims/k-shared");
+    }
+    apply(
+        &a,
+        "apiVersion: v1
+kind: PersistentVolume
+metadata: {name: k-shared}
+spec:
+  capacity: {storage: 512Mi}
+  accessModes: [ReadWriteOnce]
+  persistentVolumeReclaimPolicy: Retain
+  storageClassName: kvirt-test-shared
+  hostPath: {path: /var/lib/kvirt/claims/k-shared}
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: k-shared, namespace: default}
+spec:
+  accessModes: [ReadWriteOnce]
+  storageClassName: kvirt-test-shared
+  volumeName: k-shared
+  resources: {requests: {storage: 512Mi}}
+",
+    );
+    a.wait(
+        "k-shared Bound",
+        WAIT,
+        "[ \"$(kubectl get pvc k-shared -o jsonpath='{.status.phase}')\" = Bound ]",
+    );
+    disk(&[&a], "k-rwo-a", "run");
+    disk(&[&b], "k-rwo-b", "run");
+    apply(&a, &claim_vmi("k-rwo-a", "k-shared"));
+    wait_vmi(&a, "k-rwo-a", ".status.phase", "Running", BOOT);
+    apply(
+        &a,
+        &claim_vmi("k-rwo-b", "k-shared").replace("nodeName: node-a", "nodeName: node-b"),
+    );
+    wait_vmi(
+        &a,
+        "k-rwo-b",
+        ".status.conditions[?(@.type==\"Ready\")].reason",
+        "PVCInUse",
+        WAIT,
+    );
+    let (_, message) = ready(&a, "k-rwo-b");
+    assert!(
+        message.contains("default/k-rwo-a") && message.contains("node node-a"),
+        "{message}"
+    );
+    assert!(host_clean(&b, "k-rwo-b"));
+    delete(&a, "k-rwo-a");
+    wait_vmi(
+        &a,
+        "k-rwo-b",
+        ".status.phase",
+        "Running",
+        BOOT + Duration::from_secs(70),
+    );
+    let img = "/var/lib/kvirt/claims/k-shared/disk.img";
+    // `+`: the file has an ACL (the VM's grant) while it runs.
+    assert!(
+        b.ok(&format!("ls -l {img}")).starts_with("-rw-rw----+"),
+        "granted while it runs"
+    );
+
+    // kvirtd dies while it tears the VM down; back, it finishes the job.
+    kubectl(&a, "delete vmi k-rwo-b --wait=false");
+    b.ok("systemctl kill -s KILL kvirtd.service; systemctl reset-failed kvirtd.service; systemctl start kvirtd.service");
+    a.wait(
+        "k-rwo-b gone",
+        BOOT,
+        "! kubectl get vmi k-rwo-b 2>/dev/null",
+    );
+    assert!(host_clean(&b, "k-rwo-b"));
+    assert!(
+        !kubectl(&a, "get pvc k-shared -o jsonpath='{.metadata.finalizers}'")
+            .contains("kvirt.io/pvc-in-use")
+    );
+    assert!(
+        b.ok(&format!("ls -l {img}")).starts_with("-rw------- "),
+        "grant taken back"
+    );
+    kubectl(&a, "delete pvc k-shared --timeout=60s");
+    kubectl(&a, "delete pv k-shared --timeout=60s");
+    for h in [&a, &b] {
+        h.ok("rm -rf /var/lib/kvirt/claims/k-shared");
+    }
+}

@@ -66,8 +66,12 @@ kvirt_testhost() {
   rootfs=$(th_rootfs) || return
   guest=$(th_guest) || return
   vq=$(th_virtqemud) || return
+  # A loop device for the block claims' test, where the kernel has them.
+  local loop="" binds=""
+  if loop=$(th_loop "$name"); then binds="$loop:$loop"; fi
   # Called as $(...), where set -e does not reach: every step says so.
-  pid=$(TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud" th_boot "$name") || return
+  pid=$(TH_BIND="$binds" TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud" th_boot "$name") || return
+  [[ -z $loop ]] || echo "$loop" >"$TH_STATE/$name/share/claim-loop"
   bash "$top/tests/testhost/install-kvirt.sh" "$name" "$KVIRT_DEB" >&2 || return
   echo "$pid"
 }

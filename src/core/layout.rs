@@ -356,9 +356,11 @@ impl VmPaths {
         self.disk_dir().join("initrd")
     }
 
-    /// A block claim's device node, made for the VM alone.
+    /// A block claim's device node, made for the VM alone: in its state
+    /// directory, since `/run` is mounted `nodev` (its nodes cannot be
+    /// opened).
     pub fn claim_device(&self, volume: &str) -> PathBuf {
-        self.runtime_dir.join("claims").join(volume)
+        self.state_dir.join("claims").join(volume)
     }
 
     /// The VM's writable layer over a containerDisk or ephemeral base.

@@ -218,6 +218,13 @@ pub enum Outcome {
     Phase(Phase),
     /// The VMI cannot run: Failed with `Synchronized=False`.
     Invalid(String),
+    /// The VMI cannot run on this host, for a reason with a name of its
+    /// own (a claim it cannot reach): Failed, `Synchronized=False` with
+    /// that reason.
+    Refused {
+        reason: &'static str,
+        message: String,
+    },
     Failed(String),
     /// Nothing to report (the VMI is gone, or the host is still settling).
     Unchanged,

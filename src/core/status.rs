@@ -36,6 +36,9 @@ pub fn next_status(
         Outcome::Phase(p) => (*p, None),
         Outcome::Failed(reason) => (Phase::Failed, Some(("Failed", reason.as_str(), false))),
         Outcome::Invalid(reason) => (Phase::Failed, Some(("SyncFailed", reason.as_str(), true))),
+        Outcome::Refused { reason, message } => {
+            (Phase::Failed, Some((*reason, message.as_str(), true)))
+        }
     };
     phase::check(prev.phase, phase)?;
 
@@ -121,6 +124,9 @@ pub struct Live {
     pub paused: Option<String>,
     /// The machine type QEMU runs.
     pub machine: Option<String>,
+    /// `status.volumeStatus`, set by the pass that starts the VM (the
+    /// claims' facts are read then); `None` leaves it as it is.
+    pub volumes: Option<Vec<serde_json::Value>>,
 }
 
 /// A running VMI's live facts: the guest agent's condition and OS, the
@@ -129,6 +135,9 @@ pub struct Live {
 /// `machine.type`.
 pub fn set_live(status: &mut VmiStatus, live: &Live, now: &str) {
     set_guest_agent(status, live.agent.as_ref(), now);
+    if let Some(v) = &live.volumes {
+        status.extra.insert("volumeStatus".into(), v.clone().into());
+    }
     match &live.paused {
         Some(reason) => {
             set_condition(

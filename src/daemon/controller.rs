@@ -651,12 +651,20 @@ impl<A: Adapters> Controller<A> {
         if let (Some(v), Some(k), true) = (&vmi, &key, creating) {
             self.announce_start(v, k).await?;
             if self.reads_claims(v, false) {
-                let claims = self.read_claims(v, k).await?;
-                let conv = claims.and_then(|c| self.convert(v, k, false, &c));
-                if let Err(why) = &conv {
-                    refused = Some(Outcome::Invalid(why.clone()));
-                } else {
-                    self.hold_claims(v, k).await?;
+                let conv = match self.read_claims(v, k).await? {
+                    Ok(claims) => self.convert(v, k, false, &claims),
+                    Err((reason, message)) => {
+                        refused = Some(Outcome::Refused {
+                            reason,
+                            message: message.clone(),
+                        });
+                        Err(message)
+                    }
+                };
+                match &conv {
+                    Err(why) if refused.is_none() => refused = Some(Outcome::Invalid(why.clone())),
+                    Err(_) => {}
+                    Ok(_) => self.hold_claims(v, k).await?,
                 }
                 converted = Some(conv);
             }
@@ -769,7 +777,11 @@ impl<A: Adapters> Controller<A> {
                     (Outcome::Phase(Phase::Running), Some(d)) => {
                         let start_paused =
                             creating && ctx.converted.is_some_and(|c| c.start_paused);
-                        self.live(d, ctx.obs.domain.as_ref(), start_paused).await
+                        let mut live = self.live(d, ctx.obs.domain.as_ref(), start_paused).await;
+                        if creating {
+                            live.volumes = ctx.converted.map(|c| c.volume_status.clone());
+                        }
+                        live
                     }
                     _ => status::Live::default(),
                 };

@@ -684,9 +684,9 @@ impl HostStorage {
     }
 
     /// A block claim: the host's device checked to be a block device, and
-    /// a node of it made for the VM in its own run directory (through the
-    /// directory's fd: the VM can write there), the VM's own, 0600. The
-    /// host's `/dev` node is never changed.
+    /// a node of it made for the VM in its own state directory (through
+    /// the directory's fd: the VM can write there), the VM's own, 0600.
+    /// The host's `/dev` node is never changed.
     fn claim_device(
         &self,
         device: &Path,
@@ -706,11 +706,11 @@ impl HostStorage {
             (Some(d), Some(n)) => (d, n),
             _ => return Err(disk_err("has no node path".into())),
         };
-        let run = self.host.vms_runtime_dir();
+        let vms = self.host.vms_state_dir();
         let rel = dir
-            .strip_prefix(&run)
-            .map_err(|_| disk_err(format!("{} is not in a VM's run directory", node.display())))?;
-        let top = Beneath::open(&run).map_err(io(&run, "open"))?;
+            .strip_prefix(&vms)
+            .map_err(|_| disk_err(format!("{} is not in a VM's directory", node.display())))?;
+        let top = Beneath::open(&vms).map_err(io(&vms, "open"))?;
         let parent = top.make_missing(rel, 0o700).map_err(io(dir, "make"))?;
         parent.remove(name).map_err(io(node, "remove"))?;
         let mode = if read_only { 0o400 } else { 0o600 };

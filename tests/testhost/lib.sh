@@ -511,6 +511,22 @@ th__system_running() {
   [[ $s == running || $s == degraded ]]
 }
 
+# th_loop NAME: a loop device of the host on a fresh 64 MiB file kept for test
+# host NAME (block claims' tests); echoes its /dev path. Fails where the
+# kernel has no loop devices. th_stop NAME detaches it.
+th_loop() {
+  local img=$TH_STATE/$1.loop.img
+  [[ -e /dev/loop-control ]] || { th_log "no /dev/loop-control: no loop device for $1"; return 1; }
+  th__unloop "$1"
+  rm -f "$img" && truncate -s 64M "$img" && losetup -f --show "$img"
+}
+
+th__unloop() {
+  local img=$TH_STATE/$1.loop.img d
+  [[ -e $img ]] || return 0
+  for d in $(losetup -j "$img" -n -O NAME 2>/dev/null); do losetup -d "$d" || true; done
+}
+
 # th_boot NAME: boot the rootfs in a systemd-nspawn container named NAME; echo its PID 1.
 # Env: TH_BIND_RO="src:dst ..." (read-only binds), TH_BIND="src:dst ..." (read-write),
 # TH_NSPAWN_OPTS="..." (more nspawn options), TH_BOOT_TIMEOUT (s, default 60).
@@ -599,6 +615,7 @@ th_copy_in() {
 th_stop() {
   local name=$1 st nspawn pid1 t
   st=$TH_STATE/$name
+  th__unloop "$name"
   [[ -r $st/nspawn.pid ]] || { th_log "test host $name: not running"; return 0; }
   nspawn=$(<"$st/nspawn.pid")
   pid1=$(cat "$st/pid1" 2>/dev/null || true)

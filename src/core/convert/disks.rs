@@ -269,6 +269,31 @@ pub(super) fn convert(
     (disks, controllers, preps)
 }
 
+/// `status.volumeStatus` as KubeVirt fills it for what kvirt has: each
+/// disk's volume name and target device, and for a claim whose facts were
+/// read, its `persistentVolumeClaimInfo`.
+pub(super) fn volume_status(
+    spec: &VmiSpec,
+    disks: &[Disk],
+    claims: &super::Claims,
+) -> Vec<serde_json::Value> {
+    disks
+        .iter()
+        .map(|d| {
+            let name = d.alias.name.strip_prefix("ua-").unwrap_or(&d.alias.name);
+            let mut s = serde_json::json!({"name": name, "target": d.target.dev});
+            let claim = spec.volumes.iter().find(|v| v.name == name).and_then(|v| {
+                let c = v.persistent_volume_claim.as_ref().map(|c| &c.claim_name);
+                c.or(v.data_volume.as_ref().map(|d| &d.name))
+            });
+            if let Some(pvc) = claim.and_then(|c| claims.by_name.get(c)) {
+                s["persistentVolumeClaimInfo"] = pvc.info(claims.filesystem_overhead);
+            }
+            s
+        })
+        .collect()
+}
+
 /// The volumes' check: what it needs of the VM, and what the volumes
 /// checked so far hold together.
 struct Volumes<'a, 'c> {

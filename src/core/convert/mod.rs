@@ -197,6 +197,9 @@ pub struct Converted {
     pub resources: Resources,
     /// `startStrategy: Paused`: the domain starts with its vCPUs stopped.
     pub start_paused: bool,
+    /// `status.volumeStatus`: each disk's volume and target, with a
+    /// claim's `persistentVolumeClaimInfo` when its claim was read.
+    pub volume_status: Vec<serde_json::Value>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -258,7 +261,7 @@ pub enum DiskPrep {
         size_bytes: Option<u64>,
     },
     /// A block claim: a node of the host's `device` made at `node`, in the
-    /// VM's own run directory, for the VM alone.
+    /// VM's own state directory, for the VM alone.
     ClaimDevice {
         volume: String,
         device: PathBuf,
@@ -447,6 +450,7 @@ pub fn convert_all_errors(
     let clock = clock::convert(dom.clock.as_ref(), &mut errs);
     let (disk_devs, controllers, mut preps) =
         disks::convert(spec, &vmi.metadata, ctx, &uuid, &mut errs);
+    let volume_status = disks::volume_status(spec, &disk_devs, ctx.claims);
     if needs.persistent_efi {
         preps.push(DiskPrep::EfiVars {
             owner: crate::core::efivars::Owner::of(vmi, ctx.key).to_string(),
@@ -542,6 +546,7 @@ pub fn convert_all_errors(
     })?;
     Ok(Converted {
         domain_xml,
+        volume_status,
         disks: preps,
         network: net,
         start_paused: spec.extra.get("startStrategy").and_then(|s| s.as_str()) == Some("Paused"),

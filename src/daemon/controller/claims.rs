@@ -28,7 +28,7 @@ impl<A: Adapters> Controller<A> {
         &self,
         vmi: &VirtualMachineInstance,
         key: &VmKey,
-    ) -> Result<Result<Claims, String>, ControllerError> {
+    ) -> Result<Result<Claims, (&'static str, String)>, ControllerError> {
         let ns = key.namespace();
         let host = self.host_facts();
         let mut by_name = BTreeMap::new();
@@ -74,8 +74,9 @@ impl<A: Adapters> Controller<A> {
                 Err(e) => sort(e, &mut refused, &mut waits),
             }
         }
-        if !refused.is_empty() {
-            return Ok(Err(refused.join("; ")));
+        if let Some((reason, _)) = refused.first() {
+            let all: Vec<&str> = refused.iter().map(|(_, m)| m.as_str()).collect();
+            return Ok(Err((reason, all.join("; "))));
         }
         if waits.is_empty() && !unbound.is_empty() {
             // As the scheduler does for a pod: this node, for all of them.
@@ -188,9 +189,11 @@ fn has_selected_node(claim: &k8s_openapi::api::core::v1::PersistentVolumeClaim) 
     (claim.metadata.annotations.as_ref()).is_some_and(|a| a.contains_key(pvc::SELECTED_NODE))
 }
 
-fn sort(e: Unusable, refused: &mut Vec<String>, waits: &mut Vec<(&'static str, String)>) {
+type Reasons = Vec<(&'static str, String)>;
+
+fn sort(e: Unusable, refused: &mut Reasons, waits: &mut Reasons) {
     match e {
-        Unusable::Refuse { reason, message } => refused.push(format!("{reason}: {message}")),
+        Unusable::Refuse { reason, message } => refused.push((reason, message)),
         Unusable::Wait { reason, message } => waits.push((reason, message)),
     }
 }

@@ -56,6 +56,7 @@ impl<A: Adapters> Controller<A> {
             agent,
             paused,
             machine: seen.and_then(|d| d.machine.clone()),
+            volumes: None,
         }
     }
 
@@ -114,6 +115,10 @@ impl<A: Adapters> Controller<A> {
                 let r = &self.deps.recorder;
                 match (outcome, new) {
                     (Outcome::Invalid(m), _) => r.record(vmi, EventReason::SyncFailed, m, true),
+                    (Outcome::Refused { reason, message }, _) => {
+                        let m = format!("{reason}: {message}");
+                        r.record(vmi, EventReason::SyncFailed, &m, true)
+                    }
                     (_, Some(Phase::Running)) => {
                         r.record(vmi, EventReason::Started, "VM started", false)
                     }

@@ -24,6 +24,7 @@ const OWNED: &[&str] = &[
     "qosClass",
     "machine",
     "guestOSInfo",
+    "volumeStatus",
 ];
 
 /// The merge patch that writes kvirtd's part of the status (pure). It
