@@ -1464,3 +1464,73 @@ spec:
         h.ok("rm -rf /var/lib/kvirt/claims/k-shared");
     }
 }
+
+/// A Block claim on a local PV (a loop device of node-a's): the VM gets
+/// the device, its data is there for the next VMI on the claim, and the
+/// host's device node is left as it was.
+#[test]
+fn a_block_claim_boots_and_keeps_its_data() {
+    let Some((a, _b)) = hosts() else { return };
+    let _g = serial();
+    let dev = a.ok("cat /share/claim-loop 2>/dev/null || true");
+    if dev.is_empty() {
+        eprintln!("no loop device on test host A: the block claim case is skipped");
+        return;
+    }
+    let before = a.ok(&format!("stat -c %u:%g:%a {dev}"));
+    apply(
+        &a,
+        &format!(
+            "apiVersion: v1
+kind: PersistentVolume
+metadata: {{name: k-block}}
+spec:
+  capacity: {{storage: 64Mi}}
+  volumeMode: Block
+  accessModes: [ReadWriteOnce]
+  persistentVolumeReclaimPolicy: Retain
+  storageClassName: kvirt-test-block
+  local: {{path: {dev}}}
+  nodeAffinity:
+    required:
+      nodeSelectorTerms:
+      - matchExpressions:
+        - {{key: kubernetes.io/hostname, operator: In, values: [node-a]}}
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {{name: k-block, namespace: default}}
+spec:
+  accessModes: [ReadWriteOnce]
+  volumeMode: Block
+  storageClassName: kvirt-test-block
+  volumeName: k-block
+  resources: {{requests: {{storage: 64Mi}}}}
+"
+        ),
+    );
+    a.wait(
+        "k-block Bound",
+        WAIT,
+        "[ \"$(kubectl get pvc k-block -o jsonpath='{.status.phase}')\" = Bound ]",
+    );
+    for (vm, was) in [
+        ("k-block-1", "..............."),
+        ("k-block-2", "KVIRT-PERSISTED"),
+    ] {
+        disk(&[&a], vm, "run");
+        apply(&a, &claim_vmi(vm, "k-block"));
+        wait_vmi(&a, vm, ".status.phase", "Running", BOOT);
+        a.serial_log_shows(vm, &format!("KVIRT-CLAIM-WAS {was}"));
+        a.serial_log_shows(vm, "KVIRT-CLAIM-WRITTEN");
+        let info = kubectl(
+            &a,
+            &format!("get vmi {vm} -o jsonpath='{{.status.volumeStatus[?(@.name==\"data\")].persistentVolumeClaimInfo.volumeMode}}'"),
+        );
+        assert_eq!(info, "Block");
+        delete(&a, vm);
+    }
+    assert_eq!(a.ok(&format!("stat -c %u:%g:%a {dev}")), before);
+    kubectl(&a, "delete pvc k-block --timeout=60s");
+    kubectl(&a, "delete pv k-block --timeout=60s");
+}

@@ -87,7 +87,11 @@ kvirt_k8s_cluster() {
   guest=$(th_guest) || return
   vq=$(th_virtqemud) || return
   k8s=$(th_k8s_binds) || return
-  pa=$(TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud $k8s" th_boot "$a") || return
+  # A loop device on A for the block claims' test, where the kernel has them.
+  local loop="" binds=""
+  if loop=$(th_loop "$a"); then binds="$loop:$loop"; fi
+  pa=$(TH_BIND="$binds" TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud $k8s" th_boot "$a") || return
+  [[ -z $loop ]] || echo "$loop" >"$TH_STATE/$a/share/claim-loop"
   th_k8s_up "$a" >&2 || return
   th_copy_in "$a" "$top/packaging/kubernetes/crd.yaml" /etc/kvirt/manifests/crd.yaml || return
   th_copy_in "$a" "$top/packaging/kubernetes/rbac.yaml" /etc/kvirt/manifests/rbac.yaml || return

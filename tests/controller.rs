@@ -1802,3 +1802,127 @@ async fn pause_unpause_and_start_paused_show_as_kubevirt_shows_them() {
     let unknown = ctl.act("default_vm9", VmiAction::Pause).await.unwrap_err();
     assert!(unknown.contains("no VMI"), "{unknown}");
 }
+
+/// A VMI whose only disk is the claim `claim`.
+fn with_claim(name: &str, uid: &str, claim: &str) -> VirtualMachineInstance {
+    VirtualMachineInstance::from_yaml(&format!(
+        "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata: {{name: {name}, namespace: default, uid: {uid}}}\nspec:\n  terminationGracePeriodSeconds: 2\n  domain:\n    memory: {{guest: 64Mi}}\n    devices: {{disks: [{{name: d}}]}}\n  volumes: [{{name: d, persistentVolumeClaim: {{claimName: {claim}}}}}]\n"
+    ))
+    .unwrap()
+}
+
+/// A claim of `default` as the cluster has it: `phase`, and bound to a PV
+/// whose spec is `pv_spec` (a flow map).
+fn put_claim(host: &FakeHost, name: &str, phase: &str, pv_spec: &str) {
+    let pvc = serde_norway::from_str(&format!(
+        "metadata: {{name: {name}, namespace: default}}\nspec: {{accessModes: [ReadWriteOnce], volumeName: pv-{name}, resources: {{requests: {{storage: 1Gi}}}}}}\nstatus: {{phase: {phase}, capacity: {{storage: 1Gi}}}}"
+    ))
+    .unwrap();
+    let pv =
+        serde_norway::from_str(&format!("metadata: {{name: pv-{name}}}\nspec: {pv_spec}")).unwrap();
+    host.state().claims.insert(
+        ("default".into(), name.into()),
+        kvirt::sources::ClaimObjects {
+            pvc: Some(pvc),
+            pv: Some(pv),
+            binding_mode: None,
+        },
+    );
+}
+
+/// Claims, by the scripted API: a claim this host cannot reach fails its
+/// VMI with the claim's reason and makes nothing; an unbound one waits; a
+/// reachable one is held before anything is made, is the disk, and is let
+/// go when the VMI goes, before the VMI itself.
+#[tokio::test]
+async fn claims_are_held_while_used_and_an_unreachable_one_fails_with_its_reason() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    let here = "{local: {path: /var/lib/kvirt/claims/data}, nodeAffinity: {required: {nodeSelectorTerms: [{matchExpressions: [{key: kubernetes.io/hostname, operator: In, values: [node-1]}]}]}}}";
+    put_claim(&host, "data", "Bound", here);
+    put_claim(
+        &host,
+        "far",
+        "Bound",
+        "{csi: {driver: ebs.csi.aws.com, volumeHandle: v}}",
+    );
+    put_claim(&host, "later", "Pending", here);
+    let good = with_claim("good", "u1", "data");
+    ctl.set_vmis(set(&[
+        good.clone(),
+        with_claim("cloud", "u2", "far"),
+        with_claim("waiting", "u3", "later"),
+    ]))
+    .await;
+
+    ctl.reconcile("default_cloud").await.unwrap();
+    assert_eq!(phase(&host, "cloud"), Some(Phase::Failed));
+    let st = host.state().statuses[&VmKey::new("default", "cloud").unwrap()].clone();
+    let sync = st
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Synchronized")
+        .unwrap();
+    assert_eq!(sync.reason.as_deref(), Some("PVCNotSupported"));
+    assert!(sync
+        .message
+        .as_deref()
+        .unwrap_or("")
+        .contains("csi (driver ebs.csi.aws.com)"));
+    let calls = host.take_calls();
+    assert!(
+        !calls
+            .iter()
+            .any(|c| c.contains("default_cloud") || c.contains("hold claim")),
+        "{calls:?}"
+    );
+
+    let err = ctl.reconcile("default_waiting").await.unwrap_err();
+    assert_eq!(err.reason(), "claims");
+    waits_with_nothing_made(&host, "waiting", EventReason::PVCNotBound);
+
+    ctl.reconcile("default_good").await.unwrap();
+    assert_eq!(phase(&host, "good"), Some(Phase::Running));
+    let calls = host.take_calls();
+    let first_host_call = calls
+        .iter()
+        .position(|c| c.contains("default_good"))
+        .unwrap();
+    let held = calls
+        .iter()
+        .position(|c| c == "hold claim default/data")
+        .unwrap();
+    assert!(
+        held < first_host_call,
+        "held before anything is made: {calls:?}"
+    );
+    let users = host.state().claim_users[&("default".to_owned(), "data".to_owned())].clone();
+    assert_eq!(users.len(), 1);
+    assert_eq!(
+        (users[0].node.as_str(), users[0].uid.as_str()),
+        ("node-1", "u1")
+    );
+    let st = host.state().statuses[&VmKey::new("default", "good").unwrap()].clone();
+    let vs = &st.status.extra["volumeStatus"][0];
+    assert_eq!(vs["persistentVolumeClaimInfo"]["claimName"], "data");
+    assert_eq!(vs["target"], "vda");
+
+    let mut deleting = good.clone();
+    deleting.metadata.deletion_timestamp = Some(
+        k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(jiff::Timestamp::now()),
+    );
+    ctl.set_vmis(set(&[deleting])).await;
+    ctl.reconcile("default_good").await.unwrap();
+    let calls = host.take_calls();
+    let released = calls
+        .iter()
+        .position(|c| c == "release claim default/data")
+        .unwrap();
+    assert_eq!(
+        calls.get(released + 1).map(String::as_str),
+        Some("release default/good"),
+        "{calls:?}"
+    );
+    assert!(host.state().claim_users[&("default".to_owned(), "data".to_owned())].is_empty());
+}

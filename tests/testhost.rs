@@ -2074,6 +2074,15 @@ fn standalone_claims_keep_their_data_for_the_next_vm() {
         h.wait_phase(&first, "Running", BOOT);
         h.serial_log_shows(&first, "KVIRT-CLAIM-WAS ...............");
         h.serial_log_shows(&first, "KVIRT-CLAIM-WRITTEN");
+        // kvirtctl shows the VM's claims, as KubeVirt's volumeStatus.
+        let shown = h.ok(&format!("kvirtctl status default/{first}"));
+        let st: serde_json::Value = serde_json::from_str(&shown).unwrap();
+        let data = &st["status"]["volumeStatus"][1];
+        assert_eq!(data["name"], "data", "{shown}");
+        assert_eq!(
+            data["persistentVolumeClaimInfo"]["claimName"], *claim,
+            "{shown}"
+        );
         if *claim == "st-block" {
             let node = format!("/var/lib/kvirt/vms/default_{first}/claims/data");
             let uid = h.ok(&format!("stat -c %u /var/lib/kvirt/vms/default_{first}"));

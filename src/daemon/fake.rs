@@ -80,6 +80,10 @@ pub struct HostState {
     pub agents: BTreeMap<String, GuestAgent>,
     /// Cluster objects, by namespace and reference.
     pub objects: BTreeMap<(String, ObjectRef), ObjectData>,
+    /// Claims as the cluster has them, and their recorded users, by
+    /// namespace and name.
+    pub claims: BTreeMap<(String, String), crate::sources::ClaimObjects>,
+    pub claim_users: BTreeMap<(String, String), Vec<crate::core::pvc::User>>,
     /// Namespaces whose objects kvirtd may not read (not opted in).
     pub closed_namespaces: BTreeSet<String>,
     /// ResourceQuota bounds on emptyDisks, by namespace.
@@ -669,6 +673,51 @@ impl StatusStore for FakeHost {
         }
         let key = (namespace.to_owned(), object.clone());
         Ok(self.state().objects.get(&key).cloned())
+    }
+
+    async fn claim(
+        &self,
+        namespace: &str,
+        name: &str,
+    ) -> Result<crate::sources::ClaimObjects, SourceError> {
+        self.call(format!("claim {namespace}/{name}"));
+        let key = (namespace.to_owned(), name.to_owned());
+        Ok(self.state().claims.get(&key).cloned().unwrap_or_default())
+    }
+
+    async fn hold_claim(
+        &self,
+        namespace: &str,
+        name: &str,
+        user: &crate::core::pvc::User,
+    ) -> Result<Result<(), String>, SourceError> {
+        self.call(format!("hold claim {namespace}/{name}"));
+        let key = (namespace.to_owned(), name.to_owned());
+        let mut s = self.state();
+        let modes = (s.claims.get(&key))
+            .and_then(|c| c.pvc.as_ref()?.spec.as_ref()?.access_modes.clone())
+            .unwrap_or_default();
+        let users = s.claim_users.entry(key).or_default();
+        if let Some(why) = crate::core::pvc::conflict(name, &modes, users, user) {
+            return Ok(Err(why));
+        }
+        users.retain(|u| u.uid != user.uid);
+        users.push(user.clone());
+        Ok(Ok(()))
+    }
+
+    async fn release_claim(
+        &self,
+        namespace: &str,
+        name: &str,
+        uid: &str,
+    ) -> Result<(), SourceError> {
+        self.call(format!("release claim {namespace}/{name}"));
+        let key = (namespace.to_owned(), name.to_owned());
+        if let Some(users) = self.state().claim_users.get_mut(&key) {
+            users.retain(|u| u.uid != uid);
+        }
+        Ok(())
     }
 
     async fn allowance(

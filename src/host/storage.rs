@@ -711,7 +711,8 @@ impl HostStorage {
             .strip_prefix(&vms)
             .map_err(|_| disk_err(format!("{} is not in a VM's directory", node.display())))?;
         let top = Beneath::open(&vms).map_err(io(&vms, "open"))?;
-        let parent = top.make_missing(rel, 0o700).map_err(io(dir, "make"))?;
+        // Traversable: the VM opens the node through it.
+        let parent = top.make_missing(rel, 0o755).map_err(io(dir, "make"))?;
         parent.remove(name).map_err(io(node, "remove"))?;
         let mode = if read_only { 0o400 } else { 0o600 };
         let owner = self.owner.map(|o| (o.uid, o.gid));
