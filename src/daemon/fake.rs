@@ -503,7 +503,7 @@ impl Storage for FakeHost {
         roots: &[PathBuf],
         _images: &crate::host::storage::Pulled,
         owner: Option<Owner>,
-    ) -> Result<(), StorageError> {
+    ) -> Result<Option<String>, StorageError> {
         let path = disk.path().to_owned();
         let mut s = self.state();
         s.disk_roots.insert(path.clone(), roots.to_vec());
@@ -516,7 +516,7 @@ impl Storage for FakeHost {
             });
         }
         self.state().disks.push(disk.clone());
-        Ok(())
+        Ok(None)
     }
 
     async fn remove_dir(&self, dir: &Path) -> Result<(), StorageError> {

@@ -87,13 +87,15 @@ pub trait Storage: Send + Sync + 'static {
     ) -> impl Future<Output = Result<(), StorageError>> + Send;
     /// Creates or checks one disk; `roots` re-checks hostDisks after
     /// symlinks; `images` has the files pulled for it, by `ImageNeed` key.
+    /// `Some`: what the VMI's Events should say of it (a claim's disk
+    /// smaller than the claim, KubeVirt's `ToleratedSmallPV`).
     fn prepare_disk(
         &self,
         disk: &DiskPrep,
         roots: &[PathBuf],
         images: &Pulled,
         owner: Option<Owner>,
-    ) -> impl Future<Output = Result<(), StorageError>> + Send;
+    ) -> impl Future<Output = Result<Option<String>, StorageError>> + Send;
     fn remove_dir(&self, dir: &Path) -> impl Future<Output = Result<(), StorageError>> + Send;
     /// Removes VM `id`'s directories on the host's hugetlbfs mounts.
     fn remove_hugepages(&self, id: &str) -> impl Future<Output = Result<(), StorageError>> + Send;
@@ -637,7 +639,7 @@ impl HostStorage {
                 path,
                 size_bytes,
                 ..
-            } => self.claim_disk(root, path, *size_bytes),
+            } => self.claim_disk(root, path, *size_bytes).map(|_| ()),
             DiskPrep::ClaimDevice {
                 device,
                 node,
@@ -651,20 +653,32 @@ impl HostStorage {
     /// hostDisk (a link, FIFO or device is refused): made sparse if
     /// missing, grown offline when the claim grew (KubeVirt's
     /// `ExpandDisks`), never shrunk, its owner and mode left as they are.
-    fn claim_disk(&self, root: &Path, path: &Path, size: Option<u64>) -> Result<(), StorageError> {
+    /// `Some`: the disk is smaller than the claim asks (KubeVirt's
+    /// `ToleratedSmallPV`), which the VMI's Events say.
+    fn claim_disk(
+        &self,
+        root: &Path,
+        path: &Path,
+        size: Option<u64>,
+    ) -> Result<Option<String>, StorageError> {
         let roots = [root.to_owned()];
         let Some(target) = size else {
             let (file, real) = host_disk(path, &roots, HostOpen::Existing)?;
-            return self.grant_file(&file, &real, acl::READ);
+            return self.grant_file(&file, &real, acl::READ).map(|()| None);
         };
         let (file, real) = host_disk(path, &roots, HostOpen::Claim { size: target })?;
-        let len = file.metadata().map_err(io(path, "stat"))?.len();
+        let mut len = file.metadata().map_err(io(path, "stat"))?.len();
         if len < target {
             let st =
                 nix::sys::statvfs::fstatvfs(&file).map_err(|e| io(path, "statvfs")(e.into()))?;
-            let free = st.blocks_available() as u64 * st.fragment_size() as u64;
-            match crate::core::pvc::fit(path, target - len, free) {
-                Ok((more, _)) if more == target - len => {
+            // Room for the whole disk, as for a new one: a sparse file
+            // holds only what it has allocated.
+            let held =
+                std::os::unix::fs::MetadataExt::blocks(&file.metadata().map_err(io(path, "stat"))?)
+                    * 512;
+            let free = st.blocks_available() as u64 * st.fragment_size() as u64 + held;
+            match crate::core::pvc::fit(path, target, free) {
+                Ok((size, false)) if size == target => {
                     // The same inode, opened for writing through its fd.
                     let fd = std::os::fd::AsRawFd::as_raw_fd(&file);
                     let w = std::fs::OpenOptions::new()
@@ -673,6 +687,7 @@ impl HostStorage {
                         .map_err(io(path, "reopen to grow"))?;
                     w.set_len(target).map_err(io(path, "grow"))?;
                     tracing::info!(path = %path.display(), from = len, to = target, "claim disk grown");
+                    len = target;
                 }
                 _ => tracing::warn!(
                     path = %path.display(),
@@ -680,7 +695,14 @@ impl HostStorage {
                 ),
             }
         }
-        self.grant_file(&file, &real, acl::READ | acl::WRITE)
+        self.grant_file(&file, &real, acl::READ | acl::WRITE)?;
+        Ok((len < target).then(|| {
+            format!(
+                "{}: {len} bytes, less than the {target} the claim asks: its volume has no \
+                 more room",
+                path.display()
+            )
+        }))
     }
 
     /// A block claim: the host's device checked to be a block device, and
@@ -1198,14 +1220,8 @@ fn host_disk(
             let st =
                 nix::sys::statvfs::fstatvfs(&dir).map_err(|e| io(path, "statvfs")(e.into()))?;
             let free = st.blocks_available() as u64 * st.fragment_size() as u64;
-            let (size, tolerated) = crate::core::pvc::fit(path, size, free).map_err(disk_err)?;
-            if tolerated {
-                tracing::warn!(
-                    reason = "ToleratedSmallPV",
-                    path = %path.display(),
-                    "the claim has less room than asked: disk.img is {size} bytes"
-                );
-            }
+            // Smaller within the toleration: the caller tells the VMI.
+            let (size, _) = crate::core::pvc::fit(path, size, free).map_err(disk_err)?;
             match dir.create(name, 0o600) {
                 Ok(f) => {
                     f.set_len(size).map_err(io(path, "size disk"))?;
@@ -1268,14 +1284,23 @@ impl Storage for HostStorage {
         roots: &[PathBuf],
         images: &Pulled,
         owner: Option<Owner>,
-    ) -> Result<(), StorageError> {
+    ) -> Result<Option<String>, StorageError> {
         let (this, d, r, i) = (
             self.for_vm(owner),
             disk.clone(),
             roots.to_vec(),
             images.clone(),
         );
-        blocking(move || this.prepare_disk_blocking(&d, &r, &i)).await
+        blocking(move || match &d {
+            DiskPrep::Claim {
+                root,
+                path,
+                size_bytes,
+                ..
+            } => this.claim_disk(root, path, *size_bytes),
+            _ => this.prepare_disk_blocking(&d, &r, &i).map(|()| None),
+        })
+        .await
     }
 
     async fn runtime_dir(&self, dir: &Path) -> RuntimeDir {
@@ -2002,6 +2027,55 @@ mod tests {
             .unwrap()
             .file_type()
             .is_symlink());
+    }
+
+    #[tokio::test]
+    async fn a_claim_with_less_room_gets_a_smaller_disk_within_the_toleration_and_says_so() {
+        let tmp = Tmp::new();
+        let s = storage(tmp.path());
+        let root = tmp.path().join("claims");
+        let vol = root.join("small");
+        std::fs::create_dir_all(&vol).unwrap();
+        // A 10 MiB volume: 10 MiB asked is 1 MiB (10 %) more than it has
+        // above KubeVirt's reserve; 12 MiB is more than the toleration.
+        nix::mount::mount(
+            Some("tmpfs"),
+            &vol,
+            Some("tmpfs"),
+            nix::mount::MsFlags::empty(),
+            Some("size=10m"),
+        )
+        .unwrap();
+        struct Unmount<'a>(&'a Path);
+        impl Drop for Unmount<'_> {
+            fn drop(&mut self) {
+                let _ = nix::mount::umount(self.0);
+            }
+        }
+        let _u = Unmount(&vol);
+        let prep = |size: u64| DiskPrep::Claim {
+            volume: "v".into(),
+            root: root.clone(),
+            path: vol.join("disk.img"),
+            size_bytes: Some(size),
+        };
+        let too_big = s
+            .prepare_disk(&prep(12 << 20), &[], &Pulled::new(), None)
+            .await;
+        let e = too_big.unwrap_err().to_string();
+        assert!(
+            e.contains("10 % toleration") && e.contains(&(12u64 << 20).to_string()),
+            "{e}"
+        );
+        assert!(!vol.join("disk.img").exists(), "nothing made");
+        let notice = s
+            .prepare_disk(&prep(10 << 20), &[], &Pulled::new(), None)
+            .await
+            .unwrap()
+            .expect("a smaller disk is said");
+        let len = std::fs::metadata(vol.join("disk.img")).unwrap().len();
+        assert_eq!(len, 9 << 20);
+        assert!(notice.contains(&len.to_string()), "{notice}");
     }
 
     #[tokio::test]

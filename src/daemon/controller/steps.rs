@@ -208,11 +208,17 @@ impl<A: Adapters> Controller<A> {
         let roots = self.settings.host_disk_roots.of(namespace);
         let owner = self.owner(c.id).ok_or_else(|| no_identity(c.id))?;
         for d in c.disks {
-            self.deps
+            let notice = self
+                .deps
                 .storage
                 .prepare_disk(d, roots, c.images, Some(owner))
                 .await
                 .map_err(storage_err(c.id))?;
+            if let (Some(m), Some(vmi)) = (notice, c.vmi) {
+                warn!("{m}");
+                let r = &self.deps.recorder;
+                r.record(vmi, EventReason::ToleratedSmallPV, &m, true);
+            }
         }
         Ok(())
     }

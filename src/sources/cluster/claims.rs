@@ -5,6 +5,7 @@
 
 use super::status::KubeStatus;
 use crate::core::pvc::{self, DataVolume, User};
+use crate::core::vmi::VirtualMachineInstance;
 use crate::sources::{ClaimObjects, SourceError};
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use k8s_openapi::api::storage::v1::StorageClass;
@@ -27,24 +28,37 @@ fn claim_err(namespace: &str, name: &str) -> impl Fn(kube::Error) -> SourceError
 }
 
 /// The merge patch that records `user` and the finalizer, `Ok(None)` when
-/// both are there, `Err` when the access modes forbid another user.
-pub fn hold_patch(pvc: &PersistentVolumeClaim, user: &User) -> Result<Option<Value>, String> {
+/// both are there, `Err` when the access modes forbid another user. The
+/// records of VMIs in `gone` (deleted without kvirt letting go, e.g. their
+/// finalizer removed by hand) are dropped first.
+pub fn hold_patch(
+    pvc: &PersistentVolumeClaim,
+    user: &User,
+    gone: &[String],
+) -> Result<Option<Value>, String> {
     let name = pvc.metadata.name.as_deref().unwrap_or_default();
     let mut users = pvc::users(pvc.metadata.annotations.as_ref());
-    let modes = (pvc.status.as_ref().and_then(|s| s.access_modes.clone()))
-        .or_else(|| pvc.spec.as_ref().and_then(|s| s.access_modes.clone()))
-        .unwrap_or_default();
+    let recorded = users.len();
+    users.retain(|u| !gone.contains(&u.uid));
+    let stale = users.len() != recorded;
+    let modes = access_modes(pvc);
     if let Some(why) = pvc::conflict(name, &modes, &users, user) {
         return Err(why);
     }
     let finalizers = pvc.metadata.finalizers.clone().unwrap_or_default();
     let held = finalizers.iter().any(|f| f == pvc::FINALIZER);
-    if held && users.contains(user) {
+    if held && users.contains(user) && !stale {
         return Ok(None);
     }
     users.retain(|u| u.uid != user.uid);
     users.push(user.clone());
     Ok(Some(patch(pvc, &users, true, &finalizers)))
+}
+
+fn access_modes(pvc: &PersistentVolumeClaim) -> Vec<String> {
+    (pvc.status.as_ref().and_then(|s| s.access_modes.clone()))
+        .or_else(|| pvc.spec.as_ref().and_then(|s| s.access_modes.clone()))
+        .unwrap_or_default()
 }
 
 /// The merge patch that drops the VMI `uid`'s record (and the finalizer
@@ -182,7 +196,8 @@ impl KubeStatus {
         if pvc.metadata.deletion_timestamp.is_some() {
             return Ok(Err(format!("claim {name} is being deleted")));
         }
-        match hold_patch(&pvc, user) {
+        let gone = self.gone_users(&pvc, user).await.map_err(&err)?;
+        match hold_patch(&pvc, user, &gone) {
             Ok(None) => Ok(Ok(())),
             Ok(Some(p)) => api
                 .patch(name, &PatchParams::default(), &Patch::Merge(&p))
@@ -191,6 +206,33 @@ impl KubeStatus {
                 .map_err(err),
             Err(why) => Ok(Err(why)),
         }
+    }
+
+    /// The UIDs of the other users recorded on the claim whose VMI no
+    /// longer exists: asked only when one of them stands in the way.
+    async fn gone_users(
+        &self,
+        pvc: &PersistentVolumeClaim,
+        me: &User,
+    ) -> Result<Vec<String>, kube::Error> {
+        let name = pvc.metadata.name.as_deref().unwrap_or_default();
+        let users = pvc::users(pvc.metadata.annotations.as_ref());
+        let modes = access_modes(pvc);
+        if pvc::conflict(name, &modes, &users, me).is_none() {
+            return Ok(Vec::new());
+        }
+        let mut gone = Vec::new();
+        for u in users.iter().filter(|u| u.uid != me.uid) {
+            let Some((ns, vmi)) = u.vmi.split_once('/') else {
+                continue;
+            };
+            let api = Api::<VirtualMachineInstance>::namespaced(self.client.clone(), ns);
+            let live = api.get_opt(vmi).await?;
+            if live.is_none_or(|v| v.metadata.uid.as_deref() != Some(u.uid.as_str())) {
+                gone.push(u.uid.clone());
+            }
+        }
+        Ok(gone)
     }
 
     pub(super) async fn release_pvc(
@@ -236,7 +278,9 @@ mod tests {
 
     #[test]
     fn holding_records_the_user_and_the_finalizer_guarded_by_the_version() {
-        let p = hold_patch(&claim(""), &user("a", "1")).unwrap().unwrap();
+        let p = hold_patch(&claim(""), &user("a", "1"), &[])
+            .unwrap()
+            .unwrap();
         assert_eq!(p["metadata"]["resourceVersion"], "7");
         assert_eq!(p["metadata"]["finalizers"], json!([pvc::FINALIZER]));
         let users: Vec<User> = serde_json::from_str(
@@ -253,10 +297,21 @@ mod tests {
             pvc::USERS_ANNOTATION,
             serde_json::to_string(&[user("a", "1")]).unwrap()
         ));
-        assert_eq!(hold_patch(&held, &user("a", "1")), Ok(None));
-        // Another node on a ReadWriteOnce claim: refused, naming it.
-        let e = hold_patch(&held, &user("b", "2")).unwrap_err();
+        assert_eq!(hold_patch(&held, &user("a", "1"), &[]), Ok(None));
+        // Another node on a ReadWriteOnce claim: refused, naming it...
+        let e = hold_patch(&held, &user("b", "2"), &[]).unwrap_err();
         assert!(e.contains("ns/1") && e.contains("node a"), "{e}");
+        // ...unless that VMI is gone (its record was left behind).
+        let p = hold_patch(&held, &user("b", "2"), &["1".into()])
+            .unwrap()
+            .unwrap();
+        let users: Vec<User> = serde_json::from_str(
+            p["metadata"]["annotations"][pvc::USERS_ANNOTATION]
+                .as_str()
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(users, [user("b", "2")]);
         // Released by the last user: the finalizer goes, others' stay.
         let p = release_patch(&held, "1").unwrap();
         assert_eq!(p["metadata"]["finalizers"], json!([]));
