@@ -1132,7 +1132,8 @@ fn claim_vmi(name: &str, claim: &str) -> String {
     )
 }
 
-/// A claim's data outlives its VMI: kvirt makes the claim's disk.img
+/// A claim's data outlives its VMI, and a pre-populated root in a claim
+/// boots: kvirt makes the claim's disk.img
 /// (sparse, min(request, capacity) less the 5.5 % overhead), holds the
 /// claim with its finalizer while a VM uses it (a `kubectl delete pvc`
 /// leaves it Terminating until the VM goes), and a second VMI on the claim
@@ -1183,6 +1184,24 @@ fn a_claims_data_outlives_its_vmi_and_the_claim_is_held_while_used() {
         WAIT,
         "! kubectl get pvc k-claim-2 2>/dev/null",
     );
+
+    // A claim holding a pre-populated root (as CDI leaves it): it boots,
+    // its contents as they were (the file grown to the claim's size).
+    local_claim(&a, "k-root", "node-a");
+    a.ok("cp /srv/guest/run.raw /var/lib/kvirt/claims/k-root/disk.img");
+    let root_vmi = support::vmi_manifest("k-pvc-root", "kubevirt.io/nodeName: node-a", "", "")
+        .replace(
+            "hostDisk: {path: /var/lib/kvirt/images/k-pvc-root.raw, type: Disk}",
+            "persistentVolumeClaim: {claimName: k-root}",
+        );
+    apply(&a, &root_vmi);
+    wait_vmi(&a, "k-pvc-root", ".status.phase", "Running", BOOT);
+    a.serial_log_shows("k-pvc-root", "KVIRT-GUEST-READY");
+    a.ok("cmp -n \"$(stat -c %s /srv/guest/run.raw)\" /srv/guest/run.raw /var/lib/kvirt/claims/k-root/disk.img");
+    delete(&a, "k-pvc-root");
+    kubectl(&a, "delete pvc k-root --timeout=60s");
+    kubectl(&a, "delete pv k-root --timeout=60s");
+    a.ok("rm -rf /var/lib/kvirt/claims/k-root");
 
     // Another node's local volume: refused, naming why, nothing made.
     disk(&[&a], "k-pvc-3", "run");

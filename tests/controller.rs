@@ -1926,3 +1926,58 @@ async fn claims_are_held_while_used_and_an_unreachable_one_fails_with_its_reason
     );
     assert!(host.state().claim_users[&("default".to_owned(), "data".to_owned())].is_empty());
 }
+
+/// Standalone, the configured claims are all there are: a VM naming one
+/// runs; kvirtd restarted with that claim configured away leaves the
+/// running VM alone, and only a new start is refused.
+#[tokio::test]
+async fn a_claim_configured_away_never_stops_the_vm_that_uses_it() {
+    let host = FakeHost::default();
+    let roots = vec![std::path::PathBuf::from("/var/lib/kvirt/claims")];
+    let data = kvirt::core::pvc::configured(
+        "data",
+        "/var/lib/kvirt/claims/data",
+        "Filesystem",
+        Some("1Gi"),
+        false,
+        &roots,
+    )
+    .unwrap();
+    let standalone = |claims: Vec<kvirt::core::pvc::Pvc>| Settings {
+        cluster: false,
+        claims: kvirt::core::convert::Claims::known(
+            claims.into_iter().map(|c| (c.name.clone(), c)).collect(),
+            0.055,
+        ),
+        ..settings()
+    };
+    let ctl = Controller::new(host.deps(), standalone(vec![data]));
+    ctl.set_vmis(set(&[with_claim("vm1", "u1", "data")])).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
+    assert!(host
+        .state()
+        .disks
+        .iter()
+        .any(|d| matches!(d, DiskPrep::Claim { .. })));
+
+    let restarted = Controller::new(host.deps(), standalone(vec![]));
+    restarted
+        .set_vmis(set(&[
+            with_claim("vm1", "u1", "data"),
+            with_claim("vm2", "u2", "data"),
+        ]))
+        .await;
+    host.take_calls();
+    restarted.reconcile("default_vm1").await.unwrap();
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
+    let calls = host.take_calls();
+    assert!(
+        !calls
+            .iter()
+            .any(|c| c.starts_with("stop") || c.starts_with("shutdown")),
+        "{calls:?}"
+    );
+    restarted.reconcile("default_vm2").await.unwrap();
+    assert_eq!(phase(&host, "vm2"), Some(Phase::Failed));
+}

@@ -469,6 +469,17 @@ impl<A: Adapters> Controller<A> {
                 .map_err(|why| format!("placement: {why}, so this node does not run it"))?;
         }
         let paths = self.settings.layout.vm(key);
+        // A claim configured away under a running VM never stops it.
+        let lenient;
+        let claims = if admitted && claims.complete {
+            lenient = Claims {
+                complete: false,
+                ..claims.clone()
+            };
+            &lenient
+        } else {
+            claims
+        };
         convert::convert(
             vmi,
             &ConvertContext {
