@@ -2008,10 +2008,22 @@ mod tests {
         std::fs::create_dir_all(&fifo).unwrap();
         nix::unistd::mkfifo(&fifo.join("disk.img"), nix::sys::stat::Mode::S_IRWXU).unwrap();
         std::os::unix::fs::symlink(&outside, root.join("pv-out")).unwrap();
+        let device = root.join("pv-dev");
+        std::fs::create_dir_all(&device).unwrap();
+        let null = std::os::unix::fs::MetadataExt::rdev(&std::fs::metadata("/dev/null").unwrap());
+        nix::sys::stat::mknod(
+            &device.join("disk.img"),
+            nix::sys::stat::SFlag::S_IFCHR,
+            nix::sys::stat::Mode::S_IRUSR | nix::sys::stat::Mode::S_IWUSR,
+            null,
+        )
+        .unwrap();
         for (dir, size) in [
             (&linked, Some(1 << 20)),
             (&linked, None),
             (&fifo, Some(1 << 20)),
+            (&device, Some(1 << 20)),
+            (&device, None),
             (&root.join("pv-out"), Some(1 << 20)),
         ] {
             let e = prepare(prep(dir, size)).await.unwrap_err();
