@@ -662,22 +662,8 @@ impl<A: Adapters> Controller<A> {
         if let (Some(v), Some(k), true) = (&vmi, &key, creating) {
             self.announce_start(v, k).await?;
             if self.reads_claims(v, false) {
-                let conv = match self.read_claims(v, k).await? {
-                    Ok(claims) => self.convert(v, k, false, &claims),
-                    Err((reason, message)) => {
-                        refused = Some(Outcome::Refused {
-                            reason,
-                            message: message.clone(),
-                        });
-                        Err(message)
-                    }
-                };
-                match &conv {
-                    Err(why) if refused.is_none() => refused = Some(Outcome::Invalid(why.clone())),
-                    Err(_) => {}
-                    Ok(_) => self.hold_claims(v, k).await?,
-                }
-                converted = Some(conv);
+                let (conv, why) = self.convert_with_claims(v, k).await?;
+                (converted, refused) = (Some(conv), why);
             }
         }
         let (mut disks, mut images) = (Vec::new(), BTreeMap::new());

@@ -4,8 +4,9 @@
 //! every conversion.
 
 use super::{Adapters, Controller, ControllerError};
-use crate::core::convert::Claims;
+use crate::core::convert::{Claims, Converted};
 use crate::core::key::VmKey;
+use crate::core::plan::Outcome;
 use crate::core::pvc::{self, Unusable, User};
 use crate::core::scheduling::HostFacts;
 use crate::core::vmi::VirtualMachineInstance;
@@ -17,6 +18,33 @@ impl<A: Adapters> Controller<A> {
     /// some and whose VM does not run yet.
     pub(super) fn reads_claims(&self, vmi: &VirtualMachineInstance, admitted: bool) -> bool {
         self.settings.cluster && !admitted && !pvc::claims_of(&vmi.spec).is_empty()
+    }
+
+    /// The VMI converted with its claims, read for this start (and held
+    /// once they can be used), or with the outcome that refuses it.
+    pub(super) async fn convert_with_claims(
+        &self,
+        vmi: &VirtualMachineInstance,
+        key: &VmKey,
+    ) -> Result<(Result<Converted, String>, Option<Outcome>), ControllerError> {
+        let conv = match self.read_claims(vmi, key).await? {
+            Ok(claims) => self.convert(vmi, key, false, &claims),
+            Err((reason, message)) => {
+                let refused = Outcome::Refused {
+                    reason,
+                    message: message.clone(),
+                };
+                return Ok((Err(message), Some(refused)));
+            }
+        };
+        match &conv {
+            Ok(_) => self.hold_claims(vmi, key).await?,
+            Err(why) => {
+                let invalid = Outcome::Invalid(why.clone());
+                return Ok((conv, Some(invalid)));
+            }
+        }
+        Ok((conv, None))
     }
 
     /// The claims of a VMI about to start, each Bound to a volume this
@@ -79,21 +107,7 @@ impl<A: Adapters> Controller<A> {
             return Ok(Err((reason, all.join("; "))));
         }
         if waits.is_empty() && !unbound.is_empty() {
-            // As the scheduler does for a pod: this node, for all of them.
-            for c in &unbound {
-                let selected = self.deps.status.select_node(ns, c, &host.node_name).await;
-                if let Err(e) = selected {
-                    waits.push(("PVCNotBound", e.to_string()));
-                }
-            }
-            waits.push((
-                "PVCNotBound",
-                format!(
-                    "claims {} wait to be bound for node {} (WaitForFirstConsumer)",
-                    unbound.join(", "),
-                    host.node_name
-                ),
-            ));
+            self.select_this_node(ns, &unbound, &mut waits).await;
         }
         if let Some((reason, _)) = waits.first() {
             let reason = match *reason {
@@ -112,6 +126,25 @@ impl<A: Adapters> Controller<A> {
             by_name,
             self.settings.claims.filesystem_overhead,
         )))
+    }
+
+    /// What kube-scheduler does for a pod's `WaitForFirstConsumer`
+    /// claims: this node selected, for all of them together. The VM waits
+    /// until they are bound.
+    async fn select_this_node(&self, ns: &str, unbound: &[String], waits: &mut Reasons) {
+        let node = &self.settings.node_name;
+        for c in unbound {
+            if let Err(e) = self.deps.status.select_node(ns, c, node).await {
+                waits.push(("PVCNotBound", e.to_string()));
+            }
+        }
+        waits.push((
+            "PVCNotBound",
+            format!(
+                "claims {} wait to be bound for node {node} (WaitForFirstConsumer)",
+                unbound.join(", ")
+            ),
+        ));
     }
 
     /// Before anything is made on the host: this VMI recorded on each of
