@@ -640,37 +640,32 @@ spec:
         ));
     }
 
-    #[test]
-    fn block_claims_need_a_local_device() {
-        let block = BOUND.replace("resources:", "volumeMode: Block, resources:");
-        let p = resolve(
-            &pvc(&block),
-            Some(&local("/dev/loop3", "node-a")),
+    /// The claim `pvc_yaml` bound to a local PV at `path` on node-a.
+    fn on_node_a(pvc_yaml: &str, path: &str) -> Result<Pvc, Unusable> {
+        resolve(
+            &pvc(pvc_yaml),
+            Some(&local(path, "node-a")),
             &host(),
             &roots(),
         )
-        .unwrap();
+    }
+
+    #[test]
+    fn block_claims_need_a_local_device() {
+        let block = BOUND.replace("resources:", "volumeMode: Block, resources:");
+        let p = on_node_a(&block, "/dev/loop3").unwrap();
         assert_eq!(p.backend, Backend::Block("/dev/loop3".into()));
-        assert!(resolve(
-            &pvc(&block),
-            Some(&local("/var/lib/kvirt/claims/v", "node-a")),
-            &host(),
-            &roots()
-        )
-        .is_err());
+        assert!(on_node_a(&block, "/var/lib/kvirt/claims/v").is_err());
     }
 
     #[test]
     fn read_only_many_claims_are_read_only() {
         let rox = BOUND.replace("ReadWriteOnce", "ReadOnlyMany");
-        let p = resolve(
-            &pvc(&rox),
-            Some(&local("/var/lib/kvirt/claims/v", "node-a")),
-            &host(),
-            &roots(),
-        )
-        .unwrap();
-        assert!(p.read_only);
+        assert!(
+            on_node_a(&rox, "/var/lib/kvirt/claims/v")
+                .unwrap()
+                .read_only
+        );
     }
 
     #[test]

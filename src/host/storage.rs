@@ -611,10 +611,10 @@ impl HostStorage {
             DiskPrep::CreateRawIfMissing {
                 path, size_bytes, ..
             } => {
-                let how = HostOpen::OrCreate {
+                let how = HostOpen::Create(NewDisk::HostDisk {
                     size: *size_bytes,
                     reserve: self.reserve,
-                };
+                });
                 let (file, real) = host_disk(path, roots, how)?;
                 self.grant_file(&file, &real, acl::READ | acl::WRITE)
             }
@@ -666,7 +666,8 @@ impl HostStorage {
             let (file, real) = host_disk(path, &roots, HostOpen::Existing)?;
             return self.grant_file(&file, &real, acl::READ).map(|()| None);
         };
-        let (file, real) = host_disk(path, &roots, HostOpen::Claim { size: target })?;
+        let how = HostOpen::Create(NewDisk::Claim { size: target });
+        let (file, real) = host_disk(path, &roots, how)?;
         let mut len = file.metadata().map_err(io(path, "stat"))?.len();
         if len < target {
             let st =
@@ -1158,12 +1159,50 @@ fn image_virtual_size(path: &Path) -> std::io::Result<u64> {
 enum HostOpen {
     /// The file must be there (hostDisk `Disk`, an ephemeral base).
     Existing,
-    /// Made, with this size, when missing (`DiskOrCreate`), and only when
-    /// its file system has that much free above `reserve`.
-    OrCreate { size: u64, reserve: u64 },
-    /// A claim's disk.img: its directory must exist; made when missing,
-    /// of this size or less within KubeVirt's toleration.
+    /// Made when missing.
+    Create(NewDisk),
+}
+
+/// How a missing hostDisk or claim disk is made.
+#[derive(Clone, Copy)]
+enum NewDisk {
+    /// `DiskOrCreate`: its missing directories made too, of this size, and
+    /// only when its file system has that much free above `reserve`.
+    HostDisk { size: u64, reserve: u64 },
+    /// A claim's disk.img: its directory (the volume) must exist; of this
+    /// size, or less within KubeVirt's toleration (the caller tells the
+    /// VMI).
     Claim { size: u64 },
+}
+
+impl NewDisk {
+    fn dir(self, top: &Beneath, parent: &Path) -> std::io::Result<Beneath> {
+        match self {
+            Self::HostDisk { .. } => top.make_missing(parent, 0o755),
+            Self::Claim { .. } => top.dir(parent),
+        }
+    }
+
+    /// The size to make it, on a file system with `st` free.
+    fn size(self, st: &nix::sys::statvfs::Statvfs, path: &Path) -> Result<u64, StorageError> {
+        match self {
+            Self::HostDisk { size, reserve } => {
+                // The admin's roots: not counted against the VMs' own disks.
+                room(st, reserve, 0, path, size)?;
+                Ok(size)
+            }
+            Self::Claim { size } => {
+                let free = st.blocks_available() * st.fragment_size();
+                let (size, _) = crate::core::pvc::fit(path, size, free).map_err(|message| {
+                    StorageError::Disk {
+                        path: path.to_owned(),
+                        message,
+                    }
+                })?;
+                Ok(size)
+            }
+        }
+    }
 }
 
 /// A hostDisk, opened beneath the allowed root it is written under, with
@@ -1207,34 +1246,8 @@ fn host_disk(
     let top = Beneath::open(&real_root).map_err(io(&real_root, "open"))?;
     let file = match how {
         HostOpen::Existing => top.file(rel, OFlag::O_RDONLY).map_err(no_links)?,
-        HostOpen::Claim { size } => {
-            let dir = top.dir(parent).map_err(no_links)?;
-            let name = name
-                .to_str()
-                .ok_or_else(|| disk_err("is not UTF-8".into()))?;
-            match dir.file(name, OFlag::O_RDONLY) {
-                Ok(f) => return Ok((f, real)),
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-                Err(e) => return Err(no_links(e)),
-            }
-            let st =
-                nix::sys::statvfs::fstatvfs(&dir).map_err(|e| io(path, "statvfs")(e.into()))?;
-            let free = st.blocks_available() as u64 * st.fragment_size() as u64;
-            // Smaller within the toleration: the caller tells the VMI.
-            let (size, _) = crate::core::pvc::fit(path, size, free).map_err(disk_err)?;
-            match dir.create(name, 0o600) {
-                Ok(f) => {
-                    f.set_len(size).map_err(io(path, "size disk"))?;
-                    f
-                }
-                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                    dir.file(name, OFlag::O_RDONLY).map_err(no_links)?
-                }
-                Err(e) => return Err(no_links(e)),
-            }
-        }
-        HostOpen::OrCreate { size, reserve } => {
-            let dir = top.make_missing(parent, 0o755).map_err(no_links)?;
+        HostOpen::Create(new) => {
+            let dir = new.dir(&top, parent).map_err(no_links)?;
             let name = name
                 .to_str()
                 .ok_or_else(|| disk_err("is not UTF-8".into()))?;
@@ -1246,8 +1259,7 @@ fn host_disk(
             // Sparse, it takes nothing yet; the guest may fill it.
             let st =
                 nix::sys::statvfs::fstatvfs(&dir).map_err(|e| io(path, "statvfs")(e.into()))?;
-            // The admin's roots: not counted against the VMs' own disks.
-            room(&st, reserve, 0, path, size)?;
+            let size = new.size(&st, path)?;
             // root's, 0600: the VM is given it by an ACL entry.
             match dir.create(name, 0o600) {
                 Ok(f) => {
