@@ -23,6 +23,8 @@ const CORE_CRATES: &[&str] = &[
     "thiserror",
     "sha2",
     "base64",
+    // UUIDs as values (name-derived v5 only: no random source is enabled).
+    "uuid",
     // The nftables JSON schema as types; applying it is host's.
     "nftables",
     // The DHCP message codec; the sockets are host's.

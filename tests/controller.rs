@@ -1906,7 +1906,8 @@ async fn claims_are_held_while_used_and_an_unreachable_one_fails_with_its_reason
     let st = host.state().statuses[&VmKey::new("default", "good").unwrap()].clone();
     let vs = &st.status.extra["volumeStatus"][0];
     assert_eq!(vs["persistentVolumeClaimInfo"]["claimName"], "data");
-    assert_eq!(vs["target"], "vda");
+    // A disk without a bus is SATA, KubeVirt's default on amd64.
+    assert_eq!(vs["target"], "sda");
 
     let mut deleting = good.clone();
     deleting.metadata.deletion_timestamp = Some(

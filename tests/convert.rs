@@ -251,3 +251,71 @@ fn error_display_names_the_field() {
         "spec.domain.devices.disks[0].lun: LUN (SCSI passthrough) disks are not supported"
     );
 }
+
+/// `kvirtctl domxml` takes every kind that makes VMIs, and `--defaulted`
+/// shows the VMI as KubeVirt would have stored it.
+#[test]
+fn kvirtctl_domxml_takes_every_kind_and_shows_the_defaults() {
+    let dir = tempfile::tempdir().unwrap();
+    let ctl = |args: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvirtctl"))
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let spec = "      domain: {memory: {guest: 64Mi}}\n      volumes: [{name: root, emptyDisk: {capacity: 1Gi}}]\n";
+    let vm = dir.path().join("vm.yaml");
+    std::fs::write(
+        &vm,
+        format!("apiVersion: kubevirt.io/v1\nkind: VirtualMachine\nmetadata: {{name: web}}\nspec:\n  runStrategy: Always\n  template:\n    spec:\n{spec}"),
+    )
+    .unwrap();
+    let (ok, xml, err) = ctl(&["domxml", "--domain-type", "qemu", vm.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    assert!(xml.contains("<name>default_web</name>"), "{xml}");
+    // The volume without a disk is a SATA disk; the VM's UUID is KubeVirt's.
+    assert!(xml.contains(r#"<target dev="sda" bus="sata"/>"#), "{xml}");
+    assert!(
+        xml.contains(&format!(
+            "<uuid>{}</uuid>",
+            kvirt::core::defaults::vm_firmware_uuid("web")
+        )),
+        "{xml}"
+    );
+
+    let (ok, yaml, err) = ctl(&["domxml", "--defaulted", vm.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    let v: serde_json::Value = serde_norway::from_str(&yaml).unwrap();
+    assert_eq!(v["kind"], "VirtualMachineInstance");
+    assert_eq!(
+        v["spec"]["domain"]["devices"]["disks"][0]["disk"]["bus"],
+        "sata"
+    );
+    assert_eq!(
+        v["spec"]["domain"]["devices"]["interfaces"][0]["masquerade"],
+        serde_json::json!({})
+    );
+    assert_eq!(v["spec"]["domain"]["machine"]["type"], "q35");
+    assert_eq!(v["spec"]["domain"]["cpu"]["model"], "host-model");
+
+    let pool = dir.path().join("pool.yaml");
+    std::fs::write(
+        &pool,
+        format!("apiVersion: pool.kubevirt.io/v1alpha1\nkind: VirtualMachinePool\nmetadata: {{name: p}}\nspec:\n  replicas: 2\n  virtualMachineTemplate:\n    spec:\n      runStrategy: Always\n      template:\n        spec:\n{}", spec.lines().map(|l| format!("    {l}\n")).collect::<String>()),
+    )
+    .unwrap();
+    let (ok, xml, err) = ctl(&["domxml", "--domain-type", "qemu", pool.to_str().unwrap()]);
+    assert!(ok, "{err}");
+    assert!(xml.contains("<name>default_p-0</name>"), "{xml}");
+
+    let pod = dir.path().join("pod.yaml");
+    std::fs::write(&pod, "apiVersion: v1\nkind: Pod\nmetadata: {name: x}\n").unwrap();
+    let (ok, _, err) = ctl(&["domxml", pod.to_str().unwrap()]);
+    assert!(!ok);
+    assert!(err.contains("none of the kinds kvirt runs"), "{err}");
+}

@@ -455,10 +455,36 @@ fn cloud_init_and_downward_api_disks_reach_the_guest() {
         + "  - name: podinfo\n    downwardAPI:\n      volumeLabel: PODINFO\n      fields:\n"
         + "      - {path: name, fieldRef: {fieldPath: metadata.name}}\n"
         + "      - {path: labels, fieldRef: {fieldPath: metadata.labels}}\n";
+    // KubeVirt's vmi-sata shape: volumes and no disks; each gets a SATA
+    // disk (KubeVirt's defaults), booted from and read by the guest.
+    let sata = "apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: sata}
+spec:
+  terminationGracePeriodSeconds: 15
+  domain:
+    memory: {guest: 128Mi}
+  volumes:
+  - name: boot
+    hostDisk: {path: /var/lib/kvirt/images/sata.raw, type: Disk}
+  - name: cloudinit
+    cloudInitNoCloud:
+      userData: |
+        #!/bin/sh
+        echo KVIRT-SATA-$((6 * 7))
+";
     h.put_manifest("nocloud", "run", &nocloud);
     h.put_manifest("configdrive", "run", &config_drive);
+    h.put_manifest("sata", "run", sata);
     h.wait_phase("nocloud", "Running", BOOT);
     h.wait_phase("configdrive", "Running", BOOT);
+    h.wait_phase("sata", "Running", BOOT);
+    h.serial_log_shows("sata", "KVIRT-SATA-42");
+    let xml = h.ok(
+        "virsh -c 'qemu:///session?socket=/run/kvirt/vms/default_sata/xdg/libvirt/virtqemud-sock' \
+         dumpxml default_sata",
+    );
+    assert_eq!(xml.matches("bus='sata'").count(), 2, "{xml}");
     // The seed is an ISO in the VM's own state directory.
     h.ok("test -f /var/lib/kvirt/vms/default_nocloud/disks/cloudinit.cloud-init.iso");
     h.serial_log_shows("nocloud", "KVIRT-GUEST-SEED cidata meta-data user-data");
@@ -472,6 +498,7 @@ fn cloud_init_and_downward_api_disks_reach_the_guest() {
     );
     h.remove_vm_and_wait_gone("nocloud");
     h.remove_vm_and_wait_gone("configdrive");
+    h.remove_vm_and_wait_gone("sata");
 }
 
 #[test]

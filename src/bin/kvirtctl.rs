@@ -4,8 +4,8 @@ use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use kvirt::core::convert::{self, ConvertContext, DomainType};
 use kvirt::core::key::VmKey;
+use kvirt::core::kinds;
 use kvirt::core::layout::HostLayout;
-use kvirt::core::vmi::VirtualMachineInstance;
 use kvirt::daemon::config::{Config, DEFAULT_PATH};
 use kvirt::host::beneath::Beneath;
 use kvirt::sources::manifest::read_all_status;
@@ -84,12 +84,16 @@ enum Command {
         /// NAMESPACE/NAME
         vm: String,
     },
-    /// Convert a VMI manifest (YAML or JSON) to libvirt domain XML, offline.
+    /// Convert a manifest (YAML or JSON) of a VMI, VM, pool or replica set
+    /// to the libvirt domain XML of the VMI it makes, offline.
     Domxml {
         file: PathBuf,
         /// Domain type to produce.
         #[arg(long, value_enum, default_value = "kvm")]
         domain_type: DomainTypeArg,
+        /// Print the VMI with KubeVirt's defaults applied (YAML), not XML.
+        #[arg(long)]
+        defaulted: bool,
     },
     /// Package files (a qcow2 or raw disk; a kernel and initrd for
     /// kernelBoot) as a containerDisk image, each at /disk/<file name>, and
@@ -134,7 +138,11 @@ fn main() -> Result<()> {
         Command::Pause { vm } => control(&config()?.layout(), "pause", &vm, None),
         Command::Unpause { vm } => control(&config()?.layout(), "unpause", &vm, None),
         Command::SoftReboot { vm } => control(&config()?.layout(), "soft-reboot", &vm, None),
-        Command::Domxml { file, domain_type } => domxml(&config()?, &file, domain_type),
+        Command::Domxml {
+            file,
+            domain_type,
+            defaulted,
+        } => domxml(&config()?, &file, domain_type, defaulted),
         Command::PushDisk {
             image,
             files,
@@ -464,18 +472,29 @@ impl Drop for RawTty {
     }
 }
 
-fn domxml(config: &Config, file: &Path, domain_type: DomainTypeArg) -> Result<()> {
+fn domxml(config: &Config, file: &Path, domain_type: DomainTypeArg, defaulted: bool) -> Result<()> {
     let text =
         std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
-    let mut vmi = if file.extension().is_some_and(|e| e == "json") {
-        VirtualMachineInstance::from_json(&text)?
+    let doc: serde_json::Value = if file.extension().is_some_and(|e| e == "json") {
+        serde_json::from_str(&text)?
     } else {
-        VirtualMachineInstance::from_yaml(&text)?
+        serde_norway::from_str(&text)?
     };
+    let mut vmi =
+        kinds::first_instance(&doc).map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
     vmi.metadata
         .uid
         .get_or_insert_with(|| "00000000-0000-0000-0000-000000000000".into());
     let key = vmi.key()?;
+    let domain_type = match domain_type {
+        DomainTypeArg::Kvm => DomainType::Kvm,
+        DomainTypeArg::Qemu => DomainType::Qemu,
+    };
+    if defaulted {
+        kvirt::core::defaults::apply(&mut vmi, &key, domain_type);
+        print!("{}", serde_norway::to_string(&vmi)?);
+        return Ok(());
+    }
     let layout = config.layout();
     let paths = layout.vm(&key);
     let roots = config.host_disk_roots();
@@ -483,10 +502,7 @@ fn domxml(config: &Config, file: &Path, domain_type: DomainTypeArg) -> Result<()
     let ctx = ConvertContext {
         key: &key,
         paths: &paths,
-        domain_type: match domain_type {
-            DomainTypeArg::Kvm => DomainType::Kvm,
-            DomainTypeArg::Qemu => DomainType::Qemu,
-        },
+        domain_type,
         host_disk_roots: roots.of(key.namespace()),
         // The XML does not depend on what the objects hold.
         cluster: true,

@@ -13,6 +13,14 @@ pub enum PullPolicy {
 }
 
 impl PullPolicy {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Always => "Always",
+            Self::IfNotPresent => "IfNotPresent",
+            Self::Never => "Never",
+        }
+    }
+
     /// The policy as written, or Kubernetes' default: `Always` for a
     /// `:latest` or untagged image, else `IfNotPresent`.
     pub fn resolve(policy: Option<&str>, image: &str) -> Result<Self, String> {

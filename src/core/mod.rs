@@ -10,12 +10,14 @@
 pub mod acl;
 pub mod budget;
 pub mod convert;
+pub mod defaults;
 pub mod dhcp;
 pub mod efivars;
 pub mod identity;
 pub mod image;
 pub mod ipam;
 pub mod key;
+pub mod kinds;
 pub mod layout;
 pub mod nft;
 pub mod objects;

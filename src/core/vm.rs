@@ -281,7 +281,19 @@ pub fn instance(vm: &VirtualMachine, run: u64) -> Result<VirtualMachineInstance,
         "metadata": meta,
         "spec": tpl.spec,
     });
-    serde_json::from_value(doc).map_err(|e| format!("spec.template: {e}"))
+    let mut vmi: VirtualMachineInstance =
+        serde_json::from_value(doc).map_err(|e| format!("spec.template: {e}"))?;
+    // One machine to the guest, whatever the run (KubeVirt's
+    // setupStableFirmwareUUID): not the VMI's UID, which is new each time.
+    let fw = vmi
+        .spec
+        .domain
+        .firmware
+        .get_or_insert_with(Default::default);
+    fw.uuid.get_or_insert_with(|| {
+        crate::core::defaults::vm_firmware_uuid(vm.metadata.name.as_deref().unwrap_or_default())
+    });
+    Ok(vmi)
 }
 
 fn state_of(book: &Book, seen: &Seen) -> VmiState {
@@ -878,6 +890,21 @@ mod tests {
         // One UID per run, the same when made again (after a crash).
         assert_eq!(v.uid(), instance(&vm, 1).unwrap().uid());
         assert_ne!(v.uid(), instance(&vm, 2).unwrap().uid());
+        // The guest sees one machine across runs: KubeVirt's UUID of the name.
+        let uuid = |run| {
+            instance(&vm, run)
+                .unwrap()
+                .spec
+                .domain
+                .firmware
+                .unwrap()
+                .uuid
+        };
+        assert_eq!(
+            uuid(1),
+            Some(crate::core::defaults::vm_firmware_uuid("web"))
+        );
+        assert_eq!(uuid(1), uuid(2));
     }
 
     #[test]

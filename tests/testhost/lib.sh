@@ -253,7 +253,7 @@ fi
 # ConfigDrive (config-2) seed's user-data runs when it is a script. Other
 # ISOs (configMap/secret/serviceAccount disks) show their files: the first
 # 24 bytes of each, one line per file.
-for dev in /dev/vd? /dev/sr?; do
+for dev in /dev/vd? /dev/sd? /dev/sr?; do
   [ -b "$dev" ] || continue
   # The ISO 9660 volume id (busybox has no blkid): 32 bytes at 32808.
   [ "$(dd if="$dev" bs=1 skip=32769 count=5 2>/dev/null)" = CD001 ] || continue
@@ -370,7 +370,10 @@ DHCP
   }
   : >"$ir/lib/modules/order"
   local m
-  for m in evdev button virtio_net virtio_blk isofs virtio_console; do th__guest_mod "$m"; done
+  # ahci, sd_mod, sr_mod: SATA disks and cdroms, KubeVirt's default bus.
+  for m in evdev button virtio_net virtio_blk ahci sd_mod sr_mod isofs virtio_console; do
+    th__guest_mod "$m"
+  done
   (cd "$ir" && find . -print0 | LC_ALL=C sort -z | cpio --null -o -H newc --quiet --reproducible) |
     gzip -9n >"$out/initrd.img"
   echo "$kver" >"$out/kernel-version"

@@ -117,8 +117,9 @@ mod tests {
         assert!(
             x.contains(
                 "<clock offset=\"utc\">\n    <timer name=\"hpet\" present=\"no\"/>\n    \
-                 <timer name=\"kvmclock\"/>\n    <timer name=\"rtc\" tickpolicy=\"catchup\"/>\n    \
-                 <timer name=\"hypervclock\"/>\n  </clock>"
+                 <timer name=\"kvmclock\" present=\"yes\"/>\n    \
+                 <timer name=\"rtc\" present=\"yes\" tickpolicy=\"catchup\"/>\n    \
+                 <timer name=\"hypervclock\" present=\"yes\"/>\n  </clock>"
             ),
             "{x}"
         );

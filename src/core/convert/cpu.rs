@@ -181,9 +181,9 @@ mod tests {
         .unwrap();
         assert_eq!(c.resources.vcpus, 6);
         assert!(c.domain_xml.contains("<vcpu placement=\"static\">6</vcpu>"));
-        assert!(c
-            .domain_xml
-            .contains("<cpu mode=\"host-passthrough\">\n    <topology sockets=\"2\" cores=\"3\" threads=\"1\"/>"));
+        assert!(c.domain_xml.contains(
+            "<cpu mode=\"host-model\">\n    <topology sockets=\"2\" cores=\"3\" threads=\"1\"/>"
+        ));
     }
 
     #[test]
@@ -197,7 +197,7 @@ mod tests {
         assert_eq!(c.resources.cpu_request_millis, Some(1500));
         assert!(c
             .domain_xml
-            .contains("<cpu>\n    <topology sockets=\"1\" cores=\"2\" threads=\"1\"/>"));
+            .contains("<cpu>\n    <topology sockets=\"2\" cores=\"1\" threads=\"1\"/>"));
         let c = run(
             &vmi("domain: {memory: {guest: 64Mi}, resources: {requests: {cpu: 500m}, limits: {cpu: 3}}}"),
             DomainType::Kvm,
@@ -285,7 +285,14 @@ mod tests {
                 DomainType::Kvm,
             ))
         };
-        assert_eq!(f("{cores: 0}"), ["spec.domain.cpu.cores"]);
+        // All-zero is no topology (KubeVirt defaults it); one zero among
+        // others is an error.
+        assert!(run(
+            &vmi("domain: {memory: {guest: 64Mi}, cpu: {cores: 0}}"),
+            DomainType::Kvm
+        )
+        .is_ok());
+        assert_eq!(f("{cores: 0, sockets: 2}"), ["spec.domain.cpu.cores"]);
         assert_eq!(f("{cores: 64, sockets: 64}"), ["spec.domain.cpu"]);
         let e = run(
             &vmi("domain: {memory: {guest: 64Mi}, cpu: {cores: 2, dedicatedCpuPlacement: true, numa: {}, x: 1}}"),

@@ -244,9 +244,9 @@ mod tests {
                 "spec.domain.devices.watchdog.i6300esb.action",
             ]
         );
-        assert_eq!(
-            conv("{watchdog: {name: w}}").unwrap_err(),
-            ["spec.domain.devices.watchdog"]
-        );
+        // KubeVirt defaults a watchdog to an i6300esb that resets.
+        assert!(conv("{watchdog: {name: w}}")
+            .unwrap()
+            .contains("<watchdog model=\"i6300esb\" action=\"reset\">"));
     }
 }

@@ -123,11 +123,11 @@ pub(super) fn convert(
             };
             ("cdrom", bus, true, tray)
         } else {
-            // A disk with no type is a virtio disk, as KubeVirt defaults it.
+            // `defaults` gave a disk of no type its type and bus.
             let t = d.disk.clone().unwrap_or_default();
             let p = format!("{path}.disk");
             errs.reject_extra(&p, &t.extra);
-            let bus = match t.bus.as_deref().unwrap_or("virtio") {
+            let bus = match t.bus.as_deref().unwrap_or(crate::core::defaults::DISK_BUS) {
                 "virtio" => "virtio",
                 "sata" => "sata",
                 "scsi" => "scsi",
@@ -879,7 +879,8 @@ volumes:
             r#"<target dev="sda" bus="sata"/>"#,
             r#"<target dev="sdb" bus="scsi"/>"#,
             r#"<target dev="sdc" bus="sata"/>"#,
-            r#"<target dev="vdb" bus="virtio"/>"#,
+            // A disk without a bus is SATA, as KubeVirt defaults it on amd64.
+            r#"<target dev="sdd" bus="sata"/>"#,
             r#"<driver name="qemu" type="raw" cache="none" io="native"/>"#,
             r#"<source file="/var/lib/kvirt/vms/ns_vm/disks/fast.qcow2"/>"#,
             r#"<controller type="scsi" index="0" model="virtio-scsi"/>"#,
@@ -996,7 +997,8 @@ volumes:
                 "[{name: a}, {name: b}]",
                 "[{name: a, emptyDisk: {capacity: 1Gi}}, {name: c, emptyDisk: {capacity: 1Gi}}]"
             ),
-            ["spec.domain.devices.disks[1].name", "spec.volumes[1]"]
+            // Volume c gets a disk of its own, as in KubeVirt.
+            ["spec.domain.devices.disks[1].name"]
         );
         assert_eq!(
             disk_errors(
@@ -1026,8 +1028,7 @@ volumes:
                 "spec.domain.devices.disks[1].name",
                 "spec.domain.devices.disks[1].name",
                 "spec.domain.devices.disks[1].disk.bus",
-                "spec.domain.devices.disks[1].bootOrder",
-                "spec.volumes[1]"
+                "spec.domain.devices.disks[1].bootOrder"
             ]
         );
     }

@@ -5,11 +5,9 @@ use super::domain::{
     FirmwareFeature, Os, OsBios, OsFirmware, OsType, Smbios, Sysinfo, SysinfoEntry, SysinfoSystem,
 };
 use super::Errors;
+use crate::core::defaults::{firmware_uuid, normalize_uuid, MACHINE_TYPE};
 use crate::core::key::VmKey;
 use crate::core::vmi::{DomainSpec, VirtualMachineInstance};
-use sha2::{Digest, Sha256};
-
-const DEFAULT_MACHINE: &str = "q35";
 
 /// What the firmware asks of the rest of the domain.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -28,7 +26,7 @@ pub(super) fn convert(
     dom: &DomainSpec,
     errs: &mut Errors,
 ) -> (String, Os, Option<Sysinfo>, Needs) {
-    let mut machine = DEFAULT_MACHINE.to_owned();
+    let mut machine = MACHINE_TYPE.to_owned();
     if let Some(m) = &dom.machine {
         errs.reject_extra("spec.domain.machine", &m.extra);
         if !m.type_.is_empty() {
@@ -48,7 +46,7 @@ pub(super) fn convert(
     }
 
     let fw = dom.firmware.as_ref();
-    let mut uuid = default_uuid(vmi, key);
+    let mut uuid = firmware_uuid(vmi, key);
     let mut sysinfo = None;
     let mut bios = None;
     let mut efi = None;
@@ -135,49 +133,6 @@ pub(super) fn convert(
     (uuid, os, sysinfo, needs)
 }
 
-/// A VMI's UID is a UUID already (it is what KubeVirt gives the domain).
-/// Without one (manifests from a directory) the UUID is derived from the
-/// namespace and name, so it is stable across restarts of kvirtd.
-fn default_uuid(vmi: &VirtualMachineInstance, key: &VmKey) -> String {
-    if let Some(u) = vmi.uid().and_then(normalize_uuid) {
-        return u;
-    }
-    let seed = match vmi.uid() {
-        Some(uid) => format!("kvirt-uid:{uid}"),
-        None => format!("kvirt-name:{}/{}", key.namespace(), key.name()),
-    };
-    let d = Sha256::digest(seed.as_bytes());
-    let mut b = [0u8; 16];
-    b.copy_from_slice(&d[..16]);
-    // RFC 9562 version 8 (custom), variant 10.
-    b[6] = (b[6] & 0x0f) | 0x80;
-    b[8] = (b[8] & 0x3f) | 0x80;
-    format_uuid(&b)
-}
-
-fn format_uuid(b: &[u8; 16]) -> String {
-    let h: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    format!(
-        "{}-{}-{}-{}-{}",
-        &h[..8],
-        &h[8..12],
-        &h[12..16],
-        &h[16..20],
-        &h[20..]
-    )
-}
-
-/// Accepts the canonical 8-4-4-4-12 form in any case; returns it lowercased.
-fn normalize_uuid(s: &str) -> Option<String> {
-    let groups: Vec<&str> = s.split('-').collect();
-    let lens: Vec<usize> = groups.iter().map(|g| g.len()).collect();
-    (lens == [8, 4, 4, 4, 12]
-        && groups
-            .iter()
-            .all(|g| g.bytes().all(|b| b.is_ascii_hexdigit())))
-    .then(|| s.to_ascii_lowercase())
-}
-
 #[cfg(test)]
 mod tests {
     use super::super::test_support::*;
@@ -194,13 +149,13 @@ mod tests {
         assert!(derived.contains("<uuid>"), "{derived}");
         assert_eq!(derived, x(&v), "derived UUID must be stable");
         let key = VmKey::new("ns", "vm").unwrap();
-        let u = default_uuid(&v, &key);
+        let u = firmware_uuid(&v, &key);
         assert!(
             normalize_uuid(&u).is_some() && u.as_bytes()[14] == b'8',
             "{u}"
         );
         v.metadata.uid = Some("not-a-uuid".into());
-        assert_ne!(default_uuid(&v, &key), u);
+        assert_ne!(firmware_uuid(&v, &key), u);
 
         let v = vmi("domain: {memory: {guest: 64Mi}, firmware: {uuid: 5D307CA9-B3EF-428C-8861-06E72D69F223}}");
         assert!(x(&v).contains("<uuid>5d307ca9-b3ef-428c-8861-06e72d69f223</uuid>"));

@@ -259,7 +259,10 @@ mod tests {
             f("domain: {resources: {requests: {memory: 2Gi, nvidia.com/gpu: 1}, limits: {memory: 1Gi}, overcommitGuestOverhead: true}}"),
             [
                 "spec.domain.resources.requests.nvidia.com/gpu",
-                "spec.domain.resources.requests.memory"
+                "spec.domain.resources.requests.memory",
+                // The guest's memory defaults to the request (KubeVirt's
+                // setGuestMemory), which is over the limit too.
+                "spec.domain.memory.guest"
             ]
         );
         let ok =

@@ -425,10 +425,17 @@ pub fn convert(
 }
 
 /// Converts, or returns every problem found (for `kvirtctl domxml`).
+/// The VMI is first given KubeVirt's defaults ([`defaults`]), so it means
+/// what it would on a KubeVirt cluster.
+///
+/// [`defaults`]: crate::core::defaults
 pub fn convert_all_errors(
     vmi: &VirtualMachineInstance,
     ctx: &ConvertContext,
 ) -> Result<Converted, Vec<ConvertError>> {
+    let mut vmi = vmi.clone();
+    crate::core::defaults::apply(&mut vmi, ctx.key, ctx.domain_type);
+    let vmi = &vmi;
     let mut errs = Errors::default();
     check_identity(vmi, ctx, &mut errs);
     check_spec_fields(&vmi.spec.extra, &mut errs);
@@ -950,7 +957,9 @@ mod tests {
 
     #[test]
     fn all_errors_are_reported() {
-        let v = vmi("domain: {cpu: {cores: 0}, foo: 1}\nnetworks: [{name: default, pod: {}}]");
+        let v = vmi(
+            "domain: {cpu: {cores: 0, sockets: 1}, foo: 1}\nnetworks: [{name: default, pod: {}}]",
+        );
         let f = fields(run(&v, DomainType::Kvm));
         assert_eq!(
             f,

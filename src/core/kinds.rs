@@ -1,0 +1,157 @@
+//! Every kind of object that makes VMIs, down to the VMI it makes: a VMI
+//! is itself; a VirtualMachine's is its template ([`vm::instance`]); a
+//! VirtualMachinePool's VMs are its `virtualMachineTemplate`, named
+//! `<pool>-<index>` as KubeVirt's pool controller names them; a
+//! VirtualMachineInstanceReplicaSet's VMIs are its `template`. Pure: for
+//! `kvirtctl domxml` now, and the controllers of pools and replica sets.
+//!
+//! [`vm::instance`]: crate::core::vm::instance
+
+use crate::core::vm::{self, VirtualMachine};
+use crate::core::vmi::{self, VirtualMachineInstance};
+use serde_json::{json, Value};
+
+pub const POOL_API_VERSION: &str = "pool.kubevirt.io/v1alpha1";
+pub const POOL_KIND: &str = "VirtualMachinePool";
+pub const REPLICA_SET_KIND: &str = "VirtualMachineInstanceReplicaSet";
+
+/// The VMI the object makes first: the pool's VM of index 0, the replica
+/// set's first replica (its name as `kvirtctl` shows it: KubeVirt's are
+/// generated).
+pub fn first_instance(doc: &Value) -> Result<VirtualMachineInstance, String> {
+    let kind = doc.get("kind").and_then(Value::as_str).unwrap_or("");
+    let api = doc.get("apiVersion").and_then(Value::as_str).unwrap_or("");
+    match (api, kind) {
+        (vmi::API_VERSION, vmi::KIND) => {
+            serde_json::from_value(doc.clone()).map_err(|e| format!("invalid VMI: {e}"))
+        }
+        (vmi::API_VERSION, vm::KIND) => from_vm(doc.clone()),
+        (POOL_API_VERSION | "pool.kubevirt.io/v1beta1", POOL_KIND) => {
+            let t = doc
+                .pointer("/spec/virtualMachineTemplate")
+                .ok_or("spec.virtualMachineTemplate is missing")?;
+            let meta = member_meta(doc, t, &format!("{}-0", name_of(doc)?));
+            from_vm(json!({
+                "apiVersion": vmi::API_VERSION,
+                "kind": vm::KIND,
+                "metadata": meta,
+                "spec": t.get("spec").cloned().unwrap_or_default(),
+            }))
+        }
+        (vmi::API_VERSION, REPLICA_SET_KIND) => {
+            let t = doc
+                .pointer("/spec/template")
+                .ok_or("spec.template is missing")?;
+            let meta = member_meta(doc, t, &format!("{}-0", name_of(doc)?));
+            serde_json::from_value(json!({
+                "apiVersion": vmi::API_VERSION,
+                "kind": vmi::KIND,
+                "metadata": meta,
+                "spec": t.get("spec").cloned().unwrap_or_default(),
+            }))
+            .map_err(|e| format!("spec.template: {e}"))
+        }
+        _ => Err(format!(
+            "{api:?} {kind:?} is none of the kinds kvirt runs: {} and {} ({}), \
+             {POOL_KIND} ({POOL_API_VERSION}), {REPLICA_SET_KIND} ({})",
+            vmi::KIND,
+            vm::KIND,
+            vmi::API_VERSION,
+            vmi::API_VERSION
+        )),
+    }
+}
+
+fn name_of(doc: &Value) -> Result<&str, String> {
+    doc.pointer("/metadata/name")
+        .and_then(Value::as_str)
+        .ok_or_else(|| "metadata.name is missing".into())
+}
+
+/// A member's metadata: the template's, with the member's name and the
+/// owner's namespace.
+fn member_meta(owner: &Value, template: &Value, name: &str) -> Value {
+    let mut meta = template.get("metadata").cloned().unwrap_or(json!({}));
+    if !meta.is_object() {
+        meta = json!({});
+    }
+    meta["name"] = name.into();
+    if let Some(ns) = owner.pointer("/metadata/namespace") {
+        meta["namespace"] = ns.clone();
+    }
+    meta
+}
+
+/// The VM's first run, as kvirtd would make it.
+fn from_vm(doc: Value) -> Result<VirtualMachineInstance, String> {
+    let mut vm = VirtualMachine::from_value(doc).map_err(|e| e.to_string())?;
+    vm.strategy()?;
+    vm.metadata
+        .uid
+        .get_or_insert_with(|| "00000000-0000-0000-0000-000000000000".into());
+    vm::instance(&vm, 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn yaml(s: &str) -> Value {
+        serde_norway::from_str(s).unwrap()
+    }
+
+    const SPEC: &str =
+        "{domain: {memory: {guest: 64Mi}}, volumes: [{name: d, emptyDisk: {capacity: 1Gi}}]}";
+
+    #[test]
+    fn each_kind_gives_the_vmi_it_makes() {
+        let vmi = first_instance(&yaml(&format!(
+            "{{apiVersion: kubevirt.io/v1, kind: VirtualMachineInstance, metadata: {{name: a}}, spec: {SPEC}}}"
+        )))
+        .unwrap();
+        assert_eq!(vmi.metadata.name.as_deref(), Some("a"));
+
+        let vm = first_instance(&yaml(&format!(
+            "{{apiVersion: kubevirt.io/v1, kind: VirtualMachine, metadata: {{name: web, namespace: prod}}, \
+             spec: {{runStrategy: Always, template: {{metadata: {{labels: {{app: web}}}}, spec: {SPEC}}}}}}}"
+        )))
+        .unwrap();
+        assert_eq!(vm.metadata.name.as_deref(), Some("web"));
+        assert_eq!(vm.metadata.labels.unwrap()["app"], "web");
+        assert_eq!(vm.spec.volumes[0].name, "d");
+
+        let pool = first_instance(&yaml(&format!(
+            "{{apiVersion: pool.kubevirt.io/v1alpha1, kind: VirtualMachinePool, metadata: {{name: p, namespace: ns}}, \
+             spec: {{replicas: 3, selector: {{matchLabels: {{k: v}}}}, virtualMachineTemplate: \
+             {{metadata: {{labels: {{k: v}}}}, spec: {{runStrategy: Always, template: {{spec: {SPEC}}}}}}}}}}}"
+        )))
+        .unwrap();
+        assert_eq!(pool.metadata.name.as_deref(), Some("p-0"));
+        assert_eq!(pool.metadata.namespace.as_deref(), Some("ns"));
+
+        let rs = first_instance(&yaml(&format!(
+            "{{apiVersion: kubevirt.io/v1, kind: VirtualMachineInstanceReplicaSet, metadata: {{name: r}}, \
+             spec: {{replicas: 2, template: {{metadata: {{labels: {{k: v}}}}, spec: {SPEC}}}}}}}"
+        )))
+        .unwrap();
+        assert_eq!(rs.metadata.name.as_deref(), Some("r-0"));
+        assert_eq!(rs.metadata.labels.unwrap()["k"], "v");
+    }
+
+    #[test]
+    fn other_kinds_and_broken_ones_are_refused_with_the_reason() {
+        let e =
+            first_instance(&yaml("{apiVersion: v1, kind: Pod, metadata: {name: p}}")).unwrap_err();
+        assert!(e.contains("none of the kinds kvirt runs"), "{e}");
+        let e = first_instance(&yaml(
+            "{apiVersion: pool.kubevirt.io/v1alpha1, kind: VirtualMachinePool, metadata: {name: p}, spec: {}}",
+        ))
+        .unwrap_err();
+        assert!(e.contains("virtualMachineTemplate"), "{e}");
+        let e = first_instance(&yaml(
+            "{apiVersion: kubevirt.io/v1, kind: VirtualMachine, metadata: {name: v}, spec: {bogus: 1, template: {spec: {}}}}",
+        ))
+        .unwrap_err();
+        assert!(e.contains("spec.bogus"), "{e}");
+    }
+}
