@@ -2153,3 +2153,114 @@ fn standalone_claims_keep_their_data_for_the_next_vm() {
     );
     h.remove_vm_and_wait_gone("st-unknown");
 }
+
+/// The manifests of an instancetype of `cpus` vCPUs and `mem` of memory
+/// and a preference (cores, virtio disks), as KubeVirt's objects.
+fn instancetype_manifests(cpus: u32, mem: &str) -> String {
+    format!(
+        "apiVersion: instancetype.kubevirt.io/v1beta1
+kind: VirtualMachineClusterInstancetype
+metadata: {{name: t1.small}}
+spec:
+  cpu: {{guest: {cpus}}}
+  memory: {{guest: {mem}}}
+---
+apiVersion: instancetype.kubevirt.io/v1beta1
+kind: VirtualMachinePreference
+metadata: {{name: tiny-linux}}
+spec:
+  cpu: {{preferredCPUTopology: cores}}
+  devices: {{preferredDiskBus: virtio}}
+  requirements: {{cpu: {{guest: 1}}, memory: {{guest: 64Mi}}}}
+"
+    )
+}
+
+#[test]
+fn a_vm_from_an_instancetype_and_preference_keeps_them_until_its_matcher_changes() {
+    let Some(h) = host() else { return };
+    let _g = h.turn();
+    h.put_manifest("types", "", &instancetype_manifests(2, "160Mi"));
+    // No CPU, memory or disks of its own: the instancetype sizes it, the
+    // preference picks the topology and the bus of its volume's disk.
+    let vm = "apiVersion: kubevirt.io/v1
+kind: VirtualMachine
+metadata: {name: itvm}
+spec:
+  runStrategy: Always
+  instancetype: {name: t1.small}
+  preference: {name: tiny-linux, kind: VirtualMachinePreference}
+  template:
+    spec:
+      terminationGracePeriodSeconds: 15
+      volumes:
+      - name: boot
+        hostDisk: {path: /var/lib/kvirt/images/itvm.raw, type: Disk}
+";
+    h.put_manifest("itvm", "run", vm);
+    h.wait_phase("itvm", "Running", BOOT);
+    h.serial_log_shows("itvm", " cpus=2");
+    let virsh =
+        "virsh -c 'qemu:///session?socket=/run/kvirt/vms/default_itvm/xdg/libvirt/virtqemud-sock'";
+    let xml = h.ok(&format!("{virsh} dumpxml default_itvm"));
+    for want in [
+        "sockets='1'",
+        "cores='2'",
+        "<memory unit='KiB'>163840</memory>",
+        "bus='virtio'",
+    ] {
+        assert!(xml.contains(want), "{want} in {xml}");
+    }
+    let rec = vm_record(&h, "itvm");
+    let st = &rec["status"];
+    assert_eq!(st["instancetypeRef"]["name"], "t1.small", "{rec}");
+    assert_eq!(
+        st["preferenceRef"]["kind"], "VirtualMachinePreference",
+        "{rec}"
+    );
+    let uid = vmi_uid(&h, "itvm");
+
+    // An edited instancetype changes nothing of the VM, not even after a
+    // restart: it keeps the revision it captured, as KubeVirt's VMs do.
+    h.put_manifest("types", "", &instancetype_manifests(1, "128Mi"));
+    h.ok("kvirtctl restart default/itvm");
+    let again = wait_new_vmi_running(&h, "itvm", &uid, BOOT);
+    let xml = h.ok(&format!("{virsh} dumpxml default_itvm"));
+    assert!(xml.contains("<memory unit='KiB'>163840</memory>"), "{xml}");
+
+    // Naming another object captures that one (at the next start).
+    h.put_manifest(
+        "types2",
+        "",
+        &instancetype_manifests(1, "128Mi")
+            .replace("t1.small", "t1.tiny")
+            .replace("tiny-linux", "unused"),
+    );
+    h.put_manifest("itvm", "", &vm.replace("name: t1.small", "name: t1.tiny"));
+    h.ok("kvirtctl restart default/itvm");
+    wait_new_vmi_running(&h, "itvm", &again, BOOT);
+    let xml = h.ok(&format!("{virsh} dumpxml default_itvm"));
+    assert!(xml.contains("<memory unit='KiB'>131072</memory>"), "{xml}");
+
+    // A VM whose template conflicts with its instancetype is refused with
+    // KubeVirt's words, and runs nothing.
+    h.put_manifest(
+        "itbad",
+        "",
+        &vm.replace("itvm", "itbad").replace(
+            "      terminationGracePeriodSeconds: 15\n",
+            "      domain: {cpu: {sockets: 2}}\n",
+        ),
+    );
+    wait_vm_status(&h, "itbad", "Failure", Duration::from_secs(30));
+    let rec = vm_record(&h, "itbad");
+    assert!(
+        rec.to_string().contains(
+            "VM field(s) spec.template.spec.domain.cpu.sockets conflicts with selected instance type"
+        ),
+        "{rec}"
+    );
+    h.ok("rm -f /etc/kvirt/vmis.d/itbad.yaml /etc/kvirt/vmis.d/types2.yaml");
+    h.remove_vm_and_wait_gone("itvm");
+    h.ok("rm -f /etc/kvirt/vmis.d/types.yaml");
+}

@@ -3,12 +3,13 @@
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use kvirt::core::convert::{self, ConvertContext, DomainType};
+use kvirt::core::instancetype::ObjectKey;
 use kvirt::core::key::VmKey;
 use kvirt::core::kinds;
 use kvirt::core::layout::HostLayout;
 use kvirt::daemon::config::{Config, DEFAULT_PATH};
 use kvirt::host::beneath::Beneath;
-use kvirt::sources::manifest::read_all_status;
+use kvirt::sources::manifest::{read_all_status, ManifestDir};
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
@@ -475,13 +476,38 @@ impl Drop for RawTty {
 fn domxml(config: &Config, file: &Path, domain_type: DomainTypeArg, defaulted: bool) -> Result<()> {
     let text =
         std::fs::read_to_string(file).with_context(|| format!("reading {}", file.display()))?;
-    let doc: serde_json::Value = if file.extension().is_some_and(|e| e == "json") {
-        serde_json::from_str(&text)?
+    let docs: Vec<serde_json::Value> = if file.extension().is_some_and(|e| e == "json") {
+        vec![serde_json::from_str(&text)?]
     } else {
-        serde_norway::from_str(&text)?
+        let mut docs = Vec::new();
+        for d in serde_norway::Deserializer::from_str(&text) {
+            let v: serde_json::Value = serde::Deserialize::deserialize(d)?;
+            if !v.is_null() {
+                docs.push(v);
+            }
+        }
+        docs
     };
-    let mut vmi =
-        kinds::first_instance(&doc).map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+    // The instancetypes and preferences of the file itself, else the
+    // manifest directory's.
+    let mut objects = ManifestDir::new(config.source.directory.clone(), None)
+        .scan()
+        .instancetypes;
+    for d in &docs {
+        if let Some(Ok(key)) = ObjectKey::of_object(d) {
+            let mut d = d.clone();
+            if key.kind.namespaced() && d.pointer("/metadata/namespace").is_none() {
+                d["metadata"]["namespace"] = "default".into();
+            }
+            objects.insert(key, d);
+        }
+    }
+    let doc = docs
+        .iter()
+        .find(|d| ObjectKey::of_object(d).is_none())
+        .with_context(|| format!("{} holds no VMI, VM, pool or replica set", file.display()))?;
+    let mut vmi = kinds::first_instance(doc, &|k| objects.get(k).cloned())
+        .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
     vmi.metadata
         .uid
         .get_or_insert_with(|| "00000000-0000-0000-0000-000000000000".into());

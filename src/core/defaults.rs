@@ -64,6 +64,14 @@ pub fn apply(vmi: &mut VirtualMachineInstance, key: &VmKey, domain_type: DomainT
     }
 }
 
+/// What virt-controller defaults when it makes a VM's VMI, before the
+/// instancetype and preference apply: a disk for each volume, the pod
+/// network.
+pub fn controller_defaults(spec: &mut VmiSpec) {
+    network(spec);
+    volume_disks(spec);
+}
+
 /// The pod network and its interface, when the VMI names no network and
 /// no interface and does not turn the pod interface off.
 fn network(spec: &mut VmiSpec) {

@@ -15,6 +15,7 @@ pub mod dhcp;
 pub mod efivars;
 pub mod identity;
 pub mod image;
+pub mod instancetype;
 pub mod ipam;
 pub mod key;
 pub mod kinds;

@@ -6,6 +6,7 @@
 //!
 //! [`runstrategy`]: crate::core::runstrategy
 
+use crate::core::instancetype::{self, Captured, Matcher, Wanted};
 use crate::core::key::{KeyError, VmKey};
 use crate::core::runstrategy::{self, Action, Request, RunStrategy, VmiState};
 use crate::core::vmi::{Condition, Extra, Phase, VirtualMachineInstance, API_VERSION};
@@ -47,6 +48,10 @@ pub struct VmSpec {
     pub running: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub template: Option<Template>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub instancetype: Option<Matcher>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preference: Option<Matcher>,
     #[serde(flatten)]
     pub extra: Extra,
 }
@@ -115,6 +120,33 @@ impl VirtualMachine {
         RunStrategy::from_spec(self.spec.run_strategy.as_deref(), self.spec.running)
     }
 
+    /// The instancetype and preference its matchers name.
+    pub fn wanted(&self) -> Result<Wanted, String> {
+        let ns = self.metadata.namespace.as_deref().unwrap_or("default");
+        let key = |m: &Option<Matcher>, pref| m.as_ref().map(|m| m.key(pref, ns)).transpose();
+        Ok(Wanted {
+            instancetype: key(&self.spec.instancetype, false)?,
+            preference: key(&self.spec.preference, true)?,
+        })
+    }
+
+    /// Whether the VM can be made from what it captured: each object its
+    /// matchers name is there, and applies to its template.
+    pub fn expandable(&self, captured: &Captured) -> Result<(), String> {
+        let wanted = self.wanted()?;
+        for (want, have) in [
+            (&wanted.instancetype, &captured.instancetype),
+            (&wanted.preference, &captured.preference),
+        ] {
+            if let Some(key) = want {
+                if !have.as_ref().is_some_and(|r| r.is_of(key)) {
+                    return Err(format!("{key} not found"));
+                }
+            }
+        }
+        instance(self, 0, captured).map(|_| ())
+    }
+
     fn generation(&self) -> i64 {
         self.metadata.generation.unwrap_or(1)
     }
@@ -145,6 +177,11 @@ pub struct Book {
     /// edited manifest wins over it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub override_strategy: Option<Override>,
+    /// The instancetype and preference revisions the VM uses (KubeVirt's
+    /// ControllerRevisions): captured once, kept while its matchers name
+    /// the same objects.
+    #[serde(default, skip_serializing_if = "Captured::is_empty")]
+    pub captured: Captured,
     /// Pending `start`/`stop` requests, oldest first (KubeVirt's
     /// `stateChangeRequests`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -237,6 +274,7 @@ fn strategy_name(s: RunStrategy) -> &'static str {
 /// The strategy in force: the spec's, or what `start`/`stop` set over it.
 pub fn effective(vm: &VirtualMachine, book: &Book) -> Result<RunStrategy, String> {
     let spec = vm.strategy()?;
+    vm.expandable(&book.captured)?;
     match &book.override_strategy {
         Some(o) if o.over == spec_strategy(vm) => RunStrategy::from_spec(Some(&o.strategy), None),
         _ => Ok(spec),
@@ -249,9 +287,14 @@ pub fn derived_uid(vm_uid: &str, run: u64) -> String {
     crate::core::key::uuid_form(&Sha256::digest(format!("{vm_uid}/{run}").as_bytes()))
 }
 
-/// The VMI of run `run`: the template's metadata and spec, the VM's name
-/// and namespace, owned by the VM as virt-controller owns it.
-pub fn instance(vm: &VirtualMachine, run: u64) -> Result<VirtualMachineInstance, String> {
+/// The VMI of run `run`: the template's metadata and spec, with the
+/// captured instancetype and preference applied, the VM's name and
+/// namespace, owned by the VM as virt-controller owns it.
+pub fn instance(
+    vm: &VirtualMachine,
+    run: u64,
+    captured: &Captured,
+) -> Result<VirtualMachineInstance, String> {
     let tpl = vm
         .spec
         .template
@@ -275,12 +318,21 @@ pub fn instance(vm: &VirtualMachine, run: u64) -> Result<VirtualMachineInstance,
     meta.annotations
         .get_or_insert_with(Default::default)
         .insert(GENERATION_ANNOTATION.into(), vm.generation().to_string());
-    let doc = json!({
+    let mut doc = json!({
         "apiVersion": API_VERSION,
         "kind": crate::core::vmi::KIND,
         "metadata": meta,
         "spec": tpl.spec,
     });
+    if !captured.is_empty() {
+        // As virt-controller: the disks and network the defaults add are
+        // there for the preference to fill in.
+        let mut vmi: VirtualMachineInstance =
+            serde_json::from_value(doc).map_err(|e| format!("spec.template: {e}"))?;
+        crate::core::defaults::controller_defaults(&mut vmi.spec);
+        doc = serde_json::to_value(&vmi).map_err(|e| e.to_string())?;
+        instancetype::apply(&mut doc, captured)?;
+    }
     let mut vmi: VirtualMachineInstance =
         serde_json::from_value(doc).map_err(|e| format!("spec.template: {e}"))?;
     // One machine to the guest, whatever the run (KubeVirt's
@@ -397,7 +449,7 @@ pub fn advance(
             }
             Action::Create => {
                 book.runs += 1;
-                let vmi = instance(vm, book.runs)?;
+                let vmi = instance(vm, book.runs, &book.captured)?;
                 changes.push(Change::Created(vmi.uid().unwrap_or_default().into()));
                 book.vmi = Some(vmi);
                 book.running_since = None;
@@ -576,7 +628,7 @@ pub fn status(vm: &VirtualMachine, book: &Book, seen: &Seen, now: i64, deleted: 
     {
         // Both read through the same types, so only a real change differs.
         let spec = |v: &VirtualMachineInstance| serde_json::to_value(&v.spec).ok();
-        let now_spec = instance(vm, 0).ok().and_then(|v| spec(&v));
+        let now_spec = instance(vm, 0, &book.captured).ok().and_then(|v| spec(&v));
         if now_spec.is_some() && now_spec != spec(mine) {
             conditions.push(condition(
                 "RestartRequired",
@@ -605,6 +657,22 @@ pub fn status(vm: &VirtualMachine, book: &Book, seen: &Seen, now: i64, deleted: 
     }
     if let Some(g) = observed {
         o.insert("observedGeneration".into(), g.into());
+    }
+    // Which revisions the VM uses (KubeVirt 1.5's status references).
+    for (field, rev) in [
+        ("instancetypeRef", &book.captured.instancetype),
+        ("preferenceRef", &book.captured.preference),
+    ] {
+        if let Some(r) = rev {
+            o.insert(
+                field.into(),
+                json!({
+                    "name": r.object.pointer("/metadata/name"),
+                    "kind": r.object.get("kind"),
+                    "controllerRevisionRef": {"name": r.name},
+                }),
+            );
+        }
     }
     if book.failures > 0 {
         o.insert(
@@ -812,6 +880,11 @@ pub fn rfc3339(secs: i64) -> String {
 mod tests {
     use super::*;
 
+    const NONE: Captured = Captured {
+        instancetype: None,
+        preference: None,
+    };
+
     fn vm(strategy: &str) -> VirtualMachine {
         let mut v = VirtualMachine::from_value(json!({
             "apiVersion": "kubevirt.io/v1",
@@ -873,7 +946,7 @@ mod tests {
     #[test]
     fn the_vmi_is_the_template_owned_by_the_vm() {
         let vm = vm("Always");
-        let v = instance(&vm, 1).unwrap();
+        let v = instance(&vm, 1, &NONE).unwrap();
         assert_eq!(v.metadata.name.as_deref(), Some("web"));
         assert_eq!(v.metadata.namespace.as_deref(), Some("prod"));
         assert_eq!(v.metadata.labels.as_ref().unwrap()["app"], "web");
@@ -888,11 +961,11 @@ mod tests {
         );
         assert_eq!(v.spec.termination_grace_period_seconds, Some(30));
         // One UID per run, the same when made again (after a crash).
-        assert_eq!(v.uid(), instance(&vm, 1).unwrap().uid());
-        assert_ne!(v.uid(), instance(&vm, 2).unwrap().uid());
+        assert_eq!(v.uid(), instance(&vm, 1, &NONE).unwrap().uid());
+        assert_ne!(v.uid(), instance(&vm, 2, &NONE).unwrap().uid());
         // The guest sees one machine across runs: KubeVirt's UUID of the name.
         let uuid = |run| {
-            instance(&vm, run)
+            instance(&vm, run, &NONE)
                 .unwrap()
                 .spec
                 .domain
@@ -912,8 +985,11 @@ mod tests {
         let mut v = vm("Always");
         v.spec
             .extra
-            .insert("instancetype".into(), json!({"name": "u1.small"}));
-        assert!(v.strategy().unwrap_err().contains("spec.instancetype"));
+            .insert("liveUpdateFeatures".into(), json!({"cpu": {}}));
+        assert!(v
+            .strategy()
+            .unwrap_err()
+            .contains("spec.liveUpdateFeatures"));
         v.spec.extra.clear();
         v.spec.template.as_mut().unwrap().metadata = Some(
             serde_json::from_value(json!({"labels": {"kubevirt.io/nodeName": "node-1"}})).unwrap(),
@@ -1124,7 +1200,7 @@ mod tests {
                 .memory
                 .as_ref()
                 .map(|m| format!("{:?}", m)),
-            instance(&v, 1)
+            instance(&v, 1, &NONE)
                 .unwrap()
                 .spec
                 .domain
@@ -1186,7 +1262,7 @@ mod tests {
         assert!(cluster_step(&seen_vm, None, 120).create.is_some());
         // Once: the run ended, the spec becomes Halted.
         let once = super::tests::vm("Once");
-        let mut done = instance(&once, 1).unwrap();
+        let mut done = instance(&once, 1, &NONE).unwrap();
         done.status.phase = Some(Phase::Succeeded);
         assert!(cluster_step(&once, Some(&done), 5).halt);
     }

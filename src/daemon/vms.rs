@@ -6,6 +6,7 @@
 //! ([`VmRecords`]) is written before its VMI is handed on, so a crash at
 //! any point resumes with the same VMI (the same UID) or none.
 
+use crate::core::instancetype::{self, ObjectKey};
 use crate::core::key::VmKey;
 use crate::core::trigger::Trigger;
 use crate::core::vm::{self, Book, Change, Seen, Verb, VirtualMachine};
@@ -37,6 +38,8 @@ pub struct Vms {
     vms: BTreeMap<VmKey, VirtualMachine>,
     /// The manifests' own VMIs, handed on as they are.
     vmis: BTreeMap<VmKey, VirtualMachineInstance>,
+    /// The manifests' instancetypes and preferences.
+    instancetypes: BTreeMap<ObjectKey, serde_json::Value>,
     /// What is kept of each VM (also of a deleted one, until its VMI is
     /// gone from the host).
     kept: BTreeMap<VmKey, VmRecord>,
@@ -63,6 +66,7 @@ impl Vms {
             records,
             vms: BTreeMap::new(),
             vmis: BTreeMap::new(),
+            instancetypes: BTreeMap::new(),
             kept,
             sent: None,
             said: BTreeMap::new(),
@@ -75,6 +79,7 @@ impl Vms {
     pub fn take(&mut self, snap: Snapshot) -> BTreeMap<VmKey, VirtualMachineInstance> {
         self.vmis = snap.vmis;
         self.vms = snap.vms;
+        self.instancetypes = snap.instancetypes;
         for (key, vm) in self.vms.iter_mut() {
             let record = self.kept.entry(key.clone()).or_default();
             vm::settle_identity(vm, &mut record.book, fresh_uid);
@@ -123,6 +128,13 @@ impl Vms {
                 Some(vm) => vm.clone(),
                 None => record.vm.clone(),
             };
+            if let (false, Ok(wanted)) = (deleted, vm.wanted()) {
+                let name = key.name().to_owned();
+                record.book.captured =
+                    instancetype::settle(&wanted, &record.book.captured, &name, &|k| {
+                        self.instancetypes.get(k).cloned()
+                    });
+            }
             let seen = seen_of(view, &key, &record.book);
             match vm::advance(&vm, &mut record.book, &seen, now, deleted) {
                 Ok((changes, wait)) => {

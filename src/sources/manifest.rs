@@ -3,6 +3,7 @@
 //! each VM's runtime files. (Events go to the log: `daemon`'s LogRecorder.)
 
 use super::{SourceError, StatusStore};
+use crate::core::instancetype::ObjectKey;
 use crate::core::key::VmKey;
 use crate::core::layout::HostLayout;
 use crate::core::vm::{Book, VirtualMachine};
@@ -20,6 +21,8 @@ pub struct Snapshot {
     pub vmis: BTreeMap<VmKey, VirtualMachineInstance>,
     /// VirtualMachines: their VMIs are made by kvirtd (`daemon::vms`).
     pub vms: BTreeMap<VmKey, VirtualMachine>,
+    /// Instancetypes and preferences, for the VMs that name them.
+    pub instancetypes: BTreeMap<ObjectKey, serde_json::Value>,
     pub errors: Vec<SourceError>,
 }
 
@@ -39,6 +42,7 @@ struct Reading {
 enum Object {
     Vmi(Box<VirtualMachineInstance>),
     Vm(Box<VirtualMachine>),
+    Instancetype(Box<(ObjectKey, serde_json::Value)>),
 }
 
 /// Device, inode, size and modification time: a file whose stamp is
@@ -145,9 +149,24 @@ impl ManifestDir {
                 }
             };
             for object in vmis {
+                if let Object::Instancetype(it) = object {
+                    let (key, obj) = &**it;
+                    if snap
+                        .instancetypes
+                        .insert(key.clone(), obj.clone())
+                        .is_some()
+                    {
+                        snap.errors.push(SourceError::Manifest {
+                            path: path.clone(),
+                            message: format!("{key} is already defined by another manifest"),
+                        });
+                    }
+                    continue;
+                }
                 let key = match object {
                     Object::Vmi(v) => v.key().map_err(|e| e.to_string()),
                     Object::Vm(v) => v.key().map_err(|e| e.to_string()),
+                    Object::Instancetype(_) => unreachable!("handled above"),
                 };
                 let key = match key {
                     Ok(k) => k,
@@ -170,6 +189,7 @@ impl ManifestDir {
                 match object {
                     Object::Vmi(v) => snap.vmis.insert(key, (**v).clone()).is_none(),
                     Object::Vm(v) => snap.vms.insert(key, (**v).clone()).is_none(),
+                    Object::Instancetype(_) => unreachable!("handled above"),
                 };
             }
         }
@@ -392,6 +412,18 @@ fn read_manifest(path: &Path) -> Result<Vec<Object>, SourceError> {
         .and_then(|t| jiff::Timestamp::try_from(t).ok());
     docs.into_iter()
         .map(|doc| {
+            if let Some(key) = ObjectKey::of_object(&doc) {
+                let key = key.map_err(bad)?;
+                let mut doc = doc;
+                if key.kind.namespaced() && doc.pointer("/metadata/namespace").is_none() {
+                    doc["metadata"]["namespace"] = "default".into();
+                }
+                // What the API server would give it: a stable UID, a generation.
+                if doc.pointer("/metadata/uid").is_none() {
+                    doc["metadata"]["uid"] = manifest_uid(&doc).into();
+                }
+                return Ok(Object::Instancetype(Box::new((key, doc))));
+            }
             let kind = doc.get("kind").and_then(|k| k.as_str()).unwrap_or("");
             if kind == crate::core::vm::KIND {
                 // Its UID and generation are kvirtd's to give (`vm::settle_identity`):
@@ -409,7 +441,8 @@ fn read_manifest(path: &Path) -> Result<Vec<Object>, SourceError> {
             }
             if kind != "VirtualMachineInstance" {
                 return Err(bad(format!(
-                    "kind {kind:?} is neither VirtualMachineInstance nor VirtualMachine"
+                    "kind {kind:?} is none of VirtualMachineInstance, VirtualMachine, \
+                     VirtualMachine(Cluster)Instancetype, VirtualMachine(Cluster)Preference"
                 )));
             }
             // Like a static pod: the manifest's content is its identity, so
@@ -666,6 +699,41 @@ mod tests {
                 .any(|e| e.to_string().contains("already defined")),
             "{:?}",
             s.errors
+        );
+    }
+
+    #[test]
+    fn instancetypes_and_preferences_are_read_for_the_vms_that_name_them() {
+        use crate::core::instancetype::Kind;
+        let tmp = tempfile::tempdir().unwrap();
+        std::fs::write(
+            tmp.path().join("types.yaml"),
+            "apiVersion: instancetype.kubevirt.io/v1beta1\nkind: VirtualMachineClusterInstancetype\n\
+             metadata: {name: u1.small}\nspec: {cpu: {guest: 1}, memory: {guest: 2Gi}}\n---\n\
+             apiVersion: instancetype.kubevirt.io/v1beta1\nkind: VirtualMachinePreference\n\
+             metadata: {name: fedora}\nspec: {devices: {preferredDiskBus: virtio}}\n",
+        )
+        .unwrap();
+        std::fs::write(
+            tmp.path().join("old.yaml"),
+            "apiVersion: instancetype.kubevirt.io/v1alpha1\nkind: VirtualMachinePreference\nmetadata: {name: old}\n",
+        )
+        .unwrap();
+        let s = scan_dir(tmp.path());
+        let keys: Vec<_> = s.instancetypes.keys().cloned().collect();
+        assert_eq!(keys.len(), 2, "{keys:?}");
+        let pref = ObjectKey {
+            kind: Kind::VirtualMachinePreference,
+            namespace: Some("default".into()),
+            name: "fedora".into(),
+        };
+        // A stable UID, as the API server would give it.
+        assert!(s.instancetypes[&pref].pointer("/metadata/uid").is_some());
+        let e: Vec<String> = s.errors.iter().map(|e| e.to_string()).collect();
+        assert!(
+            e.iter()
+                .any(|e| e.contains("must be instancetype.kubevirt.io/v1beta1")),
+            "{e:?}"
         );
     }
 

@@ -296,7 +296,7 @@ for p in /sys/class/virtio-ports/*; do
   } 3<>"$port" &
   echo "KVIRT-GUEST-AGENT $port"
 done
-echo "KVIRT-GUEST-READY mode=$mode acpi=$acpi"
+echo "KVIRT-GUEST-READY mode=$mode acpi=$acpi cpus=$(grep -c ^processor /proc/cpuinfo)"
 case $mode in
   poweroff)
     sleep 3
