@@ -680,6 +680,19 @@ fn the_lease_is_renewed_and_rbac_is_least_privilege() {
         !can("create virtualmachines.kubevirt.io") && !can("delete virtualmachines.kubevirt.io")
     );
     assert!(!can("update virtualmachines.kubevirt.io"));
+    // Instancetypes and preferences: read one at a time; kept in
+    // ControllerRevisions kvirtd makes and never changes or deletes.
+    assert!(can(
+        "get virtualmachineclusterinstancetypes.instancetype.kubevirt.io"
+    ));
+    assert!(!can(
+        "list virtualmachineclusterinstancetypes.instancetype.kubevirt.io"
+    ));
+    assert!(!can(
+        "patch virtualmachinepreferences.instancetype.kubevirt.io"
+    ));
+    assert!(can("create controllerrevisions.apps") && can("get controllerrevisions.apps"));
+    assert!(!can("delete controllerrevisions.apps") && !can("update controllerrevisions.apps"));
     // ResourceQuotas bound emptyDisks: listed, never changed.
     assert!(can("list resourcequotas"));
     assert!(!can("create resourcequotas") && !can("patch resourcequotas"));
@@ -1070,6 +1083,116 @@ fn a_virtual_machine_runs_one_vmi_across_two_kvirtds_and_obeys_its_run_strategy(
         "[ \"$(systemctl show -p LoadState --value kvirt-vm@default_k-vm.service)\" = not-found ]",
     );
     assert!(host_clean(runner, "k-vm"));
+}
+
+/// An instancetype and a preference as real API objects: the VM's VMI is
+/// sized by them, and the objects are kept in a ControllerRevision owned
+/// by the VM, named in its status, so an edit changes no later run.
+#[test]
+fn an_instancetype_sizes_a_vm_through_the_api_and_its_revision_is_kept() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = serial();
+    a.ok("kubectl delete vm k-itvm --ignore-not-found --wait=false");
+    a.wait(
+        "no k-itvm left",
+        WAIT,
+        "! kubectl get vm k-itvm 2>/dev/null && ! kubectl get vmi k-itvm 2>/dev/null",
+    );
+    disk(&[&a, &b], "k-itvm", "run");
+    let objects = |cpus: u32| {
+        format!(
+            "apiVersion: instancetype.kubevirt.io/v1beta1
+kind: VirtualMachineClusterInstancetype
+metadata: {{name: k-it}}
+spec: {{cpu: {{guest: {cpus}}}, memory: {{guest: 160Mi}}}}
+---
+apiVersion: instancetype.kubevirt.io/v1beta1
+kind: VirtualMachinePreference
+metadata: {{name: k-pref, namespace: default}}
+spec: {{cpu: {{preferredCPUTopology: cores}}, devices: {{preferredDiskBus: virtio}}}}
+"
+        )
+    };
+    apply(&a, &objects(2));
+    apply(
+        &a,
+        "apiVersion: kubevirt.io/v1
+kind: VirtualMachine
+metadata: {name: k-itvm, namespace: default}
+spec:
+  runStrategy: Always
+  instancetype: {name: k-it}
+  preference: {name: k-pref, kind: VirtualMachinePreference}
+  template:
+    spec:
+      terminationGracePeriodSeconds: 15
+      nodeSelector: {zone: z1}
+      volumes:
+      - name: boot
+        hostDisk: {path: /var/lib/kvirt/images/k-itvm.raw, type: Disk}
+",
+    );
+    a.wait(
+        "kubectl get vm shows k-itvm Running",
+        Duration::from_secs(120),
+        "kubectl get vm k-itvm --no-headers | grep -Eq 'Running +True'",
+    );
+    let vmi = |path: &str| kubectl(&a, &format!("get vmi k-itvm -o jsonpath='{path}'"));
+    assert_eq!(vmi("{.spec.domain.cpu.cores}"), "2");
+    assert_eq!(vmi("{.spec.domain.memory.guest}"), "160Mi");
+    assert_eq!(vmi("{.spec.domain.devices.disks[0].disk.bus}"), "virtio");
+    assert_eq!(
+        vmi("{.metadata.annotations.kubevirt\\.io/cluster-instancetype-name}"),
+        "k-it"
+    );
+    let rev = vm_field(
+        &a,
+        "k-itvm",
+        "{.status.instancetypeRef.controllerRevisionRef.name}",
+    );
+    assert!(rev.starts_with("k-itvm-k-it-v1beta1-"), "{rev}");
+    let owner = kubectl(
+        &a,
+        &format!("get controllerrevision {rev} -o jsonpath='{{.metadata.ownerReferences[0].kind}}/{{.data.spec.cpu.guest}}'"),
+    );
+    assert_eq!(owner, "VirtualMachine/2");
+    assert_eq!(
+        vm_field(&a, "k-itvm", "{.status.preferenceRef.kind}"),
+        "VirtualMachinePreference"
+    );
+
+    // The instancetype edited, the VMI deleted: the next run still has the
+    // revision's two vCPUs.
+    apply(&a, &objects(1));
+    let first = vmi("{.metadata.uid}");
+    kubectl(&a, "delete vmi k-itvm --wait=false");
+    a.wait(
+        "k-itvm running a new VMI",
+        Duration::from_secs(120),
+        &format!(
+            "[ \"$(kubectl get vmi k-itvm -o jsonpath='{{.status.phase}}')\" = Running ] && [ \"$(kubectl get vmi k-itvm -o jsonpath='{{.metadata.uid}}')\" != {first} ]"
+        ),
+    );
+    assert_eq!(vmi("{.spec.domain.cpu.cores}"), "2");
+    assert_eq!(
+        vm_field(
+            &a,
+            "k-itvm",
+            "{.status.instancetypeRef.controllerRevisionRef.name}"
+        ),
+        rev
+    );
+
+    kubectl(&a, "delete vm k-itvm --wait=false");
+    a.wait(
+        "k-itvm and its VMI gone",
+        Duration::from_secs(90),
+        "! kubectl get vm k-itvm 2>/dev/null && ! kubectl get vmi k-itvm 2>/dev/null",
+    );
+    a.ok(&format!(
+        "kubectl delete controllerrevision {rev} --ignore-not-found; \
+         kubectl delete virtualmachineclusterinstancetype k-it; kubectl delete vmpref k-pref"
+    ));
 }
 
 /// A local PersistentVolume on node-a, in `kvirt-test-local`, bound (by

@@ -777,8 +777,10 @@ pub fn cluster_step(
     vm: &VirtualMachine,
     vmi: Option<&VirtualMachineInstance>,
     now: i64,
+    captured: &Captured,
 ) -> ClusterStep {
     let mut book = book_of(vm, vmi);
+    book.captured = captured.clone();
     let seen = Seen {
         vmi: vmi.cloned(),
         gone: vmi.is_none(),
@@ -1230,7 +1232,7 @@ mod tests {
     fn a_cluster_vm_acts_through_its_objects() {
         let vm = vm("RerunOnFailure");
         // No VMI: one to create, the server to name its UID.
-        let s = cluster_step(&vm, None, 100);
+        let s = cluster_step(&vm, None, 100, &NONE);
         let new = s.create.clone().unwrap();
         assert_eq!(new.metadata.uid, None);
         assert_eq!(
@@ -1242,7 +1244,7 @@ mod tests {
         let mut failed = new.clone();
         failed.metadata.uid = Some("api-1".into());
         failed.status.phase = Some(Phase::Failed);
-        let s = cluster_step(&vm, Some(&failed), 110);
+        let s = cluster_step(&vm, Some(&failed), 110, &NONE);
         assert_eq!(s.delete, Some(("api-1".into(), 30)));
         assert_eq!(s.status["startFailure"]["consecutiveFailCount"], 1);
         assert!(s.create.is_none());
@@ -1251,20 +1253,20 @@ mod tests {
         seen_vm.status = s.status.clone();
         let mut deleting = failed.clone();
         deleting.metadata.deletion_timestamp = serde_json::from_value(json!(rfc3339(110))).ok();
-        let s2 = cluster_step(&seen_vm, Some(&deleting), 111);
+        let s2 = cluster_step(&seen_vm, Some(&deleting), 111, &NONE);
         assert_eq!(s2.status["startFailure"]["consecutiveFailCount"], 1);
         assert_eq!((s2.delete.clone(), s2.create.is_some()), (None, false));
         // Gone: backed off, then made anew.
-        let s3 = cluster_step(&seen_vm, None, 112);
+        let s3 = cluster_step(&seen_vm, None, 112, &NONE);
         assert_eq!(s3.wait, Some(Duration::from_secs(8)));
         assert_eq!(s3.status["printableStatus"], "CrashLoopBackOff");
         assert!(s3.create.is_none());
-        assert!(cluster_step(&seen_vm, None, 120).create.is_some());
+        assert!(cluster_step(&seen_vm, None, 120, &NONE).create.is_some());
         // Once: the run ended, the spec becomes Halted.
         let once = super::tests::vm("Once");
         let mut done = instance(&once, 1, &NONE).unwrap();
         done.status.phase = Some(Phase::Succeeded);
-        assert!(cluster_step(&once, Some(&done), 5).halt);
+        assert!(cluster_step(&once, Some(&done), 5, &NONE).halt);
     }
 
     #[test]

@@ -5,6 +5,7 @@
 
 pub mod claims;
 pub mod events;
+mod instancetypes;
 pub mod lease;
 pub mod source;
 pub mod status;

@@ -157,8 +157,15 @@ impl Vms {
             };
         }
 
+        let captured = match vm.wanted() {
+            Ok(w) if w != Default::default() => {
+                super::instancetypes::captured(&self.client, &vm, &w).await?
+            }
+            // A matcher kvirt cannot follow: the status says why.
+            _ => Default::default(),
+        };
         let now = jiff::Timestamp::now().as_second();
-        let mut step = vm::cluster_step(&vm, owned, now);
+        let mut step = vm::cluster_step(&vm, owned, now, &captured);
         if found.is_some() && owned.is_none() {
             // Not ours to touch: say so, and wait for it to go.
             step = vm::ClusterStep {
