@@ -670,16 +670,16 @@ fn the_lease_is_renewed_and_rbac_is_least_privilege() {
     assert!(can("create serviceaccounts --subresource=token"));
     assert!(!can("list secrets") && !can("watch secrets") && !can("create secrets"));
     assert!(!can("create serviceaccounts"));
-    // VirtualMachines: watched and patched (finalizer, status), never
-    // created, replaced or deleted.
+    // VirtualMachines: watched and patched (finalizer, status), created
+    // and deleted only as a pool's members, never replaced.
     assert!(can("watch virtualmachines.kubevirt.io"));
     assert!(can(
         "patch virtualmachines.kubevirt.io --subresource=status"
     ));
-    assert!(
-        !can("create virtualmachines.kubevirt.io") && !can("delete virtualmachines.kubevirt.io")
-    );
+    assert!(can("create virtualmachines.kubevirt.io") && can("delete virtualmachines.kubevirt.io"));
     assert!(!can("update virtualmachines.kubevirt.io"));
+    assert!(can("watch virtualmachinepools.pool.kubevirt.io"));
+    assert!(!can("create virtualmachinepools.pool.kubevirt.io"));
     // Instancetypes and preferences: read one at a time; kept in
     // ControllerRevisions kvirtd makes and never changes or deletes.
     assert!(can(
@@ -1193,6 +1193,74 @@ spec:
         "kubectl delete controllerrevision {rev} --ignore-not-found; \
          kubectl delete virtualmachineclusterinstancetype k-it; kubectl delete vmpref k-pref"
     ));
+}
+
+/// A VirtualMachinePool through the API server: its VMs made by whichever
+/// kvirtd gets there first, once each; `kubectl scale` (the scale
+/// subresource) shrinks it from the highest index; deleting it takes its
+/// VMs with it.
+#[test]
+fn a_pool_scales_through_the_api_server() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = serial();
+    for h in [&a, &b] {
+        h.ok("cp /srv/guest/run.raw /var/lib/kvirt/images/k-pool-base.raw
+              chmod 0644 /var/lib/kvirt/images/k-pool-base.raw");
+    }
+    apply(
+        &a,
+        "apiVersion: pool.kubevirt.io/v1alpha1
+kind: VirtualMachinePool
+metadata: {name: k-pl, namespace: default}
+spec:
+  replicas: 2
+  selector: {matchLabels: {app: k-pl}}
+  virtualMachineTemplate:
+    metadata: {labels: {app: k-pl}}
+    spec:
+      runStrategy: Always
+      template:
+        spec:
+          terminationGracePeriodSeconds: 5
+          nodeSelector: {zone: z1}
+          domain: {memory: {guest: 96Mi}}
+          volumes:
+          - name: boot
+            ephemeral: {hostDisk: {path: /var/lib/kvirt/images/k-pool-base.raw, type: Disk}}
+",
+    );
+    for vm in ["k-pl-0", "k-pl-1"] {
+        a.wait(
+            &format!("{vm} Running"),
+            Duration::from_secs(150),
+            &format!("kubectl get vm {vm} --no-headers | grep -Eq 'Running +True'"),
+        );
+    }
+    assert_eq!(
+        vm_field(&a, "k-pl-0", "{.metadata.ownerReferences[0].kind}"),
+        "VirtualMachinePool"
+    );
+    a.wait(
+        "pool status 2 ready",
+        WAIT,
+        "[ \"$(kubectl get vmpool k-pl -o jsonpath='{.status.readyReplicas}')\" = 2 ]",
+    );
+    kubectl(&a, "scale vmpool k-pl --replicas=1");
+    a.wait(
+        "k-pl-1 gone",
+        Duration::from_secs(90),
+        "! kubectl get vm k-pl-1 2>/dev/null && ! kubectl get vmi k-pl-1 2>/dev/null",
+    );
+    assert_eq!(
+        vm_field(&a, "k-pl-0", "{.status.printableStatus}"),
+        "Running"
+    );
+    kubectl(&a, "delete vmpool k-pl --wait=false");
+    a.wait(
+        "k-pl and its VMs gone",
+        Duration::from_secs(90),
+        "! kubectl get vmpool k-pl 2>/dev/null && ! kubectl get vm k-pl-0 2>/dev/null && ! kubectl get vmi k-pl-0 2>/dev/null",
+    );
 }
 
 /// A local PersistentVolume on node-a, in `kvirt-test-local`, bound (by

@@ -2264,3 +2264,61 @@ spec:
     h.remove_vm_and_wait_gone("itvm");
     h.ok("rm -f /etc/kvirt/vmis.d/types.yaml");
 }
+
+fn pool_manifest(replicas: u32) -> String {
+    format!(
+        "apiVersion: pool.kubevirt.io/v1alpha1
+kind: VirtualMachinePool
+metadata: {{name: pl}}
+spec:
+  replicas: {replicas}
+  selector: {{matchLabels: {{app: pl}}}}
+  virtualMachineTemplate:
+    metadata: {{labels: {{app: pl}}}}
+    spec:
+      runStrategy: Always
+      template:
+        spec:
+          terminationGracePeriodSeconds: 5
+          domain: {{memory: {{guest: 96Mi}}}}
+          volumes:
+          - name: boot
+            ephemeral: {{hostDisk: {{path: /var/lib/kvirt/images/pool-base.raw, type: Disk}}}}
+"
+    )
+}
+
+#[test]
+fn a_pool_of_three_scales_to_five_and_to_one() {
+    let Some(h) = host() else { return };
+    let _g = h.turn();
+    // One read-only base; each VM boots from an overlay of its own.
+    h.ok("cp /srv/guest/run.raw /var/lib/kvirt/images/pool-base.raw
+          chmod 0644 /var/lib/kvirt/images/pool-base.raw");
+    h.put_manifest("pl", "", &pool_manifest(3));
+    for i in 0..3 {
+        h.wait_phase(&format!("pl-{i}"), "Running", BOOT);
+    }
+    let rec = vm_record(&h, "pl-1");
+    assert_eq!(
+        rec["metadata"]["ownerReferences"][0]["kind"], "VirtualMachinePool",
+        "{rec}"
+    );
+    assert_eq!(rec["metadata"]["labels"]["app"], "pl", "{rec}");
+
+    h.put_manifest("pl", "", &pool_manifest(5));
+    for i in 3..5 {
+        h.wait_phase(&format!("pl-{i}"), "Running", BOOT);
+    }
+    // Scaled in from the highest index: pl-0 stays, untouched.
+    let uid0 = vmi_uid(&h, "pl-0");
+    h.put_manifest("pl", "", &pool_manifest(1));
+    for i in 1..5 {
+        h.wait_gone(&format!("pl-{i}"));
+    }
+    assert_eq!(h.phase("pl-0").as_deref(), Some("Running"));
+    assert_eq!(vmi_uid(&h, "pl-0"), uid0);
+    h.ok("rm -f /etc/kvirt/vmis.d/pl.yaml");
+    h.wait_gone("pl-0");
+    h.ok("rm -f /var/lib/kvirt/images/pool-base.raw");
+}

@@ -24,6 +24,7 @@ pub mod nft;
 pub mod objects;
 pub mod phase;
 pub mod plan;
+pub mod pool;
 pub mod pullsecret;
 pub mod pvc;
 pub mod quantity;

@@ -148,6 +148,32 @@ fn tolerates(tol: &Value, t: &Taint) -> bool {
     }
 }
 
+/// Whether `labels` satisfy a Kubernetes label selector (`matchLabels`,
+/// `matchExpressions` with `In`, `NotIn`, `Exists`, `DoesNotExist`); an
+/// empty selector selects everything, an unknown operator nothing.
+pub fn label_selector_matches(
+    sel: &k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector,
+    labels: &BTreeMap<String, String>,
+) -> bool {
+    let plain = sel
+        .match_labels
+        .iter()
+        .flatten()
+        .all(|(k, v)| labels.get(k) == Some(v));
+    plain
+        && sel.match_expressions.iter().flatten().all(|e| {
+            let values = e.values.as_deref().unwrap_or_default();
+            let have = labels.get(&e.key);
+            match e.operator.as_str() {
+                "In" => have.is_some_and(|v| values.contains(v)),
+                "NotIn" => have.is_none_or(|v| !values.contains(v)),
+                "Exists" => have.is_some(),
+                "DoesNotExist" => have.is_none(),
+                _ => false,
+            }
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -246,5 +272,34 @@ mod tests {
         )));
         assert!(!ok(&format!("{TOLERATES}  schedulerName: volcano\n")));
         assert!(!ok(&format!("{TOLERATES}  nodeSelector: {{zone: z2}}\n")));
+    }
+
+    #[test]
+    fn label_selectors_match_as_kubernetes_matches_them() {
+        let sel = |v: serde_json::Value| serde_json::from_value(v).unwrap();
+        let labels: BTreeMap<String, String> = [
+            ("app".to_owned(), "web".to_owned()),
+            ("tier".to_owned(), "a".to_owned()),
+        ]
+        .into();
+        let m = |v| label_selector_matches(&sel(v), &labels);
+        assert!(m(serde_json::json!({})));
+        assert!(m(serde_json::json!({"matchLabels": {"app": "web"}})));
+        assert!(!m(serde_json::json!({"matchLabels": {"app": "db"}})));
+        assert!(m(
+            serde_json::json!({"matchExpressions": [{"key": "tier", "operator": "In", "values": ["a", "b"]}]})
+        ));
+        assert!(!m(
+            serde_json::json!({"matchExpressions": [{"key": "tier", "operator": "NotIn", "values": ["a"]}]})
+        ));
+        assert!(m(
+            serde_json::json!({"matchExpressions": [{"key": "zone", "operator": "DoesNotExist"}]})
+        ));
+        assert!(!m(
+            serde_json::json!({"matchExpressions": [{"key": "zone", "operator": "Exists"}]})
+        ));
+        assert!(!m(
+            serde_json::json!({"matchExpressions": [{"key": "app", "operator": "Gt", "values": ["1"]}]})
+        ));
     }
 }

@@ -410,7 +410,16 @@ fn read_manifest(path: &Path) -> Result<Vec<Object>, SourceError> {
         .and_then(|m| m.modified())
         .ok()
         .and_then(|t| jiff::Timestamp::try_from(t).ok());
-    docs.into_iter()
+    let mut objects = Vec::new();
+    for doc in docs {
+        if doc.get("kind").and_then(|k| k.as_str()) == Some(crate::core::pool::KIND) {
+            objects.extend(pool_members(doc).map_err(bad)?);
+        } else {
+            objects.push(doc);
+        }
+    }
+    objects
+        .into_iter()
         .map(|doc| {
             if let Some(key) = ObjectKey::of_object(&doc) {
                 let key = key.map_err(bad)?;
@@ -442,7 +451,8 @@ fn read_manifest(path: &Path) -> Result<Vec<Object>, SourceError> {
             if kind != "VirtualMachineInstance" {
                 return Err(bad(format!(
                     "kind {kind:?} is none of VirtualMachineInstance, VirtualMachine, \
-                     VirtualMachine(Cluster)Instancetype, VirtualMachine(Cluster)Preference"
+                     VirtualMachinePool, VirtualMachine(Cluster)Instancetype, \
+                     VirtualMachine(Cluster)Preference"
                 )));
             }
             // Like a static pod: the manifest's content is its identity, so
@@ -461,6 +471,32 @@ fn read_manifest(path: &Path) -> Result<Vec<Object>, SourceError> {
             vmi.status = VmiStatus::default();
             Ok(Object::Vmi(Box::new(vmi)))
         })
+        .collect()
+}
+
+/// A pool's VMs, as manifests: it is a pool of standalone VMs, scaled by
+/// editing `replicas`. Its UID follows from its name (so the VMs' owner
+/// does not change with an edit).
+fn pool_members(mut doc: serde_json::Value) -> Result<Vec<serde_json::Value>, String> {
+    let ns = doc
+        .pointer("/metadata/namespace")
+        .and_then(|n| n.as_str())
+        .unwrap_or("default")
+        .to_owned();
+    let name = doc
+        .pointer("/metadata/name")
+        .and_then(|n| n.as_str())
+        .unwrap_or("")
+        .to_owned();
+    if let Some(meta) = doc.get_mut("metadata").and_then(|m| m.as_object_mut()) {
+        meta.insert("namespace".into(), ns.clone().into());
+        let uid = crate::core::key::uuid_form(&Sha256::digest(format!("pool:{ns}/{name}")));
+        meta.insert("uid".into(), uid.into());
+    }
+    let pool = crate::core::pool::Pool::from_value(doc)?;
+    let vms = crate::core::pool::members(&pool)?;
+    vms.iter()
+        .map(|v| serde_json::to_value(v).map_err(|e| e.to_string()))
         .collect()
 }
 
@@ -734,6 +770,50 @@ mod tests {
             e.iter()
                 .any(|e| e.contains("must be instancetype.kubevirt.io/v1beta1")),
             "{e:?}"
+        );
+    }
+
+    #[test]
+    fn a_pool_is_its_vms_and_scales_by_its_replicas() {
+        let tmp = tempfile::tempdir().unwrap();
+        let pool = |n: u32| {
+            format!(
+                "apiVersion: pool.kubevirt.io/v1alpha1\nkind: VirtualMachinePool\nmetadata: {{name: web}}\n\
+                 spec:\n  replicas: {n}\n  selector: {{matchLabels: {{app: web}}}}\n  virtualMachineTemplate:\n    \
+                 metadata: {{labels: {{app: web}}}}\n    spec:\n      runStrategy: Always\n      template:\n        \
+                 spec: {{domain: {{devices: {{}}}}}}\n"
+            )
+        };
+        std::fs::write(tmp.path().join("pool.yaml"), pool(3)).unwrap();
+        let s = scan_dir(tmp.path());
+        let names: Vec<String> = s.vms.keys().map(|k| k.name().to_owned()).collect();
+        assert_eq!(names, ["web-0", "web-1", "web-2"], "{:?}", s.errors);
+        let owner = |s: &Snapshot| {
+            s.vms[&VmKey::new("default", "web-0").unwrap()]
+                .metadata
+                .owner_references
+                .clone()
+                .unwrap()[0]
+                .uid
+                .clone()
+        };
+        let first = owner(&s);
+        std::fs::write(tmp.path().join("pool.yaml"), pool(1)).unwrap();
+        let s = scan_dir(tmp.path());
+        assert_eq!(s.vms.len(), 1);
+        // The same pool, edited: the same owner.
+        assert_eq!(owner(&s), first);
+        std::fs::write(
+            tmp.path().join("pool.yaml"),
+            pool(1).replace("spec:\n  replicas", "spec:\n  autohealing: {}\n  replicas"),
+        )
+        .unwrap();
+        let s = scan_dir(tmp.path());
+        assert!(s.vms.is_empty());
+        assert!(
+            s.errors[0].to_string().contains("spec.autohealing"),
+            "{:?}",
+            s.errors
         );
     }
 

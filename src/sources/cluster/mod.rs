@@ -7,6 +7,7 @@ pub mod claims;
 pub mod events;
 mod instancetypes;
 pub mod lease;
+pub mod pools;
 pub mod source;
 pub mod status;
 pub mod vms;
@@ -55,6 +56,8 @@ subjects:
 pub enum ClusterError {
     #[error("kubeconfig {path}: {message}")]
     Kubeconfig { path: String, message: String },
+    #[error("{object}: {message}")]
+    Invalid { object: String, message: String },
     #[error("VMI {vmi}: {op}: {source}")]
     Api {
         vmi: String,

@@ -1,0 +1,241 @@
+//! `VirtualMachinePool` (`pool.kubevirt.io`), as KubeVirt's pool
+//! controller keeps one: `replicas` VirtualMachines from its
+//! `virtualMachineTemplate`, named `<pool>-<index>` with the lowest free
+//! indexes, owned by the pool; scaling in removes the highest indexes
+//! first. Pure: which VMs a pool wants, and what to create or remove.
+
+use crate::core::scheduling;
+use crate::core::vm::{self, VirtualMachine};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use std::collections::BTreeSet;
+
+pub const GROUP: &str = "pool.kubevirt.io";
+pub const KIND: &str = "VirtualMachinePool";
+/// The versions KubeVirt serves; the first is what kvirt writes.
+pub const API_VERSIONS: [&str; 2] = ["pool.kubevirt.io/v1beta1", "pool.kubevirt.io/v1alpha1"];
+/// A pool's size is bounded: a typo must not make a million VMs.
+pub const MAX_REPLICAS: u32 = 1000;
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Pool {
+    pub api_version: String,
+    pub kind: String,
+    #[serde(default)]
+    pub metadata: ObjectMeta,
+    #[serde(default)]
+    pub spec: PoolSpec,
+    #[serde(default, skip_serializing_if = "Value::is_null")]
+    pub status: Value,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct PoolSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<LabelSelector>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub virtual_machine_template: Option<VmTemplate>,
+    #[serde(default)]
+    pub paused: bool,
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+pub struct VmTemplate {
+    #[serde(default)]
+    pub metadata: Option<ObjectMeta>,
+    #[serde(default)]
+    pub spec: Value,
+}
+
+impl Pool {
+    pub fn from_value(v: Value) -> Result<Pool, String> {
+        let p: Pool = serde_json::from_value(v).map_err(|e| format!("invalid {KIND}: {e}"))?;
+        if p.kind != KIND || !API_VERSIONS.contains(&p.api_version.as_str()) {
+            return Err(format!(
+                "expected {KIND} of {}, got {:?} {:?}",
+                API_VERSIONS.join(" or "),
+                p.api_version,
+                p.kind
+            ));
+        }
+        Ok(p)
+    }
+
+    fn name(&self) -> &str {
+        self.metadata.name.as_deref().unwrap_or("")
+    }
+
+    /// How many VMs it wants, or why it cannot be followed. Fields kvirt
+    /// does not implement are refused by name, never dropped.
+    pub fn replicas(&self) -> Result<u32, String> {
+        if self.name().is_empty() {
+            return Err("metadata.name is missing".into());
+        }
+        if let Some(k) = self.spec.extra.keys().next() {
+            return Err(format!("spec.{k} is not supported by kvirt"));
+        }
+        let t = self
+            .spec
+            .virtual_machine_template
+            .as_ref()
+            .ok_or("spec.virtualMachineTemplate is missing")?;
+        let labels = t
+            .metadata
+            .as_ref()
+            .and_then(|m| m.labels.clone())
+            .unwrap_or_default();
+        let selector = self
+            .spec
+            .selector
+            .as_ref()
+            .ok_or("spec.selector is missing")?;
+        if !scheduling::label_selector_matches(selector, &labels) {
+            return Err(
+                "spec.selector does not match the labels of spec.virtualMachineTemplate".into(),
+            );
+        }
+        let n = self.spec.replicas.unwrap_or(1);
+        u32::try_from(n)
+            .ok()
+            .filter(|&n| n <= MAX_REPLICAS)
+            .ok_or_else(|| format!("spec.replicas: {n} is not 0 to {MAX_REPLICAS}"))
+    }
+
+    /// Its VM of index `i`: the template, named `<pool>-<i>`, owned by the
+    /// pool.
+    pub fn member(&self, i: u32) -> Result<VirtualMachine, String> {
+        let t = self
+            .spec
+            .virtual_machine_template
+            .as_ref()
+            .ok_or("spec.virtualMachineTemplate is missing")?;
+        let mut meta = t.metadata.clone().unwrap_or_default();
+        meta.name = Some(format!("{}-{i}", self.name()));
+        meta.namespace = self.metadata.namespace.clone();
+        meta.uid = None;
+        meta.owner_references = self.metadata.uid.as_ref().map(|uid| {
+            vec![OwnerReference {
+                api_version: self.api_version.clone(),
+                kind: KIND.into(),
+                name: self.name().to_owned(),
+                uid: uid.clone(),
+                controller: Some(true),
+                block_owner_deletion: Some(true),
+            }]
+        });
+        let doc = serde_json::json!({
+            "apiVersion": crate::core::vmi::API_VERSION,
+            "kind": vm::KIND,
+            "metadata": meta,
+            "spec": t.spec,
+        });
+        VirtualMachine::from_value(doc).map_err(|e| format!("spec.virtualMachineTemplate: {e}"))
+    }
+}
+
+/// The index of a member's name, `<pool>-<index>`.
+pub fn index_of(pool: &str, vm: &str) -> Option<u32> {
+    let rest = vm.strip_prefix(pool)?.strip_prefix('-')?;
+    (!rest.starts_with('0') || rest == "0")
+        .then(|| rest.parse().ok())
+        .flatten()
+}
+
+/// What brings `have` (the indexes of the pool's VMs) to `want` VMs: the
+/// lowest free indexes to create, or the highest to remove.
+pub fn scale(have: &BTreeSet<u32>, want: u32) -> (Vec<u32>, Vec<u32>) {
+    let n = have.len() as u32;
+    if n < want {
+        let create = (0..)
+            .filter(|i| !have.contains(i))
+            .take((want - n) as usize);
+        (create.collect(), Vec::new())
+    } else {
+        let remove = have.iter().rev().take((n - want) as usize).copied();
+        (Vec::new(), remove.collect())
+    }
+}
+
+/// A standalone pool's VMs: indexes `0..replicas`.
+pub fn members(pool: &Pool) -> Result<Vec<VirtualMachine>, String> {
+    (0..pool.replicas()?).map(|i| pool.member(i)).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pool(replicas: i64, extra: &str) -> Pool {
+        Pool::from_value(
+            serde_norway::from_str(&format!(
+                "{{apiVersion: pool.kubevirt.io/v1alpha1, kind: VirtualMachinePool, \
+                 metadata: {{name: web, namespace: ns, uid: pool-uid}}, spec: {{replicas: {replicas}, \
+                 selector: {{matchLabels: {{app: web}}}}, {extra} virtualMachineTemplate: \
+                 {{metadata: {{labels: {{app: web}}}}, spec: {{runStrategy: Always, template: \
+                 {{spec: {{domain: {{memory: {{guest: 64Mi}}}}}}}}}}}}}}}}"
+            ))
+            .unwrap(),
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_pools_vms_are_its_template_named_by_index_and_owned_by_it() {
+        let vms = members(&pool(3, "")).unwrap();
+        let names: Vec<_> = vms
+            .iter()
+            .map(|v| v.metadata.name.clone().unwrap())
+            .collect();
+        assert_eq!(names, ["web-0", "web-1", "web-2"]);
+        let v = &vms[1];
+        assert_eq!(v.metadata.namespace.as_deref(), Some("ns"));
+        assert_eq!(v.metadata.labels.as_ref().unwrap()["app"], "web");
+        let o = &v.metadata.owner_references.as_ref().unwrap()[0];
+        assert_eq!(
+            (o.kind.as_str(), o.uid.as_str()),
+            ("VirtualMachinePool", "pool-uid")
+        );
+        assert_eq!(v.spec.run_strategy.as_deref(), Some("Always"));
+        assert!(members(&pool(0, "")).unwrap().is_empty());
+    }
+
+    #[test]
+    fn scaling_fills_the_lowest_gaps_and_removes_the_highest_first() {
+        let have: BTreeSet<u32> = [0, 2, 5].into();
+        assert_eq!(scale(&have, 5), (vec![1, 3], vec![]));
+        assert_eq!(scale(&have, 1), (vec![], vec![5, 2]));
+        assert_eq!(scale(&have, 3), (vec![], vec![]));
+        assert_eq!(index_of("web", "web-12"), Some(12));
+        assert_eq!(index_of("web", "web-01"), None);
+        assert_eq!(index_of("web", "webby-1"), None);
+        assert_eq!(index_of("web", "web-x"), None);
+    }
+
+    #[test]
+    fn what_a_pool_cannot_be_is_refused_by_name() {
+        assert!(pool(2, "autohealing: {},")
+            .replicas()
+            .unwrap_err()
+            .contains("spec.autohealing"));
+        assert!(pool(-1, "")
+            .replicas()
+            .unwrap_err()
+            .contains("spec.replicas"));
+        assert!(pool(5000, "").replicas().is_err());
+        let mut p = pool(1, "");
+        p.spec.selector =
+            serde_json::from_value(serde_json::json!({"matchLabels": {"app": "db"}})).unwrap();
+        assert!(p.replicas().unwrap_err().contains("does not match"));
+        assert!(Pool::from_value(
+            serde_json::json!({"apiVersion": "pool.kubevirt.io/v9", "kind": "VirtualMachinePool"})
+        )
+        .is_err());
+    }
+}
