@@ -372,3 +372,32 @@ impl VmPaths {
         path.starts_with(&self.state_dir) || path.starts_with(&self.runtime_dir)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_kubernetes_name_fits_the_sockets() {
+        let layout = HostLayout::default();
+        for (ns, name) in [
+            ("n".repeat(63), "v".repeat(63)),
+            ("n".repeat(63), "v".repeat(253)),
+            (
+                "default".to_owned(),
+                "a-vm-whose-name-is-long-enough-to-matter".to_owned(),
+            ),
+        ] {
+            let key = VmKey::new(&ns, &name).unwrap();
+            let longest = layout.vm(&key).longest_socket_path(&key.domain_name());
+            assert!(longest <= MAX_SOCKET_PATH, "{key}: {longest}");
+        }
+        // The longest id that is its domain name still fits exactly.
+        let key = VmKey::new("default", &"v".repeat(crate::core::key::MAX_ID_LEN - 8)).unwrap();
+        assert_eq!(key.id(), key.domain_name());
+        assert_eq!(
+            layout.vm(&key).longest_socket_path(&key.domain_name()),
+            MAX_SOCKET_PATH
+        );
+    }
+}

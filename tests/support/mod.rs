@@ -18,6 +18,14 @@ pub const BOOT: Duration = Duration::from_secs(90);
 /// Every test VMI: boots the copy of a guest disk named after it.
 /// `labels` is a flow-map body, `spec_extra` lines at spec level (two
 /// spaces in), `devices_extra` lines under `devices` (six spaces in).
+/// The id of the VM `default/<vm>`: its unit's, directories' and status
+/// file's name.
+pub fn id_of(vm: &str) -> String {
+    kvirt::core::key::VmKey::new("default", vm)
+        .map(|k| k.id())
+        .unwrap_or_else(|_| format!("default_{vm}"))
+}
+
 pub fn vmi_manifest(name: &str, labels: &str, spec_extra: &str, devices_extra: &str) -> String {
     format!(
         "apiVersion: kubevirt.io/v1
@@ -230,7 +238,8 @@ impl Host {
     }
 
     fn try_status(&self, vm: &str) -> Result<serde_json::Value, String> {
-        let path = format!("/proc/{}/root/run/kvirt/status/default_{vm}.json", self.pid);
+        let id = id_of(vm);
+        let path = format!("/proc/{}/root/run/kvirt/status/{id}.json", self.pid);
         let text = std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
         serde_json::from_str(&text).map_err(|e| format!("{path}: {e}"))
     }
@@ -311,7 +320,10 @@ impl Host {
         self.wait(
             &format!("{marker} in {vm}'s serial log"),
             Duration::from_secs(60),
-            &format!("grep -qF -- '{marker}' /run/kvirt/vms/default_{vm}/console.log"),
+            &format!(
+                "grep -qF -- '{marker}' /run/kvirt/vms/{}/console.log",
+                id_of(vm)
+            ),
         );
     }
 
