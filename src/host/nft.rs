@@ -416,6 +416,13 @@ mod tests {
             )
         }
 
+        /// Whether `to` answers within five echoes: a path that must work
+        /// is given time (a loaded machine may drop the first); one that
+        /// must not is asked once, with [`pings`].
+        fn answers(ns: &TestNetns, to: &str, from: Option<&str>) -> bool {
+            (0..5).any(|_| pings(ns, to, from))
+        }
+
         /// The masquerade path for real: a stand-in host with the VM bridge,
         /// a VM namespace with KubeVirt's bridge, and a guest namespace whose
         /// `guest0` is the other end of `tap0`. Spoofed sources from the
@@ -453,8 +460,11 @@ mod tests {
             assert!(!pings(&vmns, "10.213.0.1", None), "unknown VM passed");
             apply(&vm_source_add(&source), Some(&host.0)).unwrap();
             apply(&vm_source_add(&source), Some(&host.0)).unwrap();
-            assert!(pings(&vmns, "10.213.0.1", None), "the VM's own address");
-            assert!(pings(&guest, "10.213.0.1", None), "the guest, masqueraded");
+            assert!(answers(&vmns, "10.213.0.1", None), "the VM's own address");
+            assert!(
+                answers(&guest, "10.213.0.1", None),
+                "the guest, masqueraded"
+            );
 
             // The guest with another address, or another MAC.
             must(&guest, "ip addr add 10.0.2.77/24 dev guest0");
@@ -466,7 +476,7 @@ mod tests {
             must(&guest, "ip neigh flush all");
             assert!(!pings(&guest, "10.213.0.1", None), "spoofed MAC passed");
             must(&guest, &format!("ip link set guest0 address {mac}"));
-            assert!(pings(&guest, "10.213.0.1", None), "the guest again");
+            assert!(answers(&guest, "10.213.0.1", None), "the guest again");
 
             // The VM's namespace with another address of the subnet.
             must(&vmns, "ip addr add 10.213.0.99/24 dev eth0");
