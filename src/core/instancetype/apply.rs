@@ -2,7 +2,7 @@
 //! `pkg/instancetype/apply`): they are the VM's, so a template that sets
 //! one too conflicts.
 
-use super::{get, is_set, obj_at, quantity_bytes};
+use super::{add_annotations, get, is_set, obj_at, quantity_bytes};
 use serde_json::{json, Value};
 
 /// `VirtualMachineInstancetypeSpec`'s fields.
@@ -116,12 +116,7 @@ pub(super) fn instancetype(
             obj_at(spec, parents).insert((*last).into(), v.clone());
         }
     }
-    if let Some(a) = it.get("annotations").and_then(Value::as_object) {
-        let mine = obj_at(template, &["metadata", "annotations"]);
-        for (k, v) in a {
-            mine.entry(k.clone()).or_insert_with(|| v.clone());
-        }
-    }
+    add_annotations(template, it);
     Ok(())
 }
 

@@ -399,6 +399,17 @@ fn spec_of(rev: &Revision, preference: bool) -> Result<Value, String> {
     Ok(spec)
 }
 
+/// Adds the object's `annotations` the template lacks (a key it has keeps
+/// its value).
+fn add_annotations(template: &mut Value, spec: &Value) {
+    if let Some(a) = spec.get("annotations").and_then(Value::as_object) {
+        let mine = obj_at(template, &["metadata", "annotations"]);
+        for (k, v) in a {
+            mine.entry(k.clone()).or_insert_with(|| v.clone());
+        }
+    }
+}
+
 /// A quantity's bytes, written as a string or a number.
 fn quantity_bytes(v: &Value) -> Option<u64> {
     match v {

@@ -2,7 +2,7 @@
 //! `pkg/instancetype/preference/apply`): each fills what the template
 //! leaves unset; then its requirements are checked.
 
-use super::{get, is_set, obj_at, quantity_bytes};
+use super::{add_annotations, get, is_set, obj_at, quantity_bytes};
 use serde_json::{json, Map, Value};
 
 /// `VirtualMachinePreferenceSpec`'s fields.
@@ -169,12 +169,7 @@ pub(super) fn apply(template: &mut Value, pref: &Value) -> Result<(), String> {
             top.entry(to).or_insert(v);
         }
     }
-    if let Some(a) = pref.get("annotations").and_then(Value::as_object) {
-        let mine = obj_at(template, &["metadata", "annotations"]);
-        for (k, v) in a {
-            mine.entry(k.clone()).or_insert_with(|| v.clone());
-        }
-    }
+    add_annotations(template, pref);
     Ok(())
 }
 

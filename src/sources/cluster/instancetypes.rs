@@ -57,14 +57,7 @@ async fn one(
     let Some(key) = key else { return Ok(None) };
     let ns = vm.metadata.namespace.as_deref().unwrap_or("default");
     let vm_name = vm.metadata.name.clone().unwrap_or_default();
-    let api_err = |op: &'static str| {
-        let vmi = format!("VirtualMachine {ns}/{vm_name}");
-        move |e: kube::Error| ClusterError::Api {
-            vmi,
-            op,
-            source: Box::new(e),
-        }
-    };
+    let api_err = |op| super::api_error(format!("VirtualMachine {ns}/{vm_name}"), op);
     let revisions: Api<ControllerRevision> = Api::namespaced(client.clone(), ns);
     let named = matcher
         .and_then(|m| m.revision_name.clone())

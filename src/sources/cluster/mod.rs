@@ -66,6 +66,18 @@ pub enum ClusterError {
     },
 }
 
+/// Wraps an API error with the object it was about and what was done.
+pub(crate) fn api_error(
+    object: String,
+    op: &'static str,
+) -> impl FnOnce(kube::Error) -> ClusterError {
+    move |e| ClusterError::Api {
+        vmi: object,
+        op,
+        source: Box::new(e),
+    }
+}
+
 impl kube::Resource for VirtualMachineInstance {
     type DynamicType = ();
     type Scope = k8s_openapi::NamespaceResourceScope;

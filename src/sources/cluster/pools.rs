@@ -5,20 +5,20 @@
 //! precondition. A pool holds kvirt's finalizer until its VMs are gone
 //! (not every cluster runs a garbage collector).
 
+use super::vms::{key_of, raced, watch};
 use super::ClusterError;
 use crate::core::key::VmKey;
 use crate::core::pool::{self, Pool};
 use crate::core::vm::VirtualMachine;
-use futures::StreamExt;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions};
 use kube::runtime::reflector::{self, Store};
-use kube::runtime::{watcher, WatchStreamExt};
+use kube::runtime::watcher;
 use serde_json::{json, Value};
 use std::borrow::Cow;
 use std::collections::BTreeSet;
 use std::time::Duration;
-use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
+use tokio::sync::mpsc::unbounded_channel;
 use tracing::{info, warn, Instrument};
 
 pub const POOL_FINALIZER: &str = "kvirt.io/vmpool";
@@ -54,17 +54,7 @@ struct Pools {
 }
 
 fn err(key: &VmKey, op: &'static str) -> impl FnOnce(kube::Error) -> ClusterError {
-    let vmi = format!("VirtualMachinePool {key}");
-    move |e| ClusterError::Api {
-        vmi,
-        op,
-        source: Box::new(e),
-    }
-}
-
-/// 404 and 409: another kvirtd got there first.
-fn raced(e: &kube::Error) -> bool {
-    matches!(e, kube::Error::Api(s) if s.code == 404 || s.code == 409)
+    super::api_error(format!("VirtualMachinePool {key}"), op)
 }
 
 impl Pools {
@@ -225,25 +215,22 @@ fn pool_of(meta: &ObjectMeta) -> Option<VmKey> {
     VmKey::new(meta.namespace.as_deref()?, &o.name).ok()
 }
 
-fn key_of(meta: &ObjectMeta) -> Option<VmKey> {
-    VmKey::new(meta.namespace.as_deref()?, meta.name.as_deref()?).ok()
-}
-
 /// Watches every pool and VirtualMachine and keeps the pools' sizes,
 /// until kvirtd exits.
 pub fn run(client: kube::Client) {
     let (tx, mut rx) = unbounded_channel::<VmKey>();
     let (pool_reader, pool_writer) = reflector::store::<Pool>();
     let (vm_reader, vm_writer) = reflector::store::<VirtualMachine>();
-    feed(
+    watch(
         reflector::reflector(
             pool_writer,
             watcher(Api::<Pool>::all(client.clone()), Default::default()),
         ),
         tx.clone(),
+        "VirtualMachinePools",
         key_of,
     );
-    feed(
+    watch(
         reflector::reflector(
             vm_writer,
             watcher(
@@ -252,6 +239,7 @@ pub fn run(client: kube::Client) {
             ),
         ),
         tx,
+        "VirtualMachines of pools",
         pool_of,
     );
     let this = Pools {
@@ -280,32 +268,6 @@ pub fn run(client: kube::Client) {
                 // What did not settle is looked at again on the next tick.
                 if let Err(e) = this.reconcile(&key).instrument(span).await {
                     warn!("VirtualMachinePool {key}: {e}");
-                }
-            }
-        }
-    });
-}
-
-fn feed<K, S>(stream: S, tx: UnboundedSender<VmKey>, key: fn(&ObjectMeta) -> Option<VmKey>)
-where
-    K: kube::Resource + Send + 'static,
-    S: futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
-{
-    tokio::spawn(async move {
-        let stream = stream.default_backoff();
-        let mut stream = std::pin::pin!(stream);
-        while let Some(event) = stream.next().await {
-            let k = match event {
-                Ok(watcher::Event::Apply(o) | watcher::Event::Delete(o)) => key(o.meta()),
-                Ok(_) => None,
-                Err(e) => {
-                    warn!("watching for VirtualMachinePools: {e}");
-                    None
-                }
-            };
-            if let Some(k) = k {
-                if tx.send(k).is_err() {
-                    return;
                 }
             }
         }

@@ -56,16 +56,11 @@ impl kube::Resource for VirtualMachine {
 }
 
 fn err(key: &VmKey, op: &'static str) -> impl FnOnce(kube::Error) -> ClusterError {
-    let vmi = format!("VirtualMachine {key}");
-    move |e| ClusterError::Api {
-        vmi,
-        op,
-        source: Box::new(e),
-    }
+    super::api_error(format!("VirtualMachine {key}"), op)
 }
 
 /// 404 and 409: someone else got there first; nothing to do.
-fn raced(e: &kube::Error) -> bool {
+pub(super) fn raced(e: &kube::Error) -> bool {
     matches!(e, kube::Error::Api(s) if s.code == 404 || s.code == 409)
 }
 
@@ -355,7 +350,7 @@ async fn request_once(
     })
 }
 
-fn key_of(meta: &ObjectMeta) -> Option<VmKey> {
+pub(super) fn key_of(meta: &ObjectMeta) -> Option<VmKey> {
     VmKey::new(meta.namespace.as_deref()?, meta.name.as_deref()?).ok()
 }
 
@@ -376,6 +371,7 @@ pub fn run(client: kube::Client) {
         ),
         tx.clone(),
         "VirtualMachines",
+        key_of,
     );
     watch(
         reflector::reflector(
@@ -387,6 +383,7 @@ pub fn run(client: kube::Client) {
         ),
         tx,
         "VirtualMachineInstances",
+        key_of,
     );
     let this = Vms {
         client,
@@ -445,9 +442,13 @@ pub fn run(client: kube::Client) {
     });
 }
 
-/// Feeds a reflector's changes to the loop as the keys they touch.
-fn watch<K, S>(stream: S, tx: UnboundedSender<VmKey>, what: &'static str)
-where
+/// Feeds a reflector's changes to the loop as the keys `key` gives them.
+pub(super) fn watch<K, S>(
+    stream: S,
+    tx: UnboundedSender<VmKey>,
+    what: &'static str,
+    key: fn(&ObjectMeta) -> Option<VmKey>,
+) where
     K: kube::Resource + Send + 'static,
     S: futures::Stream<Item = Result<watcher::Event<K>, watcher::Error>> + Send + 'static,
 {
@@ -457,7 +458,7 @@ where
         while let Some(event) = stream.next().await {
             let keys: Vec<VmKey> = match event {
                 Ok(watcher::Event::Apply(o) | watcher::Event::Delete(o)) => {
-                    key_of(o.meta()).into_iter().collect()
+                    key(o.meta()).into_iter().collect()
                 }
                 Ok(_) => vec![],
                 Err(e) => {
