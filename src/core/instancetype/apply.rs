@@ -2,7 +2,7 @@
 //! `pkg/instancetype/apply`): they are the VM's, so a template that sets
 //! one too conflicts.
 
-use super::{add_annotations, get, is_set, obj_at, quantity_bytes};
+use super::{add_annotations, check_parts, get, is_set, obj_at, quantity_bytes};
 use serde_json::{json, Value};
 
 /// `VirtualMachineInstancetypeSpec`'s fields.
@@ -61,21 +61,11 @@ pub(super) fn instancetype(
     it: &Value,
     pref: Option<&Value>,
 ) -> Result<(), String> {
-    for (part, known) in [("cpu", CPU_FIELDS), ("memory", MEMORY_FIELDS)] {
-        for k in it
-            .get(part)
-            .and_then(Value::as_object)
-            .into_iter()
-            .flatten()
-            .map(|(k, _)| k)
-        {
-            if !known.contains(&k.as_str()) {
-                return Err(format!(
-                    "instancetype spec.{part}.{k} is not supported by kvirt"
-                ));
-            }
-        }
-    }
+    check_parts(
+        it,
+        &[("cpu", CPU_FIELDS), ("memory", MEMORY_FIELDS)],
+        "instancetype",
+    )?;
     let found = conflicts(template, it);
     if !found.is_empty() {
         return Err(format!(

@@ -399,6 +399,22 @@ fn spec_of(rev: &Revision, preference: bool) -> Result<Value, String> {
     Ok(spec)
 }
 
+/// Refuses, by name, a field of `spec.<part>` its kind does not have.
+fn check_parts(spec: &Value, parts: &[(&str, &[&str])], what: &str) -> Result<(), String> {
+    for (part, known) in parts {
+        let fields = spec.get(part).and_then(Value::as_object);
+        if let Some(k) = fields
+            .into_iter()
+            .flatten()
+            .map(|(k, _)| k)
+            .find(|k| !known.contains(&k.as_str()))
+        {
+            return Err(format!("{what} spec.{part}.{k} is not supported by kvirt"));
+        }
+    }
+    Ok(())
+}
+
 /// Adds the object's `annotations` the template lacks (a key it has keeps
 /// its value).
 fn add_annotations(template: &mut Value, spec: &Value) {

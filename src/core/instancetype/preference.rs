@@ -2,7 +2,7 @@
 //! `pkg/instancetype/preference/apply`): each fills what the template
 //! leaves unset; then its requirements are checked.
 
-use super::{add_annotations, get, is_set, obj_at, quantity_bytes};
+use super::{add_annotations, check_parts, get, is_set, obj_at, quantity_bytes};
 use serde_json::{json, Map, Value};
 
 /// `VirtualMachinePreferenceSpec`'s fields.
@@ -123,7 +123,7 @@ const FEATURES: &[(&str, &str)] = &[
 ];
 
 pub(super) fn apply(template: &mut Value, pref: &Value) -> Result<(), String> {
-    check_fields(pref)?;
+    check_parts(pref, PART_FIELDS, "preference")?;
     let p = |path: &[&str]| get(pref, path).cloned();
     let spec = &mut template["spec"];
     devices(spec, pref);
@@ -170,25 +170,6 @@ pub(super) fn apply(template: &mut Value, pref: &Value) -> Result<(), String> {
         }
     }
     add_annotations(template, pref);
-    Ok(())
-}
-
-fn check_fields(pref: &Value) -> Result<(), String> {
-    for (part, known) in PART_FIELDS {
-        for k in pref
-            .get(part)
-            .and_then(Value::as_object)
-            .into_iter()
-            .flatten()
-            .map(|(k, _)| k)
-        {
-            if !known.contains(&k.as_str()) {
-                return Err(format!(
-                    "preference spec.{part}.{k} is not supported by kvirt"
-                ));
-            }
-        }
-    }
     Ok(())
 }
 
