@@ -319,3 +319,81 @@ fn kvirtctl_domxml_takes_every_kind_and_shows_the_defaults() {
     assert!(!ok);
     assert!(err.contains("none of the kinds kvirt runs"), "{err}");
 }
+
+/// The shape of KubeVirt's instancetype examples, in one file: the
+/// instancetype and preference beside the VM expand it; a template that
+/// also sets the guest's memory is refused as KubeVirt's admission refuses
+/// it (its own `vm-cirros-csmall` example does this).
+#[test]
+fn kvirtctl_domxml_expands_a_vms_instancetype_and_preference() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("vm.yaml");
+    let vm = |memory: &str| {
+        format!(
+            "apiVersion: instancetype.kubevirt.io/v1beta1
+kind: VirtualMachineInstancetype
+metadata: {{name: clarge}}
+spec: {{cpu: {{guest: 4}}, memory: {{guest: 2Gi}}}}
+---
+apiVersion: instancetype.kubevirt.io/v1beta1
+kind: VirtualMachinePreference
+metadata: {{name: virtio}}
+spec: {{devices: {{preferredDiskBus: virtio, preferredInterfaceModel: virtio}}}}
+---
+apiVersion: kubevirt.io/v1
+kind: VirtualMachine
+metadata: {{name: vm-clarge}}
+spec:
+  instancetype: {{kind: VirtualMachineInstancetype, name: clarge}}
+  preference: {{kind: VirtualMachinePreference, name: virtio}}
+  runStrategy: Halted
+  template:
+    spec:
+      domain:
+        devices:
+          disks:
+          - {{name: root, disk: {{}}}}
+{memory}      volumes:
+      - {{name: root, emptyDisk: {{capacity: 1Gi}}}}
+"
+        )
+    };
+    std::fs::write(&file, vm("")).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvirtctl"))
+        .args(["--config", "/dev/null", "domxml", "--domain-type", "qemu"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let xml = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        xml.contains(r#"<vcpu placement="static">4</vcpu>"#),
+        "{xml}"
+    );
+    assert!(
+        xml.contains(r#"<topology sockets="4" cores="1" threads="1"/>"#),
+        "{xml}"
+    );
+    assert!(
+        xml.contains(r#"<memory unit="b">2147483648</memory>"#),
+        "{xml}"
+    );
+    assert!(xml.contains(r#"<target dev="vda" bus="virtio"/>"#), "{xml}");
+
+    std::fs::write(&file, vm("        memory: {guest: 128Mi}\n")).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvirtctl"))
+        .args(["--config", "/dev/null", "domxml"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("VM field(s) spec.template.spec.domain.memory.guest conflicts with selected instance type"),
+        "{err}"
+    );
+}
