@@ -515,3 +515,101 @@ async fn a_namespaces_allowance_is_its_quotas_and_its_vmis_claims() {
     );
     server.await.unwrap();
 }
+
+/// A VM naming an instancetype: the object is read once and kept in a
+/// ControllerRevision owned by the VM, named in the status written before
+/// the VMI is made from it; a VM whose status names a revision reads only
+/// the revision, never the (perhaps edited) object.
+#[tokio::test]
+async fn an_instancetype_is_kept_as_a_revision_and_later_read_from_it() {
+    use crate::core::key::VmKey;
+    use crate::core::vm::VirtualMachine;
+    use kube::runtime::{reflector, watcher};
+    let key = VmKey::new("default", "web").unwrap();
+    let vms_of = |client: kube::Client, vm: Value| {
+        let (vm_r, mut vm_w) = reflector::store::<VirtualMachine>();
+        let vm: VirtualMachine = serde_json::from_value(vm).unwrap();
+        vm_w.apply_watcher_event(&watcher::Event::Apply(vm));
+        let (vmi_r, _vmi_w) = reflector::store::<VirtualMachineInstance>();
+        super::vms::Vms {
+            client,
+            vms: vm_r,
+            vmis: vmi_r,
+        }
+    };
+    const OBJECT: &str =
+        "/apis/instancetype.kubevirt.io/v1beta1/virtualmachineclusterinstancetypes/small";
+    const REVISIONS: &str = "/apis/apps/v1/namespaces/default/controllerrevisions";
+    const STATUS: &str = "/apis/kubevirt.io/v1/namespaces/default/virtualmachines/web/status";
+    const VMIS: &str = "/apis/kubevirt.io/v1/namespaces/default/virtualmachineinstances";
+    let small = json!({
+        "apiVersion": "instancetype.kubevirt.io/v1beta1",
+        "kind": "VirtualMachineClusterInstancetype",
+        "metadata": {"name": "small", "uid": "it-u", "generation": 2, "resourceVersion": "3"},
+        "spec": {"cpu": {"guest": 2}, "memory": {"guest": "256Mi"}},
+    });
+    let mut vm = vm_object();
+    vm["spec"]["instancetype"] = json!({"name": "small"});
+
+    let (c, mut api) = client();
+    let first = vms_of(c, vm.clone());
+    let k = key.clone();
+    let task = tokio::spawn(async move { first.reconcile(&k).await });
+    let (method, path, _, _, send) = next(&mut api).await;
+    assert_eq!((method.as_str(), path.as_str()), ("GET", OBJECT));
+    reply(send, 200, small.clone());
+    let (method, path, _, body, send) = next(&mut api).await;
+    assert_eq!((method.as_str(), path.as_str()), ("POST", REVISIONS));
+    let rev = "web-small-v1beta1-it-u-2";
+    assert_eq!(body["metadata"]["name"], rev);
+    assert_eq!(body["metadata"]["ownerReferences"][0]["uid"], "vm-u");
+    assert_eq!(
+        body["metadata"]["labels"]["instancetype.kubevirt.io/object-name"],
+        "small"
+    );
+    assert_eq!(body["data"]["spec"]["cpu"]["guest"], 2);
+    reply(send, 201, body.clone());
+    let (_, path, _, body, send) = next(&mut api).await;
+    assert_eq!(path, STATUS);
+    assert_eq!(
+        body["status"]["instancetypeRef"]["controllerRevisionRef"]["name"],
+        rev
+    );
+    let mut with_ref = vm.clone();
+    with_ref["status"] = body["status"].clone();
+    reply(send, 200, with_ref.clone());
+    let (method, path, _, body, send) = next(&mut api).await;
+    assert_eq!((method.as_str(), path.as_str()), ("POST", VMIS));
+    assert_eq!(body["spec"]["domain"]["cpu"]["sockets"], 2);
+    assert_eq!(body["spec"]["domain"]["memory"]["guest"], "256Mi");
+    let mut made = body.clone();
+    made["metadata"]["uid"] = "vmi-1".into();
+    reply(send, 201, made);
+    task.await.unwrap().unwrap();
+
+    // Later: the status names the revision; only it is read.
+    let (c, mut api) = client();
+    let later = vms_of(c, with_ref);
+    let task = tokio::spawn(async move { later.reconcile(&key).await });
+    let (method, path, _, _, send) = next(&mut api).await;
+    assert_eq!(
+        (method.as_str(), path.as_str()),
+        ("GET", format!("{REVISIONS}/{rev}").as_str())
+    );
+    reply(
+        send,
+        200,
+        json!({"apiVersion": "apps/v1", "kind": "ControllerRevision",
+               "metadata": {"name": rev, "namespace": "default"}, "revision": 0,
+               "data": crate::core::instancetype::Revision::of("web", &small).object}),
+    );
+    let (method, path, _, _, send) = next(&mut api).await;
+    assert_ne!(path, OBJECT, "the object was read again");
+    assert_eq!(method, "PATCH");
+    reply(send, 200, vm_object());
+    let (method, _, _, body, send) = next(&mut api).await;
+    assert_eq!(method, "POST");
+    assert_eq!(body["spec"]["domain"]["cpu"]["sockets"], 2);
+    reply(send, 201, body.clone());
+    task.await.unwrap().unwrap();
+}
