@@ -407,6 +407,7 @@ async fn of_two_kvirtds_deciding_on_a_vm_only_the_one_whose_status_lands_acts() 
             client,
             vms: vm_r,
             vmis: vmi_r,
+            revisions: Default::default(),
         }
     };
     const STATUS: &str = "/apis/kubevirt.io/v1/namespaces/default/virtualmachines/web/status";
@@ -535,6 +536,7 @@ async fn an_instancetype_is_kept_as_a_revision_and_later_read_from_it() {
             client,
             vms: vm_r,
             vmis: vmi_r,
+            revisions: Default::default(),
         }
     };
     const OBJECT: &str =
@@ -589,8 +591,9 @@ async fn an_instancetype_is_kept_as_a_revision_and_later_read_from_it() {
 
     // Later: the status names the revision; only it is read.
     let (c, mut api) = client();
-    let later = vms_of(c, with_ref);
-    let task = tokio::spawn(async move { later.reconcile(&key).await });
+    let later = std::sync::Arc::new(vms_of(c, with_ref));
+    let (l, k) = (later.clone(), key.clone());
+    let task = tokio::spawn(async move { l.reconcile(&k).await });
     let (method, path, _, _, send) = next(&mut api).await;
     assert_eq!(
         (method.as_str(), path.as_str()),
@@ -612,4 +615,10 @@ async fn an_instancetype_is_kept_as_a_revision_and_later_read_from_it() {
     assert_eq!(body["spec"]["domain"]["cpu"]["sockets"], 2);
     reply(send, 201, body.clone());
     task.await.unwrap().unwrap();
+
+    // And once read, a revision is not read again.
+    let task = tokio::spawn(async move { later.reconcile(&key).await });
+    let (_, path, _, _, _send) = next(&mut api).await;
+    assert!(!path.contains("controllerrevisions"), "read again: {path}");
+    task.abort();
 }

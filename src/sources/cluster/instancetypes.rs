@@ -19,17 +19,41 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 use tracing::info;
 
+/// Revisions read or made, by namespace and name: a revision is never
+/// changed once made, so each is read from the API server once.
+#[derive(Debug, Default)]
+pub(super) struct Revisions(std::sync::Mutex<BTreeMap<(String, String), Revision>>);
+
+impl Revisions {
+    fn get(&self, ns: &str, name: &str) -> Option<Revision> {
+        let m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        m.get(&(ns.to_owned(), name.to_owned())).cloned()
+    }
+
+    fn keep(&self, ns: &str, rev: &Revision) {
+        let mut m = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        // Bounded: those of deleted VMs are dropped with the rest now and
+        // then, and read again when needed.
+        if m.len() >= 10_000 {
+            m.clear();
+        }
+        m.insert((ns.to_owned(), rev.name.clone()), rev.clone());
+    }
+}
+
 /// The revisions the VM uses: those it names and still match its
 /// matchers, else ones made now from the objects. An object that does not
 /// exist is left out (the VM's status then names it).
 pub(super) async fn captured(
     client: &kube::Client,
+    known: &Revisions,
     vm: &VirtualMachine,
     wanted: &Wanted,
 ) -> Result<Captured, ClusterError> {
     Ok(Captured {
         instancetype: one(
             client,
+            known,
             vm,
             wanted.instancetype.as_ref(),
             vm.spec.instancetype.as_ref(),
@@ -38,6 +62,7 @@ pub(super) async fn captured(
         .await?,
         preference: one(
             client,
+            known,
             vm,
             wanted.preference.as_ref(),
             vm.spec.preference.as_ref(),
@@ -49,6 +74,7 @@ pub(super) async fn captured(
 
 async fn one(
     client: &kube::Client,
+    known: &Revisions,
     vm: &VirtualMachine,
     key: Option<&ObjectKey>,
     matcher: Option<&Matcher>,
@@ -71,12 +97,16 @@ async fn one(
             })?
         });
     if let Some(name) = named {
+        if let Some(rev) = known.get(ns, &name).filter(|r| r.is_of(key)) {
+            return Ok(Some(rev));
+        }
         let found = revisions
             .get_opt(&name)
             .await
             .map_err(api_err("reading ControllerRevision"))?;
         if let Some(rev) = found.and_then(|cr| revision_of(&name, cr)) {
             if rev.is_of(key) {
+                known.keep(ns, &rev);
                 return Ok(Some(rev));
             }
         }
@@ -109,6 +139,7 @@ async fn one(
     match revisions.create(&PostParams::default(), &cr).await {
         Ok(_) => {
             info!(revision = %rev.name, "VirtualMachine: kept {key} as a ControllerRevision");
+            known.keep(ns, &rev);
             Ok(Some(rev))
         }
         // Another kvirtd made it first: the same name is the same object

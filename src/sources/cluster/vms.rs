@@ -81,6 +81,7 @@ pub(super) struct Vms {
     pub(super) client: kube::Client,
     pub(super) vms: Store<VirtualMachine>,
     pub(super) vmis: Store<VirtualMachineInstance>,
+    pub(super) revisions: super::instancetypes::Revisions,
 }
 
 impl Vms {
@@ -154,7 +155,7 @@ impl Vms {
 
         let captured = match vm.wanted() {
             Ok(w) if w != Default::default() => {
-                super::instancetypes::captured(&self.client, &vm, &w).await?
+                super::instancetypes::captured(&self.client, &self.revisions, &vm, &w).await?
             }
             // A matcher kvirt cannot follow: the status says why.
             _ => Default::default(),
@@ -389,6 +390,7 @@ pub fn run(client: kube::Client) {
         client,
         vms: vm_reader,
         vmis: vmi_reader,
+        revisions: Default::default(),
     };
     tokio::spawn(async move {
         let _ = this.vms.wait_until_ready().await;
