@@ -628,7 +628,16 @@ pub fn status(vm: &VirtualMachine, book: &Book, seen: &Seen, now: i64, deleted: 
     {
         // Both read through the same types, so only a real change differs.
         let spec = |v: &VirtualMachineInstance| serde_json::to_value(&v.spec).ok();
-        let now_spec = instance(vm, 0, &book.captured).ok().and_then(|v| spec(&v));
+        let mut now = instance(vm, 0, &book.captured).ok();
+        // A VMI made before kvirt gave a VM's VMIs KubeVirt's firmware UUID
+        // has none: not a change of the user's.
+        let fw_uuid = |v: &VirtualMachineInstance| {
+            v.spec.domain.firmware.as_ref().and_then(|f| f.uuid.clone())
+        };
+        if let (Some(n), None) = (now.as_mut(), fw_uuid(mine)) {
+            n.spec.domain.firmware = mine.spec.domain.firmware.clone();
+        }
+        let now_spec = now.and_then(|v| spec(&v));
         if now_spec.is_some() && now_spec != spec(mine) {
             conditions.push(condition(
                 "RestartRequired",
@@ -1180,6 +1189,19 @@ mod tests {
             ),
             (json!(1), json!(1))
         );
+        let restart = |st: &Value| {
+            st["conditions"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|c| c["type"] == "RestartRequired")
+        };
+        assert!(!restart(&st));
+        // A VMI made by an older kvirt, without the firmware UUID it now
+        // gives: no restart is asked for.
+        let mut old = book.clone();
+        old.vmi.as_mut().unwrap().spec.domain.firmware = None;
+        assert!(!restart(&status(&v, &old, &running, 0, false)));
         let mut edited = v.clone();
         edited.spec.template.as_mut().unwrap().spec["domain"]["memory"]["guest"] = json!("256Mi");
         settle_identity(&mut edited, &mut book, || unreachable!());
