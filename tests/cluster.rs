@@ -679,6 +679,8 @@ fn the_lease_is_renewed_and_rbac_is_least_privilege() {
     assert!(can("create virtualmachines.kubevirt.io") && can("delete virtualmachines.kubevirt.io"));
     assert!(!can("update virtualmachines.kubevirt.io"));
     assert!(can("watch virtualmachinepools.pool.kubevirt.io"));
+    assert!(can("watch virtualmachineinstancereplicasets.kubevirt.io"));
+    assert!(!can("create virtualmachineinstancereplicasets.kubevirt.io"));
     assert!(!can("create virtualmachinepools.pool.kubevirt.io"));
     // Instancetypes and preferences: read one at a time; kept in
     // ControllerRevisions kvirtd makes and never changes or deletes.
@@ -1260,6 +1262,84 @@ spec:
         "k-pl and its VMs gone",
         Duration::from_secs(90),
         "! kubectl get vmpool k-pl 2>/dev/null && ! kubectl get vm k-pl-0 2>/dev/null && ! kubectl get vmi k-pl-0 2>/dev/null",
+    );
+}
+
+/// A VirtualMachineInstanceReplicaSet through the API server: its VMIs
+/// named `<rs>-<index>`, one that goes replaced, scaled in from the highest
+/// index by `kubectl scale`, and gone with it.
+#[test]
+fn a_replica_set_keeps_its_vmis_through_the_api_server() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = serial();
+    for h in [&a, &b] {
+        h.ok("cp /srv/guest/run.raw /var/lib/kvirt/images/k-rs-base.raw
+              chmod 0644 /var/lib/kvirt/images/k-rs-base.raw");
+    }
+    apply(
+        &a,
+        "apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstanceReplicaSet
+metadata: {name: k-rs, namespace: default}
+spec:
+  replicas: 2
+  selector: {matchLabels: {app: k-rs}}
+  template:
+    metadata: {labels: {app: k-rs}}
+    spec:
+      terminationGracePeriodSeconds: 5
+      nodeSelector: {zone: z1}
+      domain: {memory: {guest: 96Mi}}
+      volumes:
+      - name: boot
+        ephemeral: {hostDisk: {path: /var/lib/kvirt/images/k-rs-base.raw, type: Disk}}
+",
+    );
+    for vmi in ["k-rs-0", "k-rs-1"] {
+        wait_vmi(
+            &a,
+            vmi,
+            ".status.phase",
+            "Running",
+            Duration::from_secs(150),
+        );
+    }
+    assert_eq!(
+        kubectl(
+            &a,
+            "get vmi k-rs-1 -o jsonpath='{.metadata.ownerReferences[0].kind}'"
+        ),
+        "VirtualMachineInstanceReplicaSet"
+    );
+    let first = kubectl(&a, "get vmi k-rs-1 -o jsonpath='{.metadata.uid}'");
+    kubectl(&a, "delete vmi k-rs-1 --wait=false");
+    a.wait(
+        "k-rs-1 replaced",
+        Duration::from_secs(150),
+        &format!(
+            "[ \"$(kubectl get vmi k-rs-1 -o jsonpath='{{.status.phase}}')\" = Running ] && [ \"$(kubectl get vmi k-rs-1 -o jsonpath='{{.metadata.uid}}')\" != {first} ]"
+        ),
+    );
+    a.wait(
+        "replica set status 2 ready",
+        WAIT,
+        "[ \"$(kubectl get vmirs k-rs -o jsonpath='{.status.readyReplicas}')\" = 2 ]",
+    );
+    kubectl(&a, "scale vmirs k-rs --replicas=1");
+    a.wait(
+        "k-rs-1 gone",
+        Duration::from_secs(90),
+        "! kubectl get vmi k-rs-1 2>/dev/null",
+    );
+    assert_eq!(
+        kubectl(&a, "get vmi k-rs-0 -o jsonpath='{.status.phase}'"),
+        "Running"
+    );
+    kubectl(&a, "delete vmirs k-rs --wait=false");
+    a.wait(
+        "k-rs and its VMIs gone",
+        Duration::from_secs(90),
+        "! kubectl get vmirs k-rs 2>/dev/null && ! kubectl get vmi k-rs-0 2>/dev/null",
     );
 }
 

@@ -102,7 +102,8 @@ kvirt_k8s_cluster() {
     -f /etc/kvirt/manifests/rbac-default.yaml >&2 || return
   th_k8s_kubectl "$a" wait --for=condition=Established --timeout=60s crd/virtualmachineinstances.kubevirt.io \
     crd/virtualmachines.kubevirt.io crd/virtualmachineclusterinstancetypes.instancetype.kubevirt.io \
-    crd/virtualmachinepreferences.instancetype.kubevirt.io crd/virtualmachinepools.pool.kubevirt.io >&2 || return
+    crd/virtualmachinepreferences.instancetype.kubevirt.io crd/virtualmachinepools.pool.kubevirt.io \
+    crd/virtualmachineinstancereplicasets.kubevirt.io >&2 || return
   pb=$(TH_NETNS_OF=$a TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud $k8s" th_boot "$b") || return
   # nspawn mounts /proc/sys/net read-only in a container without a network
   # of its own; kvirtd sets forwarding inside each VM's namespace through it.

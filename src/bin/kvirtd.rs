@@ -513,7 +513,7 @@ async fn run(config: Config) -> Result<()> {
             let initial = cluster::source::snapshot(&store);
             if k.virtual_machines {
                 cluster::vms::run(client.clone());
-                cluster::pools::run(client.clone());
+                cluster::replicas::run(client.clone());
             }
             tokio::spawn(cluster::lease::heartbeat(
                 client.clone(),

@@ -12,9 +12,9 @@ use crate::core::vm::{self, VirtualMachine};
 use crate::core::vmi::{self, VirtualMachineInstance};
 use serde_json::{json, Value};
 
-pub const POOL_API_VERSION: &str = "pool.kubevirt.io/v1alpha1";
-pub const POOL_KIND: &str = "VirtualMachinePool";
-pub const REPLICA_SET_KIND: &str = "VirtualMachineInstanceReplicaSet";
+use crate::core::pool::{KIND as POOL_KIND, REPLICA_SET_KIND};
+
+const POOL_API_VERSION: &str = "pool.kubevirt.io/v1alpha1";
 
 /// The VMI the object makes first: the pool's VM of index 0, the replica
 /// set's first replica (its name as `kvirtctl` shows it: KubeVirt's are

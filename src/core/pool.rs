@@ -68,44 +68,18 @@ impl Pool {
         Ok(p)
     }
 
-    fn name(&self) -> &str {
-        self.metadata.name.as_deref().unwrap_or("")
-    }
-
     /// How many VMs it wants, or why it cannot be followed. Fields kvirt
     /// does not implement are refused by name, never dropped.
     pub fn replicas(&self) -> Result<u32, String> {
-        if self.name().is_empty() {
-            return Err("metadata.name is missing".into());
-        }
-        if let Some(k) = self.spec.extra.keys().next() {
-            return Err(format!("spec.{k} is not supported by kvirt"));
-        }
-        let t = self
-            .spec
-            .virtual_machine_template
-            .as_ref()
-            .ok_or("spec.virtualMachineTemplate is missing")?;
-        let labels = t
-            .metadata
-            .as_ref()
-            .and_then(|m| m.labels.clone())
-            .unwrap_or_default();
-        let selector = self
-            .spec
-            .selector
-            .as_ref()
-            .ok_or("spec.selector is missing")?;
-        if !scheduling::label_selector_matches(selector, &labels) {
-            return Err(
-                "spec.selector does not match the labels of spec.virtualMachineTemplate".into(),
-            );
-        }
-        let n = self.spec.replicas.unwrap_or(1);
-        u32::try_from(n)
-            .ok()
-            .filter(|&n| n <= MAX_REPLICAS)
-            .ok_or_else(|| format!("spec.replicas: {n} is not 0 to {MAX_REPLICAS}"))
+        let t = self.spec.virtual_machine_template.as_ref();
+        checked_replicas(
+            &self.metadata,
+            &self.spec.extra,
+            self.spec.selector.as_ref(),
+            t.map(|t| t.metadata.as_ref()),
+            "spec.virtualMachineTemplate",
+            self.spec.replicas,
+        )
     }
 
     /// Its VM of index `i`: the template, named `<pool>-<i>`, owned by the
@@ -116,20 +90,13 @@ impl Pool {
             .virtual_machine_template
             .as_ref()
             .ok_or("spec.virtualMachineTemplate is missing")?;
-        let mut meta = t.metadata.clone().unwrap_or_default();
-        meta.name = Some(format!("{}-{i}", self.name()));
-        meta.namespace = self.metadata.namespace.clone();
-        meta.uid = None;
-        meta.owner_references = self.metadata.uid.as_ref().map(|uid| {
-            vec![OwnerReference {
-                api_version: self.api_version.clone(),
-                kind: KIND.into(),
-                name: self.name().to_owned(),
-                uid: uid.clone(),
-                controller: Some(true),
-                block_owner_deletion: Some(true),
-            }]
-        });
+        let meta = member_meta(
+            &self.metadata,
+            &self.api_version,
+            KIND,
+            t.metadata.as_ref(),
+            i,
+        );
         let doc = serde_json::json!({
             "apiVersion": crate::core::vmi::API_VERSION,
             "kind": vm::KIND,
@@ -140,6 +107,65 @@ impl Pool {
     }
 }
 
+/// The count a pool or replica set wants, checked as KubeVirt's webhooks
+/// check it: a name, no field kvirt lacks, a template whose labels the
+/// selector matches, a bounded count (default 1).
+pub(crate) fn checked_replicas(
+    meta: &ObjectMeta,
+    extra: &Map<String, Value>,
+    selector: Option<&LabelSelector>,
+    template: Option<Option<&ObjectMeta>>,
+    template_field: &str,
+    replicas: Option<i64>,
+) -> Result<u32, String> {
+    if meta.name.as_deref().unwrap_or("").is_empty() {
+        return Err("metadata.name is missing".into());
+    }
+    if let Some(k) = extra.keys().next() {
+        return Err(format!("spec.{k} is not supported by kvirt"));
+    }
+    let t = template.ok_or_else(|| format!("{template_field} is missing"))?;
+    let labels = t.and_then(|m| m.labels.clone()).unwrap_or_default();
+    let selector = selector.ok_or("spec.selector is missing")?;
+    if !scheduling::label_selector_matches(selector, &labels) {
+        return Err(format!(
+            "spec.selector does not match the labels of {template_field}"
+        ));
+    }
+    let n = replicas.unwrap_or(1);
+    u32::try_from(n)
+        .ok()
+        .filter(|&n| n <= MAX_REPLICAS)
+        .ok_or_else(|| format!("spec.replicas: {n} is not 0 to {MAX_REPLICAS}"))
+}
+
+/// A member's metadata: the template's, named `<owner>-<i>` in the
+/// owner's namespace, controlled by the owner.
+pub(crate) fn member_meta(
+    owner: &ObjectMeta,
+    api_version: &str,
+    kind: &str,
+    template: Option<&ObjectMeta>,
+    i: u32,
+) -> ObjectMeta {
+    let name = owner.name.as_deref().unwrap_or("");
+    let mut meta = template.cloned().unwrap_or_default();
+    meta.name = Some(format!("{name}-{i}"));
+    meta.namespace = owner.namespace.clone();
+    meta.uid = None;
+    meta.owner_references = owner.uid.as_ref().map(|uid| {
+        vec![OwnerReference {
+            api_version: api_version.into(),
+            kind: kind.into(),
+            name: name.to_owned(),
+            uid: uid.clone(),
+            controller: Some(true),
+            block_owner_deletion: Some(true),
+        }]
+    });
+    meta
+}
+
 /// The index of a member's name, `<pool>-<index>`.
 pub fn index_of(pool: &str, vm: &str) -> Option<u32> {
     let rest = vm.strip_prefix(pool)?.strip_prefix('-')?;
@@ -148,17 +174,18 @@ pub fn index_of(pool: &str, vm: &str) -> Option<u32> {
         .flatten()
 }
 
-/// What brings `have` (the indexes of the pool's VMs) to `want` VMs: the
-/// lowest free indexes to create, or the highest to remove.
-pub fn scale(have: &BTreeSet<u32>, want: u32) -> (Vec<u32>, Vec<u32>) {
-    let n = have.len() as u32;
+/// What brings the `active` members (by index) to `want`: the lowest
+/// indexes no member holds (`taken` counts those going too) to create, or
+/// the highest active ones to remove.
+pub fn scale(active: &BTreeSet<u32>, taken: &BTreeSet<u32>, want: u32) -> (Vec<u32>, Vec<u32>) {
+    let n = active.len() as u32;
     if n < want {
         let create = (0..)
-            .filter(|i| !have.contains(i))
+            .filter(|i| !taken.contains(i))
             .take((want - n) as usize);
         (create.collect(), Vec::new())
     } else {
-        let remove = have.iter().rev().take((n - want) as usize).copied();
+        let remove = active.iter().rev().take((n - want) as usize).copied();
         (Vec::new(), remove.collect())
     }
 }
@@ -209,9 +236,12 @@ mod tests {
     #[test]
     fn scaling_fills_the_lowest_gaps_and_removes_the_highest_first() {
         let have: BTreeSet<u32> = [0, 2, 5].into();
-        assert_eq!(scale(&have, 5), (vec![1, 3], vec![]));
-        assert_eq!(scale(&have, 1), (vec![], vec![5, 2]));
-        assert_eq!(scale(&have, 3), (vec![], vec![]));
+        assert_eq!(scale(&have, &have, 5), (vec![1, 3], vec![]));
+        assert_eq!(scale(&have, &have, 1), (vec![], vec![5, 2]));
+        assert_eq!(scale(&have, &have, 3), (vec![], vec![]));
+        // A member going (or ended) keeps its name until gone.
+        let taken: BTreeSet<u32> = [0, 1, 2, 5].into();
+        assert_eq!(scale(&have, &taken, 5), (vec![3, 4], vec![]));
         assert_eq!(index_of("web", "web-12"), Some(12));
         assert_eq!(index_of("web", "web-01"), None);
         assert_eq!(index_of("web", "webby-1"), None);
@@ -237,5 +267,104 @@ mod tests {
             serde_json::json!({"apiVersion": "pool.kubevirt.io/v9", "kind": "VirtualMachinePool"})
         )
         .is_err());
+    }
+}
+
+/// `VirtualMachineInstanceReplicaSet` (`kubevirt.io/v1`): `replicas` VMIs
+/// from its `template`; an ended one is replaced. KubeVirt names them
+/// with a random suffix (`generateName`); kvirt names them `<rs>-<index>`
+/// as a pool's, so that kvirtds racing to make one make it once.
+pub const REPLICA_SET_KIND: &str = "VirtualMachineInstanceReplicaSet";
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ReplicaSet {
+    pub api_version: String,
+    pub kind: String,
+    #[serde(default)]
+    pub metadata: ObjectMeta,
+    #[serde(default)]
+    pub spec: ReplicaSetSpec,
+    #[serde(default, skip_serializing_if = "Value::is_null")]
+    pub status: Value,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ReplicaSetSpec {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub replicas: Option<i64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub selector: Option<LabelSelector>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub template: Option<VmTemplate>,
+    #[serde(default)]
+    pub paused: bool,
+    #[serde(flatten)]
+    pub extra: Map<String, Value>,
+}
+
+impl ReplicaSet {
+    pub fn replicas(&self) -> Result<u32, String> {
+        let t = self.spec.template.as_ref();
+        checked_replicas(
+            &self.metadata,
+            &self.spec.extra,
+            self.spec.selector.as_ref(),
+            t.map(|t| t.metadata.as_ref()),
+            "spec.template",
+            self.spec.replicas,
+        )
+    }
+
+    /// Its VMI of index `i`.
+    pub fn member(&self, i: u32) -> Result<crate::core::vmi::VirtualMachineInstance, String> {
+        let t = self
+            .spec
+            .template
+            .as_ref()
+            .ok_or("spec.template is missing")?;
+        let meta = member_meta(
+            &self.metadata,
+            crate::core::vmi::API_VERSION,
+            REPLICA_SET_KIND,
+            t.metadata.as_ref(),
+            i,
+        );
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": crate::core::vmi::API_VERSION,
+            "kind": crate::core::vmi::KIND,
+            "metadata": meta,
+            "spec": t.spec,
+        }))
+        .map_err(|e| format!("spec.template: {e}"))
+    }
+}
+
+#[cfg(test)]
+mod replica_set_tests {
+    use super::*;
+
+    #[test]
+    fn a_replica_sets_vmis_are_its_template_named_by_index() {
+        let rs: ReplicaSet = serde_json::from_value(serde_json::json!({
+            "apiVersion": "kubevirt.io/v1", "kind": REPLICA_SET_KIND,
+            "metadata": {"name": "r", "namespace": "ns", "uid": "rs-u"},
+            "spec": {"replicas": 2, "selector": {"matchLabels": {"k": "v"}},
+                     "template": {"metadata": {"labels": {"k": "v"}},
+                                  "spec": {"domain": {"memory": {"guest": "64Mi"}}}}},
+        }))
+        .unwrap();
+        assert_eq!(rs.replicas(), Ok(2));
+        let v = rs.member(1).unwrap();
+        assert_eq!(v.metadata.name.as_deref(), Some("r-1"));
+        let o = &v.metadata.owner_references.unwrap()[0];
+        assert_eq!(
+            (o.kind.as_str(), o.uid.as_str()),
+            (REPLICA_SET_KIND, "rs-u")
+        );
+        let mut bad = rs.clone();
+        bad.spec.template = None;
+        assert_eq!(bad.replicas().unwrap_err(), "spec.template is missing");
     }
 }

@@ -448,6 +448,12 @@ fn read_manifest(path: &Path) -> Result<Vec<Object>, SourceError> {
                 vm.status = serde_json::Value::Null;
                 return Ok(Object::Vm(Box::new(vm)));
             }
+            if kind == crate::core::pool::REPLICA_SET_KIND {
+                return Err(bad(format!(
+                    "a {kind} runs in a cluster only (its ended VMIs are replaced there); \
+                     standalone, use a VirtualMachinePool of VMs with runStrategy Always"
+                )));
+            }
             if kind != "VirtualMachineInstance" {
                 return Err(bad(format!(
                     "kind {kind:?} is none of VirtualMachineInstance, VirtualMachine, \

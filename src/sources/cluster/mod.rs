@@ -7,7 +7,7 @@ pub mod claims;
 pub mod events;
 mod instancetypes;
 pub mod lease;
-pub mod pools;
+pub mod replicas;
 pub mod source;
 pub mod status;
 pub mod vms;
