@@ -821,6 +821,17 @@ mod tests {
             "{:?}",
             s.errors
         );
+        // A replica set has no standalone form: said, with what to use.
+        std::fs::write(
+            tmp.path().join("pool.yaml"),
+            "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstanceReplicaSet\nmetadata: {name: r}\n",
+        )
+        .unwrap();
+        let e = scan_dir(tmp.path()).errors[0].to_string();
+        assert!(
+            e.contains("runs in a cluster only") && e.contains("VirtualMachinePool"),
+            "{e}"
+        );
     }
 
     #[test]
