@@ -39,6 +39,16 @@ fn disk(hosts: &[&Host], name: &str, kind: &str) {
     }
 }
 
+/// A guest disk every VM may read, as the base of ephemeral overlays.
+fn base_image(hosts: &[&Host], name: &str) {
+    for h in hosts {
+        h.ok(&format!(
+            "cp /srv/guest/run.raw /var/lib/kvirt/images/{name}.raw
+             chmod 0644 /var/lib/kvirt/images/{name}.raw"
+        ));
+    }
+}
+
 fn wait_vmi(h: &Host, name: &str, jsonpath: &str, value: &str, timeout: Duration) {
     h.wait(
         &format!("vmi/{name} {jsonpath}={value}"),
@@ -1205,10 +1215,7 @@ spec:
 fn a_pool_scales_through_the_api_server() {
     let Some((a, b)) = hosts() else { return };
     let _g = serial();
-    for h in [&a, &b] {
-        h.ok("cp /srv/guest/run.raw /var/lib/kvirt/images/k-pool-base.raw
-              chmod 0644 /var/lib/kvirt/images/k-pool-base.raw");
-    }
+    base_image(&[&a, &b], "k-pool-base");
     apply(
         &a,
         "apiVersion: pool.kubevirt.io/v1alpha1
@@ -1272,10 +1279,7 @@ spec:
 fn a_replica_set_keeps_its_vmis_through_the_api_server() {
     let Some((a, b)) = hosts() else { return };
     let _g = serial();
-    for h in [&a, &b] {
-        h.ok("cp /srv/guest/run.raw /var/lib/kvirt/images/k-rs-base.raw
-              chmod 0644 /var/lib/kvirt/images/k-rs-base.raw");
-    }
+    base_image(&[&a, &b], "k-rs-base");
     apply(
         &a,
         "apiVersion: kubevirt.io/v1

@@ -389,27 +389,30 @@ fn vm_object() -> Value {
     })
 }
 
+/// A VM loop that knows `vm` (and no VMI).
+fn vms_with(client: kube::Client, vm: Value) -> super::vms::Vms {
+    use crate::core::vm::VirtualMachine;
+    use kube::runtime::{reflector, watcher};
+    let (vm_r, mut vm_w) = reflector::store::<VirtualMachine>();
+    let vm: VirtualMachine = serde_json::from_value(vm).unwrap();
+    vm_w.apply_watcher_event(&watcher::Event::Apply(vm));
+    let (vmi_r, _vmi_w) = reflector::store::<VirtualMachineInstance>();
+    super::vms::Vms {
+        client,
+        vms: vm_r,
+        vmis: vmi_r,
+        revisions: Default::default(),
+    }
+}
+
 /// Two kvirtds see the same VM without a VMI. Each writes its decision to
 /// the VM's status first, guarded by the resourceVersion it decided on:
 /// the one refused (409) makes nothing; the other makes the one VMI.
 #[tokio::test]
 async fn of_two_kvirtds_deciding_on_a_vm_only_the_one_whose_status_lands_acts() {
     use crate::core::key::VmKey;
-    use crate::core::vm::VirtualMachine;
-    use kube::runtime::{reflector, watcher};
     let key = VmKey::new("default", "web").unwrap();
-    let vms_of = |client: kube::Client| {
-        let (vm_r, mut vm_w) = reflector::store::<VirtualMachine>();
-        let vm: VirtualMachine = serde_json::from_value(vm_object()).unwrap();
-        vm_w.apply_watcher_event(&watcher::Event::Apply(vm));
-        let (vmi_r, _vmi_w) = reflector::store::<VirtualMachineInstance>();
-        super::vms::Vms {
-            client,
-            vms: vm_r,
-            vmis: vmi_r,
-            revisions: Default::default(),
-        }
-    };
+    let vms_of = |client: kube::Client| vms_with(client, vm_object());
     const STATUS: &str = "/apis/kubevirt.io/v1/namespaces/default/virtualmachines/web/status";
     const VMIS: &str = "/apis/kubevirt.io/v1/namespaces/default/virtualmachineinstances";
 
@@ -524,21 +527,8 @@ async fn a_namespaces_allowance_is_its_quotas_and_its_vmis_claims() {
 #[tokio::test]
 async fn an_instancetype_is_kept_as_a_revision_and_later_read_from_it() {
     use crate::core::key::VmKey;
-    use crate::core::vm::VirtualMachine;
-    use kube::runtime::{reflector, watcher};
     let key = VmKey::new("default", "web").unwrap();
-    let vms_of = |client: kube::Client, vm: Value| {
-        let (vm_r, mut vm_w) = reflector::store::<VirtualMachine>();
-        let vm: VirtualMachine = serde_json::from_value(vm).unwrap();
-        vm_w.apply_watcher_event(&watcher::Event::Apply(vm));
-        let (vmi_r, _vmi_w) = reflector::store::<VirtualMachineInstance>();
-        super::vms::Vms {
-            client,
-            vms: vm_r,
-            vmis: vmi_r,
-            revisions: Default::default(),
-        }
-    };
+
     const OBJECT: &str =
         "/apis/instancetype.kubevirt.io/v1beta1/virtualmachineclusterinstancetypes/small";
     const REVISIONS: &str = "/apis/apps/v1/namespaces/default/controllerrevisions";
@@ -554,7 +544,7 @@ async fn an_instancetype_is_kept_as_a_revision_and_later_read_from_it() {
     vm["spec"]["instancetype"] = json!({"name": "small"});
 
     let (c, mut api) = client();
-    let first = vms_of(c, vm.clone());
+    let first = vms_with(c, vm.clone());
     let k = key.clone();
     let task = tokio::spawn(async move { first.reconcile(&k).await });
     let (method, path, _, _, send) = next(&mut api).await;
@@ -591,7 +581,7 @@ async fn an_instancetype_is_kept_as_a_revision_and_later_read_from_it() {
 
     // Later: the status names the revision; only it is read.
     let (c, mut api) = client();
-    let later = std::sync::Arc::new(vms_of(c, with_ref));
+    let later = std::sync::Arc::new(vms_with(c, with_ref));
     let (l, k) = (later.clone(), key.clone());
     let task = tokio::spawn(async move { l.reconcile(&k).await });
     let (method, path, _, _, send) = next(&mut api).await;
