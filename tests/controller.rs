@@ -2,6 +2,7 @@
 //! without root.
 
 use kvirt::core::convert::{DiskPrep, DomainType, HostDiskRoots};
+use kvirt::core::cpuset::CpuSet;
 use kvirt::core::key::VmKey;
 use kvirt::core::layout::{DaemonKind, HostLayout};
 use kvirt::core::objects::ObjectRef;
@@ -11,6 +12,7 @@ use kvirt::core::unit::Prop;
 use kvirt::core::vmi::{Phase, VirtualMachineInstance};
 use kvirt::daemon::controller::{Controller, Settings, VmiView};
 use kvirt::daemon::fake::FakeHost;
+use kvirt::host::cpus::DedicatedCpus;
 use kvirt::host::storage::Owner;
 use kvirt::sources::EventReason;
 use std::collections::BTreeMap;
@@ -1981,4 +1983,134 @@ async fn a_claim_configured_away_never_stops_the_vm_that_uses_it() {
     );
     restarted.reconcile("default_vm2").await.unwrap();
     assert_eq!(phase(&host, "vm2"), Some(Phase::Failed));
+}
+
+/// What a unit was started with as `AllowedCPUs`, as a CPU list.
+fn unit_cpus(host: &FakeHost, id: &str) -> Option<String> {
+    let s = host.state();
+    let spec = s.unit_specs.get(&format!("kvirt-vm@{id}.service"))?;
+    spec.properties.iter().find_map(|p| match p {
+        Prop::Bytes("AllowedCPUs", mask) => Some(CpuSet::from_mask(mask).to_string()),
+        _ => None,
+    })
+}
+
+fn dedicated(name: &str, uid: &str, cores: u32) -> VirtualMachineInstance {
+    let mut v = vmi(name, uid, "");
+    v.spec.domain.cpu = Some(
+        serde_json::from_value(serde_json::json!({"cores": cores, "dedicatedCpuPlacement": true}))
+            .unwrap(),
+    );
+    v
+}
+
+#[tokio::test]
+async fn dedicated_cpus_are_held_alone_refused_with_the_numbers_and_kept_across_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("dedicated-cpus.json");
+    let (pool, online): (CpuSet, CpuSet) = ("1-3".parse().unwrap(), "0-3".parse().unwrap());
+    let open = || Arc::new(DedicatedCpus::open(&file, pool.clone(), online.clone()).unwrap());
+    let host = FakeHost::default();
+    host.state().cpus = Some(open());
+    let (_ctl, tx, task) = running_loop(&host);
+    let (a, b, s) = (
+        dedicated("a", "ua", 2),
+        dedicated("b", "ub", 1),
+        vmi("s", "us", ""),
+    );
+    tx.send(Trigger::Vmis(set(&[a.clone(), b.clone(), s.clone()])))
+        .unwrap();
+    let running = |n: &str| phase(&host, n) == Some(Phase::Running);
+    wait_for(|| running("a") && running("b") && running("s")).await;
+    // Disjoint, and the VM without dedicated CPUs on what is left.
+    let (ca, cb) = (
+        unit_cpus(&host, "default_a").unwrap(),
+        unit_cpus(&host, "default_b").unwrap(),
+    );
+    let (ca, cb): (CpuSet, CpuSet) = (ca.parse().unwrap(), cb.parse().unwrap());
+    assert_eq!((ca.len(), cb.len()), (2, 1));
+    assert!(ca.is_disjoint(&cb) && pool.minus(&ca).minus(&cb).is_empty());
+    let calls = host.take_calls();
+    assert!(
+        calls.contains(&"cpus kvirt-vm@default_s.service 0".to_string()),
+        "{calls:?}"
+    );
+
+    // None left: the next one waits, with the numbers, nothing made.
+    let c = dedicated("c", "uc", 1);
+    let all = [a.clone(), b.clone(), s.clone(), c.clone()];
+    tx.send(Trigger::Vmis(set(&all))).unwrap();
+    let waits = || {
+        host.state()
+            .events
+            .iter()
+            .any(|e| e.1 == EventReason::FailedScheduling)
+    };
+    wait_for(waits).await;
+    let st = host.state().statuses[&VmKey::new("default", "c").unwrap()].clone();
+    assert_ne!(st.status.phase, Some(Phase::Failed));
+    let ready = st
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .unwrap();
+    let why = ready.message.clone().unwrap_or_default();
+    assert!(
+        why.contains(
+            "needs 1 dedicated CPUs, but only 0 of this host's 3 dedicated CPUs (1-3) are free"
+        ),
+        "{why}"
+    );
+    assert!(!host
+        .take_calls()
+        .iter()
+        .any(|c| c.contains("start kvirt-vm@default_c")));
+
+    // kvirtd restarts: every VM keeps its CPUs, none is touched.
+    drop(tx);
+    task.abort();
+    host.state().cpus = Some(open());
+    let (after, tx, task) = running_loop(&host);
+    after.converge_cpus().await;
+    tx.send(Trigger::Vmis(set(&all))).unwrap();
+    wait_for(|| running("a") && running("b")).await;
+    let held = host.deps().cpus;
+    assert_eq!(
+        (held.held_by("default_a"), held.held_by("default_b")),
+        (Some(ca.clone()), Some(cb))
+    );
+    assert!(!host
+        .take_calls()
+        .iter()
+        .any(|c| c.starts_with("stop") || c.starts_with("define")));
+
+    // a goes: its CPUs are let go, and the waiting VM starts on one of them.
+    tx.send(Trigger::Vmis(set(&[b.clone(), s.clone(), c.clone()])))
+        .unwrap();
+    wait_for(|| running("c")).await;
+    let cc: CpuSet = unit_cpus(&host, "default_c").unwrap().parse().unwrap();
+    assert_eq!(cc.len(), 1);
+    assert!(ca.and(&cc) == cc, "{cc} within {ca}");
+    assert_eq!(held.held_by("default_a"), None);
+    drop(tx);
+    task.abort();
+}
+
+#[tokio::test]
+async fn a_host_that_dedicates_no_cpus_refuses_a_vmi_asking_for_them() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    ctl.set_vmis(set(&[dedicated("d", "ud", 1), vmi("s", "us", "")]))
+        .await;
+    ctl.reconcile("default_d").await.unwrap();
+    ctl.reconcile("default_s").await.unwrap();
+    let why = refused(&host, "default", "d");
+    assert!(
+        why.contains("this host dedicates no CPUs to VMs (vm.dedicated_cpus"),
+        "{why}"
+    );
+    // The others run on any CPU, as before.
+    assert_eq!(phase(&host, "s"), Some(Phase::Running));
+    assert_eq!(unit_cpus(&host, "default_s"), None);
 }

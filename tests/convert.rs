@@ -115,6 +115,9 @@ fn convert_fixture(
     } else {
         configured_claims()
     };
+    // Dedicated CPUs as a host dedicating 4-7 would place them.
+    let placed: Option<kvirt::core::cpuset::CpuSet> =
+        kvirt::core::convert::dedicated_cpus_wanted(&vmi).map(|n| (4..4 + n).collect());
     let ctx = ConvertContext {
         key: &key,
         paths: &paths,
@@ -124,6 +127,7 @@ fn convert_fixture(
         capacity: None,
         limits: kvirt::core::convert::Limits::default(),
         claims: &claims,
+        dedicated_cpus: placed.as_ref(),
     };
     let all = convert_all_errors(&vmi, &ctx);
     // `convert` must agree with `convert_all_errors` and report the first.
@@ -243,6 +247,7 @@ fn error_display_names_the_field() {
             capacity: None,
             limits: kvirt::core::convert::Limits::default(),
             claims: &kvirt::core::convert::NO_CLAIMS,
+            dedicated_cpus: None,
         },
     )
     .unwrap_err();

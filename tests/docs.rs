@@ -541,6 +541,7 @@ fn the_readmes_first_vm_converts() {
         capacity: None,
         limits: kvirt::core::convert::Limits::default(),
         claims: &kvirt::core::convert::NO_CLAIMS,
+        dedicated_cpus: None,
     };
     let c = convert(&vmi, &ctx).unwrap_or_else(|e| panic!("{e}\n{yaml}"));
     assert!(c.network.is_some(), "the pod network by default");

@@ -83,6 +83,7 @@ fn context<'a>(key: &'a VmKey, paths: &'a VmPaths) -> ConvertContext<'a> {
         }),
         limits: kvirt::core::convert::Limits::default(),
         claims: &kvirt::core::convert::NO_CLAIMS,
+        dedicated_cpus: None,
     }
 }
 

@@ -431,6 +431,7 @@ fn the_test_manifests_convert() {
             capacity: None,
             limits: kvirt::core::convert::Limits::default(),
             claims: &kvirt::core::convert::NO_CLAIMS,
+            dedicated_cpus: None,
         };
         let c = convert(&vmi, &ctx).unwrap_or_else(|e| panic!("{e}\n{m}"));
         assert!(c.network.is_some());
@@ -2340,4 +2341,137 @@ fn a_pool_of_three_scales_to_five_and_to_one() {
     h.ok("rm -f /etc/kvirt/vmis.d/pl.yaml");
     h.wait_gone("pl-0");
     h.ok("rm -f /var/lib/kvirt/images/pool-base.raw");
+}
+
+/// `vmi_manifest`'s VMI with `cores` vCPUs, each on a dedicated host CPU.
+fn dedicated_manifest(vm: &str, cores: usize) -> String {
+    support::vmi_manifest(vm, "", "", "").replace(
+        "    memory: {guest: 128Mi}\n",
+        &format!("    memory: {{guest: 128Mi}}\n    cpu: {{cores: {cores}, dedicatedCpuPlacement: true}}\n"),
+    )
+}
+
+/// The CPUs any thread of `vm`'s QEMU may run on.
+fn qemu_cpus(h: &Host, vm: &str) -> String {
+    let pid = h.qemu_pid(vm);
+    let lists = h.ok(&format!(
+        "grep -h Cpus_allowed_list /proc/{pid}/task/*/status | awk '{{print $2}}'"
+    ));
+    let all = lists
+        .lines()
+        .fold(kvirt::core::cpuset::CpuSet::default(), |all, l| {
+            all.union(&l.parse().unwrap())
+        });
+    all.to_string()
+}
+
+#[test]
+fn dedicated_cpus_are_pinned_disjoint_and_kept_across_a_kvirtd_restart() {
+    use kvirt::core::cpuset::CpuSet;
+    let Some(h) = host() else { return };
+    let _g = h.turn();
+    // Every CPU is handed out; dc-a takes all but one.
+    let online = h.ok("taskset -pc $(systemctl show -P MainPID kvirtd) | sed 's/.*: //'");
+    let online: CpuSet = online.parse().unwrap();
+    let n = online.len();
+    assert!(n >= 2, "the test host has fewer than 2 CPUs: {online}");
+    struct Undo<'a>(&'a Host);
+    impl Drop for Undo<'_> {
+        fn drop(&mut self) {
+            self.0.sh(
+                "rm -f /etc/kvirt/vmis.d/dc-*.yaml /etc/kvirt/kvirtd.toml.d/50-test-cpus.toml; \
+                 systemctl restart kvirtd",
+            );
+        }
+    }
+    let _undo = Undo(&h);
+    h.ok(&format!(
+        "mkdir -p /etc/kvirt/kvirtd.toml.d && printf '[vm]\\ndedicated_cpus = \"{online}\"\\n' \
+         > /etc/kvirt/kvirtd.toml.d/50-test-cpus.toml && systemctl restart kvirtd"
+    ));
+    let unit_cpus = |vm: &str| {
+        h.ok(&format!(
+            "systemctl show -P AllowedCPUs kvirt-vm@default_{vm}.service"
+        ))
+    };
+    let waits_saying = |vm: &str, why: &str| {
+        h.wait_until(
+            &format!("{vm} waiting for CPUs"),
+            Duration::from_secs(60),
+            || h.try_status(vm).is_ok_and(|s| s.to_string().contains(why)),
+        );
+        assert_ne!(h.phase(vm).as_deref(), Some("Running"));
+        assert_ne!(h.phase(vm).as_deref(), Some("Failed"));
+        assert!(!h.succeeds(&format!(
+            "systemctl is-active -q kvirt-vm@default_{vm}.service"
+        )));
+    };
+
+    // A VM without dedicated CPUs runs on all of them, until one is held.
+    h.put_manifest("dc-s", "run", &support::vmi_manifest("dc-s", "", "", ""));
+    h.wait_phase("dc-s", "Running", BOOT);
+    assert_eq!(unit_cpus("dc-s"), online.to_string());
+    h.put_manifest("dc-a", "run", &dedicated_manifest("dc-a", n - 1));
+    h.wait_phase("dc-a", "Running", BOOT);
+    let a = unit_cpus("dc-a");
+    let sa: CpuSet = a.parse().unwrap();
+    assert!(sa.len() == n - 1 && sa.and(&online) == sa, "{a}");
+    let rest = online.minus(&sa).to_string();
+    // It is moved off the held CPU at once.
+    assert_eq!(unit_cpus("dc-s"), rest);
+    // The domain pins its vCPU there, and every QEMU thread runs only there.
+    let xml = h.ok(
+        "virsh -c 'qemu:///session?socket=/run/kvirt/vms/default_dc-a/xdg/libvirt/virtqemud-sock' \
+         dumpxml default_dc-a",
+    );
+    let first = sa.iter().next().unwrap();
+    assert!(
+        xml.contains(&format!("<vcpupin vcpu='0' cpuset='{first}'/>")),
+        "{xml}"
+    );
+    assert_eq!(qemu_cpus(&h, "dc-a"), a);
+
+    // The last CPU stays for dc-s: the next dedicated VM waits, saying why.
+    h.put_manifest("dc-b", "run", &dedicated_manifest("dc-b", 1));
+    waits_saying(
+        "dc-b",
+        "the last one stays for the VMs without dedicated CPUs",
+    );
+
+    // kvirtd restarts: dc-a keeps its QEMU and its CPU, dc-b still waits.
+    let pid = h.qemu_pid("dc-a");
+    h.restart_kvirtd();
+    h.wait_phase("dc-a", "Running", BOOT);
+    assert_eq!(h.qemu_pid("dc-a"), pid);
+    assert_eq!(unit_cpus("dc-a"), a);
+    let held = h.ok("cat /run/kvirt/dedicated-cpus.json");
+    assert!(
+        held.contains("default_dc-a") && !held.contains("default_dc-b"),
+        "{held}"
+    );
+    waits_saying("dc-b", "dedicated CPUs");
+
+    // dc-s goes: dc-b starts on the other CPU, disjoint from dc-a's.
+    h.remove_vm_and_wait_gone("dc-s");
+    h.wait_phase("dc-b", "Running", BOOT);
+    assert_eq!(unit_cpus("dc-b"), rest);
+    assert_eq!(qemu_cpus(&h, "dc-b"), rest);
+
+    // None left at all: a third waits, and starts once dc-a lets go.
+    h.put_manifest("dc-c", "run", &dedicated_manifest("dc-c", 1));
+    waits_saying(
+        "dc-c",
+        &format!("needs 1 dedicated CPUs, but only 0 of this host's {n} dedicated CPUs"),
+    );
+    h.remove_vm_and_wait_gone("dc-a");
+    h.wait_phase("dc-c", "Running", BOOT);
+    assert_eq!(unit_cpus("dc-c"), first.to_string());
+    assert_eq!(qemu_cpus(&h, "dc-c"), first.to_string());
+    for vm in ["dc-b", "dc-c"] {
+        h.remove_vm_and_wait_gone(vm);
+    }
+    assert_eq!(
+        h.ok("tr -d ' \\n' < /run/kvirt/dedicated-cpus.json"),
+        "{\"held\":{}}"
+    );
 }

@@ -3,6 +3,7 @@
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
 use kvirt::core::convert::{self, ConvertContext, DomainType};
+use kvirt::core::cpuset::CpuSet;
 use kvirt::core::instancetype::ObjectKey;
 use kvirt::core::key::VmKey;
 use kvirt::core::kinds;
@@ -525,6 +526,18 @@ fn domxml(config: &Config, file: &Path, domain_type: DomainTypeArg, defaulted: b
     let paths = layout.vm(&key);
     let roots = config.host_disk_roots();
     let claims = config.claims().map_err(anyhow::Error::msg)?;
+    // Dedicated CPUs as kvirtd would place them on a host that holds none:
+    // the first of those it dedicates (of all, when it dedicates none).
+    let pool = config.vm.dedicated_cpus().map_err(anyhow::Error::msg)?;
+    let placed: Option<CpuSet> = convert::dedicated_cpus_wanted(&vmi).map(|n| {
+        let all = (0..).take(n as usize).collect();
+        let first: CpuSet = pool.iter().take(n as usize).collect();
+        if first.len() == n as usize {
+            first
+        } else {
+            all
+        }
+    });
     let ctx = ConvertContext {
         key: &key,
         paths: &paths,
@@ -536,6 +549,7 @@ fn domxml(config: &Config, file: &Path, domain_type: DomainTypeArg, defaulted: b
         capacity: None,
         limits: config.vm.limits().map_err(anyhow::Error::msg)?,
         claims: &claims,
+        dedicated_cpus: placed.as_ref(),
     };
     match convert::convert_all_errors(&vmi, &ctx) {
         Ok(c) => {

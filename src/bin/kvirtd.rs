@@ -1,7 +1,7 @@
 //! kvirtd: runs the VMIs assigned to this host, one transient systemd unit
 //! and one network namespace per VM, no pods.
 
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use clap::Parser;
 use kvirt::core::convert::DomainType;
 use kvirt::core::layout::{HostLayout, LEGACY_STATUS};
@@ -14,6 +14,7 @@ use kvirt::daemon::serve::{serve, Sources};
 use kvirt::daemon::vms::{Input as VmInput, Vms};
 use kvirt::host::beneath::Beneath;
 use kvirt::host::consolelog;
+use kvirt::host::cpus::DedicatedCpus;
 use kvirt::host::identity::{HostUsers, IdentityStore};
 use kvirt::host::image::OciImages;
 use kvirt::host::journal::{self, Journal};
@@ -419,7 +420,9 @@ async fn run(config: Config) -> Result<()> {
         Ok(n) => info!("removed {n} half-made files a previous kvirtd left in staging"),
         Err(e) => warn!("sweeping staging: {e}"),
     }
+    let cpus = dedicated_cpus(&config, &settings)?;
     let host = Host {
+        cpus,
         units: systemd,
         network,
         hypervisor: Libvirt::new(lv_tx),
@@ -652,6 +655,7 @@ fn host_network(config: &Config, settings: &Settings) -> Result<HostNetwork> {
 
 /// The host-side adapters, the same whatever the VMIs come from.
 struct Host {
+    cpus: Arc<DedicatedCpus>,
     units: SystemdBus,
     network: HostNetwork,
     hypervisor: Libvirt,
@@ -676,8 +680,30 @@ impl Host {
             machines: self.machines,
             images: self.images,
             users: self.users,
+            cpus: self.cpus,
         }
     }
+}
+
+/// The CPUs VMs may hold alone (configured), checked against those kvirtd
+/// may run on, and who held them before this start.
+fn dedicated_cpus(config: &Config, settings: &Settings) -> Result<Arc<DedicatedCpus>> {
+    let pool = config.vm.dedicated_cpus().map_err(anyhow::Error::msg)?;
+    if pool.is_empty() {
+        return Ok(Arc::new(DedicatedCpus::none()));
+    }
+    let online = kvirt::host::cpus::online().context("the CPUs kvirtd may run on")?;
+    let missing = pool.minus(&online);
+    if !missing.is_empty() {
+        bail!(
+            "vm.dedicated_cpus: CPUs {missing} are not among those this host runs kvirtd on ({online})"
+        );
+    }
+    let file = settings.layout.dedicated_cpus_file();
+    let cpus = DedicatedCpus::open(&file, pool.clone(), online.clone())
+        .context("the dedicated CPUs VMs held")?;
+    info!(dedicated = %pool, online = %online, "CPUs for VMs with dedicated CPUs");
+    Ok(Arc::new(cpus))
 }
 
 /// The real adapters, with the status store and recorder of the source.

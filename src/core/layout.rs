@@ -129,6 +129,12 @@ impl HostLayout {
         self.state_dir.join("efi-vars")
     }
 
+    /// Which dedicated CPUs each VM holds: under `/run`, as after a
+    /// reboot no VM runs to hold any.
+    pub fn dedicated_cpus_file(&self) -> PathBuf {
+        self.runtime_dir.join("dedicated-cpus.json")
+    }
+
     /// Which uid each VM has.
     pub fn identities_file(&self) -> PathBuf {
         self.state_dir.join("identities.json")

@@ -10,6 +10,7 @@
 pub mod acl;
 pub mod budget;
 pub mod convert;
+pub mod cpuset;
 pub mod defaults;
 pub mod dhcp;
 pub mod efivars;

@@ -3,6 +3,7 @@
 //! youki's libcgroups is the model: limits and sandboxing become a list of
 //! properties here, and only the systemd adapter knows about D-Bus.
 
+use crate::core::cpuset::CpuSet;
 use crate::core::key::VmKey;
 use crate::core::layout::{DaemonKind, HostLayout, VmPaths};
 use std::path::PathBuf;
@@ -24,6 +25,8 @@ pub enum Prop {
     U32(&'static str, u32),
     U64(&'static str, u64),
     I32(&'static str, i32),
+    /// `AllowedCPUs`: a CPU bit mask (`ay`).
+    Bytes(&'static str, Vec<u8>),
     Strs(&'static str, Vec<String>),
     /// `ExecStart`: argv, argv[0] included.
     Exec(&'static str, Vec<String>),
@@ -48,6 +51,7 @@ impl Prop {
             | Prop::U32(n, _)
             | Prop::U64(n, _)
             | Prop::I32(n, _)
+            | Prop::Bytes(n, _)
             | Prop::Strs(n, _)
             | Prop::Exec(n, _)
             | Prop::ExecEx(n, _, _)
@@ -91,6 +95,9 @@ pub struct UnitInput<'a> {
     pub hidden_roots: Vec<PathBuf>,
     /// Block claims' host devices the VM may use (`true`: writable).
     pub devices: Vec<(PathBuf, bool)>,
+    /// The CPUs it runs on: its dedicated ones, or those no VM holds.
+    /// `None`: any (the host dedicates no CPUs).
+    pub allowed_cpus: Option<&'a CpuSet>,
 }
 
 /// systemd's CPUWeight for a Kubernetes CPU request: 1 CPU = the default
@@ -182,6 +189,9 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
             vec!["privileged"],
         ),
     ];
+    if let Some(cpus) = i.allowed_cpus {
+        properties.push(Prop::Bytes("AllowedCPUs", cpus.to_mask()));
+    }
     properties.extend(sandbox());
     for p in properties.iter_mut() {
         if let Prop::Devices("DeviceAllow", allowed) = p {
@@ -394,6 +404,7 @@ mod tests {
             extra_ro_paths: vec![],
             hidden_roots: vec!["/var/lib/kvirt/images".into(), "/srv/vms".into()],
             devices: Vec::new(),
+            allowed_cpus: None,
         }
     }
 
@@ -537,6 +548,24 @@ mod tests {
         assert_eq!(
             find(&u, "BindReadOnlyPaths"),
             &Prop::Binds("BindReadOnlyPaths", vec![(image.into(), image.into())])
+        );
+    }
+
+    #[test]
+    fn a_unit_runs_on_its_cpus_only_when_the_host_places_them() {
+        let host = HostLayout::default();
+        let key = VmKey::new("default", "vm1").unwrap();
+        let paths = host.vm(&key);
+        let u = unit_spec(&input(&key, &paths, &host));
+        assert!(u.properties.iter().all(|p| p.name() != "AllowedCPUs"));
+        let cpus: CpuSet = "1,9".parse().unwrap();
+        let u = unit_spec(&UnitInput {
+            allowed_cpus: Some(&cpus),
+            ..input(&key, &paths, &host)
+        });
+        assert_eq!(
+            find(&u, "AllowedCPUs"),
+            &Prop::Bytes("AllowedCPUs", vec![0b10, 0b10])
         );
     }
 

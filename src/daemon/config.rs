@@ -2,6 +2,7 @@
 //! defaults that run on one host with nothing else installed.
 
 use crate::core::convert::{Claims, HostDiskRoots, Limits};
+use crate::core::cpuset::CpuSet;
 use crate::core::identity::IdRange;
 use crate::core::image::ImageLimits;
 use crate::core::quantity::parse_bytes;
@@ -242,6 +243,10 @@ pub struct VmConfig {
     /// The most a VM's own writable disks (emptyDisks, DiskOrCreate
     /// hostDisks) may grow to together (a quantity such as "1Ti").
     pub max_disk_size: String,
+    /// The host CPUs VMs with `dedicatedCpuPlacement` may hold, each alone
+    /// (a list such as "2-7"); empty: none, and such VMs are refused. The
+    /// others (the host's, and VMs without dedicated CPUs) are never handed out.
+    pub dedicated_cpus: String,
 }
 
 impl VmConfig {
@@ -251,6 +256,12 @@ impl VmConfig {
             max_disk_bytes: parse_bytes(&self.max_disk_size)
                 .map_err(|e| format!("vm.max_disk_size: {e}"))?,
         })
+    }
+
+    pub fn dedicated_cpus(&self) -> Result<CpuSet, String> {
+        self.dedicated_cpus
+            .parse()
+            .map_err(|e| format!("vm.dedicated_cpus: {e}"))
     }
 }
 
@@ -378,6 +389,7 @@ impl Default for VmConfig {
             tasks_max: 1024,
             max_grace_period_seconds: Limits::DEFAULT_MAX_GRACE_SECONDS,
             max_disk_size: "1Ti".into(),
+            dedicated_cpus: String::new(),
         }
     }
 }
@@ -479,6 +491,7 @@ impl Config {
         }
         self.storage.image_limits().map_err(invalid)?;
         self.vm.limits().map_err(invalid)?;
+        self.vm.dedicated_cpus().map_err(invalid)?;
         self.storage.image_cache_bytes().map_err(invalid)?;
         self.storage.free_space_reserve_bytes().map_err(invalid)?;
         self.claims().map_err(invalid)?;
@@ -769,6 +782,15 @@ mod tests {
         assert_eq!(Config::default().vm.limits().unwrap(), Limits::default());
         let e = Config::parse("[vm]\nmax_disk_size = \"big\"\n", Path::new("x")).unwrap_err();
         assert!(e.to_string().contains("vm.max_disk_size"), "{e}");
+    }
+
+    #[test]
+    fn dedicated_cpus_are_a_cpu_list_and_none_by_default() {
+        assert!(Config::default().vm.dedicated_cpus().unwrap().is_empty());
+        let c = Config::parse("[vm]\ndedicated_cpus = \"2-4,7\"\n", Path::new("x")).unwrap();
+        assert_eq!(c.vm.dedicated_cpus().unwrap().to_string(), "2-4,7");
+        let e = Config::parse("[vm]\ndedicated_cpus = \"4-2\"\n", Path::new("x")).unwrap_err();
+        assert!(e.to_string().contains("vm.dedicated_cpus: \"4-2\""), "{e}");
     }
 
     #[test]

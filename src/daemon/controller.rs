@@ -4,6 +4,8 @@
 //! reports status; one VM's trouble never blocks another's.
 
 mod claims;
+mod cpus;
+use cpus::Unplaced;
 mod inputs;
 mod report;
 mod steps;
@@ -13,6 +15,7 @@ use crate::core::budget::{Rate, WriteBudget};
 use crate::core::convert::{
     self, Claims, ConvertContext, Converted, DomainType, HostCapacity, HostDiskRoots, Limits,
 };
+use crate::core::cpuset::CpuSet;
 use crate::core::efivars;
 use crate::core::key::{self, VmKey};
 use crate::core::layout::{DaemonKind, HostLayout, VmPaths};
@@ -69,6 +72,8 @@ pub enum ControllerError {
     Quota { id: String, message: String },
     #[error("VM {id}: {message}")]
     Claims { id: String, message: String },
+    #[error("VM {id}: dedicated CPUs: {message}")]
+    Cpus { id: String, message: String },
     #[error("VM {id}: teardown incomplete: {}", errors.join("; "))]
     Teardown { id: String, errors: Vec<String> },
     #[error("VM {id}: identity: {source}")]
@@ -93,6 +98,7 @@ impl ControllerError {
             ControllerError::Objects { .. } => "objects",
             ControllerError::Quota { .. } => "quota",
             ControllerError::Claims { .. } => "claims",
+            ControllerError::Cpus { .. } => "cpus",
             ControllerError::Teardown { .. } => "teardown",
             ControllerError::Identity { .. } => "identity",
         }
@@ -186,6 +192,8 @@ pub struct Deps<A: Adapters> {
     pub machines: A::Machines,
     pub images: A::Images,
     pub users: A::Users,
+    /// The host's dedicated CPUs and who holds them.
+    pub cpus: Arc<crate::host::cpus::DedicatedCpus>,
 }
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
@@ -221,6 +229,8 @@ pub struct Controller<A: Adapters> {
     write_budget: Mutex<WriteBudget>,
     /// When each running VM's serviceAccount tokens are next renewed.
     tokens: Mutex<HashMap<String, tokens::Due>>,
+    /// Ids to pass again once the current passes end (dedicated CPUs freed).
+    woken: Mutex<Vec<String>>,
 }
 
 /// What a VMI's loop shows of one id to the VirtualMachines above it.
@@ -321,6 +331,7 @@ impl<A: Adapters> Controller<A> {
             passes: tokio::sync::watch::Sender::new(0),
             write_budget: Mutex::new(WriteBudget::new(Rate::PER_VM, Rate::PER_HOST)),
             tokens: Mutex::default(),
+            woken: Mutex::default(),
         })
     }
 
@@ -460,6 +471,7 @@ impl<A: Adapters> Controller<A> {
         key: &VmKey,
         admitted: bool,
         claims: &Claims,
+        dedicated_cpus: Option<&CpuSet>,
     ) -> Result<Converted, String> {
         if vmi.uid().is_none() {
             return Err("metadata.uid: the VMI has no UID".into());
@@ -495,6 +507,7 @@ impl<A: Adapters> Controller<A> {
                     self.settings.limits
                 },
                 claims,
+                dedicated_cpus,
             },
         )
         .map_err(|e| e.to_string())
@@ -613,17 +626,32 @@ impl<A: Adapters> Controller<A> {
             .as_ref()
             .map(|k| self.domain_ref(id, None, &k.domain_name()));
         let mut obs = self.observe(id, dom.as_ref()).await?;
-        let mut converted = match (&vmi, &key) {
-            (Some(v), Some(k)) => {
-                // Only the host says what was admitted: a VMI's status is
-                // its author's to write too (KubeVirt's CRD has no status
-                // subresource).
-                let admitted = obs
-                    .unit
-                    .as_ref()
-                    .is_some_and(|u| u.uid.is_some() && u.uid.as_deref() == v.uid());
-                Some(self.convert(v, k, admitted, &self.settings.claims))
+        // Only the host says what was admitted: a VMI's status is its
+        // author's to write too (KubeVirt's CRD has no status subresource).
+        let admitted = |v: &VirtualMachineInstance| {
+            obs.unit
+                .as_ref()
+                .is_some_and(|u| u.uid.is_some() && u.uid.as_deref() == v.uid())
+        };
+        let (placed, cpu_wait) = match &vmi {
+            Some(v) => match self.place_cpus(id, v, admitted(v)).await {
+                Ok(p) => (Ok(p), None),
+                Err(Unplaced::Refused(why)) => (Err(why), None),
+                Err(Unplaced::Wait {
+                    message,
+                    provisional,
+                }) => (
+                    Ok(Some(provisional).filter(|p| !p.is_empty())),
+                    Some(message),
+                ),
+            },
+            None => (Ok(None), None),
+        };
+        let mut converted = match (&vmi, &key, &placed) {
+            (Some(v), Some(k), Ok(cpus)) => {
+                Some(self.convert(v, k, admitted(v), &self.settings.claims, cpus.as_ref()))
             }
+            (Some(_), Some(_), Err(why)) => Some(Err(why.clone())),
             _ => None,
         };
         if self.daemon_restarted(id, obs.unit.as_ref()) {
@@ -659,11 +687,24 @@ impl<A: Adapters> Controller<A> {
         let creating =
             plan.steps.contains(&Step::StartUnit) || plan.steps.contains(&Step::DefineDomain);
         let mut refused = None;
+        if let (Some(v), Some(k), true, Some(Ok(_))) = (&vmi, &key, creating, &converted) {
+            if let Some(message) = cpu_wait {
+                self.wait_for(v, k, EventReason::FailedScheduling, &message)
+                    .await;
+                return Err(ControllerError::Cpus {
+                    id: id.into(),
+                    message,
+                });
+            }
+        }
         if let (Some(v), Some(k), true) = (&vmi, &key, creating) {
             self.announce_start(v, k).await?;
-            if self.reads_claims(v, false) {
-                let (conv, why) = self.convert_with_claims(v, k).await?;
+            if let (true, Ok(cpus)) = (self.reads_claims(v, false), &placed) {
+                let (conv, why) = self.convert_with_claims(v, k, cpus.as_ref()).await?;
                 (converted, refused) = (Some(conv), why);
+            }
+            if let (Some(Ok(conv)), None) = (&converted, &refused) {
+                self.hold_cpus(id, conv).await?;
             }
         }
         let (mut disks, mut images) = (Vec::new(), BTreeMap::new());
@@ -691,6 +732,10 @@ impl<A: Adapters> Controller<A> {
         };
         if let Some(why) = failed {
             outcome = Outcome::Failed(why);
+        }
+        let unit_gone = obs.unit.is_none() || plan.steps.contains(&Step::StopUnit);
+        if !creating && unit_gone && teardown_errors.is_empty() {
+            self.release_cpus(id, obs.unit.is_some()).await;
         }
         if let (Some(v), false, true) = (&vmi, deleting, teardown_errors.is_empty()) {
             // A finished VM uses its claims no more.
@@ -1100,6 +1145,9 @@ impl<A: Adapters> Controller<A> {
                             Some(delay)
                         }
                     };
+                    for woken in self.take_woken() {
+                        spawn(woken, &mut running, &mut dirty);
+                    }
                     if dirty.remove(&id) {
                         spawn(id, &mut running, &mut dirty);
                     } else if let Some(d) = delay {

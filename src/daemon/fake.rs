@@ -3,6 +3,7 @@
 //! in for `host` and `sources` alike, so it lives with the loop it tests.
 
 use crate::core::convert::DiskPrep;
+use crate::core::cpuset::CpuSet;
 use crate::core::image::PullPolicy;
 use crate::core::key::{self, VmKey};
 use crate::core::layout::VmPaths;
@@ -12,6 +13,7 @@ use crate::core::pullsecret::Credentials;
 use crate::core::unit::{Prop, UnitSpec, ENV_GRACE, ENV_NAME, ENV_NAMESPACE, ENV_UID};
 use crate::core::vmi::VirtualMachineInstance;
 use crate::daemon::controller::{Adapters, Deps};
+use crate::host::cpus::DedicatedCpus;
 use crate::host::identity::{IdentityStoreError, VmUsers};
 use crate::host::image::{ImageDisk, ImageError, Images, Progress};
 use crate::host::libvirt::{DomainRef, Hypervisor, LibvirtError};
@@ -27,6 +29,8 @@ use std::time::Duration;
 
 #[derive(Debug, Default)]
 pub struct HostState {
+    /// The dedicated CPUs `deps()` hands out; `None`: the host has none.
+    pub cpus: Option<Arc<DedicatedCpus>>,
     pub units: BTreeMap<String, UnitObs>,
     pub unit_specs: BTreeMap<String, UnitSpec>,
     pub netns: BTreeSet<String>,
@@ -133,6 +137,11 @@ impl FakeHost {
             machines: self.clone(),
             images: self.clone(),
             users: self.clone(),
+            cpus: self
+                .state()
+                .cpus
+                .clone()
+                .unwrap_or_else(|| Arc::new(DedicatedCpus::none())),
         }
     }
 
@@ -250,6 +259,11 @@ impl Units for FakeHost {
 
     async fn get(&self, unit: &str) -> Result<Option<UnitObs>, SystemdError> {
         Ok(self.state().units.get(unit).cloned())
+    }
+
+    async fn set_allowed_cpus(&self, unit: &str, cpus: &CpuSet) -> Result<(), SystemdError> {
+        self.call(format!("cpus {unit} {cpus}"));
+        Ok(())
     }
 
     async fn list_ids(&self) -> Result<Vec<String>, SystemdError> {

@@ -49,6 +49,9 @@ pub async fn serve<A: Adapters>(
     >,
 ) -> Result<(), ServeError> {
     let ctl = Controller::new(deps, settings);
+    // What VMs gone while kvirtd was down held is free again, and what is
+    // held stays theirs alone.
+    ctl.converge_cpus().await;
 
     // Adoption before serving: every VM the host has is matched or cleaned
     // by the loop's first pass. READY waits for that pass only briefly: a

@@ -8,6 +8,7 @@ pub mod beneath;
 pub mod capacity;
 pub mod commit;
 pub mod consolelog;
+pub mod cpus;
 pub mod dhcp;
 pub mod grants;
 pub mod growth;

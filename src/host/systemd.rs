@@ -1,5 +1,6 @@
 //! systemd, the one place VMs run: start/stop/list `kvirt-vm@` units.
 
+use crate::core::cpuset::CpuSet;
 use crate::core::key::{self, UNIT_PREFIX};
 use crate::core::layout::DaemonKind;
 use crate::core::plan::{UnitActivity, UnitObs};
@@ -95,6 +96,12 @@ pub trait Units: Send + Sync + 'static {
         -> impl Future<Output = Result<Option<UnitObs>, SystemdError>> + Send;
     /// Ids (`<ns>_<name>` form) of every loaded `kvirt-vm@` unit.
     fn list_ids(&self) -> impl Future<Output = Result<Vec<String>, SystemdError>> + Send;
+    /// Moves a running unit to these CPUs (`AllowedCPUs=`, until it ends).
+    fn set_allowed_cpus(
+        &self,
+        unit: &str,
+        cpus: &CpuSet,
+    ) -> impl Future<Output = Result<(), SystemdError>> + Send;
 }
 
 const JOB_TIMEOUT: Duration = Duration::from_secs(90);
@@ -466,6 +473,15 @@ impl Units for SystemdBus {
             .filter_map(|u| key::id_from_unit(&u.0).map(str::to_owned))
             .collect())
     }
+
+    async fn set_allowed_cpus(&self, unit: &str, cpus: &CpuSet) -> Result<(), SystemdError> {
+        let prop = to_dbus(unit, &Prop::Bytes("AllowedCPUs", cpus.to_mask()))?;
+        Ok(self
+            .manager()
+            .await?
+            .set_unit_properties(unit.into(), true, vec![prop])
+            .await?)
+    }
 }
 
 /// Drives `call` while handing each signal of `signals` to `on`: zbus
@@ -538,6 +554,7 @@ fn to_dbus(unit: &str, p: &Prop) -> Result<(String, OwnedValue), SystemdError> {
         Prop::U32(n, v) => (n, Value::from(*v)),
         Prop::U64(n, v) => (n, Value::from(*v)),
         Prop::I32(n, v) => (n, Value::from(*v)),
+        Prop::Bytes(n, v) => (n, Value::from(v.clone())),
         Prop::Strs(n, v) => (n, Value::from(v.clone())),
         Prop::Exec(n, argv) => {
             let path = argv.first().cloned().unwrap_or_default();
@@ -646,5 +663,6 @@ mod tests {
             "(bas)"
         );
         assert_eq!(sig(Prop::Strs("Environment", vec!["A=b".into()])), "as");
+        assert_eq!(sig(Prop::Bytes("AllowedCPUs", vec![3])), "ay");
     }
 }

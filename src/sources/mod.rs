@@ -225,6 +225,9 @@ pub enum EventReason {
     PVCInUse,
     /// A claim's disk is smaller than asked, within KubeVirt's toleration.
     ToleratedSmallPV,
+    /// Too few of the host's dedicated CPUs are free (kube-scheduler's
+    /// reason when no node has room for a pod).
+    FailedScheduling,
 }
 
 /// Where Events about a VMI go (the log in standalone mode, Event objects

@@ -237,7 +237,7 @@ impl Host {
             .unwrap_or_else(|e| panic!("default/{vm}'s status: {e}"))
     }
 
-    fn try_status(&self, vm: &str) -> Result<serde_json::Value, String> {
+    pub fn try_status(&self, vm: &str) -> Result<serde_json::Value, String> {
         let id = id_of(vm);
         let path = format!("/proc/{}/root/run/kvirt/status/{id}.json", self.pid);
         let text = std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;

@@ -19,6 +19,8 @@ pub struct Domain {
     pub memory_backing: Option<MemoryBacking>,
     pub vcpu: Vcpu,
     #[serde(skip_serializing_if = "Option::is_none")]
+    pub cputune: Option<CpuTune>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub sysinfo: Option<Sysinfo>,
     pub os: Os,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -83,6 +85,28 @@ pub struct Vcpu {
     pub placement: &'static str,
     #[serde(rename = "$text")]
     pub count: u32,
+}
+
+/// Dedicated CPUs: each vCPU on its own host CPU, QEMU's other threads
+/// (the emulator) on theirs.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CpuTune {
+    pub vcpupin: Vec<VcpuPin>,
+    pub emulatorpin: CpuSetAttr,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct VcpuPin {
+    #[serde(rename = "@vcpu")]
+    pub vcpu: u32,
+    #[serde(rename = "@cpuset")]
+    pub cpuset: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct CpuSetAttr {
+    #[serde(rename = "@cpuset")]
+    pub cpuset: String,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]

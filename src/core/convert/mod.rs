@@ -16,6 +16,7 @@ mod clock;
 pub mod cloudinit;
 pub mod configdisk;
 mod cpu;
+pub use cpu::dedicated_cpus_wanted;
 mod devices;
 mod disks;
 pub mod domain;
@@ -116,6 +117,9 @@ pub struct ConvertContext<'a> {
     pub limits: Limits,
     /// The claims its `persistentVolumeClaim` and `dataVolume` volumes name.
     pub claims: &'a Claims,
+    /// The host CPUs placed for a VMI with `dedicatedCpuPlacement` (as many
+    /// as [`dedicated_cpus_wanted`] says).
+    pub dedicated_cpus: Option<&'a crate::core::cpuset::CpuSet>,
 }
 
 /// The claims a conversion knows, by claim name.
@@ -375,7 +379,7 @@ pub enum Backing {
 }
 
 /// What the systemd unit needs to size the VM's cgroup.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Resources {
     /// Guest RAM, without QEMU's overhead.
     pub memory_bytes: u64,
@@ -390,6 +394,9 @@ pub struct Resources {
     /// Guest RAM backed by hugepages, which the kernel charges to the hugetlb
     /// controller, never to the memory cgroup.
     pub hugepage_bytes: u64,
+    /// The host CPUs it holds alone (`dedicatedCpuPlacement`): its unit's
+    /// `AllowedCPUs`. `None`: it shares those no VM holds.
+    pub dedicated_cpus: Option<crate::core::cpuset::CpuSet>,
 }
 
 impl Resources {
@@ -448,6 +455,7 @@ pub fn convert_all_errors(
     let memory_bytes = memory::guest_memory(dom.memory.as_ref(), &res, &mut errs);
     let hugepage = memory::hugepage_size(dom.memory.as_ref(), memory_bytes, &mut errs);
     let (cpu, vcpus) = cpu::convert(dom.cpu.as_ref(), &res, ctx.domain_type, &mut errs);
+    let cputune = cpu::pinning(dom.cpu.as_ref(), &res, vcpus, ctx.dedicated_cpus, &mut errs);
     if let Some(cap) = ctx.capacity {
         check_fits(memory_bytes, vcpus, cap, &mut errs);
     }
@@ -535,6 +543,7 @@ pub fn convert_all_errors(
             placement: "static",
             count: vcpus,
         },
+        cputune: cputune.clone(),
         sysinfo,
         os,
         features,
@@ -564,6 +573,7 @@ pub fn convert_all_errors(
             cpu_request_millis: res.cpu_request.or(res.cpu_limit),
             cpu_limit_millis: res.cpu_limit,
             hugepage_bytes: if hugepage.is_some() { memory_bytes } else { 0 },
+            dedicated_cpus: cputune.and(ctx.dedicated_cpus.cloned()),
         },
     })
 }
@@ -730,6 +740,7 @@ fn is_dns_subdomain(s: &str) -> bool {
 #[cfg(test)]
 pub(crate) mod test_support {
     use super::*;
+    use crate::core::cpuset::CpuSet;
     use crate::core::layout::HostLayout;
 
     pub fn vmi(spec_yaml: &str) -> VirtualMachineInstance {
@@ -742,9 +753,19 @@ pub(crate) mod test_support {
         .unwrap()
     }
 
+    /// Dedicated CPUs, when asked for, are the host's first ones.
     pub fn run(
         vmi: &VirtualMachineInstance,
         domain_type: DomainType,
+    ) -> Result<Converted, Vec<ConvertError>> {
+        let first: Option<CpuSet> = dedicated_cpus_wanted(vmi).map(|n| (0..n).collect());
+        run_placed(vmi, domain_type, first.as_ref())
+    }
+
+    pub fn run_placed(
+        vmi: &VirtualMachineInstance,
+        domain_type: DomainType,
+        dedicated_cpus: Option<&CpuSet>,
     ) -> Result<Converted, Vec<ConvertError>> {
         let key = VmKey::new("ns", "vm").unwrap();
         let paths = HostLayout::default().vm(&key);
@@ -763,6 +784,7 @@ pub(crate) mod test_support {
                 }),
                 limits: Limits::default(),
                 claims: &NO_CLAIMS,
+                dedicated_cpus,
             },
         )
     }
@@ -841,6 +863,7 @@ mod tests {
                 capacity: None,
                 limits: Limits::default(),
                 claims: &NO_CLAIMS,
+                dedicated_cpus: None,
             },
         )
         .expect_err("too long");
@@ -870,6 +893,7 @@ mod tests {
                 cpu_request_millis: None,
                 cpu_limit_millis: None,
                 hugepage_bytes: 0,
+                dedicated_cpus: None,
             }
         );
         assert!(c.disks.is_empty());

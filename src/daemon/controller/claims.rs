@@ -5,6 +5,7 @@
 
 use super::{Adapters, Controller, ControllerError};
 use crate::core::convert::{Claims, Converted};
+use crate::core::cpuset::CpuSet;
 use crate::core::key::VmKey;
 use crate::core::plan::Outcome;
 use crate::core::pvc::{self, Unusable, User};
@@ -26,9 +27,10 @@ impl<A: Adapters> Controller<A> {
         &self,
         vmi: &VirtualMachineInstance,
         key: &VmKey,
+        dedicated_cpus: Option<&CpuSet>,
     ) -> Result<(Result<Converted, String>, Option<Outcome>), ControllerError> {
         let conv = match self.read_claims(vmi, key).await? {
-            Ok(claims) => self.convert(vmi, key, false, &claims),
+            Ok(claims) => self.convert(vmi, key, false, &claims, dedicated_cpus),
             Err((reason, message)) => {
                 let refused = Outcome::Refused {
                     reason,

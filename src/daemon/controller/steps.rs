@@ -328,6 +328,7 @@ impl<A: Adapters> Controller<A> {
             extra_ro_paths: read_only_disks(conv, c.images),
             hidden_roots: self.hidden_roots(),
             devices: claim_devices(conv),
+            allowed_cpus: self.unit_cpus(conv).as_ref(),
         });
         self.deps.units.start(&spec).await.map_err(sd_err(c.id))
     }
