@@ -2475,3 +2475,145 @@ fn dedicated_cpus_are_pinned_disjoint_and_kept_across_a_kvirtd_restart() {
         "{\"held\":{}}"
     );
 }
+
+/// Raw TPM 2.0 commands (owner hierarchy, empty password session) the
+/// guest sends to /dev/tpm0: NV index 0x01500000 of 8 bytes, defined,
+/// written with "KVIRTTPM", read. Octal escapes for busybox's printf.
+fn tpm_commands() -> (String, String, String) {
+    // Authorization: its size, then TPM_RS_PW, no nonce, no attributes,
+    // an empty password.
+    let pw = ["00000009", "40000009", "0000", "00", "0000"].concat();
+    let (owner, index) = ("40000001", "01500000");
+    let define = [
+        "8002", "0000002d", "0000012a", owner, &pw, "0000", // empty auth
+        "000e", index, "000b", "00020002", "0000",
+        "0008", // public: SHA-256, owner RW, 8 bytes
+    ]
+    .concat();
+    let write = [
+        "8002",
+        "0000002b",
+        "00000137",
+        owner,
+        index,
+        &pw,
+        "0008",
+        "4b5649525454504d",
+        "0000",
+    ]
+    .concat();
+    let read = [
+        "8002", "00000023", "0000014e", owner, index, &pw, "0008", "0000",
+    ]
+    .concat();
+    let octal = |h: &str| -> String {
+        let bytes: Vec<u8> = (0..h.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&h[i..i + 2], 16).unwrap())
+            .collect();
+        // The command's size field is its length.
+        assert_eq!(
+            u32::from_be_bytes(bytes[2..6].try_into().unwrap()) as usize,
+            bytes.len()
+        );
+        bytes.iter().map(|b| format!("\\{b:03o}")).collect()
+    };
+    (octal(&define), octal(&write), octal(&read))
+}
+
+/// A VirtualMachine with a TPM (`tpm` is its YAML) whose guest reads NV
+/// index 0x01500000 at boot, and defines and writes it when empty.
+fn tpm_vm_manifest(vm: &str, tpm: &str) -> String {
+    let (define, write, read) = tpm_commands();
+    format!(
+        "apiVersion: kubevirt.io/v1
+kind: VirtualMachine
+metadata: {{name: {vm}}}
+spec:
+  runStrategy: Always
+  template:
+    spec:
+      terminationGracePeriodSeconds: 15
+      domain:
+        memory: {{guest: 128Mi}}
+        devices:
+          tpm: {tpm}
+          disks:
+          - {{name: boot, disk: {{bus: virtio}}}}
+          - {{name: seed, disk: {{bus: virtio}}}}
+      volumes:
+      - name: boot
+        hostDisk: {{path: /var/lib/kvirt/images/{vm}.raw, type: Disk}}
+      - name: seed
+        cloudInitNoCloud:
+          userData: |
+            #!/bin/sh
+            tpm() {{ exec 3<>/dev/tpm0; printf \"$1\" >&3; dd bs=4096 count=1 <&3 2>/dev/null | od -An -tx1 | tr -d ' \\n'; exec 3>&-; }}
+            [ -e /dev/tpm0 ] || {{ echo KVIRT-TPM-NONE; exit 0; }}
+            r=$(tpm '{read}')
+            case $r in
+              *4b5649525454504d*) echo KVIRT-TPM-READ KVIRTTPM ;;
+              *) d=$(tpm '{define}'); w=$(tpm '{write}')
+                 echo \"KVIRT-TPM-WROTE $(echo $d | cut -c13-20) $(echo $w | cut -c13-20)\" ;;
+            esac
+"
+    )
+}
+
+#[test]
+fn a_persistent_tpm_keeps_what_the_guest_wrote_across_restarts_and_a_plain_one_does_not() {
+    let Some(h) = host() else { return };
+    let _g = h.turn();
+    // The persistent one's name is as long as a VM id gets unshortened:
+    // swtpm's socket would not fit under its own runtime directory.
+    let p = format!("tpmp-{}", "x".repeat(46));
+    let p = p.as_str();
+    h.put_manifest(p, "run", &tpm_vm_manifest(p, "{persistent: true}"));
+    h.put_manifest("tpm", "run", &tpm_vm_manifest("tpm", "{}"));
+    for vm in [p, "tpm"] {
+        h.wait_phase(vm, "Running", BOOT);
+        h.serial_log_shows(vm, "KVIRT-TPM-WROTE 00000000 00000000");
+    }
+    let virsh = |vm: &str| {
+        format!("virsh -c 'qemu:///session?socket=/run/kvirt/vms/default_{vm}/xdg/libvirt/virtqemud-sock' dumpxml default_{vm}")
+    };
+    let xml = h.ok(&virsh(p));
+    assert!(
+        xml.contains("<tpm model='tpm-crb'>") && xml.contains("persistent_state='yes'"),
+        "{xml}"
+    );
+    assert!(h.ok(&virsh("tpm")).contains("<tpm model='tpm-tis'>"));
+    // swtpm runs as the VM's own user, in its unit.
+    let pid = h.ok(&format!(
+        "pgrep -f '[s]wtpm socket.*default_{p}/' | head -n1"
+    ));
+    assert_eq!(
+        h.ok(&format!("stat -c %U /proc/{pid}")),
+        h.ok(&format!("stat -c %U /var/lib/kvirt/vms/default_{p}"))
+    );
+    assert!(h
+        .ok(&format!("cat /proc/{pid}/cgroup"))
+        .contains(&format!("kvirt-vm@default_{p}.service")));
+
+    // Restarted: the persistent TPM has the value, the plain one is new.
+    for vm in [p, "tpm"] {
+        let uid = vmi_uid(&h, vm);
+        h.ok(&format!("kvirtctl restart default/{vm}"));
+        wait_new_vmi_running(&h, vm, &uid, BOOT);
+    }
+    h.serial_log_shows(p, "KVIRT-TPM-READ KVIRTTPM");
+    h.serial_log_shows("tpm", "KVIRT-TPM-WROTE 00000000 00000000");
+    let kept = format!("/var/lib/kvirt/efi-vars/default_{p}");
+    assert!(h.succeeds(&format!(
+        "[ \"$(stat -c %a {kept}/tpm2-00.permall)\" = 600 ]"
+    )));
+
+    // Standalone, kept state stays until removed by hand (as EFI
+    // variables do); only the persistent TPM's is kept at all.
+    for vm in [p, "tpm"] {
+        h.remove_vm_and_wait_gone(vm);
+    }
+    assert!(h.succeeds(&format!("[ -s {kept}/tpm2-00.permall ]")));
+    assert!(h.succeeds("[ ! -e /var/lib/kvirt/efi-vars/default_tpm ]"));
+    h.ok(&format!("rm -r {kept}"));
+}

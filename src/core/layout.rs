@@ -244,17 +244,39 @@ impl VmPaths {
             .join(".config")
     }
 
+    /// Where the VM's unit sees its runtime directory too: a short fixed
+    /// path on the tmpfs that hides the other VMs, under which its daemon
+    /// runs (`XDG_RUNTIME_DIR`), so the sockets libvirt names itself there
+    /// (swtpm's, `libvirt/qemu/run/swtpm/<id>-<name>-swtpm.sock`) fit the
+    /// Unix socket path limit whatever the VM's name.
+    pub fn unit_runtime_dir(&self) -> PathBuf {
+        self.runtime_dir
+            .parent()
+            .unwrap_or(&self.runtime_dir)
+            .join(".run")
+    }
+
+    /// The daemon's `XDG_RUNTIME_DIR` as its unit sees it: the same
+    /// directory as [`Self::xdg_runtime_dir`].
+    pub fn unit_xdg_runtime_dir(&self) -> PathBuf {
+        self.unit_runtime_dir().join("xdg")
+    }
+
     /// The longest Unix socket path the VM's libvirt daemon and QEMU bind
     /// for a domain of this name: the daemon's admin socket and QEMU's in
-    /// the runtime directory, and the monitor in libvirt's per-domain
-    /// directory (`domain-<id>-<the name's first 20 characters>`; the id
-    /// assumed below 1000).
+    /// the runtime directory, the monitor in libvirt's per-domain directory
+    /// (`domain-<id>-<the name's first 20 characters>`; the id assumed
+    /// below 1000), and a TPM's swtpm socket (`<id>-<those 20>-swtpm.sock`).
     pub fn longest_socket_path(&self, domain_name: &str) -> usize {
         let short: String = domain_name.chars().take(20).collect();
         let monitor = self
             .unit_config_dir()
             .join(format!("libvirt/qemu/lib/domain-999-{short}/monitor.sock"));
+        let swtpm = self
+            .unit_xdg_runtime_dir()
+            .join(format!("libvirt/qemu/run/swtpm/999-{short}-swtpm.sock"));
         [
+            swtpm,
             self.xdg_runtime_dir().join("libvirt/virtqemud-admin-sock"),
             self.serial_socket(),
             self.guest_agent_socket(),
@@ -265,6 +287,15 @@ impl VmPaths {
         .map(|p| p.as_os_str().len())
         .max()
         .unwrap_or(0)
+    }
+
+    /// The TPM's state, where session libvirt has swtpm keep it for the
+    /// domain of this UUID (only the file of a TPM 2.0's permanent state).
+    pub fn tpm_state(&self, uuid: &str) -> PathBuf {
+        self.xdg_config_dir()
+            .join("libvirt/qemu/swtpm")
+            .join(uuid)
+            .join("tpm2/tpm2-00.permall")
     }
 
     /// Session libvirt reads its QEMU driver config from here.

@@ -110,7 +110,7 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
     let p = i.paths;
     let s = |v: &std::path::Path| v.display().to_string();
     let env = vec![
-        format!("XDG_RUNTIME_DIR={}", s(&p.xdg_runtime_dir())),
+        format!("XDG_RUNTIME_DIR={}", s(&p.unit_xdg_runtime_dir())),
         format!("XDG_CONFIG_HOME={}", s(&p.unit_config_dir())),
         format!("XDG_CACHE_HOME={}", s(&p.xdg_cache_dir())),
         format!("HOME={}", s(&p.state_dir)),
@@ -131,6 +131,7 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
         (s(&p.state_dir), s(&p.state_dir)),
         (s(&p.runtime_dir), s(&p.runtime_dir)),
         (s(&p.xdg_config_dir()), s(&p.unit_config_dir())),
+        (s(&p.runtime_dir), s(&p.unit_runtime_dir())),
     ];
     binds.extend(i.extra_rw_paths.iter().map(|x| (s(x), s(x))));
     let mut hidden = vec![
@@ -479,7 +480,8 @@ mod tests {
             panic!()
         };
         assert!(env.contains(&"KVIRT_VMI_UID=u-1".to_string()));
-        assert!(env.contains(&"XDG_RUNTIME_DIR=/run/kvirt/vms/default_vm1/xdg".to_string()));
+        // The runtime directory at a short fixed path too (see `binds`).
+        assert!(env.contains(&"XDG_RUNTIME_DIR=/run/kvirt/vms/.run/xdg".to_string()));
     }
 
     #[test]

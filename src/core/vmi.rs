@@ -385,6 +385,21 @@ pub struct Devices {
     pub inputs: Vec<Input>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub watchdog: Option<Watchdog>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tpm: Option<Tpm>,
+    #[serde(flatten)]
+    pub extra: Extra,
+}
+
+/// A vTPM (`devices.tpm`): on unless `enabled: false`; `persistent` keeps
+/// its state across the VM's restarts.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Tpm {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub enabled: Option<bool>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub persistent: Option<bool>,
     #[serde(flatten)]
     pub extra: Extra,
 }

@@ -141,13 +141,18 @@ pub trait Storage: Send + Sync + 'static {
 }
 
 /// In a VM's kept EFI variables directory (root's, out of the VM's reach):
-/// the variables, whose they are, and a mark that a VM using them runs.
+/// the variables, its TPM's state and where that lies in the VM's state
+/// directory (the domain's UUID names it), whose they are, and a mark that
+/// a VM using them runs.
 const EFI_VARS: &str = "VARS.fd";
+const TPM_STATE: &str = "tpm2-00.permall";
+const TPM_PATH: &str = "tpm-path";
 const EFI_OWNER: &str = "owner";
 const EFI_ACTIVE: &str = "active";
 /// Far above libvirt's QEMU capabilities (about 1 MiB), far below harm.
 const MAX_CAPABILITIES: u64 = 32 << 20;
-/// Far above any OVMF variable store (540 KiB), far below harm.
+/// Far above any OVMF variable store (540 KiB) or swtpm state (some
+/// 100 KiB), far below harm.
 const MAX_EFI_VARS: u64 = 16 << 20;
 
 /// The VM's QEMU driver settings. QEMU writes its own log and the serial
@@ -623,7 +628,12 @@ impl HostStorage {
                 owner,
                 nvram,
                 kept_dir,
-            } => self.restore_efi_vars(owner, nvram, kept_dir),
+            } => self.restore_kept(owner, nvram, kept_dir, EFI_VARS),
+            DiskPrep::TpmState {
+                owner,
+                state,
+                kept_dir,
+            } => self.restore_kept(owner, state, kept_dir, TPM_STATE),
             DiskPrep::Hugepages {
                 vm,
                 page_bytes,
@@ -767,33 +777,46 @@ impl HostStorage {
     }
 }
 
-/// The VM's variables into its kept directory, when a VM that keeps them
-/// ran. The file is the VM user's: it is opened without following links,
-/// must be a regular file of a sane size, and replaces the kept copy only
-/// once whole.
+/// The VM's variables and TPM state into its kept directory, when a VM
+/// that keeps them ran.
 fn keep_efi_vars(state_dir: &Path, nvram: &Path, kept: &Path) -> Result<(), StorageError> {
-    use std::os::unix::fs::OpenOptionsExt;
     let active = kept.join(EFI_ACTIVE);
     if !active.exists() {
         return Ok(());
     }
+    keep_file(state_dir, nvram, &kept.join(EFI_VARS))?;
+    match std::fs::read_to_string(kept.join(TPM_PATH)) {
+        Ok(tpm) => keep_file(state_dir, Path::new(tpm.trim()), &kept.join(TPM_STATE))?,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(io(&kept.join(TPM_PATH), "read")(e)),
+    }
+    std::fs::remove_file(&active).map_err(io(&active, "remove"))
+}
+
+/// One file of the VM's into `to`. The file is the VM user's: it is opened
+/// without following links, must be a regular file of a sane size, and
+/// replaces the kept copy only once whole.
+fn keep_file(state_dir: &Path, file: &Path, to: &Path) -> Result<(), StorageError> {
+    use std::os::unix::fs::OpenOptionsExt;
     let refuse = |message: String| StorageError::Disk {
-        path: nvram.to_owned(),
+        path: file.to_owned(),
         message,
     };
-    let rel = nvram.strip_prefix(state_dir).unwrap_or(nvram);
+    let Ok(rel) = file.strip_prefix(state_dir) else {
+        return Err(refuse(format!("not in {}", state_dir.display())));
+    };
     match Beneath::open(state_dir).and_then(|d| d.file(rel, OFlag::O_RDONLY)) {
-        // Never started: nothing new to keep.
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(io(nvram, "open")(e)),
+        // Never started (or no such device): nothing new to keep.
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(io(file, "open")(e)),
         Ok(f) => {
-            let meta = f.metadata().map_err(io(nvram, "stat"))?;
-            if meta.len() > MAX_EFI_VARS {
+            let meta = f.metadata().map_err(io(file, "stat"))?;
+            if !meta.is_file() || meta.len() > MAX_EFI_VARS {
                 return Err(refuse(format!(
-                    "larger than {MAX_EFI_VARS} bytes: EFI variables not kept"
+                    "not a regular file of at most {MAX_EFI_VARS} bytes: not kept"
                 )));
             }
-            let tmp = kept.join(format!("{EFI_VARS}.tmp"));
+            let tmp = to.with_extension("tmp");
             let mut out = std::fs::OpenOptions::new()
                 .write(true)
                 .create(true)
@@ -804,11 +827,9 @@ fn keep_efi_vars(state_dir: &Path, nvram: &Path, kept: &Path) -> Result<(), Stor
             std::io::copy(&mut std::io::Read::take(&f, MAX_EFI_VARS), &mut out)
                 .and_then(|_| out.sync_all())
                 .map_err(io(&tmp, "write"))?;
-            let vars = kept.join(EFI_VARS);
-            std::fs::rename(&tmp, &vars).map_err(io(&vars, "rename into place"))?;
+            std::fs::rename(&tmp, to).map_err(io(to, "rename into place"))
         }
     }
-    std::fs::remove_file(&active).map_err(io(&active, "remove"))
 }
 
 /// A qcow2 at `path`: empty of `size` bytes, or over a backing file.
@@ -873,30 +894,45 @@ impl HostStorage {
         result
     }
 
-    /// Puts the EFI variables this owner's VM left back where libvirt
-    /// looks for them, and marks the VM as one whose variables are kept
-    /// when it goes. Variables of another owner (a VM of the same name
-    /// made anew) are dropped: the firmware starts from its template.
-    fn restore_efi_vars(&self, owner: &str, nvram: &Path, kept: &Path) -> Result<(), StorageError> {
+    /// Puts the EFI variables (or TPM state: `name`) this owner's VM left
+    /// back where libvirt looks for them, and marks the VM as one whose
+    /// state is kept when it goes. What another owner left (a VM of the
+    /// same name made anew) is dropped: the firmware and the TPM start
+    /// afresh.
+    fn restore_kept(
+        &self,
+        owner: &str,
+        file: &Path,
+        kept: &Path,
+        name: &str,
+    ) -> Result<(), StorageError> {
         let parent = kept.parent().expect("efi-vars/ has a parent");
         self.mkdir(parent, 0o700, false)?;
         self.mkdir(kept, 0o700, false)?;
-        let (owner_file, vars) = (kept.join(EFI_OWNER), kept.join(EFI_VARS));
+        let owner_file = kept.join(EFI_OWNER);
         if std::fs::read_to_string(&owner_file).ok().as_deref() != Some(owner) {
-            match std::fs::remove_file(&vars) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
-                    return Err(io(&vars, "remove")(e))
+            for stale in [EFI_VARS, TPM_STATE, TPM_PATH] {
+                let stale = kept.join(stale);
+                match std::fs::remove_file(&stale) {
+                    Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                        return Err(io(&stale, "remove")(e))
+                    }
+                    _ => {}
                 }
-                _ => {}
             }
             std::fs::write(&owner_file, owner).map_err(io(&owner_file, "write"))?;
         }
-        if vars.is_file() {
-            let (vm, rel) = self.vm_dir_of(nvram)?;
+        let copy = kept.join(name);
+        if copy.is_file() {
+            let (vm, rel) = self.vm_dir_of(file)?;
             let dir = rel.parent().unwrap_or(Path::new(""));
             vm.mkdir_all(dir, 0o700, self.ids())
                 .map_err(io(&vm.path().join(dir), "create directory"))?;
-            self.place_copy(&vars, nvram)?;
+            self.place_copy(&copy, file)?;
+        }
+        if name == TPM_STATE {
+            let at = kept.join(TPM_PATH);
+            std::fs::write(&at, file.as_os_str().as_encoded_bytes()).map_err(io(&at, "write"))?;
         }
         let active = kept.join(EFI_ACTIVE);
         std::fs::write(&active, b"").map_err(io(&active, "write"))
@@ -1592,6 +1628,57 @@ mod tests {
             .await
             .unwrap();
         assert!(!kept.exists() && !p.nvram().exists());
+    }
+
+    #[tokio::test]
+    async fn tpm_state_is_kept_beside_efi_variables_and_dropped_for_another_owner() {
+        let (tmp, s, p) = vm_dirs().await;
+        let state = p.tpm_state("6a1a24a1-0000-4000-8000-000000000001");
+        let prep = |owner: &str| DiskPrep::TpmState {
+            owner: owner.into(),
+            state: state.clone(),
+            kept_dir: p.efi_vars_dir.clone(),
+        };
+        let efi = |owner: &str| DiskPrep::EfiVars {
+            owner: owner.into(),
+            nvram: p.nvram(),
+            kept_dir: p.efi_vars_dir.clone(),
+        };
+        let kept = p.efi_vars_dir.join(TPM_STATE);
+        let prepare = |d: DiskPrep| {
+            let s = &s;
+            async move { s.prepare_disk(&d, &[], &Pulled::new(), None).await }
+        };
+        // First run: swtpm_setup makes the state; it is kept when the VM goes.
+        prepare(efi("vm A")).await.unwrap();
+        prepare(prep("vm A")).await.unwrap();
+        assert!(!state.exists());
+        std::fs::create_dir_all(state.parent().unwrap()).unwrap();
+        std::fs::write(&state, b"tpm of run 1").unwrap();
+        std::fs::create_dir_all(p.nvram().parent().unwrap()).unwrap();
+        std::fs::write(p.nvram(), b"vars of run 1").unwrap();
+        s.keep_efi_vars(&p).await.unwrap();
+        assert_eq!(std::fs::read(&kept).unwrap(), b"tpm of run 1");
+        assert_eq!(
+            std::fs::read(p.efi_vars_dir.join(EFI_VARS)).unwrap(),
+            b"vars of run 1"
+        );
+
+        // Next run: it comes back, the VM's own, never through a link.
+        std::fs::remove_dir_all(p.state_dir.join("config/libvirt/qemu/swtpm")).unwrap();
+        prepare(prep("vm A")).await.unwrap();
+        assert_eq!(std::fs::read(&state).unwrap(), b"tpm of run 1");
+        std::fs::remove_file(&state).unwrap();
+        std::fs::write(tmp.path().join("secret"), b"host secret").unwrap();
+        std::os::unix::fs::symlink(tmp.path().join("secret"), &state).unwrap();
+        assert!(s.keep_efi_vars(&p).await.is_err());
+        assert_eq!(std::fs::read(&kept).unwrap(), b"tpm of run 1");
+
+        // Another owner: neither the variables nor the TPM come back.
+        std::fs::remove_file(&state).unwrap();
+        prepare(prep("vm B")).await.unwrap();
+        assert!(!kept.exists() && !state.exists());
+        assert!(!p.efi_vars_dir.join(EFI_VARS).exists());
     }
 
     #[tokio::test]

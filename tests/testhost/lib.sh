@@ -21,7 +21,8 @@ TH_HOST_PKGS=(debootstrap systemd-container busybox-static cpio dosfstools mtool
 TH_ROOTFS_PKGS=(systemd systemd-sysv dbus libpam-systemd libvirt-daemon
   libvirt-daemon-driver-qemu libvirt-clients qemu-system-x86 qemu-utils seabios
   ipxe-qemu iproute2 nftables busybox-static procps socat util-linux kmod
-  ca-certificates systemd-container xorriso docker-registry ovmf libnss-systemd)
+  ca-certificates systemd-container xorriso docker-registry ovmf libnss-systemd
+  swtpm swtpm-tools)
 
 # Units that fail or only make noise in an nspawn container.
 TH_ROOTFS_MASK=(systemd-modules-load.service apt-daily.timer apt-daily-upgrade.timer
@@ -371,6 +372,7 @@ DHCP
   : >"$ir/lib/modules/order"
   local m
   # ahci, sd_mod, sr_mod: SATA disks and cdroms, KubeVirt's default bus.
+  # (tpm_tis and tpm_crb, for a vTPM, are built into Debian's kernel.)
   for m in evdev button virtio_net virtio_blk ahci sd_mod sr_mod isofs virtio_console; do
     th__guest_mod "$m"
   done

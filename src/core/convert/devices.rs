@@ -3,7 +3,8 @@
 
 use super::domain::{
     Alias, Channel, ChannelTarget, Console, ConsoleTarget, Devices, Graphics, Input, Log,
-    Memballoon, Rng, RngBackend, Serial, SerialTarget, UnixSource, Video, VideoModel, Watchdog,
+    Memballoon, Rng, RngBackend, Serial, SerialTarget, Tpm, TpmBackend, UnixSource, Video,
+    VideoModel, Watchdog,
 };
 use super::{is_dns_label, Errors};
 use crate::core::layout::VmPaths;
@@ -72,6 +73,7 @@ pub(super) fn convert(spec: &VmiSpec, paths: &VmPaths, errs: &mut Errors) -> Dev
     }
     out.inputs = inputs(&dev.inputs, errs);
     out.watchdog = dev.watchdog.as_ref().and_then(|w| watchdog(w, errs));
+    out.tpm = dev.tpm.as_ref().and_then(|t| tpm(t, errs));
     // As in KubeVirt, every VM gets the guest agent's channel: an agent in
     // the guest answers on it whenever it runs.
     out.channels.push(Channel {
@@ -122,6 +124,24 @@ fn inputs(list: &[vmi::Input], errs: &mut Errors) -> Vec<Input> {
         });
     }
     out
+}
+
+/// `tpm`: a TPM 2.0 from swtpm, as KubeVirt's: TIS, or CRB with its state
+/// kept (`persistent`, which the caller keeps across the VM's restarts).
+pub(super) fn tpm(t: &vmi::Tpm, errs: &mut Errors) -> Option<Tpm> {
+    errs.reject_extra("spec.domain.devices.tpm", &t.extra);
+    if t.enabled == Some(false) {
+        return None;
+    }
+    let persistent = t.persistent == Some(true);
+    Some(Tpm {
+        model: if persistent { "tpm-crb" } else { "tpm-tis" },
+        backend: TpmBackend {
+            type_: "emulator",
+            version: "2.0",
+            persistent_state: persistent.then_some("yes"),
+        },
+    })
 }
 
 /// `watchdog`: the i6300esb, with KubeVirt's actions (default reset).
@@ -248,5 +268,61 @@ mod tests {
         assert!(conv("{watchdog: {name: w}}")
             .unwrap()
             .contains("<watchdog model=\"i6300esb\" action=\"reset\">"));
+    }
+
+    #[test]
+    fn a_tpm_is_swtpms_as_kubevirt_models_it() {
+        let x = conv("{tpm: {}}").unwrap();
+        assert!(
+            x.contains(
+                "<tpm model=\"tpm-tis\">\n      <backend type=\"emulator\" version=\"2.0\"/>"
+            ),
+            "{x}"
+        );
+        let x = conv("{tpm: {persistent: true}}").unwrap();
+        assert!(
+            x.contains(
+                "<tpm model=\"tpm-crb\">\n      \
+                 <backend type=\"emulator\" version=\"2.0\" persistent_state=\"yes\"/>"
+            ),
+            "{x}"
+        );
+        assert!(!conv("{tpm: {enabled: false}}").unwrap().contains("<tpm"));
+        assert_eq!(
+            conv("{tpm: {x: 1}}").unwrap_err(),
+            ["spec.domain.devices.tpm.x"]
+        );
+    }
+
+    #[test]
+    fn a_persistent_tpm_keeps_its_state_for_the_vms_next_run() {
+        use crate::core::convert::DiskPrep;
+        let v = vmi("domain: {memory: {guest: 64Mi}, devices: {tpm: {persistent: true}}}");
+        let c = run(&v, DomainType::Qemu).unwrap();
+        let Some(DiskPrep::TpmState {
+            state, kept_dir, ..
+        }) = c
+            .disks
+            .iter()
+            .find(|d| matches!(d, DiskPrep::TpmState { .. }))
+        else {
+            panic!("no TpmState prep: {:?}", c.disks)
+        };
+        assert!(
+            state.ends_with("tpm2/tpm2-00.permall"),
+            "{}",
+            state.display()
+        );
+        assert!(
+            kept_dir.ends_with("efi-vars/ns_vm"),
+            "{}",
+            kept_dir.display()
+        );
+        let v = vmi("domain: {memory: {guest: 64Mi}, devices: {tpm: {}}}");
+        let c = run(&v, DomainType::Qemu).unwrap();
+        assert!(!c
+            .disks
+            .iter()
+            .any(|d| matches!(d, DiskPrep::TpmState { .. })));
     }
 }

@@ -340,6 +340,26 @@ pub struct Devices {
     pub watchdog: Option<Watchdog>,
     #[serde(rename = "channel", skip_serializing_if = "Vec::is_empty")]
     pub channels: Vec<Channel>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tpm: Option<Tpm>,
+}
+
+/// A TPM 2.0 that libvirt emulates with swtpm, run by the VM's own daemon.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Tpm {
+    #[serde(rename = "@model")]
+    pub model: &'static str,
+    pub backend: TpmBackend,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TpmBackend {
+    #[serde(rename = "@type")]
+    pub type_: &'static str,
+    #[serde(rename = "@version")]
+    pub version: &'static str,
+    #[serde(rename = "@persistent_state", skip_serializing_if = "Option::is_none")]
+    pub persistent_state: Option<&'static str>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]

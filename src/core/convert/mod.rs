@@ -246,6 +246,15 @@ pub enum DiskPrep {
         nvram: PathBuf,
         kept_dir: PathBuf,
     },
+    /// `tpm.persistent`: the TPM's state a VM left (its owner's, as for EFI
+    /// variables, and in the same kept directory) is put back at `state`
+    /// (where the VM's libvirt runs swtpm on it) before it starts, and kept
+    /// again when it goes.
+    TpmState {
+        owner: String,
+        state: PathBuf,
+        kept_dir: PathBuf,
+    },
     /// `memory.hugepages`: the VM's own directory on the host's hugetlbfs
     /// of that page size, which its libvirt is told to use in `qemu_conf`;
     /// the runtime checks first that enough pages are free.
@@ -356,6 +365,7 @@ impl DiskPrep {
             DiskPrep::ClaimDevice { node, .. } => node,
             DiskPrep::Hugepages { qemu_conf, .. } => qemu_conf,
             DiskPrep::EfiVars { nvram, .. } => nvram,
+            DiskPrep::TpmState { state, .. } => state,
             DiskPrep::KernelBoot { kernel, initrd, .. } => kernel
                 .as_ref()
                 .or(initrd.as_ref())
@@ -408,6 +418,21 @@ impl Resources {
             .unwrap_or(self.memory_bytes)
             .saturating_sub(self.hugepage_bytes)
     }
+}
+
+/// A persistent TPM's state is kept for the VM's next run. (swtpm's
+/// socket is among those `check_identity` fits to the path limit.)
+fn tpm_state(
+    vmi: &VirtualMachineInstance,
+    ctx: &ConvertContext,
+    t: &crate::core::vmi::Tpm,
+    uuid: &str,
+) -> Option<DiskPrep> {
+    (t.enabled != Some(false) && t.persistent == Some(true)).then(|| DiskPrep::TpmState {
+        owner: crate::core::efivars::Owner::of(vmi, ctx.key).to_string(),
+        state: ctx.paths.tpm_state(uuid),
+        kept_dir: ctx.paths.efi_vars_dir.clone(),
+    })
 }
 
 /// One problem with a VMI, located by its field path.
@@ -472,6 +497,9 @@ pub fn convert_all_errors(
             nvram: ctx.paths.nvram(),
             kept_dir: ctx.paths.efi_vars_dir.clone(),
         });
+    }
+    if let Some(t) = spec.domain.devices.tpm.as_ref() {
+        preps.extend(tpm_state(vmi, ctx, t, &uuid));
     }
     if let Some(page_bytes) = hugepage {
         preps.push(DiskPrep::Hugepages {
@@ -873,6 +901,31 @@ mod tests {
             e.contains("past the 107 a Unix socket path may have"),
             "{e}"
         );
+    }
+
+    #[test]
+    fn a_tpm_runs_with_the_longest_names() {
+        // swtpm's socket is under the unit's short alias of the runtime
+        // directory: the longest names Kubernetes allows fit.
+        let (ns, name) = ("n".repeat(63), "v".repeat(63));
+        let key = VmKey::new(&ns, &name).unwrap();
+        let paths = crate::core::layout::HostLayout::default().vm(&key);
+        let mut v = vmi("domain: {memory: {guest: 64Mi}, devices: {tpm: {}}}");
+        v.metadata.namespace = Some(ns.clone());
+        v.metadata.name = Some(name.clone());
+        let ctx = ConvertContext {
+            key: &key,
+            paths: &paths,
+            domain_type: DomainType::Qemu,
+            host_disk_roots: &[],
+            cluster: false,
+            capacity: None,
+            limits: Limits::default(),
+            claims: &NO_CLAIMS,
+            dedicated_cpus: None,
+        };
+        assert!(convert_all_errors(&v, &ctx).is_ok());
+        assert!(paths.longest_socket_path(&key.domain_name()) <= MAX_SOCKET_PATH);
     }
 
     #[test]
