@@ -2343,6 +2343,49 @@ fn a_pool_of_three_scales_to_five_and_to_one() {
     h.ok("rm -f /var/lib/kvirt/images/pool-base.raw");
 }
 
+#[test]
+fn a_standalone_replica_set_keeps_its_vmis_running_and_replaces_one_that_ends() {
+    let Some(h) = host() else { return };
+    let _g = h.turn();
+    h.ok("cp /srv/guest/run.raw /var/lib/kvirt/images/rs-base.raw
+          chmod 0644 /var/lib/kvirt/images/rs-base.raw");
+    let rs = "apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstanceReplicaSet
+metadata: {name: rs}
+spec:
+  replicas: 2
+  selector: {matchLabels: {app: rs}}
+  template:
+    metadata: {labels: {app: rs}}
+    spec:
+      terminationGracePeriodSeconds: 5
+      domain: {memory: {guest: 96Mi}}
+      volumes:
+      - name: boot
+        ephemeral: {hostDisk: {path: /var/lib/kvirt/images/rs-base.raw, type: Disk}}
+";
+    h.put_manifest("rs", "", rs);
+    for vm in ["rs-0", "rs-1"] {
+        h.wait_phase(vm, "Running", BOOT);
+    }
+    let rec = vm_record(&h, "rs-1");
+    assert_eq!(
+        rec["metadata"]["ownerReferences"][0]["kind"], "VirtualMachineInstanceReplicaSet",
+        "{rec}"
+    );
+    assert_eq!(h.status("rs-1")["metadata"]["labels"]["app"], "rs");
+    // Its VMI ends (QEMU killed): a new one runs in its place.
+    let uid = vmi_uid(&h, "rs-1");
+    h.ok(&format!("kill -9 {}", h.qemu_pid("rs-1")));
+    wait_new_vmi_running(&h, "rs-1", &uid, BOOT);
+    assert_eq!(h.phase("rs-0").as_deref(), Some("Running"));
+    h.ok("rm -f /etc/kvirt/vmis.d/rs.yaml");
+    for vm in ["rs-0", "rs-1"] {
+        h.wait_gone(vm);
+    }
+    h.ok("rm -f /var/lib/kvirt/images/rs-base.raw");
+}
+
 /// `vmi_manifest`'s VMI with `cores` vCPUs, each on a dedicated host CPU.
 fn dedicated_manifest(vm: &str, cores: usize) -> String {
     support::vmi_manifest(vm, "", "", "").replace(

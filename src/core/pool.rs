@@ -341,9 +341,83 @@ impl ReplicaSet {
     }
 }
 
+impl ReplicaSet {
+    pub fn from_value(v: Value) -> Result<ReplicaSet, String> {
+        let rs: ReplicaSet =
+            serde_json::from_value(v).map_err(|e| format!("invalid {REPLICA_SET_KIND}: {e}"))?;
+        if rs.kind != REPLICA_SET_KIND || rs.api_version != crate::core::vmi::API_VERSION {
+            return Err(format!(
+                "expected {REPLICA_SET_KIND} of {}, got {:?} {:?}",
+                crate::core::vmi::API_VERSION,
+                rs.api_version,
+                rs.kind
+            ));
+        }
+        Ok(rs)
+    }
+
+    /// Standalone, where no controller makes new VMIs: its replica of
+    /// index `i` as a VM with `runStrategy: Always` named as that VMI
+    /// (`<rs>-<i>`), whose VMI is the template and which starts a new one
+    /// when one ends, as the replica set replaces it.
+    pub fn standalone_member(&self, i: u32) -> Result<VirtualMachine, String> {
+        let vmi = self.member(i)?;
+        let t = self
+            .spec
+            .template
+            .as_ref()
+            .ok_or("spec.template is missing")?;
+        let doc = serde_json::json!({
+            "apiVersion": crate::core::vmi::API_VERSION,
+            "kind": vm::KIND,
+            "metadata": vmi.metadata,
+            "spec": {
+                "runStrategy": "Always",
+                "template": {"metadata": t.metadata, "spec": t.spec},
+            },
+        });
+        VirtualMachine::from_value(doc).map_err(|e| format!("spec.template: {e}"))
+    }
+
+    pub fn standalone_members(&self) -> Result<Vec<VirtualMachine>, String> {
+        (0..self.replicas()?)
+            .map(|i| self.standalone_member(i))
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod replica_set_tests {
     use super::*;
+
+    #[test]
+    fn standalone_a_replica_set_is_vms_that_always_run_its_template() {
+        let rs = ReplicaSet::from_value(serde_json::json!({
+            "apiVersion": "kubevirt.io/v1", "kind": REPLICA_SET_KIND,
+            "metadata": {"name": "r", "namespace": "ns", "uid": "rs-u"},
+            "spec": {"replicas": 2, "selector": {"matchLabels": {"k": "v"}},
+                     "template": {"metadata": {"labels": {"k": "v"}},
+                                  "spec": {"domain": {"memory": {"guest": "64Mi"}}}}},
+        }))
+        .unwrap();
+        let vms = rs.standalone_members().unwrap();
+        assert_eq!(vms.len(), 2);
+        let v = serde_json::to_value(&vms[1]).unwrap();
+        assert_eq!(v["metadata"]["name"], "r-1");
+        assert_eq!(
+            v["metadata"]["ownerReferences"][0]["kind"],
+            REPLICA_SET_KIND
+        );
+        assert_eq!(v["spec"]["runStrategy"], "Always");
+        assert_eq!(v["spec"]["template"]["metadata"]["labels"]["k"], "v");
+        assert_eq!(
+            v["spec"]["template"]["spec"]["domain"]["memory"]["guest"],
+            "64Mi"
+        );
+        assert!(
+            ReplicaSet::from_value(serde_json::json!({"apiVersion": "v1", "kind": "Pod"})).is_err()
+        );
+    }
 
     #[test]
     fn a_replica_sets_vmis_are_its_template_named_by_index() {

@@ -412,7 +412,10 @@ fn read_manifest(path: &Path) -> Result<Vec<Object>, SourceError> {
         .and_then(|t| jiff::Timestamp::try_from(t).ok());
     let mut objects = Vec::new();
     for doc in docs {
-        if doc.get("kind").and_then(|k| k.as_str()) == Some(crate::core::pool::KIND) {
+        let kind = doc.get("kind").and_then(|k| k.as_str());
+        if kind == Some(crate::core::pool::KIND)
+            || kind == Some(crate::core::pool::REPLICA_SET_KIND)
+        {
             objects.extend(pool_members(doc).map_err(bad)?);
         } else {
             objects.push(doc);
@@ -448,12 +451,6 @@ fn read_manifest(path: &Path) -> Result<Vec<Object>, SourceError> {
                 vm.status = serde_json::Value::Null;
                 return Ok(Object::Vm(Box::new(vm)));
             }
-            if kind == crate::core::pool::REPLICA_SET_KIND {
-                return Err(bad(format!(
-                    "a {kind} runs in a cluster only (its ended VMIs are replaced there); \
-                     standalone, use a VirtualMachinePool of VMs with runStrategy Always"
-                )));
-            }
             if kind != "VirtualMachineInstance" {
                 return Err(bad(format!(
                     "kind {kind:?} is none of VirtualMachineInstance, VirtualMachine, \
@@ -481,9 +478,15 @@ fn read_manifest(path: &Path) -> Result<Vec<Object>, SourceError> {
 }
 
 /// A pool's VMs, as manifests: it is a pool of standalone VMs, scaled by
-/// editing `replicas`. Its UID follows from its name (so the VMs' owner
-/// does not change with an edit).
+/// editing `replicas`; a replica set's are VMs that always run its
+/// template (see `ReplicaSet::standalone_member`). Its UID follows from
+/// its kind and name (so the VMs' owner does not change with an edit).
 fn pool_members(mut doc: serde_json::Value) -> Result<Vec<serde_json::Value>, String> {
+    let kind = doc
+        .get("kind")
+        .and_then(|k| k.as_str())
+        .unwrap_or("")
+        .to_owned();
     let ns = doc
         .pointer("/metadata/namespace")
         .and_then(|n| n.as_str())
@@ -496,11 +499,19 @@ fn pool_members(mut doc: serde_json::Value) -> Result<Vec<serde_json::Value>, St
         .to_owned();
     if let Some(meta) = doc.get_mut("metadata").and_then(|m| m.as_object_mut()) {
         meta.insert("namespace".into(), ns.clone().into());
-        let uid = crate::core::key::uuid_form(&Sha256::digest(format!("pool:{ns}/{name}")));
+        let of = if kind == crate::core::pool::KIND {
+            "pool"
+        } else {
+            "replicaset"
+        };
+        let uid = crate::core::key::uuid_form(&Sha256::digest(format!("{of}:{ns}/{name}")));
         meta.insert("uid".into(), uid.into());
     }
-    let pool = crate::core::pool::Pool::from_value(doc)?;
-    let vms = crate::core::pool::members(&pool)?;
+    let vms = if kind == crate::core::pool::KIND {
+        crate::core::pool::members(&crate::core::pool::Pool::from_value(doc)?)?
+    } else {
+        crate::core::pool::ReplicaSet::from_value(doc)?.standalone_members()?
+    };
     vms.iter()
         .map(|v| serde_json::to_value(v).map_err(|e| e.to_string()))
         .collect()
@@ -821,16 +832,22 @@ mod tests {
             "{:?}",
             s.errors
         );
-        // A replica set has no standalone form: said, with what to use.
+        // A replica set: VMs that always run its template, named by index.
         std::fs::write(
             tmp.path().join("pool.yaml"),
-            "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstanceReplicaSet\nmetadata: {name: r}\n",
+            "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstanceReplicaSet\nmetadata: {name: r}\n\
+             spec:\n  replicas: 2\n  selector: {matchLabels: {app: r}}\n  template:\n    \
+             metadata: {labels: {app: r}}\n    spec: {domain: {memory: {guest: 64Mi}}}\n",
         )
         .unwrap();
-        let e = scan_dir(tmp.path()).errors[0].to_string();
-        assert!(
-            e.contains("runs in a cluster only") && e.contains("VirtualMachinePool"),
-            "{e}"
+        let s = scan_dir(tmp.path());
+        assert!(s.errors.is_empty(), "{:?}", s.errors);
+        let names: Vec<String> = s.vms.keys().map(|k| k.to_string()).collect();
+        assert_eq!(names, ["default/r-0", "default/r-1"]);
+        let vm = s.vms.values().next().unwrap();
+        assert_eq!(
+            serde_json::to_value(vm).unwrap()["spec"]["runStrategy"],
+            "Always"
         );
     }
 
