@@ -69,7 +69,8 @@ fn phase(host: &FakeHost, name: &str) -> Option<Phase> {
 
 /// Why the VMI was refused: it is Failed with `Synchronized=False`.
 fn refused(host: &FakeHost, namespace: &str, name: &str) -> String {
-    let st = host.state().statuses[&VmKey::new(namespace, name).unwrap()].clone();
+    let key = VmKey::new(namespace, name).unwrap();
+    let st = host.state().statuses[&key].clone();
     assert_eq!(st.status.phase, Some(Phase::Failed));
     let sync = st
         .status
@@ -2047,15 +2048,14 @@ async fn dedicated_cpus_are_held_alone_refused_with_the_numbers_and_kept_across_
             .any(|e| e.1 == EventReason::FailedScheduling)
     };
     wait_for(waits).await;
+    assert_ne!(phase(&host, "c"), Some(Phase::Failed));
+    assert_eq!(
+        condition(&host, "c", "Ready"),
+        Some(("False".into(), Some("FailedScheduling".into())))
+    );
     let st = host.state().statuses[&VmKey::new("default", "c").unwrap()].clone();
-    assert_ne!(st.status.phase, Some(Phase::Failed));
-    let ready = st
-        .status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Ready")
-        .unwrap();
-    let why = ready.message.clone().unwrap_or_default();
+    let ready = st.status.conditions.iter().find(|c| c.type_ == "Ready");
+    let why = ready.and_then(|c| c.message.clone()).unwrap_or_default();
     assert!(
         why.contains(
             "needs 1 dedicated CPUs, but only 0 of this host's 3 dedicated CPUs (1-3) are free"

@@ -390,16 +390,20 @@ impl ReplicaSet {
 mod replica_set_tests {
     use super::*;
 
-    #[test]
-    fn standalone_a_replica_set_is_vms_that_always_run_its_template() {
-        let rs = ReplicaSet::from_value(serde_json::json!({
+    /// A replica set `r` of 2 VMIs labelled `k: v`.
+    fn two() -> Value {
+        serde_json::json!({
             "apiVersion": "kubevirt.io/v1", "kind": REPLICA_SET_KIND,
             "metadata": {"name": "r", "namespace": "ns", "uid": "rs-u"},
             "spec": {"replicas": 2, "selector": {"matchLabels": {"k": "v"}},
                      "template": {"metadata": {"labels": {"k": "v"}},
                                   "spec": {"domain": {"memory": {"guest": "64Mi"}}}}},
-        }))
-        .unwrap();
+        })
+    }
+
+    #[test]
+    fn standalone_a_replica_set_is_vms_that_always_run_its_template() {
+        let rs = ReplicaSet::from_value(two()).unwrap();
         let vms = rs.standalone_members().unwrap();
         assert_eq!(vms.len(), 2);
         let v = serde_json::to_value(&vms[1]).unwrap();
@@ -421,14 +425,7 @@ mod replica_set_tests {
 
     #[test]
     fn a_replica_sets_vmis_are_its_template_named_by_index() {
-        let rs: ReplicaSet = serde_json::from_value(serde_json::json!({
-            "apiVersion": "kubevirt.io/v1", "kind": REPLICA_SET_KIND,
-            "metadata": {"name": "r", "namespace": "ns", "uid": "rs-u"},
-            "spec": {"replicas": 2, "selector": {"matchLabels": {"k": "v"}},
-                     "template": {"metadata": {"labels": {"k": "v"}},
-                                  "spec": {"domain": {"memory": {"guest": "64Mi"}}}}},
-        }))
-        .unwrap();
+        let rs: ReplicaSet = serde_json::from_value(two()).unwrap();
         assert_eq!(rs.replicas(), Ok(2));
         let v = rs.member(1).unwrap();
         assert_eq!(v.metadata.name.as_deref(), Some("r-1"));

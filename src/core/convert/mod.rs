@@ -869,6 +869,21 @@ mod tests {
         );
     }
 
+    /// A context with no disk roots, claims, capacity or CPUs.
+    fn bare<'a>(key: &'a VmKey, paths: &'a VmPaths, domain_type: DomainType) -> ConvertContext<'a> {
+        ConvertContext {
+            key,
+            paths,
+            domain_type,
+            host_disk_roots: &[],
+            cluster: false,
+            capacity: None,
+            limits: Limits::default(),
+            claims: &NO_CLAIMS,
+            dedicated_cpus: None,
+        }
+    }
+
     #[test]
     fn a_vm_whose_sockets_cannot_fit_is_refused_with_the_limit() {
         // Every Kubernetes name fits the default layout (`key::MAX_ID_LEN`);
@@ -880,21 +895,8 @@ mod tests {
         };
         let key = VmKey::new("ns", "vm").unwrap();
         let paths = layout.vm(&key);
-        let errs = convert_all_errors(
-            &vmi(MEM),
-            &ConvertContext {
-                key: &key,
-                paths: &paths,
-                domain_type: DomainType::Kvm,
-                host_disk_roots: &[],
-                cluster: false,
-                capacity: None,
-                limits: Limits::default(),
-                claims: &NO_CLAIMS,
-                dedicated_cpus: None,
-            },
-        )
-        .expect_err("too long");
+        let errs = convert_all_errors(&vmi(MEM), &bare(&key, &paths, DomainType::Kvm))
+            .expect_err("too long");
         let e = errs[0].to_string();
         assert!(e.starts_with("metadata.name:"), "{e}");
         assert!(
@@ -913,18 +915,7 @@ mod tests {
         let mut v = vmi("domain: {memory: {guest: 64Mi}, devices: {tpm: {}}}");
         v.metadata.namespace = Some(ns.clone());
         v.metadata.name = Some(name.clone());
-        let ctx = ConvertContext {
-            key: &key,
-            paths: &paths,
-            domain_type: DomainType::Qemu,
-            host_disk_roots: &[],
-            cluster: false,
-            capacity: None,
-            limits: Limits::default(),
-            claims: &NO_CLAIMS,
-            dedicated_cpus: None,
-        };
-        assert!(convert_all_errors(&v, &ctx).is_ok());
+        assert!(convert_all_errors(&v, &bare(&key, &paths, DomainType::Qemu)).is_ok());
         assert!(paths.longest_socket_path(&key.domain_name()) <= MAX_SOCKET_PATH);
     }
 
