@@ -343,7 +343,7 @@ fn settings(config: &Config) -> Result<Settings> {
             .ok(),
         limits: config.vm.limits().map_err(anyhow::Error::msg)?,
         placement: (config.source.kind == kvirt::daemon::config::SourceKind::Kubernetes)
-            .then(|| config.kubernetes.host_facts(&config.node_name)),
+            .then(|| config.host_facts()),
         token_renewal: (config.source.kind == kvirt::daemon::config::SourceKind::Kubernetes)
             .then(|| Duration::from_secs(config.kubernetes.service_account_token_seconds * 4 / 5)),
         claims: config.claims().map_err(anyhow::Error::msg)?,
@@ -523,7 +523,7 @@ async fn run(config: Config) -> Result<()> {
                 node.clone(),
                 Duration::from_secs(k.lease_seconds),
             ));
-            let claim = k.claim.then(|| (client.clone(), k.host_facts(&node)));
+            let claim = k.claim.then(|| (client.clone(), config.host_facts()));
             let control_path = settings.layout.control_socket();
             let control_group = config.control.gid().map_err(anyhow::Error::msg)?;
             let ready = move |_tx: UnboundedSender<Trigger>, view: Arc<dyn VmiView>| {

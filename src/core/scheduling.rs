@@ -29,9 +29,21 @@ pub struct HostFacts {
     pub scheduler_name: String,
 }
 
+/// KubeVirt's node label for nodes that give pods CPUs of their own; a
+/// VMI with dedicated CPUs runs only on such a node.
+pub const CPU_MANAGER_LABEL: &str = "cpumanager";
+
 /// `Ok` when the VMI may run here, else why not (for the log).
 pub fn fits(vmi: &VirtualMachineInstance, host: &HostFacts) -> Result<(), String> {
     let spec = &vmi.spec;
+    if crate::core::convert::dedicated_cpus_wanted(vmi).is_some()
+        && host.labels.get(CPU_MANAGER_LABEL).map(String::as_str) != Some("true")
+    {
+        return Err(format!(
+            "dedicatedCpuPlacement needs a node labelled {CPU_MANAGER_LABEL}=true \
+             (vm.dedicated_cpus), and this host dedicates no CPUs"
+        ));
+    }
     for (k, v) in &spec.node_selector {
         if host.labels.get(k) != Some(v) {
             return Err(format!("nodeSelector {k}={v} does not match this host"));
@@ -206,6 +218,26 @@ mod tests {
 
     fn ok(spec: &str) -> bool {
         fits(&vmi(spec), &host()).is_ok()
+    }
+
+    #[test]
+    fn dedicated_cpus_go_only_to_a_cpumanager_node() {
+        let dedicated = |cpu: &str| {
+            VirtualMachineInstance::from_yaml(&format!(
+                "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata: {{name: a}}\n\
+                 spec:\n{TOLERATES}  domain: {{cpu: {cpu}, devices: {{}}}}\n"
+            ))
+            .unwrap()
+        };
+        let yes = dedicated("{cores: 2, dedicatedCpuPlacement: true}");
+        let e = fits(&yes, &host()).unwrap_err();
+        assert!(e.contains("needs a node labelled cpumanager=true"), "{e}");
+        let mut cpumanager = host();
+        cpumanager
+            .labels
+            .insert(CPU_MANAGER_LABEL.into(), "true".into());
+        assert!(fits(&yes, &cpumanager).is_ok());
+        assert!(fits(&dedicated("{cores: 2}"), &host()).is_ok());
     }
 
     #[test]

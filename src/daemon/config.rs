@@ -170,6 +170,22 @@ impl KubernetesConfig {
     }
 }
 
+impl Config {
+    /// What this host offers VMIs: `kubernetes.host_facts`, and KubeVirt's
+    /// `cpumanager=true` label when it dedicates CPUs (a VMI asking for
+    /// dedicated CPUs is placed only on such nodes).
+    pub fn host_facts(&self) -> crate::core::scheduling::HostFacts {
+        let mut facts = self.kubernetes.host_facts(&self.node_name);
+        if self.vm.dedicated_cpus().is_ok_and(|c| !c.is_empty()) {
+            facts.labels.insert(
+                crate::core::scheduling::CPU_MANAGER_LABEL.into(),
+                "true".into(),
+            );
+        }
+        facts
+    }
+}
+
 impl Default for KubernetesConfig {
     fn default() -> Self {
         Self {
@@ -791,6 +807,16 @@ mod tests {
         assert_eq!(c.vm.dedicated_cpus().unwrap().to_string(), "2-4,7");
         let e = Config::parse("[vm]\ndedicated_cpus = \"4-2\"\n", Path::new("x")).unwrap_err();
         assert!(e.to_string().contains("vm.dedicated_cpus: \"4-2\""), "{e}");
+    }
+
+    #[test]
+    fn a_host_that_dedicates_cpus_is_a_cpumanager_node() {
+        let c = Config::parse("[vm]\ndedicated_cpus = \"1\"\n", Path::new("x")).unwrap();
+        assert_eq!(c.host_facts().labels["cpumanager"], "true");
+        assert!(!Config::default()
+            .host_facts()
+            .labels
+            .contains_key("cpumanager"));
     }
 
     #[test]
