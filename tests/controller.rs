@@ -2085,6 +2085,19 @@ async fn dedicated_cpus_are_held_alone_refused_with_the_numbers_and_kept_across_
         .iter()
         .any(|c| c.starts_with("stop") || c.starts_with("define")));
 
+    // A unit moved onto a held CPU by hand is moved back on its next pass.
+    host.take_calls();
+    if let Some(u) = host.state().units.get_mut("kvirt-vm@default_s.service") {
+        u.allowed_cpus = Some("0-3".parse().unwrap());
+    }
+    tx.send(Trigger::Vm("default_s".into())).unwrap();
+    let moved = || {
+        host.state()
+            .calls
+            .contains(&"cpus kvirt-vm@default_s.service 0".to_string())
+    };
+    wait_for(moved).await;
+
     // a goes: its CPUs are let go, and the waiting VM starts on one of them.
     tx.send(Trigger::Vmis(set(&[b.clone(), s.clone(), c.clone()])))
         .unwrap();

@@ -211,6 +211,7 @@ status: {{phase: \"{phase}\"}}
                 result: String::new(),
                 restarts: 0,
                 main_pid: None,
+                allowed_cpus: None,
             }),
             domain: Some(DomainObs {
                 state: states[state],

@@ -2460,8 +2460,16 @@ fn dedicated_cpus_are_pinned_disjoint_and_kept_across_a_kvirtd_restart() {
     let sa: CpuSet = a.parse().unwrap();
     assert!(sa.len() == n - 1 && sa.and(&online) == sa, "{a}");
     let rest = online.minus(&sa).to_string();
-    // It is moved off the held CPU at once.
+    // It is moved off the held CPU at once, and back if moved by hand.
     assert_eq!(unit_cpus("dc-s"), rest);
+    h.ok(&format!(
+        "systemctl set-property --runtime kvirt-vm@default_dc-s.service AllowedCPUs={online}"
+    ));
+    h.wait(
+        "dc-s moved back off the held CPU",
+        Duration::from_secs(60),
+        &format!("[ \"$(systemctl show -P AllowedCPUs kvirt-vm@default_dc-s.service)\" = {rest} ]"),
+    );
     // The domain pins its vCPU there, and every QEMU thread runs only there.
     let xml = h.ok(
         "virsh -c 'qemu:///session?socket=/run/kvirt/vms/default_dc-a/xdg/libvirt/virtqemud-sock' \

@@ -37,6 +37,8 @@ pub struct UnitObs {
     pub restarts: u32,
     /// The unit's main process: the VM's libvirt daemon (`MainPID`).
     pub main_pid: Option<u32>,
+    /// The CPUs it may run on (`AllowedCPUs`); `None`: any.
+    pub allowed_cpus: Option<crate::core::cpuset::CpuSet>,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -485,6 +487,7 @@ mod tests {
             result: "success".into(),
             restarts: 0,
             main_pid: None,
+            allowed_cpus: None,
         })
     }
 

@@ -764,6 +764,9 @@ impl<A: Adapters> Controller<A> {
         let running = outcome == Outcome::Phase(Phase::Running);
         if running {
             self.reattach_network(&ctx).await;
+            if !creating {
+                self.keep_on_cpus(id, obs.unit.as_ref()).await;
+            }
         }
         if creating && running {
             self.metrics.started(started.elapsed());

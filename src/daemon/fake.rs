@@ -231,6 +231,10 @@ impl Units for FakeHost {
             result: "success".into(),
             restarts: 0,
             main_pid: None,
+            allowed_cpus: spec.properties.iter().find_map(|p| match p {
+                Prop::Bytes("AllowedCPUs", mask) => Some(CpuSet::from_mask(mask)),
+                _ => None,
+            }),
         };
         let mut s = self.state();
         s.units.insert(spec.name.clone(), obs);
@@ -263,6 +267,9 @@ impl Units for FakeHost {
 
     async fn set_allowed_cpus(&self, unit: &str, cpus: &CpuSet) -> Result<(), SystemdError> {
         self.call(format!("cpus {unit} {cpus}"));
+        if let Some(u) = self.state().units.get_mut(unit) {
+            u.allowed_cpus = Some(cpus.clone());
+        }
         Ok(())
     }
 

@@ -437,6 +437,12 @@ impl Units for SystemdBus {
         let result = svc.result().await.unwrap_or_default();
         let restarts = svc.n_restarts().await.unwrap_or_default();
         let main_pid = svc.main_pid().await.ok().filter(|p| *p > 0);
+        let allowed_cpus = svc
+            .allowed_cp_us()
+            .await
+            .ok()
+            .map(|m| CpuSet::from_mask(&m))
+            .filter(|c| !c.is_empty());
         let var = |k: &str| {
             env.iter()
                 .find_map(|e| e.strip_prefix(k).and_then(|r| r.strip_prefix('=')))
@@ -459,6 +465,7 @@ impl Units for SystemdBus {
             result,
             restarts,
             main_pid,
+            allowed_cpus,
         }))
     }
 

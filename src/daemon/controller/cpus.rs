@@ -8,6 +8,7 @@ use super::{Adapters, Controller, ControllerError};
 use crate::core::convert::{self, Converted};
 use crate::core::cpuset::CpuSet;
 use crate::core::key;
+use crate::core::plan::{UnitActivity, UnitObs};
 use crate::core::vmi::VirtualMachineInstance;
 use crate::host::systemd::Units;
 use tracing::{info, warn};
@@ -171,6 +172,27 @@ impl<A: Adapters> Controller<A> {
                 .clone()
                 .unwrap_or_else(|| cpus.shared())
         })
+    }
+
+    /// A running VM's unit that is not on the CPUs it should be (a start
+    /// that raced another VM's taking CPUs, a hand-made change) is moved.
+    pub(super) async fn keep_on_cpus(&self, id: &str, unit: Option<&UnitObs>) {
+        let cpus = &self.deps.cpus;
+        let Some(u) = unit.filter(|u| u.activity == UnitActivity::Active) else {
+            return;
+        };
+        if !cpus.enabled() {
+            return;
+        }
+        let want = cpus.held_by(id).unwrap_or_else(|| cpus.shared());
+        if want.is_empty() || u.allowed_cpus.as_ref() == Some(&want) {
+            return;
+        }
+        let unit = key::unit_name_of(id);
+        match self.deps.units.set_allowed_cpus(&unit, &want).await {
+            Ok(()) => info!(cpus = %want, "moved its unit to the CPUs it runs on"),
+            Err(e) => warn!("moving its unit to CPUs {want}: {e}"),
+        }
     }
 
     /// Every VM unit without dedicated CPUs is moved to those no VM holds.
