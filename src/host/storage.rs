@@ -930,9 +930,18 @@ impl HostStorage {
                 .map_err(io(&vm.path().join(dir), "create directory"))?;
             self.place_copy(&copy, file)?;
         }
+        // Which TPM state this run keeps: the one its TPM restore names
+        // (it comes after the variables'), none when it keeps only those.
+        let at = kept.join(TPM_PATH);
         if name == TPM_STATE {
-            let at = kept.join(TPM_PATH);
             std::fs::write(&at, file.as_os_str().as_encoded_bytes()).map_err(io(&at, "write"))?;
+        } else {
+            match std::fs::remove_file(&at) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                    return Err(io(&at, "remove")(e))
+                }
+                _ => {}
+            }
         }
         let active = kept.join(EFI_ACTIVE);
         std::fs::write(&active, b"").map_err(io(&active, "write"))
@@ -1672,6 +1681,14 @@ mod tests {
         std::fs::write(tmp.path().join("secret"), b"host secret").unwrap();
         std::os::unix::fs::symlink(tmp.path().join("secret"), &state).unwrap();
         assert!(s.keep_efi_vars(&p).await.is_err());
+        assert_eq!(std::fs::read(&kept).unwrap(), b"tpm of run 1");
+
+        // A run keeping only the variables (its TPM no longer persistent)
+        // leaves the kept TPM state as it was.
+        std::fs::remove_file(&state).unwrap();
+        prepare(efi("vm A")).await.unwrap();
+        std::fs::write(&state, b"a TPM not kept").unwrap();
+        s.keep_efi_vars(&p).await.unwrap();
         assert_eq!(std::fs::read(&kept).unwrap(), b"tpm of run 1");
 
         // Another owner: neither the variables nor the TPM come back.
