@@ -2127,3 +2127,31 @@ async fn a_host_that_dedicates_no_cpus_refuses_a_vmi_asking_for_them() {
     assert_eq!(phase(&host, "s"), Some(Phase::Running));
     assert_eq!(unit_cpus(&host, "default_s"), None);
 }
+
+#[tokio::test]
+async fn a_running_vm_keeps_running_when_its_host_stops_dedicating_cpus() {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("dedicated-cpus.json");
+    let (pool, online): (CpuSet, CpuSet) = ("1-3".parse().unwrap(), "0-3".parse().unwrap());
+    let host = FakeHost::default();
+    host.state().cpus = Some(Arc::new(DedicatedCpus::open(&file, pool, online).unwrap()));
+    let before = controller(&host);
+    before.set_vmis(set(&[dedicated("a", "ua", 2)])).await;
+    before.reconcile("default_a").await.unwrap();
+    assert_eq!(phase(&host, "a"), Some(Phase::Running));
+
+    // kvirtd comes back with vm.dedicated_cpus emptied: the VM runs on.
+    host.state().cpus = None;
+    let after = controller(&host);
+    after.set_vmis(set(&[dedicated("a", "ua", 2)])).await;
+    host.take_calls();
+    after.reconcile("default_a").await.unwrap();
+    assert_eq!(phase(&host, "a"), Some(Phase::Running));
+    let calls = host.take_calls();
+    assert!(
+        !calls.iter().any(|c| c.starts_with("stop")
+            || c.starts_with("shutdown")
+            || c.starts_with("destroy")),
+        "{calls:?}"
+    );
+}

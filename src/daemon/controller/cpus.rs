@@ -53,6 +53,16 @@ impl<A: Adapters> Controller<A> {
             }
             return Ok(None);
         };
+        if admitted {
+            // A VM that runs keeps its CPUs, and keeps running whatever the
+            // host's configuration says now; when no holding is known (its
+            // CPUs no longer dedicated), the conversion only reports.
+            return Ok(Some(
+                cpus.held_by(id)
+                    .filter(|h| h.len() == want as usize)
+                    .unwrap_or_else(|| (0..want).collect()),
+            ));
+        }
         if !cpus.enabled() {
             return Err(Unplaced::Refused(format!(
                 "{FIELD}: this host dedicates no CPUs to VMs (vm.dedicated_cpus in its \
@@ -65,11 +75,6 @@ impl<A: Adapters> Controller<A> {
                 cpus.pool().len(),
                 cpus.pool()
             )));
-        }
-        if admitted {
-            if let Some(held) = cpus.held_by(id) {
-                return Ok(Some(held));
-            }
         }
         // A VM without dedicated CPUs that runs keeps one CPU to run on.
         let keep_shared = match self.deps.units.list_ids().await {
