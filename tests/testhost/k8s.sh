@@ -3,8 +3,9 @@
 # inside a booted test host. Source it after lib.sh; see README.md ("Kubernetes
 # control plane").
 #
-# Public functions: th_k8s_bins th_kube_apiserver th_kubectl th_etcd th_k8s_up
-# th_k8s_kubeconfig th_k8s_stop_apiserver th_k8s_start_apiserver th_k8s_kubectl
+# Public functions: th_k8s_bins th_kube_apiserver th_kubectl th_virtctl th_etcd
+# th_k8s_binds th_k8s_up th_k8s_kubeconfig th_k8s_stop_apiserver
+# th_k8s_start_apiserver th_k8s_kubectl
 #
 # Logs go to stderr; functions that "echo a path" print only that on stdout.
 
@@ -12,10 +13,13 @@
 # k8s-openapi's v1_33 feature). The staging modules (k8s.io/api, ...) are pinned to
 # v0.<minor>.<patch> of the same release.
 TH_K8S_VERSION=${TH_K8S_VERSION:-1.33.13}
+# KubeVirt's virtctl, built from the kubevirt.io/kubevirt Go module: the upstream
+# client that cluster tests drive kvirt's KubeVirt API with.
+TH_VIRTCTL_VERSION=${TH_VIRTCTL_VERSION:-1.9.0}
 TH_GO=${TH_GO:-/usr/local/go/bin/go}
-# Go's caches (GOPATH, GOMODCACHE, GOCACHE): shared by all k8s builds. The
-# build cache (GOCACHE, 2.4 GB) is removed once the binaries are cached: only
-# a rebuild for another version would read it.
+# Go's caches (GOPATH, GOMODCACHE, GOCACHE): shared by all k8s builds (virtctl's
+# too, but for GOCACHE). The build cache (GOCACHE, 2.4 GB) is removed once the
+# binaries are cached: only a rebuild for another version would read it.
 TH_GO_CACHE=$TH_CACHE/go
 
 # ---------------------------------------------------------------- binaries
@@ -148,6 +152,194 @@ th_k8s_bins() {
 th_kube_apiserver() { local d; d=$(th_k8s_bins) || return; echo "$d/kube-apiserver"; }
 th_kubectl() { local d; d=$(th_k8s_bins) || return; echo "$d/kubectl"; }
 
+# th__build_virtctl OUT VERSION GO: build virtctl from the kubevirt.io/kubevirt module
+# at VERSION with the machine's Go, into OUT.
+th__build_virtctl() {
+  local out=$1 ver=$2 go=$3
+  local w=$TH_WORK
+  # Go's build cache in the scratch dir (removed with it): th_k8s_bins removes
+  # $TH_GO_CACHE/build when it returns, which would pull the shared one from
+  # under a virtctl build running at the same time.
+  export GOPATH=$TH_GO_CACHE/path GOMODCACHE=$TH_GO_CACHE/mod GOCACHE=$w/go-build
+  export GOTOOLCHAIN=local CGO_ENABLED=0 GOFLAGS=-mod=mod GOPROXY=${GOPROXY:-https://proxy.golang.org}
+  mkdir -p "$GOPATH" "$GOMODCACHE" "$GOCACHE"
+  set -x
+  "$go" version
+  mkdir -p "$w/src/cmd/virtctl"
+  cd "$w/src" || return
+  echo "[th $(date +%T)] virtctl: fetching kubevirt.io/kubevirt v$ver"
+  # The proxy refuses the version lists of kubevirt.io/* (@v/list: 403) but serves
+  # the releases: ask for the exact version.
+  local json gomod info dir
+  json=$(cd /tmp && GOFLAGS="" "$go" mod download -json "kubevirt.io/kubevirt@v$ver")
+  gomod=$(sed -n 's/^[[:space:]]*"GoMod": "\(.*\)",$/\1/p' <<<"$json")
+  info=$(sed -n 's/^[[:space:]]*"Info": "\(.*\)",$/\1/p' <<<"$json")
+  dir=$(sed -n 's/^[[:space:]]*"Dir": "\(.*\)",$/\1/p' <<<"$json")
+  [[ -r $gomod && -r $info && -d $dir ]]
+  # A replace counts only in the main module, and "go install mod@version" refuses
+  # a module that has any: the wrapper module copies the kubevirt go.mod's
+  # replaces (k8s.io/* pinned to one release, openshift/* and others required as
+  # v0.0.0) and maps its staging modules (kubevirt.io/api, kubevirt.io/client-go
+  # => ./staging/src/..., left out of the module zip as nested modules) to their
+  # published modules of the same version.
+  local replaces remote staging
+  replaces=$(awk '/^replace[[:space:]]*\(/ { b = 1; next }
+    b && /^\)/ { b = 0; next }
+    b || sub(/^replace[[:space:]]+/, "") { sub(/\/\/.*/, ""); $1 = $1; if (/=>/) print }' "$gomod")
+  remote=$(awk '$NF !~ /^\.\.?\//' <<<"$replaces")
+  staging=$(awk '$NF ~ /^\.\.?\// { print $1 }' <<<"$replaces")
+  [[ -n $staging ]]
+  local m
+  for m in $staging; do
+    # Only ./staging/src/<module> is known to be published under its own path.
+    grep -qx "$m => \./staging/src/$m" <<<"$replaces"
+  done
+  # The proxy refuses kubevirt.io/virt-template-{api,client-go,engine} (403, "not
+  # available", any version): virtctl is built without its "template" commands
+  # (VirtualMachineTemplates, which kvirt does not serve; below), and the two
+  # packages that virtctl's other commands reach (through vmexport and
+  # pkg/controller, whose VirtualMachineTemplate informer only virt-controller
+  # starts) come from local stand-ins with just what those use: the API group and
+  # resource names (as in the CRD virtualmachinetemplates.template.kubevirt.io),
+  # an object type and a client constructor that fails.
+  local k8s
+  k8s=$(awk '$1 == "k8s.io/client-go" { print $NF }' <<<"$remote")
+  [[ -n $k8s ]]
+  mkdir -p virt-template-api/core/v1beta1 virt-template-client-go/virttemplate
+  printf 'module kubevirt.io/virt-template-api\n\ngo 1.24.0\n\nrequire k8s.io/apimachinery %s\n' \
+    "$k8s" >virt-template-api/go.mod
+  printf 'module kubevirt.io/virt-template-client-go\n\ngo 1.24.0\n\nrequire k8s.io/client-go %s\n' \
+    "$k8s" >virt-template-client-go/go.mod
+  cat >virt-template-api/core/core.go <<'GO'
+// Package core stands in for kubevirt.io/virt-template-api/core, which the Go
+// module proxy does not serve.
+package core
+
+const (
+	GroupName            = "template.kubevirt.io"
+	SingularResourceName = "virtualmachinetemplate"
+	PluralResourceName   = "virtualmachinetemplates"
+)
+GO
+  cat >virt-template-api/core/v1beta1/types.go <<'GO'
+// Package v1beta1 stands in for kubevirt.io/virt-template-api/core/v1beta1: only
+// the object type that pkg/controller's informer names.
+package v1beta1
+
+import (
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/runtime"
+)
+
+type VirtualMachineTemplate struct {
+	metav1.TypeMeta   `json:",inline"`
+	metav1.ObjectMeta `json:"metadata,omitempty"`
+}
+
+func (in *VirtualMachineTemplate) DeepCopyObject() runtime.Object {
+	out := *in
+	in.ObjectMeta.DeepCopyInto(&out.ObjectMeta)
+	return &out
+}
+GO
+  cat >virt-template-client-go/virttemplate/clientset.go <<'GO'
+// Package virttemplate stands in for kubevirt.io/virt-template-client-go/virttemplate:
+// a client that cannot be created.
+package virttemplate
+
+import (
+	"errors"
+
+	"k8s.io/client-go/rest"
+)
+
+type Clientset struct{}
+
+type TemplateV1beta1Client struct{}
+
+func NewForConfig(*rest.Config) (*Clientset, error) {
+	return nil, errors.New("virt-template client: not in this virtctl build")
+}
+
+func (*Clientset) TemplateV1beta1() *TemplateV1beta1Client { return nil }
+
+func (*TemplateV1beta1Client) RESTClient() rest.Interface { return nil }
+GO
+  local goline
+  goline=$(sed -n 's/^go \(.*\)/\1/p' "$gomod")
+  {
+    echo "module kvirt.test/virtctl"
+    echo
+    echo "go $goline"
+    echo
+    echo "require kubevirt.io/kubevirt v$ver"
+    echo
+    echo "replace ("
+    sed 's/^/\t/' <<<"$remote"
+    for m in $staging; do echo "	$m => $m v$ver"; done
+    echo "	kubevirt.io/virt-template-api => ./virt-template-api"
+    echo "	kubevirt.io/virt-template-client-go => ./virt-template-client-go"
+    echo ")"
+  } >go.mod
+  cat go.mod
+  # The kubevirt tree's own cmd/virtctl/virtctl.go and pkg/virtctl/root.go (the
+  # root command, the only file of its package), with the "template" command
+  # group taken out of root.go: each edit is checked, so that a new version of
+  # another shape fails here instead of building something else.
+  mkdir -p virtctl
+  sed -e '\#^[[:space:]]*"kubevirt.io/kubevirt/pkg/virtctl/template"$#d' \
+    -e '/^[[:space:]]*template\.NewCommand(),$/d' "$dir/pkg/virtctl/root.go" >virtctl/root.go
+  [[ $(wc -l <virtctl/root.go) == $(($(wc -l <"$dir/pkg/virtctl/root.go") - 2)) ]]
+  if grep -E 'virtctl/template"|\<template\.' virtctl/root.go; then return 1; fi
+  [[ $(ls "$dir"/pkg/virtctl/*.go | grep -vc '_test\.go$') == 1 ]]
+  sed 's#"kubevirt.io/kubevirt/pkg/virtctl"#"kvirt.test/virtctl/virtctl"#' \
+    "$dir/cmd/virtctl/virtctl.go" >cmd/virtctl/main.go
+  grep -q '"kvirt.test/virtctl/virtctl"' cmd/virtctl/main.go
+  [[ $(ls "$dir"/cmd/virtctl/*.go | grep -vc '_test\.go$') == 1 ]]
+  cat cmd/virtctl/main.go
+  echo "[th $(date +%T)] virtctl: resolving modules (go mod tidy)"
+  # -e: tests of kubevirt packages (tidy reads them) import the template commands
+  # and the refused modules; the build below needs none of them.
+  "$go" mod tidy -e
+  cp go.mod go.sum "$out/"
+  # Version stamps, as hack/version.sh sets them: the tag, its commit, a clean
+  # tree, and the commit's time as the build date (reproducible). The proxy's
+  # .info has the commit (Origin.Hash) and its time.
+  local p=kubevirt.io/client-go/version commit date
+  commit=$(sed -n 's/.*"Hash":"\([0-9a-f]*\)".*/\1/p' "$info")
+  date=$(sed -n 's/.*"Time":"\([^"]*\)".*/\1/p' "$info")
+  [[ -n $date ]]
+  local ld="-s -w -X $p.gitVersion=v$ver -X $p.buildDate=$date"
+  [[ -z $commit ]] || ld+=" -X $p.gitCommit=$commit -X $p.gitTreeState=clean"
+  echo "[th $(date +%T)] virtctl: building virtctl"
+  local t=$SECONDS
+  # -tags selinux: KubeVirt builds every binary with it (hack/common.sh).
+  "$go" build -trimpath -tags selinux -ldflags="$ld" -o "$out/virtctl" ./cmd/virtctl
+  echo "[th $(date +%T)] virtctl: built virtctl in $((SECONDS - t))s, $(du -h "$out/virtctl" | cut -f1)"
+  "$out/virtctl" version --client | tee "$out/version"
+  grep -qF "GitVersion:\"v$ver\"" "$out/version"
+  echo "$ver" >"$out/kubevirt-version"
+  set +x
+}
+
+th__virtctl_key() {
+  { declare -f th__build_virtctl; echo "$TH_VIRTCTL_VERSION"; "$TH_GO" version; } | th__hash
+}
+
+# th_virtctl: echo the path of the cached virtctl (static, CGO_ENABLED=0) built from
+# kubevirt.io/kubevirt v$TH_VIRTCTL_VERSION with $TH_GO.
+th_virtctl() {
+  [[ -x $TH_GO ]] || th_die "no Go toolchain at $TH_GO (set TH_GO)" || return
+  local d
+  # As th_k8s_bins: the builder goes to th__cached's fresh bash exported.
+  d=$(
+    export -f th__build_virtctl
+    export TH_GO_CACHE
+    th__cached virtctl "$TH_VIRTCTL_VERSION-$(th__virtctl_key)" th__build_virtctl "$TH_VIRTCTL_VERSION" "$TH_GO"
+  ) || return
+  echo "$d/virtctl"
+}
+
 # ---------------------------------------------------------------- etcd
 
 # th__build_etcd OUT ROOTFS: etcd and etcdctl from the suite's etcd-server and
@@ -181,15 +373,18 @@ th_etcd() {
 }
 
 # th_k8s_binds: echo "src:dst ..." read-only binds for TH_BIND_RO that put
-# kube-apiserver, kubectl, etcd and etcdctl at /usr/local/bin in a test host booted
-# with them (th_k8s_up copies missing ones into the overlay instead: slower, and
-# ~140 MB of the host's RAM, since the overlay's upper layer is a tmpfs).
+# kube-apiserver, kube-controller-manager, kubectl, virtctl, etcd and etcdctl at
+# /usr/local/bin in a test host booted with them (th_k8s_up copies missing ones into
+# the overlay instead: slower, and ~350 MB of the host's RAM, since the overlay's
+# upper layer is a tmpfs).
 th_k8s_binds() {
-  local k e
+  local k v e
   k=$(th_k8s_bins) || return
+  v=$(th_virtctl) || return
   e=$(th_etcd) || return
   echo "$k/kube-apiserver:/usr/local/bin/kube-apiserver $k/kubectl:/usr/local/bin/kubectl" \
     "$k/kube-controller-manager:/usr/local/bin/kube-controller-manager" \
+    "$v:/usr/local/bin/virtctl" \
     "$e/etcd:/usr/local/bin/etcd $e/etcdctl:/usr/local/bin/etcdctl"
 }
 
@@ -358,9 +553,10 @@ th_k8s_wait_ready() {
 }
 
 # th_k8s_up NAME: in the booted test host NAME, create the PKI and the admin
-# kubeconfig, install kube-apiserver, kubectl, etcd, etcdctl at /usr/local/bin (binds
-# from th_k8s_binds, or copies), start etcd.service and kube-apiserver.service and
-# wait until /readyz is ok. Idempotent: a second call only (re)starts what is stopped.
+# kubeconfig, install kube-apiserver, kube-controller-manager, kubectl, virtctl,
+# etcd, etcdctl at /usr/local/bin (binds from th_k8s_binds, or copies), start
+# etcd.service and kube-apiserver.service and wait until /readyz is ok.
+# Idempotent: a second call only (re)starts what is stopped.
 th_k8s_up() {
   local name=$1 pid t t0 bins etcd share
   pid=$(th_pid1 "$name") || return
@@ -369,9 +565,13 @@ th_k8s_up() {
   bins=$(th_k8s_bins) || return
   etcd=$(th_etcd) || return
   local f src
-  for f in kube-apiserver kube-controller-manager kubectl etcd etcdctl; do
+  for f in kube-apiserver kube-controller-manager kubectl virtctl etcd etcdctl; do
     [[ -x /proc/$pid/root/usr/local/bin/$f ]] && continue
-    case $f in etcd*) src=$etcd/$f ;; *) src=$bins/$f ;; esac
+    case $f in
+      etcd*) src=$etcd/$f ;;
+      virtctl) src=$(th_virtctl) || return ;;
+      *) src=$bins/$f ;;
+    esac
     th_log "test host $name: copying $f in (boot with TH_BIND_RO=\"\$(th_k8s_binds)\" to bind it)"
     th_copy_in "$name" "$src" "/usr/local/bin/$f" || return
   done
