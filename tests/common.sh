@@ -93,6 +93,10 @@ kvirt_k8s_cluster() {
   pa=$(TH_BIND="$binds" TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud $k8s" th_boot "$a") || return
   [[ -z $loop ]] || echo "$loop" >"$TH_STATE/$a/share/claim-loop"
   th_k8s_up "$a" >&2 || return
+  # The hosts' addresses, as a node's would be: the API server reaches each
+  # kvirtd's API port there (Endpoints may not name loopback addresses).
+  # (On lo: a dummy link needs a kernel module nspawn cannot load.)
+  th_sh "$a" 'ip addr add 10.250.0.1/32 dev lo && ip addr add 10.250.0.2/32 dev lo' || return
   th_copy_in "$a" "$top/packaging/kubernetes/crd.yaml" /etc/kvirt/manifests/crd.yaml || return
   th_copy_in "$a" "$top/packaging/kubernetes/rbac.yaml" /etc/kvirt/manifests/rbac.yaml || return
   # The tests' namespace is opted in (Secrets, ConfigMaps, tokens); others are not.
@@ -104,16 +108,18 @@ kvirt_k8s_cluster() {
     crd/virtualmachines.kubevirt.io crd/virtualmachineclusterinstancetypes.instancetype.kubevirt.io \
     crd/virtualmachinepreferences.instancetype.kubevirt.io crd/virtualmachinepools.pool.kubevirt.io \
     crd/virtualmachineinstancereplicasets.kubevirt.io >&2 || return
+  # A user with no rights of its own (tests bind roles to it).
+  th_k8s_kubeconfig "$a" kvirt-viewer >/dev/null || return
   pb=$(TH_NETNS_OF=$a TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud $k8s" th_boot "$b") || return
   # nspawn mounts /proc/sys/net read-only in a container without a network
   # of its own; kvirtd sets forwarding inside each VM's namespace through it.
   th_sh "$b" 'mount --bind /proc/sys/net /proc/sys/net && mount -o remount,bind,rw /proc/sys/net' || return
-  local host node kc subnet
+  local host node kc subnet api_listen
   for host in "$a" "$b"; do
     node=node-${host##*-}
     # Both hosts share one network namespace: give each its own VM subnet.
-    subnet=10.213.0.0/24
-    [[ $node == node-b ]] && subnet=10.214.0.0/24
+    subnet=10.213.0.0/24 api_listen=10.250.0.1:8443
+    [[ $node == node-b ]] && subnet=10.214.0.0/24 api_listen=10.250.0.2:8443
     kc=$(th_k8s_kubeconfig "$a" "system:kvirt:$node" kvirt:nodes) || return
     th_copy_in "$host" "$(th_share "$a")/kubeconfigs/$(basename "$kc")" /etc/kvirt/kubeconfig || return
     # Both hosts need the admin kubeconfig for the tests' kubectl.
@@ -123,6 +129,18 @@ kvirt_k8s_cluster() {
       th_sh "$host" 'mkdir -p /etc/kvirt/kvirtd.toml.d && printf "[metrics]\nlisten = \"127.0.0.1:9478\"\n" >/etc/kvirt/kvirtd.toml.d/40-metrics.toml' || return
     fi
     bash "$top/tests/testhost/install-kvirt.sh" "$host" "$KVIRT_DEB" >&2 || return
+    # subresources.kubevirt.io: one CA and serving certificate made on A (as
+    # the README says for a small cluster), copied to B; registered once.
+    if [[ $node == node-a ]]; then
+      th_sh "$host" 'kvirtd --make-api-pki /etc/kvirt/pki >/dev/null &&
+        cp /etc/kvirt/pki/api-ca.crt /etc/kvirt/pki/api.crt /etc/kvirt/pki/api.key /share/ &&
+        kvirtd --print-api-service | kubectl --kubeconfig=/etc/kvirt/admin.kubeconfig apply -f -' >&2 || return
+    else
+      for f in api-ca.crt api.crt api.key; do
+        th_copy_in "$host" "$(th_share "$a")/$f" "/etc/kvirt/pki/$f" || return
+      done
+      th_sh "$host" 'chmod 0600 /etc/kvirt/pki/api.key' || return
+    fi
     th_sh "$host" "cat > /etc/kvirt/kvirtd.toml.d/50-test.toml <<EOF
 node_name = \"$node\"
 [source]
@@ -138,6 +156,8 @@ lease_seconds = 8
 efi_vars_check_seconds = 2
 [network]
 subnet = \"$subnet\"
+[api]
+listen = \"$api_listen\"
 [storage]
 local_registries = [\"127.0.0.1:5001\"]
 [storage.host_disk_roots_by_namespace]

@@ -23,6 +23,11 @@ struct Args {
     /// kvirtd's configuration file, for its directories.
     #[arg(long, short, global = true, default_value = DEFAULT_PATH)]
     config: PathBuf,
+    /// In a cluster: the user's kubeconfig (default: $KUBECONFIG, then
+    /// ~/.kube/config). start, stop, restart, pause, unpause, soft-reboot
+    /// and console go through the API server as that user, as virtctl's do.
+    #[arg(long, global = true)]
+    kubeconfig: Option<PathBuf>,
     #[command(subcommand)]
     command: Command,
 }
@@ -126,20 +131,32 @@ fn main() -> Result<()> {
     let args = Args::parse();
     let explicit = args.config != Path::new(DEFAULT_PATH);
     let config = || Config::load(&args.config, explicit);
+    let user = args.kubeconfig.clone();
+    // In a cluster the API server decides, with the user's own rights.
+    let in_cluster = |c: &Config| c.source.kind == kvirt::daemon::config::SourceKind::Kubernetes;
     match args.command {
         Command::Ls => ls(&config()?.layout()),
         Command::Status { vm } => status(&config()?.layout(), &vm),
-        Command::Console { vm } => console(&config()?.layout(), &vm),
+        Command::Console { vm } => {
+            let config = config()?;
+            if in_cluster(&config) {
+                api_console(user.as_deref(), &vm)
+            } else {
+                console(&config.layout(), &vm)
+            }
+        }
         Command::Vm { vm } => show_vm(&config()?.layout(), &vm),
-        Command::Start { vm } => vm_request(&config()?, "start", &vm, None),
+        Command::Start { vm } => request(&config()?, user.as_deref(), "start", &vm, None),
         Command::Stop { vm, grace, force } => {
             let grace = grace.or(force.then_some(0));
-            vm_request(&config()?, "stop", &vm, grace)
+            request(&config()?, user.as_deref(), "stop", &vm, grace)
         }
-        Command::Restart { vm } => vm_request(&config()?, "restart", &vm, None),
-        Command::Pause { vm } => control(&config()?.layout(), "pause", &vm, None),
-        Command::Unpause { vm } => control(&config()?.layout(), "unpause", &vm, None),
-        Command::SoftReboot { vm } => control(&config()?.layout(), "soft-reboot", &vm, None),
+        Command::Restart { vm } => request(&config()?, user.as_deref(), "restart", &vm, None),
+        Command::Pause { vm } => request(&config()?, user.as_deref(), "pause", &vm, None),
+        Command::Unpause { vm } => request(&config()?, user.as_deref(), "unpause", &vm, None),
+        Command::SoftReboot { vm } => {
+            request(&config()?, user.as_deref(), "soft-reboot", &vm, None)
+        }
         Command::Domxml {
             file,
             domain_type,
@@ -336,27 +353,131 @@ fn show_vm(layout: &HostLayout, vm: &str) -> Result<()> {
 /// `start`, `stop`, `restart` of a VirtualMachine: in a cluster through the
 /// API server (with kvirtd's kubeconfig, as `virtctl` would), standalone
 /// through kvirtd's control socket.
-fn vm_request(config: &Config, action: &str, vm: &str, grace: Option<u64>) -> Result<()> {
+/// start, stop, restart, pause, unpause, soft-reboot: kvirtd's control
+/// socket on a standalone host; in a cluster, KubeVirt's subresource
+/// through the API server as the user (pause, unpause and soft-reboot name
+/// a VMI, as `virtctl ... vmi` does).
+fn request(
+    config: &Config,
+    kubeconfig: Option<&Path>,
+    action: &str,
+    vm: &str,
+    grace: Option<u64>,
+) -> Result<()> {
     if config.source.kind != kvirt::daemon::config::SourceKind::Kubernetes {
         return control(&config.layout(), action, vm, grace);
     }
     let key = VmKey::parse(vm)?;
-    let verb = match action {
-        "start" => kvirt::core::vm::Verb::Start,
-        "stop" => kvirt::core::vm::Verb::Stop { grace },
-        _ => kvirt::core::vm::Verb::Restart,
+    let (resource, sub, body) = match action {
+        "start" | "restart" => ("virtualmachines", action, serde_json::json!({})),
+        "stop" => (
+            "virtualmachines",
+            "stop",
+            serde_json::json!({ "gracePeriod": grace }),
+        ),
+        "soft-reboot" => (
+            "virtualmachineinstances",
+            "softreboot",
+            serde_json::json!({}),
+        ),
+        _ => ("virtualmachineinstances", action, serde_json::json!({})),
     };
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let message = rt.block_on(async {
-        let (client, _) = kvirt::sources::cluster::client(&config.kubernetes.kubeconfig).await?;
-        kvirt::sources::cluster::vms::request(client, &key, verb)
+    rt.block_on(async {
+        let client = user_client(kubeconfig).await?;
+        kvirt::sources::cluster::subresources::put(&client, &key, resource, sub, &body)
             .await
             .map_err(anyhow::Error::msg)
-    })?;
-    println!("{message}");
+    })
+    .with_context(|| format!("{action} {key}"))?;
+    let what = if resource == "virtualmachines" {
+        "VM"
+    } else {
+        "VMI"
+    };
+    println!("{what} {key} was scheduled to {action}");
     Ok(())
+}
+
+/// The user's client: `--kubeconfig`, else what kubectl would use.
+async fn user_client(kubeconfig: Option<&Path>) -> Result<kube::Client> {
+    let config = match kubeconfig {
+        Some(p) => {
+            let kc = kube::config::Kubeconfig::read_from(p)?;
+            kube::Config::from_custom_kubeconfig(kc, &Default::default()).await?
+        }
+        None => kube::Config::infer().await?,
+    };
+    Ok(kube::Client::try_from(config)?)
+}
+
+/// A VMI's serial console through the API server (detach with Ctrl-]).
+fn api_console(kubeconfig: Option<&Path>, vm: &str) -> Result<()> {
+    use futures::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::Message;
+    let key = VmKey::parse(vm)?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let client = user_client(kubeconfig).await?;
+        let ws = kvirt::sources::cluster::subresources::connect(&client, &key, "console")
+            .await
+            .map_err(anyhow::Error::msg)
+            .with_context(|| format!("console of {key}"))?;
+        let tty = nix::unistd::isatty(std::io::stdin()).unwrap_or(false);
+        if tty {
+            eprintln!("Connected to {key}; detach with Ctrl-]");
+        }
+        let raw = tty.then(RawTty::enter).transpose()?;
+        let (mut tx, mut rx) = ws.split();
+        let (in_tx, mut in_rx) = tokio::sync::mpsc::channel::<Vec<u8>>(16);
+        // Input ends at EOF (the console stays attached for output) or Ctrl-].
+        std::thread::spawn(move || {
+            let mut buf = [0u8; 1024];
+            let mut stdin = std::io::stdin().lock();
+            while let Ok(n) = stdin.read(&mut buf) {
+                if n == 0 {
+                    return;
+                }
+                let (chunk, detach) = match buf[..n].iter().position(|&b| b == 0x1d) {
+                    Some(i) => (&buf[..i], true),
+                    None => (&buf[..n], false),
+                };
+                if in_tx.blocking_send(chunk.to_vec()).is_err() || detach {
+                    // Dropping the sender detaches.
+                    let _ = in_tx.blocking_send(vec![0x1d]);
+                    return;
+                }
+            }
+        });
+        let mut out = std::io::stdout();
+        let mut input_open = true;
+        let mut why = None;
+        loop {
+            tokio::select! {
+                b = in_rx.recv(), if input_open => match b {
+                    Some(b) if b == [0x1d] => break,
+                    Some(b) => { tx.send(Message::Binary(b.into())).await?; }
+                    None => input_open = false,
+                },
+                m = rx.next() => match m {
+                    Some(Ok(Message::Binary(b))) => { out.write_all(&b)?; out.flush()?; }
+                    Some(Ok(Message::Close(frame))) => { why = frame.map(|f| f.reason.to_string()); break; }
+                    Some(Ok(_)) => {}
+                    Some(Err(e)) => { why = Some(e.to_string()); break; }
+                    None => break,
+                },
+            }
+        }
+        drop(raw);
+        if let Some(why) = why.filter(|w| !w.is_empty()) {
+            eprintln!("\r\nconsole closed: {why}");
+        }
+        anyhow::Ok(())
+    })
 }
 
 /// One request to kvirtd's control socket; its refusal is an error.

@@ -6,6 +6,7 @@ use clap::Parser;
 use kvirt::core::convert::DomainType;
 use kvirt::core::layout::{HostLayout, LEGACY_STATUS};
 use kvirt::core::trigger::Trigger;
+use kvirt::daemon::api::run::ApiSettings;
 use kvirt::daemon::config::{Config, Emulation, SourceKind, DEFAULT_PATH};
 use kvirt::daemon::control;
 use kvirt::daemon::controller::VmiView;
@@ -82,6 +83,18 @@ struct Args {
     /// VMIs' volumes name there. Namespaces not opted in get none.
     #[arg(long = "namespace", requires = "print_rbac", value_name = "NS")]
     namespaces: Vec<String>,
+    /// Print what registers kvirt's subresources.kubevirt.io API (what
+    /// virtctl calls) with the API server: the Namespace kvirt, the Service
+    /// kvirt-api, the APIServices (caBundle: the file [api] ca names) and
+    /// the RBAC kvirtd needs to serve it; then exit.
+    #[arg(long)]
+    print_api_service: bool,
+    /// Make a CA in DIR (unless it has one) and a new serving certificate
+    /// signed by it for kvirtd's API port (api-ca.crt, api-ca.key, api.crt,
+    /// api.key), then exit. For a test or small cluster: copy api-ca.crt,
+    /// api.crt and api.key to each host's /etc/kvirt/pki.
+    #[arg(long, value_name = "DIR")]
+    make_api_pki: Option<PathBuf>,
     /// Print this manual page (roff) for packaging.
     #[arg(long, hide = true)]
     print_man: bool,
@@ -172,8 +185,22 @@ fn main() -> Result<()> {
         }
         return Ok(());
     }
-    init_logging();
+    if let Some(dir) = &args.make_api_pki {
+        for f in kvirt::daemon::api::pki::make(dir)? {
+            println!("{}", f.display());
+        }
+        return Ok(());
+    }
     let explicit = args.config != Path::new(DEFAULT_PATH);
+    if args.print_api_service {
+        let config = Config::load(&args.config, explicit)?;
+        let ca = std::fs::read(&config.api.ca)
+            .with_context(|| format!("api.ca {}", config.api.ca.display()))?;
+        kvirt::daemon::api::tls::certificates(&ca, &config.api.ca.display().to_string())?;
+        print!("{}", cluster::api_service_yaml(&ca));
+        return Ok(());
+    }
+    init_logging();
     let config = match Config::load(&args.config, explicit) {
         Ok(c) => c,
         Err(e) => {
@@ -503,6 +530,7 @@ async fn run(config: Config) -> Result<()> {
                 list: None::<fn() -> _>,
                 resync,
                 efi_vars_check: None,
+                stop: None,
             };
             let deps = host.deps(status, LogRecorder);
             Ok(serve(deps, settings, metrics, (tx, rx), sources).await?)
@@ -526,9 +554,29 @@ async fn run(config: Config) -> Result<()> {
             let claim = k.claim.then(|| (client.clone(), config.host_facts()));
             let control_path = settings.layout.control_socket();
             let control_group = config.control.gid().map_err(anyhow::Error::msg)?;
+            let api = api_settings(&config, Duration::from_secs(k.lease_seconds))?;
+            let running_api = Arc::new(tokio::sync::Mutex::new(None));
+            let (api_client, api_node, api_layout) =
+                (client.clone(), node.clone(), settings.layout.clone());
+            let api_running = running_api.clone();
             let ready = move |_tx: UnboundedSender<Trigger>, view: Arc<dyn VmiView>| {
                 if let Some((client, host)) = claim {
                     cluster::source::claim_unassigned(client, host);
+                }
+                if let Some(api) = api {
+                    let v = view.clone();
+                    tokio::spawn(async move {
+                        // virtctl's API is for users, never a reason not to
+                        // run VMs: a failure to serve it is logged.
+                        match kvirt::daemon::api::run::start(
+                            api, api_node, api_client, v, api_layout,
+                        )
+                        .await
+                        {
+                            Ok(r) => *api_running.lock().await = Some(r),
+                            Err(e) => error!("subresources.kubevirt.io (virtctl) not served: {e}"),
+                        }
+                    });
                 }
                 // pause, unpause, soft-reboot of the VMIs this host runs;
                 // a VM's start, stop and restart go through the API server.
@@ -559,11 +607,71 @@ async fn run(config: Config) -> Result<()> {
                 list: Some(list),
                 resync,
                 efi_vars_check: Some(Duration::from_secs(k.efi_vars_check_seconds.max(1))),
+                stop: Some(Box::new(move || {
+                    Box::pin(async move {
+                        if let Some(r) = running_api.lock().await.take() {
+                            r.stop().await;
+                        }
+                    })
+                })),
             };
             let deps = host.deps(status, events);
             Ok(serve(deps, settings, metrics, (tx, rx), sources).await?)
         }
     }
+}
+
+/// The API port's settings, or `None` when it is not served. Without an
+/// address configured, the one this host reaches the API server from.
+fn api_settings(config: &Config, lease: Duration) -> Result<Option<ApiSettings>> {
+    let a = &config.api;
+    let Some(listen) = a.listen_address().map_err(anyhow::Error::msg)? else {
+        return Ok(None);
+    };
+    let address = match a.advertised().map_err(anyhow::Error::msg)? {
+        Some(ip) => ip,
+        None => route_to_api_server(&config.kubernetes.kubeconfig).context(
+            "api.address is empty: finding the address this host reaches the API server from",
+        )?,
+    };
+    Ok(Some(ApiSettings {
+        listen,
+        address,
+        cert: a.cert.clone(),
+        key: a.key.clone(),
+        ca: a.ca.clone(),
+        lease,
+    }))
+}
+
+/// The local address of a route to the API server (a UDP socket's
+/// connect sends nothing).
+fn route_to_api_server(kubeconfig: &Path) -> Result<std::net::IpAddr> {
+    use std::net::ToSocketAddrs;
+    let kc = kube::config::Kubeconfig::read_from(kubeconfig)?;
+    let server = kc
+        .clusters
+        .iter()
+        .find_map(|c| c.cluster.as_ref()?.server.clone())
+        .context("the kubeconfig names no server")?;
+    let uri: http::Uri = server.parse().with_context(|| format!("server {server}"))?;
+    let host = uri
+        .host()
+        .context("server without a host")?
+        .trim_matches(['[', ']']);
+    let port = uri.port_u16().unwrap_or(443);
+    let target = (host, port)
+        .to_socket_addrs()?
+        .next()
+        .with_context(|| format!("resolving {host}"))?;
+    let bind: std::net::SocketAddr = if target.is_ipv4() {
+        "0.0.0.0:0".parse()?
+    } else {
+        "[::]:0".parse()?
+    };
+    let sock = std::net::UdpSocket::bind(bind)?;
+    sock.connect(target)?;
+    Ok(sock.local_addr()?.ip())
 }
 
 /// kvirtd's control socket; without it kvirtd still runs every VM.

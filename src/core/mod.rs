@@ -33,6 +33,7 @@ pub mod quota;
 pub mod runstrategy;
 pub mod scheduling;
 pub mod status;
+pub mod subresource;
 pub mod trigger;
 pub mod unit;
 pub mod vm;

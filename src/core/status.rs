@@ -189,7 +189,7 @@ pub fn guest_text(s: &str) -> String {
 }
 
 pub const PAUSED: &str = "Paused";
-const AGENT_CONNECTED: &str = "AgentConnected";
+pub const AGENT_CONNECTED: &str = "AgentConnected";
 const GUEST_OS_INFO: &str = "guestOSInfo";
 
 /// A VM that is not running yet says why in its Ready condition (a

@@ -46,6 +46,67 @@ pub struct Config {
     pub network: NetworkConfig,
     pub metrics: MetricsConfig,
     pub control: ControlConfig,
+    pub api: ApiConfig,
+}
+
+/// KubeVirt's `subresources.kubevirt.io` API (what `virtctl` calls),
+/// served by kvirtd in a cluster behind the API server's aggregator.
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct ApiConfig {
+    /// address:port kvirtd serves it on (TLS); empty: not served.
+    pub listen: String,
+    /// The address the API server and the other kvirtds reach this host
+    /// at (its Endpoints); empty: the listen address when it names one,
+    /// else the address this host reaches the API server from.
+    pub address: String,
+    /// This host's serving certificate and key (PEM): the certificate
+    /// names `kvirt-api.kvirt.svc` and is also the client certificate
+    /// requests forwarded to other kvirtds are made with.
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    /// The CA (PEM) that signs every kvirtd's certificate: the
+    /// APIService's `caBundle`, and who may forward a user to this host.
+    pub ca: PathBuf,
+}
+
+impl Default for ApiConfig {
+    fn default() -> Self {
+        Self {
+            listen: "0.0.0.0:8443".into(),
+            address: String::new(),
+            cert: "/etc/kvirt/pki/api.crt".into(),
+            key: "/etc/kvirt/pki/api.key".into(),
+            ca: "/etc/kvirt/pki/api-ca.crt".into(),
+        }
+    }
+}
+
+impl ApiConfig {
+    pub fn listen_address(&self) -> Result<Option<std::net::SocketAddr>, String> {
+        if self.listen.is_empty() {
+            return Ok(None);
+        }
+        self.listen
+            .parse()
+            .map(Some)
+            .map_err(|e| format!("api.listen {:?}: {e}", self.listen))
+    }
+
+    /// The configured address, if any.
+    pub fn advertised(&self) -> Result<Option<std::net::IpAddr>, String> {
+        if !self.address.is_empty() {
+            return self
+                .address
+                .parse()
+                .map(Some)
+                .map_err(|e| format!("api.address {:?}: {e}", self.address));
+        }
+        Ok(self
+            .listen_address()?
+            .map(|a| a.ip())
+            .filter(|ip| !ip.is_unspecified()))
+    }
 }
 
 /// kvirtd's control socket (`kvirtctl start|stop|restart`).
@@ -504,6 +565,16 @@ impl Config {
                 "metrics.listen: {:?} is not an address:port",
                 self.metrics.listen
             )));
+        }
+        self.api.advertised().map_err(invalid)?;
+        for (name, p) in [
+            ("api.cert", &self.api.cert),
+            ("api.key", &self.api.key),
+            ("api.ca", &self.api.ca),
+        ] {
+            if !p.is_absolute() {
+                return Err(invalid(format!("{name}: {} is not absolute", p.display())));
+            }
         }
         self.storage.image_limits().map_err(invalid)?;
         self.vm.limits().map_err(invalid)?;

@@ -3,6 +3,7 @@
 //! metrics, a recording fake of every adapter for the loop's tests, and
 //! the man pages of the binaries.
 
+pub mod api;
 pub mod config;
 pub mod control;
 pub mod controller;

@@ -32,7 +32,15 @@ pub struct Sources<Ready, List> {
     /// How often to look for EFI variables whose VirtualMachine is gone;
     /// only a cluster has VirtualMachines.
     pub efi_vars_check: Option<Duration>,
+    /// What to finish at SIGTERM before exiting (at most [`STOP_WAIT`]).
+    pub stop: Option<Stop>,
 }
+
+pub type Stop =
+    Box<dyn FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> + Send>;
+
+/// How long SIGTERM waits for [`Sources::stop`].
+const STOP_WAIT: Duration = Duration::from_secs(3);
 
 /// How long READY waits for the first pass over every VM.
 const ADOPTION_WAIT: Duration = Duration::from_millis(500);
@@ -133,6 +141,11 @@ pub async fn serve<A: Adapters>(
         r = loop_task => r.map_err(ServeError::Loop)?,
     }
     let _ = sd_notify::notify(&[sd_notify::NotifyState::Stopping]);
+    if let Some(stop) = sources.stop {
+        if tokio::time::timeout(STOP_WAIT, stop()).await.is_err() {
+            warn!("stopping: gave up waiting for the API port to close");
+        }
+    }
     Ok(())
 }
 

@@ -435,6 +435,21 @@ if [[ ! -s ca.crt ]]; then
   openssl pkey -in sa.key -pubout -out sa.pub
   chmod 0600 ./*.key
 fi
+# The front proxy (the aggregator's client certificate to aggregated API
+# servers such as kvirtd's): its own CA, as kubeadm makes it.
+if [[ ! -s front-proxy-ca.crt ]]; then
+  openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out front-proxy-ca.key 2>/dev/null
+  openssl req -x509 -new -key front-proxy-ca.key -days 3650 -subj "/CN=front-proxy-ca" -sha256 \
+    -addext "basicConstraints=critical,CA:TRUE" -addext "keyUsage=critical,keyCertSign,cRLSign" \
+    -out front-proxy-ca.crt
+  openssl genpkey -algorithm EC -pkeyopt ec_paramgen_curve:P-256 -out front-proxy-client.key 2>/dev/null
+  openssl req -new -key front-proxy-client.key -subj "/CN=front-proxy-client" -out front-proxy-client.csr
+  printf 'basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n' >front-proxy-client.ext
+  openssl x509 -req -in front-proxy-client.csr -CA front-proxy-ca.crt -CAkey front-proxy-ca.key \
+    -CAcreateserial -days 365 -sha256 -extfile front-proxy-client.ext -out front-proxy-client.crt 2>/dev/null
+  rm -f front-proxy-client.csr front-proxy-client.ext
+  chmod 0600 ./*.key
+fi
 # kubeconfig USER CERT KEY: print a self-contained kubeconfig (data inlined).
 b64() { base64 -w0 <"$1"; }
 cat >/etc/kvirt/admin.kubeconfig <<KC
@@ -500,7 +515,15 @@ ExecStart=/usr/local/bin/kube-apiserver \\
   --service-cluster-ip-range=$TH_K8S_SERVICE_CIDR \\
   --endpoint-reconciler-type=none \\
   --allow-privileged=true --profiling=false \\
-  --enable-admission-plugins=NodeRestriction
+  --enable-admission-plugins=NodeRestriction \\
+  --requestheader-client-ca-file=/etc/kvirt/pki/front-proxy-ca.crt \\
+  --requestheader-allowed-names=front-proxy-client \\
+  --requestheader-username-headers=X-Remote-User \\
+  --requestheader-group-headers=X-Remote-Group \\
+  --requestheader-extra-headers-prefix=X-Remote-Extra- \\
+  --proxy-client-cert-file=/etc/kvirt/pki/front-proxy-client.crt \\
+  --proxy-client-key-file=/etc/kvirt/pki/front-proxy-client.key \\
+  --enable-aggregator-routing=true
 Restart=on-failure
 RestartSec=1
 LimitNOFILE=65536

@@ -3,6 +3,7 @@
 //! a merge patch of the fields kvirtd owns (KubeVirt's VMI CRD has no status
 //! subresource); Events, a finalizer and a Lease as a node agent keeps them.
 
+pub mod aggregation;
 pub mod claims;
 pub mod events;
 mod instancetypes;
@@ -10,6 +11,7 @@ pub mod lease;
 pub mod replicas;
 pub mod source;
 pub mod status;
+pub mod subresources;
 pub mod vms;
 
 use crate::core::vmi::VirtualMachineInstance;
@@ -28,6 +30,18 @@ pub const KUBEVIRT_FINALIZER: &str = "kubevirt.io/foregroundDeleteVirtualMachine
 pub const CRD_YAML: &str = include_str!("../../../packaging/kubernetes/crd.yaml");
 /// The least-privilege RBAC kvirtd needs.
 pub const RBAC_YAML: &str = include_str!("../../../packaging/kubernetes/rbac.yaml");
+
+/// What registers `subresources.kubevirt.io` (`@CA_BUNDLE@` to fill).
+pub const API_YAML: &str = include_str!("../../../packaging/kubernetes/api.yaml");
+
+/// [`API_YAML`] with the CA that signs every kvirtd's serving certificate.
+pub fn api_service_yaml(ca_pem: &[u8]) -> String {
+    use base64::Engine;
+    API_YAML.replace(
+        "@CA_BUNDLE@",
+        &base64::engine::general_purpose::STANDARD.encode(ca_pem),
+    )
+}
 
 /// The RoleBinding that opts `namespace` in: kvirtd may read the Secrets,
 /// ConfigMaps and ServiceAccount tokens its VMIs' volumes name there.

@@ -1,0 +1,100 @@
+//! [`Cluster`] through the API server, with kvirtd's own identity: reads
+//! of the VMI (where it runs), SubjectAccessReviews, VirtualMachine
+//! requests as `kvirtctl` makes them, and the other kvirtds' addresses.
+
+use super::{BoxFuture, Cluster};
+use crate::core::key::VmKey;
+use crate::core::subresource::requestheader::User;
+use crate::core::subresource::{Access, ApiError};
+use crate::core::vm::Verb;
+use crate::core::vmi::{VirtualMachineInstance, NODE_LABEL};
+use crate::sources::cluster::{aggregation, vms};
+use kube::api::Api;
+use std::net::SocketAddr;
+
+pub struct KubeCluster {
+    pub client: kube::Client,
+}
+
+fn kube_error(e: kube::Error) -> ApiError {
+    match e {
+        kube::Error::Api(s) => ApiError::new(s.code, "InternalError", s.message),
+        e => ApiError::internal(e.to_string()),
+    }
+}
+
+/// kvirt's refusals of a VM request, as virt-api answers them.
+fn vm_refusal(key: &VmKey, message: String) -> ApiError {
+    if message.starts_with("no VirtualMachine") {
+        ApiError::not_found("virtualmachine", key.name())
+    } else if message.starts_with("VM ") {
+        ApiError::conflict_on("virtualmachine", key.name(), &message)
+    } else {
+        // An API error while reading or writing.
+        ApiError::internal(message)
+    }
+}
+
+impl Cluster for KubeCluster {
+    fn review<'a>(
+        &'a self,
+        user: &'a User,
+        access: &'a Access,
+    ) -> BoxFuture<'a, Result<(bool, String), String>> {
+        Box::pin(async move {
+            aggregation::review(&self.client, user, access)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+
+    fn vmi_node<'a>(&'a self, key: &'a VmKey) -> BoxFuture<'a, Result<Option<String>, ApiError>> {
+        Box::pin(async move {
+            let api: Api<VirtualMachineInstance> =
+                Api::namespaced(self.client.clone(), key.namespace());
+            let Some(vmi) = api.get_opt(key.name()).await.map_err(kube_error)? else {
+                return Ok(None);
+            };
+            let node = vmi
+                .status
+                .node_name
+                .clone()
+                .or_else(|| vmi.metadata.labels.as_ref()?.get(NODE_LABEL).cloned())
+                .unwrap_or_default();
+            Ok(Some(node))
+        })
+    }
+
+    fn vm_request<'a>(
+        &'a self,
+        key: &'a VmKey,
+        verb: Verb,
+    ) -> BoxFuture<'a, Result<String, ApiError>> {
+        Box::pin(async move {
+            vms::request(self.client.clone(), key, verb)
+                .await
+                .map_err(|m| vm_refusal(key, m))
+        })
+    }
+
+    fn expand_spec<'a>(
+        &'a self,
+        _key: &'a VmKey,
+    ) -> BoxFuture<'a, Result<serde_json::Value, ApiError>> {
+        Box::pin(async move {
+            Err(ApiError::new(
+                501,
+                "NotImplemented",
+                "kvirt does not serve expand-spec yet: kvirtctl domxml --defaulted shows the VMI a VM makes",
+            ))
+        })
+    }
+
+    fn peer<'a>(&'a self, node: &'a str) -> BoxFuture<'a, Result<Option<SocketAddr>, String>> {
+        Box::pin(async move {
+            aggregation::peer(&self.client, node)
+                .await
+                .map_err(|e| e.to_string())
+        })
+    }
+}

@@ -1,0 +1,384 @@
+//! kvirtd as an aggregated API server: what the API server says about its
+//! front proxy, SubjectAccessReviews of the users it names, and this
+//! host's address in the Endpoints (and its EndpointSlice) of the Service
+//! `kvirt/kvirt-api` that the APIService routes to.
+//!
+//! The aggregator (with `--enable-aggregator-routing`) and its
+//! availability check read the Service's `Endpoints`, not EndpointSlices
+//! (Kubernetes 1.33, `k8s.io/apiserver/pkg/util/proxy.ResolveEndpoint`):
+//! every kvirtd keeps its own subset of that one object, and its own
+//! EndpointSlice for everything else that reads slices.
+
+use crate::core::subresource::requestheader::{
+    RequestHeader, RequestHeaderError, User, CONFIGMAP_NAME, CONFIGMAP_NAMESPACE,
+};
+use crate::core::subresource::{Access, GROUP};
+use k8s_openapi::api::authorization::v1::{
+    ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+};
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{
+    ConfigMap, EndpointAddress, EndpointPort, EndpointSubset, Endpoints,
+};
+use k8s_openapi::api::discovery::v1::EndpointSlice;
+use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use serde_json::json;
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+use tracing::{info, warn};
+
+pub const NAMESPACE: &str = "kvirt";
+pub const SERVICE: &str = "kvirt-api";
+/// The Service's port name: the aggregator matches Endpoints ports by it.
+pub const PORT_NAME: &str = "https";
+pub const MANAGED_BY: &str = "kvirt.io";
+
+#[derive(Debug, thiserror::Error)]
+pub enum AggregationError {
+    #[error("reading {CONFIGMAP_NAMESPACE}/{CONFIGMAP_NAME}: {0}")]
+    ConfigMap(Box<kube::Error>),
+    #[error(transparent)]
+    RequestHeader(#[from] RequestHeaderError),
+    #[error("SubjectAccessReview: {0}")]
+    Review(Box<kube::Error>),
+    #[error("{NAMESPACE}/{SERVICE} endpoints: {0}")]
+    Endpoints(Box<kube::Error>),
+}
+
+/// The front proxy's CA, allowed names and headers.
+pub async fn request_header(client: &kube::Client) -> Result<RequestHeader, AggregationError> {
+    let api: Api<ConfigMap> = Api::namespaced(client.clone(), CONFIGMAP_NAMESPACE);
+    let cm = api
+        .get(CONFIGMAP_NAME)
+        .await
+        .map_err(|e| AggregationError::ConfigMap(Box::new(e)))?;
+    Ok(RequestHeader::from_data(&cm.data.unwrap_or_default())?)
+}
+
+/// Whether `user` may do what `access` names, and the authoriser's reason.
+pub async fn review(
+    client: &kube::Client,
+    user: &User,
+    access: &Access,
+) -> Result<(bool, String), AggregationError> {
+    let sar = SubjectAccessReview {
+        spec: SubjectAccessReviewSpec {
+            user: Some(user.name.clone()),
+            uid: (!user.uid.is_empty()).then(|| user.uid.clone()),
+            groups: Some(user.groups.clone()),
+            extra: (!user.extra.is_empty()).then(|| user.extra.clone()),
+            resource_attributes: Some(ResourceAttributes {
+                group: Some(GROUP.into()),
+                version: Some(access.version.into()),
+                resource: Some(access.resource.into()),
+                subresource: Some(access.subresource.into()),
+                namespace: Some(access.namespace.clone()),
+                name: Some(access.name.clone()),
+                verb: Some(access.verb.into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    let api: Api<SubjectAccessReview> = Api::all(client.clone());
+    let r = api
+        .create(&PostParams::default(), &sar)
+        .await
+        .map_err(|e| AggregationError::Review(Box::new(e)))?;
+    let status = r.status.unwrap_or_default();
+    Ok((status.allowed, status.reason.unwrap_or_default()))
+}
+
+fn endpoints_err(e: kube::Error) -> AggregationError {
+    AggregationError::Endpoints(Box::new(e))
+}
+
+/// This host's subset: its address (not ready while kvirtd stops) and port.
+fn subset(node: &str, addr: SocketAddr, ready: bool) -> EndpointSubset {
+    let address = EndpointAddress {
+        ip: addr.ip().to_string(),
+        node_name: Some(node.to_owned()),
+        ..Default::default()
+    };
+    EndpointSubset {
+        addresses: ready.then(|| vec![address.clone()]),
+        not_ready_addresses: (!ready).then(|| vec![address]),
+        ports: Some(vec![EndpointPort {
+            name: Some(PORT_NAME.into()),
+            port: addr.port().into(),
+            protocol: Some("TCP".into()),
+            ..Default::default()
+        }]),
+    }
+}
+
+fn subset_node(s: &EndpointSubset) -> Option<&str> {
+    s.addresses
+        .iter()
+        .chain(s.not_ready_addresses.iter())
+        .flatten()
+        .find_map(|a| a.node_name.as_deref())
+}
+
+/// The subsets with `node`'s replaced by `mine` (or dropped), and those of
+/// the nodes `gone` dropped (pure).
+pub fn merged_subsets(
+    current: &[EndpointSubset],
+    node: &str,
+    mine: Option<EndpointSubset>,
+    gone: &[String],
+) -> Vec<EndpointSubset> {
+    let mut out: Vec<EndpointSubset> = current
+        .iter()
+        .filter(|s| subset_node(s).is_some_and(|n| n != node && !gone.iter().any(|g| g == n)))
+        .cloned()
+        .collect();
+    out.extend(mine);
+    out.sort_by(|a, b| subset_node(a).cmp(&subset_node(b)));
+    out
+}
+
+/// Replaces this host's subset of the Endpoints (made if missing), with
+/// those of `gone` nodes removed; a write that loses a race is redone.
+async fn write_endpoints(
+    client: &kube::Client,
+    node: &str,
+    mine: Option<EndpointSubset>,
+    gone: &[String],
+) -> Result<(), AggregationError> {
+    let api: Api<Endpoints> = Api::namespaced(client.clone(), NAMESPACE);
+    for _ in 0..8 {
+        let current = api.get_opt(SERVICE).await.map_err(endpoints_err)?;
+        let r = match current {
+            None => {
+                let Some(mine) = mine.clone() else {
+                    return Ok(());
+                };
+                let ep: Endpoints = serde_json::from_value(json!({
+                    "metadata": {
+                        "name": SERVICE,
+                        "namespace": NAMESPACE,
+                        "labels": {
+                            "app.kubernetes.io/part-of": "kvirt",
+                            // Each kvirtd keeps its own slice: the mirroring
+                            // controller must not add one more.
+                            "endpointslice.kubernetes.io/skip-mirror": "true",
+                        },
+                    },
+                }))
+                .expect("static Endpoints");
+                let ep = Endpoints {
+                    subsets: Some(vec![mine]),
+                    ..ep
+                };
+                api.create(&PostParams::default(), &ep).await.map(drop)
+            }
+            Some(mut ep) => {
+                let subsets = ep.subsets.take().unwrap_or_default();
+                let merged = merged_subsets(&subsets, node, mine.clone(), gone);
+                if merged == subsets {
+                    return Ok(());
+                }
+                ep.subsets = Some(merged);
+                api.replace(SERVICE, &PostParams::default(), &ep)
+                    .await
+                    .map(drop)
+            }
+        };
+        match r {
+            Ok(()) => return Ok(()),
+            Err(kube::Error::Api(s)) if s.code == 409 => continue,
+            Err(e) => return Err(endpoints_err(e)),
+        }
+    }
+    Ok(())
+}
+
+fn slice_name(node: &str) -> String {
+    format!("{SERVICE}-{node}")
+}
+
+/// This host's EndpointSlice (pure).
+pub fn slice(node: &str, addr: SocketAddr, ready: bool) -> serde_json::Value {
+    json!({
+        "apiVersion": "discovery.k8s.io/v1",
+        "kind": "EndpointSlice",
+        "metadata": {
+            "name": slice_name(node),
+            "namespace": NAMESPACE,
+            "labels": {
+                "kubernetes.io/service-name": SERVICE,
+                "endpointslice.kubernetes.io/managed-by": MANAGED_BY,
+                "app.kubernetes.io/part-of": "kvirt",
+            },
+        },
+        "addressType": if addr.is_ipv4() { "IPv4" } else { "IPv6" },
+        "endpoints": [{
+            "addresses": [addr.ip().to_string()],
+            "conditions": {"ready": ready, "serving": ready, "terminating": !ready},
+            "nodeName": node,
+        }],
+        "ports": [{"name": PORT_NAME, "port": addr.port(), "protocol": "TCP"}],
+    })
+}
+
+/// Publishes this host's address, ready or not.
+pub async fn publish(
+    client: &kube::Client,
+    node: &str,
+    addr: SocketAddr,
+    ready: bool,
+) -> Result<(), AggregationError> {
+    write_endpoints(client, node, Some(subset(node, addr, ready)), &[]).await?;
+    let api: Api<EndpointSlice> = Api::namespaced(client.clone(), NAMESPACE);
+    api.patch(
+        &slice_name(node),
+        &PatchParams::apply("kvirtd").force(),
+        &Patch::Apply(&slice(node, addr, ready)),
+    )
+    .await
+    .map_err(endpoints_err)?;
+    Ok(())
+}
+
+/// The address of the kvirtd of `node`, as it published it.
+pub async fn peer(
+    client: &kube::Client,
+    node: &str,
+) -> Result<Option<SocketAddr>, AggregationError> {
+    let api: Api<Endpoints> = Api::namespaced(client.clone(), NAMESPACE);
+    let Some(ep) = api.get_opt(SERVICE).await.map_err(endpoints_err)? else {
+        return Ok(None);
+    };
+    Ok(ep.subsets.iter().flatten().find_map(|s| {
+        let a = s
+            .addresses
+            .iter()
+            .flatten()
+            .find(|a| a.node_name.as_deref() == Some(node))?;
+        let ip: IpAddr = a.ip.parse().ok()?;
+        let port = s
+            .ports
+            .iter()
+            .flatten()
+            .find(|p| p.name.as_deref() == Some(PORT_NAME))?
+            .port;
+        Some(SocketAddr::new(ip, u16::try_from(port).ok()?))
+    }))
+}
+
+/// The nodes of `ep` (other than `node`) whose Lease is missing or
+/// overdue by more than `grace` at `now` (pure).
+pub fn stale(
+    ep: &Endpoints,
+    node: &str,
+    leases: &[Lease],
+    now: i64,
+    grace: Duration,
+) -> Vec<String> {
+    let mut gone = vec![];
+    for other in ep.subsets.iter().flatten().filter_map(subset_node) {
+        if other == node || gone.iter().any(|g| g == other) {
+            continue;
+        }
+        let name = super::lease::lease_name(other);
+        let spec = leases
+            .iter()
+            .find(|l| l.metadata.name.as_deref() == Some(name.as_str()))
+            .and_then(|l| l.spec.as_ref());
+        let expired = spec.is_none_or(|s| {
+            let renewed = s.renew_time.as_ref().map(|t| t.0.as_second()).unwrap_or(0);
+            let duration = i64::from(s.lease_duration_seconds.unwrap_or(0));
+            renewed + duration + grace.as_secs() as i64 <= now
+        });
+        if expired {
+            gone.push(other.to_owned());
+        }
+    }
+    gone
+}
+
+/// Nodes whose kvirtd let its Lease run out (by `grace` beyond its
+/// duration) while its address is still published: their subsets and
+/// slices are removed, so the aggregator stops sending users there.
+pub async fn prune(
+    client: &kube::Client,
+    node: &str,
+    grace: Duration,
+) -> Result<(), AggregationError> {
+    let api: Api<Endpoints> = Api::namespaced(client.clone(), NAMESPACE);
+    let Some(ep) = api.get_opt(SERVICE).await.map_err(endpoints_err)? else {
+        return Ok(());
+    };
+    // One list, whatever the number of hosts: a Lease per host is small.
+    let leases: Api<Lease> = Api::namespaced(client.clone(), super::lease::LEASE_NAMESPACE);
+    let leases = leases
+        .list(&ListParams::default())
+        .await
+        .map_err(endpoints_err)?;
+    let now = jiff::Timestamp::now().as_second();
+    let gone = stale(&ep, node, &leases.items, now, grace);
+    if gone.is_empty() {
+        return Ok(());
+    }
+    info!(nodes = ?gone, "removing the API endpoints of hosts whose lease ran out");
+    write_endpoints(client, node, None, &gone)
+        .await
+        .or_else(|e| {
+            // Our own subset was dropped with `None`: put it back on the
+            // next publish; a failure here only delays the removal.
+            warn!("{e}");
+            Ok::<_, AggregationError>(())
+        })?;
+    let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), NAMESPACE);
+    for g in gone {
+        if let Err(e) = slices
+            .delete(&slice_name(&g), &DeleteParams::default())
+            .await
+        {
+            warn!("removing EndpointSlice {}: {e}", slice_name(&g));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn each_host_replaces_only_its_own_subset() {
+        let a = subset("node-a", addr("10.0.0.1:8443"), true);
+        let b = subset("node-b", addr("10.0.0.2:8443"), true);
+        let merged = merged_subsets(std::slice::from_ref(&a), "node-b", Some(b.clone()), &[]);
+        assert_eq!(merged, vec![a.clone(), b.clone()]);
+        // Stopping: b's address moves to notReadyAddresses.
+        let b_down = subset("node-b", addr("10.0.0.2:8443"), false);
+        let merged = merged_subsets(&merged, "node-b", Some(b_down.clone()), &[]);
+        assert_eq!(merged, vec![a.clone(), b_down.clone()]);
+        assert!(merged[1].addresses.is_none());
+        // A host gone is removed by another.
+        let merged = merged_subsets(&merged, "node-a", Some(a.clone()), &["node-b".into()]);
+        assert_eq!(merged, vec![a]);
+    }
+
+    #[test]
+    fn the_slice_is_kvirts_and_names_the_service() {
+        let s = slice("node-a", addr("10.0.0.1:8443"), false);
+        assert_eq!(
+            s["metadata"]["labels"]["kubernetes.io/service-name"],
+            SERVICE
+        );
+        assert_eq!(
+            s["metadata"]["labels"]["endpointslice.kubernetes.io/managed-by"],
+            "kvirt.io"
+        );
+        assert_eq!(s["endpoints"][0]["conditions"]["ready"], false);
+        assert_eq!(s["ports"][0]["port"], 8443);
+    }
+}

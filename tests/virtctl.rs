@@ -1,0 +1,369 @@
+//! Tier 3 with a cluster: KubeVirt's own `virtctl` (v1.9.0, built from its
+//! Go module) against the `subresources.kubevirt.io` API every kvirtd
+//! serves behind the real kube-apiserver's aggregator, and raw requests to
+//! each kvirtd's port (to prove forwarding and authentication). Run by
+//! `tests/run-all` with `KVIRT_K8S_A_PID` and `KVIRT_K8S_B_PID`; without
+//! them these tests pass vacuously.
+
+mod support;
+
+use std::time::Duration;
+use support::{serial, Host};
+
+const WAIT: Duration = Duration::from_secs(90);
+const NODE_A: &str = "10.250.0.1:8443";
+const NODE_B: &str = "10.250.0.2:8443";
+const SUB: &str = "/apis/subresources.kubevirt.io/v1/namespaces/default";
+
+fn hosts() -> Option<(Host, Host)> {
+    Some((
+        support::host("KVIRT_K8S_A_PID")?,
+        support::host("KVIRT_K8S_B_PID")?,
+    ))
+}
+
+fn api_available(a: &Host) {
+    a.ok("kubectl wait --for=condition=Available --timeout=90s apiservice/v1.subresources.kubevirt.io");
+}
+
+/// A running VMI on `node` (`a` or `b`), its disk on that host.
+fn running_vmi(a: &Host, on: &Host, name: &str, node: &str) {
+    on.ok(&format!(
+        "cp /srv/guest/run.raw /var/lib/kvirt/images/{name}.raw"
+    ));
+    let yaml = support::vmi_manifest(name, &format!("kubevirt.io/nodeName: {node}"), "", "");
+    a.ok(&format!("kubectl apply -f - <<'VMI'\n{yaml}VMI"));
+    a.ok(&format!(
+        "kubectl wait vmi/{name} --for=jsonpath='{{.status.phase}}'=Running --timeout=90s"
+    ));
+    on.wait(
+        "the guest's first marker",
+        WAIT,
+        &format!("grep -q KVIRT-GUEST-ALIVE /run/kvirt/vms/default_{name}/console.log"),
+    );
+}
+
+fn delete_vmi(a: &Host, name: &str) {
+    a.ok(&format!("kubectl delete vmi {name} --timeout=60s"));
+}
+
+fn condition(a: &Host, name: &str, type_: &str) -> String {
+    a.ok(&format!(
+        "kubectl get vmi {name} -o jsonpath='{{.status.conditions[?(@.type==\"{type_}\")].status}}'"
+    ))
+}
+
+/// One raw HTTP/1.1 exchange with the kvirtd at `addr`, made in host A
+/// (which shares its network with B): `cert` names the client certificate
+/// (`front-proxy-client`, `admin`, or none), `headers` more lines. Reads
+/// until the answer holds `until` (or the peer closes), at most 30 s.
+fn raw(
+    a: &Host,
+    addr: &str,
+    method: &str,
+    path: &str,
+    cert: Option<&str>,
+    headers: &str,
+    until: &str,
+) -> String {
+    let cert = cert
+        .map(|c| format!(",cert=/etc/kvirt/pki/{c}.crt,key=/etc/kvirt/pki/{c}.key"))
+        .unwrap_or_default();
+    a.ok(&format!(
+        "out=$(mktemp) fifo=$(mktemp -u) && mkfifo $fifo
+         timeout 40 socat -t 1 - OPENSSL:{addr},cafile=/etc/kvirt/pki/api-ca.crt,commonname=kvirt-api.kvirt.svc{cert} <$fifo >$out 2>/dev/null &
+         pid=$!
+         {{ printf '{method} {path} HTTP/1.1\\r\\nHost: kvirt-api.kvirt.svc\\r\\nContent-Length: 0\\r\\n{headers}\\r\\n'
+            for i in $(seq 300); do grep -aq -- '{until}' $out && break; kill -0 $pid 2>/dev/null || break; sleep 0.1; done
+         }} >$fifo
+         wait $pid || true
+         cat -v $out"
+    ))
+}
+
+const ADMIN: &str = "X-Remote-User: kvirt-test-admin\\r\\nX-Remote-Group: system:masters\\r\\n";
+
+fn upgrade(user: &str) -> String {
+    format!(
+        "{user}Upgrade: websocket\\r\\nConnection: Upgrade\\r\\nSec-WebSocket-Version: 13\\r\\n\
+         Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\\r\\nSec-WebSocket-Protocol: plain.kubevirt.io\\r\\n"
+    )
+}
+
+#[test]
+fn the_api_is_registered_available_and_discoverable() {
+    let Some((a, _b)) = hosts() else { return };
+    let _g = serial();
+    api_available(&a);
+    let list = a.ok("kubectl get --raw /apis/subresources.kubevirt.io/v1");
+    for r in [
+        "virtualmachineinstances/console",
+        "virtualmachineinstances/vnc",
+        "virtualmachineinstances/pause",
+        "virtualmachines/start",
+    ] {
+        assert!(list.contains(r), "{r} in {list}");
+    }
+    // virtctl compares the server's version with its own, and is silent.
+    let v = a.ok("virtctl version 2>&1");
+    assert!(
+        v.contains("Server Version: version.Info{GitVersion:\"v1.9.0\""),
+        "{v}"
+    );
+    // Each kvirtd published its own address, ready, and its own slice.
+    let ep = a.ok("kubectl -n kvirt get endpoints kvirt-api -o jsonpath='{.subsets[*].addresses[*].nodeName}'");
+    assert!(ep.contains("node-a") && ep.contains("node-b"), "{ep}");
+    let slices = a.ok(
+        "kubectl -n kvirt get endpointslices -l endpointslice.kubernetes.io/managed-by=kvirt.io \
+         -o jsonpath='{.items[*].metadata.name}'",
+    );
+    assert!(
+        slices.contains("kvirt-api-node-a") && slices.contains("kvirt-api-node-b"),
+        "{slices}"
+    );
+}
+
+#[test]
+fn virtctl_pauses_unpauses_and_reads_the_guest_on_either_host() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = serial();
+    api_available(&a);
+    running_vmi(&a, &a, "v-pa", "node-a");
+    running_vmi(&a, &b, "v-pb", "node-b");
+    // The aggregator picks either kvirtd: each call reaches the VMI's host
+    // directly or through the other one.
+    for name in ["v-pa", "v-pb"] {
+        for _ in 0..2 {
+            let out = a.ok(&format!("virtctl pause vmi {name}"));
+            assert!(
+                out.contains(&format!("VMI {name} was scheduled to pause")),
+                "{out}"
+            );
+            a.wait("Paused=True", WAIT, &format!(
+                "[ \"$(kubectl get vmi {name} -o jsonpath='{{.status.conditions[?(@.type==\"Paused\")].status}}')\" = True ]"
+            ));
+            let again = a.sh(&format!("virtctl pause vmi {name} 2>&1"));
+            assert!(!again.status.success());
+            assert!(String::from_utf8_lossy(&again.stdout).contains("VMI is already paused"));
+            a.ok(&format!("virtctl unpause vmi {name}"));
+            a.wait("Paused gone", WAIT, &format!(
+                "[ -z \"$(kubectl get vmi {name} -o jsonpath='{{.status.conditions[?(@.type==\"Paused\")].status}}')\" ]"
+            ));
+        }
+        a.wait("the agent connected", WAIT, &format!(
+            "[ \"$(kubectl get vmi {name} -o jsonpath='{{.status.conditions[?(@.type==\"AgentConnected\")].status}}')\" = True ]"
+        ));
+        let info = a.ok(&format!("virtctl guestosinfo {name}"));
+        assert!(info.contains("kvirt test guest"), "{info}");
+    }
+    assert_eq!(condition(&a, "v-pa", "Paused"), "");
+    delete_vmi(&a, "v-pa");
+    delete_vmi(&a, "v-pb");
+}
+
+#[test]
+fn virtctl_console_reads_and_types_and_a_new_session_takes_over() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = serial();
+    api_available(&a);
+    running_vmi(&a, &b, "v-con", "node-b");
+    // The guest's marker read, then a typed line echoed back by its tty.
+    let out = a.ok("out=$(mktemp)
+         { for i in $(seq 300); do grep -aq KVIRT-GUEST-ALIVE $out && break; sleep 0.1; done
+           printf 'kvirt-typed-line\\r'
+           for i in $(seq 300); do grep -aq kvirt-typed-line $out && break; sleep 0.1; done
+         } | timeout 60 virtctl console v-con >$out 2>&1 || true
+         cat -v $out");
+    assert!(out.contains("KVIRT-GUEST-ALIVE"), "{out}");
+    assert!(out.contains("kvirt-typed-line"), "{out}");
+    // A second session takes the console over: the first is closed saying why.
+    let out = a.ok("first=$(mktemp) second=$(mktemp)
+         (sleep 100 | timeout 60 virtctl console v-con >$first 2>&1) &
+         for i in $(seq 300); do grep -aq KVIRT-GUEST-ALIVE $first && break; sleep 0.1; done
+         { for i in $(seq 300); do grep -aq KVIRT-GUEST-ALIVE $second && break; sleep 0.1; done; } |
+           timeout 60 virtctl console v-con >$second 2>&1 || true
+         for i in $(seq 300); do grep -aq 'took over' $first && break; sleep 0.1; done
+         cat -v $first");
+    assert!(
+        out.contains("a new connection took over the session"),
+        "{out}"
+    );
+    delete_vmi(&a, "v-con");
+}
+
+#[test]
+fn each_kvirtd_serves_or_forwards_and_strangers_get_nothing() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = serial();
+    api_available(&a);
+    running_vmi(&a, &a, "v-fw", "node-a");
+    let console = format!("{SUB}/virtualmachineinstances/v-fw/console");
+    let vnc = format!("{SUB}/virtualmachineinstances/v-fw/vnc");
+    for addr in [NODE_A, NODE_B] {
+        // Console bytes and the VNC handshake, from the host that runs the
+        // VMI (A) and through the other (B), byte for byte.
+        let out = raw(
+            &a,
+            addr,
+            "GET",
+            &console,
+            Some("front-proxy-client"),
+            &upgrade(ADMIN),
+            "KVIRT-GUEST-ALIVE",
+        );
+        assert!(out.starts_with("HTTP/1.1 101"), "{addr}: {out}");
+        assert!(out.contains("KVIRT-GUEST-ALIVE"), "{addr}: {out}");
+        let out = raw(
+            &a,
+            addr,
+            "GET",
+            &vnc,
+            Some("front-proxy-client"),
+            &upgrade(ADMIN),
+            "RFB 003.008",
+        );
+        assert!(out.contains("RFB 003.008"), "{addr}: {out}");
+        let out = raw(
+            &a,
+            addr,
+            "PUT",
+            &format!("{SUB}/virtualmachineinstances/v-fw/pause"),
+            Some("front-proxy-client"),
+            ADMIN,
+            "HTTP/1.1",
+        );
+        assert!(out.starts_with("HTTP/1.1 200"), "{addr}: {out}");
+        a.wait("Paused=True", WAIT, "[ \"$(kubectl get vmi v-fw -o jsonpath='{.status.conditions[?(@.type==\"Paused\")].status}')\" = True ]");
+        let out = raw(
+            &a,
+            addr,
+            "PUT",
+            &format!("{SUB}/virtualmachineinstances/v-fw/unpause"),
+            Some("front-proxy-client"),
+            ADMIN,
+            "HTTP/1.1",
+        );
+        assert!(out.starts_with("HTTP/1.1 200"), "{addr}: {out}");
+        a.wait("Paused gone", WAIT, "[ -z \"$(kubectl get vmi v-fw -o jsonpath='{.status.conditions[?(@.type==\"Paused\")].status}')\" ]");
+
+        // No client certificate: 401, and not one byte of the console.
+        let out = raw(
+            &a,
+            addr,
+            "GET",
+            &console,
+            None,
+            &upgrade(ADMIN),
+            "Unauthorized",
+        );
+        assert!(out.starts_with("HTTP/1.1 401"), "{addr}: {out}");
+        assert!(!out.contains("KVIRT-GUEST"), "{addr}: {out}");
+        // A certificate of the cluster's CA (not the front proxy's) naming
+        // a user in headers: a forged user, refused in the TLS handshake.
+        let out = raw(
+            &a,
+            addr,
+            "GET",
+            &console,
+            Some("admin"),
+            &upgrade(ADMIN),
+            "KVIRT-GUEST-ALIVE",
+        );
+        assert!(!out.contains("HTTP/1.1"), "{addr}: {out}");
+    }
+    let _ = b;
+    delete_vmi(&a, "v-fw");
+}
+
+#[test]
+fn a_user_bound_to_view_reads_the_guest_but_cannot_touch_it() {
+    let Some((a, _b)) = hosts() else { return };
+    let _g = serial();
+    api_available(&a);
+    running_vmi(&a, &a, "v-view", "node-a");
+    a.ok(
+        "kubectl create rolebinding kvirt-viewer --clusterrole=kvirt.io:view --user=kvirt-viewer \
+          --dry-run=client -o yaml | kubectl apply -f -",
+    );
+    let viewer = "KUBECONFIG=/etc/kvirt/kubeconfigs/kvirt-viewer.kubeconfig";
+    a.wait("the agent connected", WAIT,
+        "[ \"$(kubectl get vmi v-view -o jsonpath='{.status.conditions[?(@.type==\"AgentConnected\")].status}')\" = True ]");
+    let info = a.ok(&format!("{viewer} virtctl guestosinfo v-view"));
+    assert!(info.contains("kvirt test guest"), "{info}");
+    for cmd in ["console v-view --timeout 1", "pause vmi v-view"] {
+        let out = a.sh(&format!(
+            "{viewer} timeout 60 virtctl {cmd} </dev/null 2>&1"
+        ));
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            !out.status.success() && text.contains("forbidden"),
+            "{cmd}: {text}"
+        );
+    }
+    assert_eq!(condition(&a, "v-view", "Paused"), "");
+    delete_vmi(&a, "v-view");
+}
+
+#[test]
+fn virtctl_starts_stops_and_restarts_a_vm() {
+    let Some((a, _b)) = hosts() else { return };
+    let _g = serial();
+    api_available(&a);
+    a.ok("cp /srv/guest/run.raw /var/lib/kvirt/images/v-vm.raw");
+    let vm = support::vm_manifest(
+        "v-vm",
+        "Halted",
+        "  nodeSelector: {kvirt.io/host: node-a}\n",
+    );
+    a.ok(&format!("kubectl apply -f - <<'VM'\n{vm}VM"));
+    let out = a.ok("virtctl start v-vm");
+    assert!(out.contains("VM v-vm was scheduled to start"), "{out}");
+    a.ok("kubectl wait vmi/v-vm --for=jsonpath='{.status.phase}'=Running --timeout=90s");
+    let again = a.sh("virtctl start v-vm 2>&1");
+    assert!(!again.status.success());
+    let uid = a.ok("kubectl get vmi v-vm -o jsonpath='{.metadata.uid}'");
+    let out = a.ok("virtctl restart v-vm");
+    assert!(out.contains("VM v-vm was scheduled to restart"), "{out}");
+    a.wait("a new VMI", WAIT, &format!(
+        "u=$(kubectl get vmi v-vm -o jsonpath='{{.metadata.uid}}') && [ -n \"$u\" ] && [ \"$u\" != {uid} ]"
+    ));
+    let out = a.ok("virtctl stop v-vm");
+    assert!(out.contains("VM v-vm was scheduled to stop"), "{out}");
+    a.wait("the VMI gone", WAIT, "! kubectl get vmi v-vm");
+    let missing = a.sh("virtctl start v-nothing 2>&1");
+    assert!(String::from_utf8_lossy(&missing.stdout).contains("not found"));
+    a.ok("kubectl delete vm v-vm --timeout=60s");
+}
+
+#[test]
+fn restarting_kvirtd_closes_the_console_and_leaves_the_vm_running() {
+    let Some((a, _b)) = hosts() else { return };
+    let _g = serial();
+    api_available(&a);
+    running_vmi(&a, &a, "v-rs", "node-a");
+    let qemu = a.ok("systemctl show -p MainPID --value kvirt-vm@default_v-rs.service");
+    let out = a.ok("first=$(mktemp)
+         (sleep 100 | timeout 90 virtctl console v-rs >$first 2>&1) &
+         for i in $(seq 300); do grep -aq KVIRT-GUEST-ALIVE $first && break; sleep 0.1; done
+         systemctl restart kvirtd
+         for i in $(seq 300); do grep -aq 'kvirtd is stopping' $first && break; sleep 0.1; done
+         cat -v $first");
+    assert!(
+        out.contains("kvirtd is stopping; the VM keeps running"),
+        "{out}"
+    );
+    assert_eq!(
+        a.ok("systemctl show -p MainPID --value kvirt-vm@default_v-rs.service"),
+        qemu
+    );
+    // A new session works once kvirtd serves again.
+    a.wait(
+        "a new console session",
+        WAIT,
+        "out=$(mktemp)
+         { for i in $(seq 100); do grep -aq KVIRT-GUEST-ALIVE $out && break; sleep 0.1; done; } |
+           timeout 20 virtctl console v-rs >$out 2>&1 || true
+         grep -aq KVIRT-GUEST-ALIVE $out",
+    );
+    delete_vmi(&a, "v-rs");
+}
