@@ -155,6 +155,10 @@ fn virtctl_pauses_unpauses_and_reads_the_guest_on_either_host() {
         ));
         let info = a.ok(&format!("virtctl guestosinfo {name}"));
         assert!(info.contains("kvirt test guest"), "{info}");
+        let users = a.ok(&format!("virtctl userlist {name}"));
+        assert!(users.contains("\"userName\": \"kvirt\""), "{users}");
+        let fs = a.ok(&format!("virtctl fslist {name}"));
+        assert!(fs.contains("\"mountPoint\": \"/\""), "{fs}");
     }
     assert_eq!(condition(&a, "v-pa", "Paused"), "");
     delete_vmi(&a, "v-pa");
@@ -188,6 +192,13 @@ fn virtctl_console_reads_and_types_and_a_new_session_takes_over() {
         out.contains("a new connection took over the session"),
         "{out}"
     );
+    // The benchmark's console figures (tests/bench --console), 3 sessions.
+    let script = include_str!("bench.d/console-rtt.sh");
+    let json = a.ok(&format!("bash -s 3 v-con <<'SH'\n{script}SH"));
+    eprintln!("console through the API server: {json}");
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    assert!(v["open_us"]["p50"].as_u64().unwrap() > 0, "{json}");
+    assert!(v["echo_us"]["p50"].as_u64().unwrap() > 0, "{json}");
     delete_vmi(&a, "v-con");
 }
 
@@ -316,6 +327,14 @@ fn virtctl_starts_stops_and_restarts_a_vm() {
         "  nodeSelector: {kvirt.io/host: node-a}\n",
     );
     a.ok(&format!("kubectl apply -f - <<'VM'\n{vm}VM"));
+    // expand: the VMI spec kvirt would run (its defaults filled in).
+    let out = a.ok("virtctl expand --vm v-vm -o json");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["metadata"]["name"], "v-vm", "{out}");
+    assert!(
+        v["spec"]["template"]["spec"]["domain"]["firmware"]["uuid"].is_string(),
+        "{out}"
+    );
     let out = a.ok("virtctl start v-vm");
     assert!(out.contains("VM v-vm was scheduled to start"), "{out}");
     a.ok("kubectl wait vmi/v-vm --for=jsonpath='{.status.phase}'=Running --timeout=90s");

@@ -14,6 +14,7 @@ pub mod cpuset;
 pub mod defaults;
 pub mod dhcp;
 pub mod efivars;
+pub mod guestinfo;
 pub mod identity;
 pub mod image;
 pub mod instancetype;

@@ -152,6 +152,21 @@ impl VirtualMachine {
     }
 }
 
+/// The VM as `virtctl expand` shows it: its template's spec is the VMI
+/// spec kvirt would run (instancetype and preference applied), and the
+/// matchers that named them are gone.
+pub fn expanded(vm: &VirtualMachine, captured: &Captured) -> Result<Value, String> {
+    vm.expandable(captured)?;
+    let vmi = instance(vm, 0, captured)?;
+    let mut v = serde_json::to_value(vm).map_err(|e| e.to_string())?;
+    v["spec"]["template"]["spec"] = serde_json::to_value(&vmi.spec).map_err(|e| e.to_string())?;
+    if let Some(spec) = v["spec"].as_object_mut() {
+        spec.remove("instancetype");
+        spec.remove("preference");
+    }
+    Ok(v)
+}
+
 /// What kvirt keeps of one VirtualMachine between passes and across
 /// restarts (written atomically after each change). Everything a decision
 /// needs that the VM object and its VMI do not say.
@@ -895,6 +910,41 @@ mod tests {
         instancetype: None,
         preference: None,
     };
+
+    #[test]
+    fn expand_applies_the_instancetype_and_drops_the_matcher() {
+        let mut v = serde_json::to_value(vm("Always")).unwrap();
+        v["spec"]["instancetype"] = json!({"kind": "VirtualMachineInstancetype", "name": "small"});
+        v["spec"]["template"]["spec"]["domain"]
+            .as_object_mut()
+            .unwrap()
+            .remove("memory");
+        let v = VirtualMachine::from_value(v).unwrap();
+        let captured = Captured {
+            instancetype: Some(instancetype::Revision::of(
+                "web",
+                &json!({
+                    "apiVersion": "instancetype.kubevirt.io/v1beta1",
+                    "kind": "VirtualMachineInstancetype",
+                    "metadata": {"name": "small", "namespace": "prod"},
+                    "spec": {"cpu": {"guest": 2}, "memory": {"guest": "256Mi"}},
+                }),
+            )),
+            preference: None,
+        };
+        let e = expanded(&v, &captured).unwrap();
+        assert!(e["spec"].get("instancetype").is_none(), "{e}");
+        assert_eq!(
+            e["spec"]["template"]["spec"]["domain"]["memory"]["guest"],
+            "256Mi"
+        );
+        assert_eq!(
+            e["spec"]["template"]["spec"]["domain"]["cpu"]["sockets"], 2,
+            "{e}"
+        );
+        // What cannot be found is named, not guessed.
+        assert!(expanded(&v, &NONE).unwrap_err().contains("not found"));
+    }
 
     fn vm(strategy: &str) -> VirtualMachine {
         let mut v = VirtualMachine::from_value(json!({

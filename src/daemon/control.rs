@@ -349,6 +349,9 @@ mod tests {
             let id = id.to_owned();
             Box::pin(async move { Err(format!("no VMI {id}")) })
         }
+        fn guest_details(&self, _: &str) -> crate::daemon::controller::GuestFuture<'_> {
+            Box::pin(async { Ok(None) })
+        }
     }
 
     #[test]

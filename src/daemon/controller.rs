@@ -17,6 +17,7 @@ use crate::core::convert::{
 };
 use crate::core::cpuset::CpuSet;
 use crate::core::efivars;
+use crate::core::guestinfo::GuestDetails;
 use crate::core::key::{self, VmKey};
 use crate::core::layout::{DaemonKind, HostLayout, VmPaths};
 use crate::core::plan::{self, Desired, Observed, Outcome, Step, UnitActivity, UnitObs};
@@ -243,7 +244,14 @@ pub trait VmiView: Send + Sync + 'static {
     /// Pauses, unpauses or soft-reboots the running VMI of `id`; says what
     /// was done, or why not.
     fn act(&self, id: &str, action: VmiAction) -> ActFuture<'_>;
+    /// What the running VMI's guest agent says of its users and
+    /// filesystems; `Ok(None)` while no agent is connected.
+    fn guest_details(&self, id: &str) -> GuestFuture<'_>;
 }
+
+pub type GuestFuture<'a> = std::pin::Pin<
+    Box<dyn std::future::Future<Output = Result<Option<GuestDetails>, String>> + Send + 'a>,
+>;
 
 pub type ActFuture<'a> =
     std::pin::Pin<Box<dyn std::future::Future<Output = Result<String, String>> + Send + 'a>>;
@@ -310,6 +318,23 @@ impl<A: Adapters> VmiView for Controller<A> {
             // Its status follows from the domain's event.
             info!(vm = %key, "{verb} on request");
             Ok(format!("VMI {key} was {verb}"))
+        })
+    }
+
+    fn guest_details(&self, id: &str) -> GuestFuture<'_> {
+        let id = id.to_owned();
+        Box::pin(async move {
+            let vmi = self.vmis().get(&id).cloned();
+            let vmi = vmi.ok_or_else(|| format!("no VMI {id} on this host"))?;
+            let key = vmi.key().map_err(|e| e.to_string())?;
+            let obs = self.observe(&id, None).await.map_err(|e| e.to_string())?;
+            let daemon = obs.unit.as_ref().and_then(|u| u.daemon);
+            let dom = self.domain_ref(&id, daemon, &key.domain_name());
+            self.deps
+                .hypervisor
+                .guest_details(&dom)
+                .await
+                .map_err(|e| e.to_string())
         })
     }
 }

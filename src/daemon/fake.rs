@@ -4,6 +4,7 @@
 
 use crate::core::convert::DiskPrep;
 use crate::core::cpuset::CpuSet;
+use crate::core::guestinfo::GuestDetails;
 use crate::core::image::PullPolicy;
 use crate::core::key::{self, VmKey};
 use crate::core::layout::VmPaths;
@@ -82,6 +83,8 @@ pub struct HostState {
     pub pulled: BTreeSet<String>,
     /// Guest agents connected, by VM id.
     pub agents: BTreeMap<String, GuestAgent>,
+    /// What a connected agent says of users and filesystems, by VM id.
+    pub guest_details: BTreeMap<String, GuestDetails>,
     /// Cluster objects, by namespace and reference.
     pub objects: BTreeMap<(String, ObjectRef), ObjectData>,
     /// Claims as the cluster has them, and their recorded users, by
@@ -502,6 +505,17 @@ impl Hypervisor for FakeHost {
             .get(&d.id)
             .is_some_and(|dom| dom.state == DomainState::Running);
         Ok(s.agents.get(&d.id).filter(|_| running).cloned())
+    }
+
+    async fn guest_details(&self, d: &DomainRef) -> Result<Option<GuestDetails>, LibvirtError> {
+        self.call(format!("guest details {}", d.id));
+        let s = self.state();
+        let running = s
+            .domains
+            .get(&d.id)
+            .is_some_and(|dom| dom.state == DomainState::Running);
+        Ok((running && s.agents.contains_key(&d.id))
+            .then(|| s.guest_details.get(&d.id).cloned().unwrap_or_default()))
     }
 }
 

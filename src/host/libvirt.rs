@@ -4,6 +4,7 @@
 //! tokio's blocking pool; domain events arrive on libvirt's own event-loop
 //! thread and are forwarded as VM ids to the controller's queue.
 
+use crate::core::guestinfo::{GuestDetails, Param};
 use crate::core::plan::{DomainObs, DomainState, GuestAgent};
 use crate::host::beneath::Beneath;
 use std::collections::HashMap;
@@ -110,6 +111,12 @@ pub trait Hypervisor: Send + Sync + 'static {
         &self,
         d: &DomainRef,
     ) -> impl Future<Output = Result<Option<GuestAgent>, LibvirtError>> + Send;
+    /// The agent's logged-in users and filesystems, or `None` while no
+    /// agent is connected (or the domain does not run).
+    fn guest_details(
+        &self,
+        d: &DomainRef,
+    ) -> impl Future<Output = Result<Option<GuestDetails>, LibvirtError>> + Send;
     /// Asks the daemon at `uri` for the host's capabilities, which makes it
     /// probe QEMU and save its capability cache.
     fn probe(&self, uri: &str) -> impl Future<Output = Result<(), LibvirtError>> + Send;
@@ -187,6 +194,45 @@ fn guest_os_info(dom: &Domain) -> Result<std::collections::BTreeMap<String, Stri
             let v = crate::core::status::guest_text(&v.to_string_lossy());
             out.insert(key.to_owned(), v);
         }
+    }
+    // SAFETY: params and n came from virDomainGetGuestInfo.
+    unsafe { sys::virTypedParamsFree(params, n) };
+    Ok(out)
+}
+
+/// `virDomainGetGuestInfo` of `types`: every parameter, by name.
+fn guest_params(dom: &Domain, types: u32) -> Result<Vec<(String, Param)>, String> {
+    let mut params: sys::virTypedParameterPtr = std::ptr::null_mut();
+    let mut n: libc::c_int = 0;
+    // SAFETY: dom is a live domain; libvirt allocates params, freed below.
+    let r = unsafe { sys::virDomainGetGuestInfo(dom.as_ptr(), types, &mut params, &mut n, 0) };
+    if r < 0 {
+        return Err(virt::error::Error::last_error().to_string());
+    }
+    let mut out = Vec::new();
+    for i in 0..usize::try_from(n).unwrap_or(0) {
+        // SAFETY: libvirt returned n parameters at params.
+        let p = unsafe { &*params.add(i) };
+        // SAFETY: field is NUL-terminated within its 80 bytes.
+        let field = unsafe { std::ffi::CStr::from_ptr(p.field.as_ptr()) }
+            .to_string_lossy()
+            .into_owned();
+        // SAFETY: the union member read is the one `type_` names.
+        let value = unsafe {
+            match p.type_ as u32 {
+                sys::VIR_TYPED_PARAM_STRING if !p.value.s.is_null() => Param::Str(
+                    std::ffi::CStr::from_ptr(p.value.s)
+                        .to_string_lossy()
+                        .into_owned(),
+                ),
+                sys::VIR_TYPED_PARAM_UINT => Param::UInt(p.value.ui.into()),
+                sys::VIR_TYPED_PARAM_ULLONG => Param::UInt(p.value.ul),
+                sys::VIR_TYPED_PARAM_INT => Param::Int(p.value.i.into()),
+                sys::VIR_TYPED_PARAM_LLONG => Param::Int(p.value.l),
+                _ => continue,
+            }
+        };
+        out.push((field, value));
     }
     // SAFETY: params and n came from virDomainGetGuestInfo.
     unsafe { sys::virTypedParamsFree(params, n) };
@@ -656,6 +702,33 @@ impl Hypervisor for Libvirt {
                 Default::default()
             });
             Ok(Some(GuestAgent { os_info }))
+        })
+        .await
+    }
+
+    async fn guest_details(&self, d: &DomainRef) -> Result<Option<GuestDetails>, LibvirtError> {
+        self.blocking(d, "ask the guest agent", CALL_TIMEOUT, |this, slot, d| {
+            let (_conn, Some(dom)) = this.lookup(slot, d)? else {
+                return Ok(None);
+            };
+            if !dom.is_active().unwrap_or(false) {
+                return Ok(None);
+            }
+            let xml = dom
+                .get_xml_desc(0)
+                .map_err(Libvirt::err(&d.id, "domain XML"))?;
+            if !agent_connected(&bounded_xml(xml, d)?) {
+                return Ok(None);
+            }
+            // SAFETY: dom is a live domain.
+            unsafe { sys::virDomainAgentSetResponseTimeout(dom.as_ptr(), AGENT_TIMEOUT_S, 0) };
+            let types = sys::VIR_DOMAIN_GUEST_INFO_USERS | sys::VIR_DOMAIN_GUEST_INFO_FILESYSTEM;
+            let params = guest_params(&dom, types).map_err(|message| LibvirtError::Call {
+                id: d.id.clone(),
+                op: "ask the guest agent",
+                message,
+            })?;
+            Ok(Some(crate::core::guestinfo::parse(&params)))
         })
         .await
     }

@@ -290,6 +290,8 @@ for p in /sys/class/virtio-ports/*; do
       case $line in
         *guest-sync*) echo "{\"return\": $(echo "$line" | sed -n 's/.*"id": *\([0-9]*\).*/\1/p')}" >&3 ;;
         *guest-shutdown*reboot*) echo "KVIRT-GUEST-AGENT-REBOOT" >/dev/console; reboot -f ;;
+        *guest-get-users*) echo '{"return": [{"user": "kvirt", "login-time": 1700000000.5}]}' >&3 ;;
+        *guest-get-fsinfo*) echo '{"return": [{"name": "vda", "mountpoint": "/", "type": "ext4", "total-bytes": 104857600, "used-bytes": 52428800, "disk": []}]}' >&3 ;;
         *guest-get-osinfo*) echo "{\"return\": {\"id\": \"kvirt-test\", \"name\": \"kvirt test guest\", \"pretty-name\": \"kvirt test guest 1\", \"version-id\": \"1\", \"kernel-release\": \"$(uname -r)\", \"machine\": \"$(uname -m)\"}}" >&3 ;;
         *) echo '{"return": {}}' >&3 ;;
       esac

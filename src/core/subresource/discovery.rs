@@ -9,17 +9,22 @@ use serde_json::{json, Value};
 /// as the server's, and virtctl of that minor version warns of nothing.
 pub const KUBEVIRT_VERSION: &str = "v1.9.0";
 
-// userlist, filesystemlist and expand-spec are routed but not served yet
-// (501): not listed.
-const VMI_ACTIONS: [VmiAction; 6] = [
+const VMI_ACTIONS: [VmiAction; 8] = [
     VmiAction::Console,
     VmiAction::Vnc,
     VmiAction::Pause,
     VmiAction::Unpause,
     VmiAction::SoftReboot,
     VmiAction::GuestOsInfo,
+    VmiAction::UserList,
+    VmiAction::FilesystemList,
 ];
-const VM_ACTIONS: [VmAction; 3] = [VmAction::Start, VmAction::Stop, VmAction::Restart];
+const VM_ACTIONS: [VmAction; 4] = [
+    VmAction::Start,
+    VmAction::Stop,
+    VmAction::Restart,
+    VmAction::ExpandSpec,
+];
 
 /// `GET /apis/subresources.kubevirt.io`
 pub fn group() -> Value {
@@ -98,6 +103,7 @@ mod tests {
             "virtualmachineinstances/vnc",
             "virtualmachineinstances/pause",
             "virtualmachines/start",
+            "virtualmachines/expand-spec",
         ] {
             assert!(names.contains(&want), "{want} in {names:?}");
         }

@@ -8,7 +8,7 @@ use crate::core::subresource::requestheader::User;
 use crate::core::subresource::{Access, ApiError};
 use crate::core::vm::Verb;
 use crate::core::vmi::{VirtualMachineInstance, NODE_LABEL};
-use crate::sources::cluster::{aggregation, vms};
+use crate::sources::cluster::{aggregation, instancetypes, vms};
 use kube::api::Api;
 use std::net::SocketAddr;
 
@@ -79,14 +79,14 @@ impl Cluster for KubeCluster {
 
     fn expand_spec<'a>(
         &'a self,
-        _key: &'a VmKey,
+        key: &'a VmKey,
     ) -> BoxFuture<'a, Result<serde_json::Value, ApiError>> {
         Box::pin(async move {
-            Err(ApiError::new(
-                501,
-                "NotImplemented",
-                "kvirt does not serve expand-spec yet: kvirtctl domxml --defaulted shows the VMI a VM makes",
-            ))
+            match instancetypes::expand(&self.client, key).await {
+                Ok(Some(vm)) => Ok(vm),
+                Ok(None) => Err(ApiError::not_found("virtualmachine", key.name())),
+                Err(e) => Err(ApiError::internal(e)),
+            }
         })
     }
 

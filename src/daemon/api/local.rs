@@ -3,6 +3,7 @@
 //! agent's answers, and the console and VNC sockets of its QEMU.
 
 use super::{error, json, stream, Api, Body};
+use crate::core::guestinfo;
 use crate::core::key::VmKey;
 use crate::core::layout::HostLayout;
 use crate::core::subresource::admit::admit;
@@ -97,6 +98,33 @@ impl Local {
     }
 }
 
+impl Local {
+    /// `userlist` or `filesystemlist`, asked of the guest agent now.
+    async fn guest_list(
+        &self,
+        key: &VmKey,
+        action: VmiAction,
+    ) -> Result<serde_json::Value, ApiError> {
+        self.admitted(key, action)?;
+        let details = self
+            .view
+            .guest_details(&key.id())
+            .await
+            .map_err(ApiError::internal)?
+            .ok_or_else(|| {
+                ApiError::conflict_on(
+                    "virtualmachineinstance",
+                    key.name(),
+                    "VMI does not have guest agent connected",
+                )
+            })?;
+        Ok(match action {
+            VmiAction::UserList => guestinfo::user_list(&details),
+            _ => guestinfo::filesystem_list(&details),
+        })
+    }
+}
+
 impl Api {
     pub(super) async fn local_vmi(
         self: &Arc<Self>,
@@ -128,11 +156,12 @@ impl Api {
                 Ok(v) => json(StatusCode::OK, &v),
                 Err(e) => error(&e),
             },
-            VmiAction::UserList | VmiAction::FilesystemList => error(&ApiError::new(
-                501,
-                "NotImplemented",
-                format!("kvirt does not serve {} yet", action.name()),
-            )),
+            VmiAction::UserList | VmiAction::FilesystemList => {
+                match self.local.guest_list(key, action).await {
+                    Ok(v) => json(StatusCode::OK, &v),
+                    Err(e) => error(&e),
+                }
+            }
             VmiAction::Console | VmiAction::Vnc => {
                 if let Err(e) = self.local.admitted(key, action) {
                     return error(&e);

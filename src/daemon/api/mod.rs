@@ -380,3 +380,6 @@ async fn connection(api: Arc<Api>, tcp: tokio::net::TcpStream) -> Result<(), Str
         .await
         .map_err(|e| e.to_string())
 }
+
+#[cfg(test)]
+mod tests;

@@ -50,35 +50,74 @@ pub(super) async fn captured(
     vm: &VirtualMachine,
     wanted: &Wanted,
 ) -> Result<Captured, ClusterError> {
+    read(client, known, vm, wanted, Capture::Keep).await
+}
+
+/// Whether a revision read from the object is kept as a ControllerRevision.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Capture {
+    Keep,
+    /// Only looked at (`virtctl expand`): nothing is written.
+    Look,
+}
+
+async fn read(
+    client: &kube::Client,
+    known: &Revisions,
+    vm: &VirtualMachine,
+    wanted: &Wanted,
+    capture: Capture,
+) -> Result<Captured, ClusterError> {
     Ok(Captured {
         instancetype: one(
             client,
             known,
             vm,
-            wanted.instancetype.as_ref(),
-            vm.spec.instancetype.as_ref(),
+            (wanted.instancetype.as_ref(), vm.spec.instancetype.as_ref()),
             "instancetypeRef",
+            capture,
         )
         .await?,
         preference: one(
             client,
             known,
             vm,
-            wanted.preference.as_ref(),
-            vm.spec.preference.as_ref(),
+            (wanted.preference.as_ref(), vm.spec.preference.as_ref()),
             "preferenceRef",
+            capture,
         )
         .await?,
     })
+}
+
+/// The VirtualMachine `key` as `virtctl expand` shows it (read only);
+/// `Ok(None)` when there is no such VM.
+pub async fn expand(
+    client: &kube::Client,
+    key: &crate::core::key::VmKey,
+) -> Result<Option<serde_json::Value>, String> {
+    let api: Api<VirtualMachine> = Api::namespaced(client.clone(), key.namespace());
+    let Some(vm) = api
+        .get_opt(key.name())
+        .await
+        .map_err(|e| format!("unable to retrieve vm [{}]: {e}", key.name()))?
+    else {
+        return Ok(None);
+    };
+    let wanted = vm.wanted()?;
+    let captured = read(client, &Revisions::default(), &vm, &wanted, Capture::Look)
+        .await
+        .map_err(|e| e.to_string())?;
+    crate::core::vm::expanded(&vm, &captured).map(Some)
 }
 
 async fn one(
     client: &kube::Client,
     known: &Revisions,
     vm: &VirtualMachine,
-    key: Option<&ObjectKey>,
-    matcher: Option<&Matcher>,
+    (key, matcher): (Option<&ObjectKey>, Option<&Matcher>),
     status_field: &str,
+    capture: Capture,
 ) -> Result<Option<Revision>, ClusterError> {
     let Some(key) = key else { return Ok(None) };
     let ns = vm.metadata.namespace.as_deref().unwrap_or("default");
@@ -118,6 +157,9 @@ async fn one(
         return Ok(None);
     };
     let rev = Revision::of(&vm_name, &object);
+    if capture == Capture::Look {
+        return Ok(Some(rev));
+    }
     let cr = ControllerRevision {
         metadata: ObjectMeta {
             name: Some(rev.name.clone()),

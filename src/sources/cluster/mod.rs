@@ -6,7 +6,7 @@
 pub mod aggregation;
 pub mod claims;
 pub mod events;
-mod instancetypes;
+pub mod instancetypes;
 pub mod lease;
 pub mod replicas;
 pub mod source;
