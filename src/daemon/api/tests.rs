@@ -47,7 +47,7 @@ impl Cluster for Scripted {
     fn vmi_node<'a>(&'a self, key: &'a VmKey) -> BoxFuture<'a, Result<Option<String>, ApiError>> {
         Box::pin(async move {
             Ok(match key.name() {
-                "here" | "stopped" => Some("node-a".into()),
+                "here" | "stopped" | "planted" | "fifo" => Some("node-a".into()),
                 "there" => Some("node-b".into()),
                 _ => None,
             })
@@ -150,6 +150,18 @@ async fn fixture() -> Fixture {
             }
         }
     });
+    // What a hostile VM's user may leave where its console socket goes: a
+    // link to another VM's socket, a FIFO.
+    let planted = layout.vm(&VmKey::new("default", "planted").unwrap());
+    std::fs::create_dir_all(&planted.runtime_dir).unwrap();
+    std::os::unix::fs::symlink(paths.serial_socket(), planted.serial_socket()).unwrap();
+    let fifo = layout.vm(&VmKey::new("default", "fifo").unwrap());
+    std::fs::create_dir_all(&fifo.runtime_dir).unwrap();
+    nix::unistd::mkfifo(
+        &fifo.serial_socket(),
+        nix::sys::stat::Mode::from_bits_truncate(0o600),
+    )
+    .unwrap();
     let vnc = tokio::net::UnixListener::bind(paths.vnc_socket()).unwrap();
     tokio::spawn(async move {
         while let Ok((mut s, _)) = vnc.accept().await {
@@ -263,8 +275,16 @@ impl Fixture {
         &self,
         query: &str,
     ) -> Result<tokio_tungstenite::WebSocketStream<Conn>, (u16, String)> {
+        self.stream("here", query).await
+    }
+
+    async fn stream(
+        &self,
+        vm: &str,
+        query: &str,
+    ) -> Result<tokio_tungstenite::WebSocketStream<Conn>, (u16, String)> {
         let s = self.tls(Some(&self.front)).await.unwrap();
-        let req = http::Request::get(format!("wss://x/apis/subresources.kubevirt.io/v1/namespaces/default/virtualmachineinstances/here/{query}"))
+        let req = http::Request::get(format!("wss://x/apis/subresources.kubevirt.io/v1/namespaces/default/virtualmachineinstances/{vm}/{query}"))
             .header("Host", "x")
             .header("Connection", "Upgrade")
             .header("Upgrade", "websocket")
@@ -429,4 +449,19 @@ async fn vnc_keeps_its_session_when_the_newcomer_asks_to_preserve_it() {
     let Some(Ok(Message::Close(Some(_)))) = first.next().await else {
         panic!("no close frame")
     };
+}
+
+#[tokio::test]
+async fn a_link_or_fifo_planted_for_the_console_is_never_followed() {
+    let f = fixture().await;
+    for vm in ["planted", "fifo"] {
+        let (code, body) = f.stream(vm, "console").await.err().unwrap();
+        assert_eq!(code, 400, "{vm}: {body}");
+    }
+    // The other VM's console was not taken: its first session greets.
+    let mut ws = f.console("console").await.unwrap();
+    let Some(Ok(Message::Binary(b))) = ws.next().await else {
+        panic!("no greeting")
+    };
+    assert_eq!(&b[..], b"GUEST-HELLO\n");
 }
