@@ -386,3 +386,39 @@ fn restarting_kvirtd_closes_the_console_and_leaves_the_vm_running() {
     );
     delete_vmi(&a, "v-rs");
 }
+
+#[test]
+fn a_host_that_stops_is_not_ready_and_one_gone_loses_its_address() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = serial();
+    api_available(&a);
+    let subsets = "kubectl -n kvirt get endpoints kvirt-api -o jsonpath='{range .subsets[*]}{.addresses[*].nodeName}:{.notReadyAddresses[*].nodeName};{end}'";
+    b.ok("systemctl stop kvirtd");
+    // Stopping, B marks its address not ready: the aggregator stops
+    // sending users there.
+    let out = a.ok(subsets);
+    assert!(out.contains(":node-b;"), "{out}");
+    // Its Lease runs out (8 s in the test cluster): A removes its
+    // address and slice.
+    a.wait(
+        "node-b's address removed",
+        WAIT,
+        &format!("! {subsets} | grep -q node-b"),
+    );
+    a.wait(
+        "node-b's slice removed",
+        WAIT,
+        "! kubectl -n kvirt get endpointslice kvirt-api-node-b",
+    );
+    b.ok("systemctl start kvirtd");
+    a.wait(
+        "node-b ready again",
+        WAIT,
+        &format!("{subsets} | grep -q 'node-b:'"),
+    );
+    a.wait(
+        "node-b's slice back",
+        WAIT,
+        "kubectl -n kvirt get endpointslice kvirt-api-node-b",
+    );
+}

@@ -69,11 +69,17 @@ struct FrontProxy {
     server: Arc<rustls::ServerConfig>,
 }
 
-pub struct Api {
-    node: String,
+/// This host's certificate and whom it trusts: both read again while
+/// kvirtd runs (a renewed certificate, a rotated front-proxy CA).
+struct Trust {
     identity: tls::Identity,
     peer_client: Arc<rustls::ClientConfig>,
-    front: RwLock<Option<FrontProxy>>,
+    front: Option<FrontProxy>,
+}
+
+pub struct Api {
+    node: String,
+    trust: RwLock<Trust>,
     cluster: Arc<dyn Cluster>,
     local: local::Local,
     sessions: stream::Sessions,
@@ -115,25 +121,31 @@ impl Api {
     ) -> Result<Arc<Self>, tls::TlsError> {
         Ok(Arc::new(Self {
             node,
-            peer_client: identity.client_config()?,
-            identity,
-            front: RwLock::new(None),
+            trust: RwLock::new(Trust {
+                peer_client: identity.client_config()?,
+                identity,
+                front: None,
+            }),
             cluster,
             local,
             sessions: stream::Sessions::default(),
         }))
     }
 
+    fn trust(&self) -> std::sync::RwLockReadGuard<'_, Trust> {
+        self.trust.read().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Takes the front proxy's CA, names and headers (at start, and
     /// whenever the API server's ConfigMap changes).
     pub fn set_front_proxy(&self, header: RequestHeader) -> Result<(), tls::TlsError> {
-        let roots = tls::roots(header.client_ca.as_bytes(), "requestheader-client-ca-file")?;
-        let server = self.identity.server_config(roots.clone())?;
-        let mut front = self.front.write().unwrap_or_else(|p| p.into_inner());
-        if front.as_ref().is_some_and(|f| f.header == header) {
+        let mut trust = self.trust.write().unwrap_or_else(|p| p.into_inner());
+        if trust.front.as_ref().is_some_and(|f| f.header == header) {
             return Ok(());
         }
-        *front = Some(FrontProxy {
+        let roots = tls::roots(header.client_ca.as_bytes(), "requestheader-client-ca-file")?;
+        let server = trust.identity.server_config(roots.clone())?;
+        trust.front = Some(FrontProxy {
             header,
             roots,
             server,
@@ -141,9 +153,42 @@ impl Api {
         Ok(())
     }
 
-    fn server_config(&self) -> Option<(Arc<rustls::ServerConfig>, Arc<RootCertStore>)> {
-        let front = self.front.read().unwrap_or_else(|p| p.into_inner());
-        front.as_ref().map(|f| (f.server.clone(), f.roots.clone()))
+    /// Takes a renewed certificate (or CA) of this host: new connections
+    /// use it, open ones keep theirs.
+    pub fn set_identity(&self, identity: tls::Identity) -> Result<(), tls::TlsError> {
+        let mut trust = self.trust.write().unwrap_or_else(|p| p.into_inner());
+        if trust.identity == identity {
+            return Ok(());
+        }
+        let peer_client = identity.client_config()?;
+        let server = match &trust.front {
+            Some(f) => Some(identity.server_config(f.roots.clone())?),
+            None => None,
+        };
+        if let (Some(f), Some(server)) = (trust.front.as_mut(), server) {
+            f.server = server;
+        }
+        trust.identity = identity;
+        trust.peer_client = peer_client;
+        Ok(())
+    }
+
+    /// What a new connection is served with: the server's TLS, and the
+    /// front proxy's and kvirt's CAs to tell callers apart.
+    fn server_config(
+        &self,
+    ) -> Option<(
+        Arc<rustls::ServerConfig>,
+        Arc<RootCertStore>,
+        Arc<RootCertStore>,
+    )> {
+        let trust = self.trust();
+        let f = trust.front.as_ref()?;
+        Some((
+            f.server.clone(),
+            f.roots.clone(),
+            trust.identity.peers.clone(),
+        ))
     }
 
     /// Ends every console and VNC session with a close frame (kvirtd stops).
@@ -159,8 +204,8 @@ impl Api {
             .collect();
         match caller {
             Caller::FrontProxy(cn) => {
-                let front = self.front.read().unwrap_or_else(|p| p.into_inner());
-                let header = &front.as_ref()?.header;
+                let trust = self.trust();
+                let header = &trust.front.as_ref()?.header;
                 if !header.allows(cn) {
                     return None;
                 }
@@ -274,11 +319,12 @@ impl Api {
             }
             Err(e) => return error(&ApiError::internal(e)),
         };
-        let header = {
-            let front = self.front.read().unwrap_or_else(|p| p.into_inner());
-            front.as_ref().map(|f| f.header.clone()).unwrap_or_default()
+        let (header, client) = {
+            let trust = self.trust();
+            let header = trust.front.as_ref().map(|f| f.header.clone());
+            (header.unwrap_or_default(), trust.peer_client.clone())
         };
-        forward::forward(self.peer_client.clone(), addr, user, &header, req)
+        forward::forward(client, addr, user, &header, req)
             .await
             .unwrap_or_else(|e| {
                 warn!(%node, %addr, "forwarding: {e}");
@@ -353,7 +399,7 @@ pub async fn serve(listener: TcpListener, api: Arc<Api>) {
 }
 
 async fn connection(api: Arc<Api>, tcp: tokio::net::TcpStream) -> Result<(), String> {
-    let Some((config, front_roots)) = api.server_config() else {
+    let Some((config, front_roots, peer_roots)) = api.server_config() else {
         return Err("not serving yet: the front proxy's CA is not known".into());
     };
     let tls = tokio::time::timeout(
@@ -366,7 +412,7 @@ async fn connection(api: Arc<Api>, tcp: tokio::net::TcpStream) -> Result<(), Str
     let caller = tls::classify(
         tls.get_ref().1.peer_certificates(),
         &front_roots,
-        &api.identity.peers,
+        &peer_roots,
     );
     let service = hyper::service::service_fn(move |req| {
         let (api, caller) = (api.clone(), caller.clone());

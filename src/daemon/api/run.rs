@@ -28,6 +28,13 @@ pub struct ApiSettings {
     pub lease: Duration,
 }
 
+/// The certificate, key and CA files, read at start and every refresh.
+struct Files {
+    cert: PathBuf,
+    key: PathBuf,
+    ca: PathBuf,
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ApiRunError {
     #[error(transparent)]
@@ -78,8 +85,14 @@ pub async fn start(
     tokio::spawn(super::serve(listener, api.clone()));
     let published = SocketAddr::new(s.address, s.listen.port());
     info!(listen = %s.listen, %published, "serving subresources.kubevirt.io");
+    let files = Files {
+        cert: s.cert,
+        key: s.key,
+        ca: s.ca,
+    };
     tokio::spawn(keep(
         api.clone(),
+        files,
         client.clone(),
         node.clone(),
         published,
@@ -98,6 +111,7 @@ pub async fn start(
 /// lease period.
 async fn keep(
     api: Arc<Api>,
+    files: Files,
     client: kube::Client,
     node: String,
     published: SocketAddr,
@@ -109,7 +123,7 @@ async fn keep(
     loop {
         tick.tick().await;
         if refreshed.is_none_or(|t| t.elapsed() >= REFRESH) {
-            match refresh(&api, &client, &node, published).await {
+            match refresh(&api, &files, &client, &node, published).await {
                 Ok(()) => {
                     refreshed = Some(tokio::time::Instant::now());
                     told = false;
@@ -128,13 +142,21 @@ async fn keep(
     }
 }
 
-/// The front proxy's trust read again, then this host's address published.
+/// This host's certificate and the front proxy's trust read again, then
+/// this host's address published. A certificate that no longer reads is
+/// said, and the one in use kept.
 async fn refresh(
     api: &Api,
+    files: &Files,
     client: &kube::Client,
     node: &str,
     published: SocketAddr,
 ) -> Result<(), String> {
+    if let Err(e) =
+        tls::Identity::load(&files.cert, &files.key, &files.ca).and_then(|i| api.set_identity(i))
+    {
+        warn!("the API port's certificate was not read again: {e}; keeping the one in use");
+    }
     let header = aggregation::request_header(client)
         .await
         .map_err(|e| e.to_string())?;

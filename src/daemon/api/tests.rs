@@ -109,6 +109,8 @@ impl VmiView for View {
 }
 
 struct Fixture {
+    api: Arc<Api>,
+    pki_dir: std::path::PathBuf,
     _dir: tempfile::TempDir,
     addr: SocketAddr,
     kvirt_ca: String,
@@ -202,8 +204,10 @@ async fn fixture() -> Fixture {
         .unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(serve(listener, api));
+    tokio::spawn(serve(listener, api.clone()));
     Fixture {
+        api,
+        pki_dir: pki_dir.clone(),
         kvirt_ca: std::fs::read_to_string(pki_dir.join(pki::CA_CERT)).unwrap(),
         _dir: dir,
         addr,
@@ -464,4 +468,23 @@ async fn a_link_or_fifo_planted_for_the_console_is_never_followed() {
         panic!("no greeting")
     };
     assert_eq!(&b[..], b"GUEST-HELLO\n");
+}
+
+#[tokio::test]
+async fn a_renewed_certificate_serves_new_connections_without_a_restart() {
+    let f = fixture().await;
+    let served = |s: &Conn| s.get_ref().1.peer_certificates().unwrap()[0].clone();
+    let before = served(&f.tls(Some(&f.front)).await.unwrap());
+    pki::make(&f.pki_dir).unwrap();
+    let renewed = tls::Identity::load(
+        &f.pki_dir.join(pki::CERT),
+        &f.pki_dir.join(pki::KEY),
+        &f.pki_dir.join(pki::CA_CERT),
+    )
+    .unwrap();
+    f.api.set_identity(renewed).unwrap();
+    let after = served(&f.tls(Some(&f.front)).await.unwrap());
+    assert_ne!(before, after);
+    let (code, _) = f.call(Some(&f.front), "GET", V1, Some("u")).await.unwrap();
+    assert_eq!(code, 200);
 }

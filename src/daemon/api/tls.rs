@@ -72,6 +72,14 @@ pub struct Identity {
     pub peers: Arc<RootCertStore>,
 }
 
+impl PartialEq for Identity {
+    fn eq(&self, other: &Self) -> bool {
+        self.chain == other.chain
+            && self.key.secret_der() == other.key.secret_der()
+            && self.peers.roots == other.peers.roots
+    }
+}
+
 impl Identity {
     pub fn load(cert: &Path, key: &Path, ca: &Path) -> Result<Self, TlsError> {
         let chain = certificates(&read(cert)?, &cert.display().to_string())?;
