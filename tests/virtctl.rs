@@ -47,6 +47,17 @@ fn delete_vmi(a: &Host, name: &str) {
     a.ok(&format!("kubectl delete vmi {name} --timeout=60s"));
 }
 
+/// Waits until the VMI's condition `type_` has status `want` ("" for absent).
+fn wait_condition(a: &Host, name: &str, type_: &str, want: &str) {
+    a.wait(
+        &format!("{name}: {type_}={want:?}"),
+        WAIT,
+        &format!(
+            "[ \"$(kubectl get vmi {name} -o jsonpath='{{.status.conditions[?(@.type==\"{type_}\")].status}}')\" = '{want}' ]"
+        ),
+    );
+}
+
 fn condition(a: &Host, name: &str, type_: &str) -> String {
     a.ok(&format!(
         "kubectl get vmi {name} -o jsonpath='{{.status.conditions[?(@.type==\"{type_}\")].status}}'"
@@ -139,20 +150,14 @@ fn virtctl_pauses_unpauses_and_reads_the_guest_on_either_host() {
                 out.contains(&format!("VMI {name} was scheduled to pause")),
                 "{out}"
             );
-            a.wait("Paused=True", WAIT, &format!(
-                "[ \"$(kubectl get vmi {name} -o jsonpath='{{.status.conditions[?(@.type==\"Paused\")].status}}')\" = True ]"
-            ));
+            wait_condition(&a, name, "Paused", "True");
             let again = a.sh(&format!("virtctl pause vmi {name} 2>&1"));
             assert!(!again.status.success());
             assert!(String::from_utf8_lossy(&again.stdout).contains("VMI is already paused"));
             a.ok(&format!("virtctl unpause vmi {name}"));
-            a.wait("Paused gone", WAIT, &format!(
-                "[ -z \"$(kubectl get vmi {name} -o jsonpath='{{.status.conditions[?(@.type==\"Paused\")].status}}')\" ]"
-            ));
+            wait_condition(&a, name, "Paused", "");
         }
-        a.wait("the agent connected", WAIT, &format!(
-            "[ \"$(kubectl get vmi {name} -o jsonpath='{{.status.conditions[?(@.type==\"AgentConnected\")].status}}')\" = True ]"
-        ));
+        wait_condition(&a, name, "AgentConnected", "True");
         let info = a.ok(&format!("virtctl guestosinfo {name}"));
         assert!(info.contains("kvirt test guest"), "{info}");
         let users = a.ok(&format!("virtctl userlist {name}"));
@@ -204,60 +209,44 @@ fn virtctl_console_reads_and_types_and_a_new_session_takes_over() {
 
 #[test]
 fn each_kvirtd_serves_or_forwards_and_strangers_get_nothing() {
-    let Some((a, b)) = hosts() else { return };
+    let Some((a, _b)) = hosts() else { return };
     let _g = serial();
     api_available(&a);
     running_vmi(&a, &a, "v-fw", "node-a");
-    let console = format!("{SUB}/virtualmachineinstances/v-fw/console");
-    let vnc = format!("{SUB}/virtualmachineinstances/v-fw/vnc");
+    let vmi = |sub: &str| format!("{SUB}/virtualmachineinstances/v-fw/{sub}");
     for addr in [NODE_A, NODE_B] {
+        // As the API server's front proxy, for an admin.
+        let front = |method: &str, path: &str, websocket: bool, until: &str| {
+            let headers = if websocket {
+                upgrade(ADMIN)
+            } else {
+                ADMIN.to_owned()
+            };
+            raw(
+                &a,
+                addr,
+                method,
+                path,
+                Some("front-proxy-client"),
+                &headers,
+                until,
+            )
+        };
         // Console bytes and the VNC handshake, from the host that runs the
         // VMI (A) and through the other (B), byte for byte.
-        let out = raw(
-            &a,
-            addr,
-            "GET",
-            &console,
-            Some("front-proxy-client"),
-            &upgrade(ADMIN),
-            "KVIRT-GUEST-ALIVE",
-        );
+        let out = front("GET", &vmi("console"), true, "KVIRT-GUEST-ALIVE");
         assert!(out.starts_with("HTTP/1.1 101"), "{addr}: {out}");
         assert!(out.contains("KVIRT-GUEST-ALIVE"), "{addr}: {out}");
-        let out = raw(
-            &a,
-            addr,
-            "GET",
-            &vnc,
-            Some("front-proxy-client"),
-            &upgrade(ADMIN),
-            "RFB 003.008",
-        );
+        let out = front("GET", &vmi("vnc"), true, "RFB 003.008");
         assert!(out.contains("RFB 003.008"), "{addr}: {out}");
-        let out = raw(
-            &a,
-            addr,
-            "PUT",
-            &format!("{SUB}/virtualmachineinstances/v-fw/pause"),
-            Some("front-proxy-client"),
-            ADMIN,
-            "HTTP/1.1",
-        );
-        assert!(out.starts_with("HTTP/1.1 200"), "{addr}: {out}");
-        a.wait("Paused=True", WAIT, "[ \"$(kubectl get vmi v-fw -o jsonpath='{.status.conditions[?(@.type==\"Paused\")].status}')\" = True ]");
-        let out = raw(
-            &a,
-            addr,
-            "PUT",
-            &format!("{SUB}/virtualmachineinstances/v-fw/unpause"),
-            Some("front-proxy-client"),
-            ADMIN,
-            "HTTP/1.1",
-        );
-        assert!(out.starts_with("HTTP/1.1 200"), "{addr}: {out}");
-        a.wait("Paused gone", WAIT, "[ -z \"$(kubectl get vmi v-fw -o jsonpath='{.status.conditions[?(@.type==\"Paused\")].status}')\" ]");
+        for (sub, paused) in [("pause", "True"), ("unpause", "")] {
+            let out = front("PUT", &vmi(sub), false, "HTTP/1.1");
+            assert!(out.starts_with("HTTP/1.1 200"), "{addr} {sub}: {out}");
+            wait_condition(&a, "v-fw", "Paused", paused);
+        }
 
         // No client certificate: 401, and not one byte of the console.
+        let console = vmi("console");
         let out = raw(
             &a,
             addr,
@@ -282,7 +271,6 @@ fn each_kvirtd_serves_or_forwards_and_strangers_get_nothing() {
         );
         assert!(!out.contains("HTTP/1.1"), "{addr}: {out}");
     }
-    let _ = b;
     delete_vmi(&a, "v-fw");
 }
 
@@ -297,8 +285,7 @@ fn a_user_bound_to_view_reads_the_guest_but_cannot_touch_it() {
           --dry-run=client -o yaml | kubectl apply -f -",
     );
     let viewer = "KUBECONFIG=/etc/kvirt/kubeconfigs/kvirt-viewer.kubeconfig";
-    a.wait("the agent connected", WAIT,
-        "[ \"$(kubectl get vmi v-view -o jsonpath='{.status.conditions[?(@.type==\"AgentConnected\")].status}')\" = True ]");
+    wait_condition(&a, "v-view", "AgentConnected", "True");
     let info = a.ok(&format!("{viewer} virtctl guestosinfo v-view"));
     assert!(info.contains("kvirt test guest"), "{info}");
     for cmd in ["console v-view --timeout 1", "pause vmi v-view"] {

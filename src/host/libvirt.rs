@@ -163,41 +163,17 @@ fn guest_os_key(libvirt_key: &str) -> Option<&'static str> {
 /// The agent's `guest-get-osinfo` through `virDomainGetGuestInfo` (which,
 /// unlike a raw agent command, does not taint the domain).
 fn guest_os_info(dom: &Domain) -> Result<std::collections::BTreeMap<String, String>, String> {
-    let mut params: sys::virTypedParameterPtr = std::ptr::null_mut();
-    let mut n: libc::c_int = 0;
-    // SAFETY: dom is a live domain; libvirt allocates params, freed below.
-    let r = unsafe {
-        sys::virDomainGetGuestInfo(
-            dom.as_ptr(),
-            sys::VIR_DOMAIN_GUEST_INFO_OS,
-            &mut params,
-            &mut n,
-            0,
-        )
-    };
-    if r < 0 {
-        return Err(virt::error::Error::last_error().to_string());
-    }
-    let mut out = std::collections::BTreeMap::new();
-    for i in 0..usize::try_from(n).unwrap_or(0) {
-        // SAFETY: libvirt returned n parameters at params.
-        let p = unsafe { &*params.add(i) };
-        // SAFETY: field is NUL-terminated within its 80 bytes.
-        let field = unsafe { std::ffi::CStr::from_ptr(p.field.as_ptr()) }.to_string_lossy();
-        let Some(key) = guest_os_key(&field) else {
-            continue;
-        };
-        if p.type_ == sys::VIR_TYPED_PARAM_STRING as i32 {
-            // SAFETY: a string parameter's value is a C string.
-            let v = unsafe { std::ffi::CStr::from_ptr(p.value.s) };
+    Ok(guest_params(dom, sys::VIR_DOMAIN_GUEST_INFO_OS)?
+        .into_iter()
+        .filter_map(|(field, value)| match value {
             // The guest wrote it: bounded here, before it is kept anywhere.
-            let v = crate::core::status::guest_text(&v.to_string_lossy());
-            out.insert(key.to_owned(), v);
-        }
-    }
-    // SAFETY: params and n came from virDomainGetGuestInfo.
-    unsafe { sys::virTypedParamsFree(params, n) };
-    Ok(out)
+            Param::Str(v) => Some((
+                guest_os_key(&field)?.to_owned(),
+                crate::core::status::guest_text(&v),
+            )),
+            _ => None,
+        })
+        .collect())
 }
 
 /// `virDomainGetGuestInfo` of `types`: every parameter, by name.
@@ -478,6 +454,30 @@ impl Libvirt {
         }
     }
 
+    /// The running domain whose guest agent is connected, with the
+    /// agent's answers bounded in time; `None` otherwise.
+    fn agent_domain(
+        &self,
+        slot: &mut Option<Conn>,
+        d: &DomainRef,
+    ) -> Result<Option<(ConnRef, Domain)>, LibvirtError> {
+        let (conn, Some(dom)) = self.lookup(slot, d)? else {
+            return Ok(None);
+        };
+        if !dom.is_active().unwrap_or(false) {
+            return Ok(None);
+        }
+        let xml = dom
+            .get_xml_desc(0)
+            .map_err(Libvirt::err(&d.id, "domain XML"))?;
+        if !agent_connected(&bounded_xml(xml, d)?) {
+            return Ok(None);
+        }
+        // SAFETY: dom is a live domain.
+        unsafe { sys::virDomainAgentSetResponseTimeout(dom.as_ptr(), AGENT_TIMEOUT_S, 0) };
+        Ok(Some((conn, dom)))
+    }
+
     fn lookup(
         &self,
         slot: &mut Option<Conn>,
@@ -680,23 +680,11 @@ impl Hypervisor for Libvirt {
 
     async fn guest_agent(&self, d: &DomainRef) -> Result<Option<GuestAgent>, LibvirtError> {
         self.blocking(d, "ask the guest agent", CALL_TIMEOUT, |this, slot, d| {
-            let (_conn, Some(dom)) = this.lookup(slot, d)? else {
+            let Some((_conn, dom)) = this.agent_domain(slot, d)? else {
                 return Ok(None);
             };
-            if !dom.is_active().unwrap_or(false) {
-                return Ok(None);
-            }
-            let xml = dom
-                .get_xml_desc(0)
-                .map_err(Libvirt::err(&d.id, "domain XML"))?;
-            let xml = bounded_xml(xml, d)?;
-            if !agent_connected(&xml) {
-                return Ok(None);
-            }
             // A slow agent is asked again at the next pass, and one
             // without guest-get-osinfo is still an agent.
-            // SAFETY: dom is a live domain.
-            unsafe { sys::virDomainAgentSetResponseTimeout(dom.as_ptr(), AGENT_TIMEOUT_S, 0) };
             let os_info = guest_os_info(&dom).unwrap_or_else(|e| {
                 tracing::debug!("guest OS info: {e}");
                 Default::default()
@@ -708,20 +696,9 @@ impl Hypervisor for Libvirt {
 
     async fn guest_details(&self, d: &DomainRef) -> Result<Option<GuestDetails>, LibvirtError> {
         self.blocking(d, "ask the guest agent", CALL_TIMEOUT, |this, slot, d| {
-            let (_conn, Some(dom)) = this.lookup(slot, d)? else {
+            let Some((_conn, dom)) = this.agent_domain(slot, d)? else {
                 return Ok(None);
             };
-            if !dom.is_active().unwrap_or(false) {
-                return Ok(None);
-            }
-            let xml = dom
-                .get_xml_desc(0)
-                .map_err(Libvirt::err(&d.id, "domain XML"))?;
-            if !agent_connected(&bounded_xml(xml, d)?) {
-                return Ok(None);
-            }
-            // SAFETY: dom is a live domain.
-            unsafe { sys::virDomainAgentSetResponseTimeout(dom.as_ptr(), AGENT_TIMEOUT_S, 0) };
             let types = sys::VIR_DOMAIN_GUEST_INFO_USERS | sys::VIR_DOMAIN_GUEST_INFO_FILESYSTEM;
             let params = guest_params(&dom, types).map_err(|message| LibvirtError::Call {
                 id: d.id.clone(),

@@ -203,27 +203,31 @@ fn unescape(key: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
+/// The ConfigMap's data as kube-apiserver writes it with kubeadm's flags,
+/// for tests.
+#[cfg(test)]
+pub(crate) fn kubeadm_data(client_ca: &str) -> BTreeMap<String, String> {
+    [
+        ("requestheader-client-ca-file", client_ca),
+        ("requestheader-allowed-names", "[\"front-proxy-client\"]"),
+        ("requestheader-username-headers", "[\"X-Remote-User\"]"),
+        ("requestheader-group-headers", "[\"X-Remote-Group\"]"),
+        (
+            "requestheader-extra-headers-prefix",
+            "[\"X-Remote-Extra-\"]",
+        ),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v.to_owned()))
+    .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     fn data() -> BTreeMap<String, String> {
-        [
-            (
-                "requestheader-client-ca-file",
-                "-----BEGIN CERTIFICATE-----\n...",
-            ),
-            ("requestheader-allowed-names", "[\"front-proxy-client\"]"),
-            ("requestheader-username-headers", "[\"X-Remote-User\"]"),
-            ("requestheader-group-headers", "[\"X-Remote-Group\"]"),
-            (
-                "requestheader-extra-headers-prefix",
-                "[\"X-Remote-Extra-\"]",
-            ),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_owned(), v.to_owned()))
-        .collect()
+        kubeadm_data("-----BEGIN CERTIFICATE-----\n...")
     }
 
     #[test]

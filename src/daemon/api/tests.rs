@@ -13,7 +13,6 @@ use rcgen::{
 };
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName};
-use std::collections::BTreeMap;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio_tungstenite::tungstenite::Message;
 
@@ -187,19 +186,7 @@ async fn fixture() -> Fixture {
         },
     )
     .unwrap();
-    let data: BTreeMap<String, String> = [
-        ("requestheader-client-ca-file", front_ca.as_str()),
-        ("requestheader-allowed-names", "[\"front-proxy-client\"]"),
-        ("requestheader-username-headers", "[\"X-Remote-User\"]"),
-        ("requestheader-group-headers", "[\"X-Remote-Group\"]"),
-        (
-            "requestheader-extra-headers-prefix",
-            "[\"X-Remote-Extra-\"]",
-        ),
-    ]
-    .into_iter()
-    .map(|(k, v)| (k.to_owned(), v.to_owned()))
-    .collect();
+    let data = crate::core::subresource::requestheader::kubeadm_data(&front_ca);
     api.set_front_proxy(RequestHeader::from_data(&data).unwrap())
         .unwrap();
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
