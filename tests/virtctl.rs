@@ -197,6 +197,16 @@ fn virtctl_console_reads_and_types_and_a_new_session_takes_over() {
         out.contains("a new connection took over the session"),
         "{out}"
     );
+    // kvirtctl's console goes the same way, as the user of ~/.kube/config.
+    let out = a.ok(
+        "out=$(mktemp)
+         kvirtctl console default/v-con </dev/null >$out 2>&1 &
+         pid=$!
+         for i in $(seq 300); do grep -aq KVIRT-GUEST-ALIVE $out && break; sleep 0.1; done
+         kill $pid || true
+         cat -v $out",
+    );
+    assert!(out.contains("KVIRT-GUEST-ALIVE"), "{out}");
     // The benchmark's console figures (tests/bench --console), 3 sessions.
     let script = include_str!("bench.d/console-rtt.sh");
     let json = a.ok(&format!("bash -s 3 v-con <<'SH'\n{script}SH"));
