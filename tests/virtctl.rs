@@ -166,6 +166,23 @@ fn virtctl_pauses_unpauses_and_reads_the_guest_on_either_host() {
         assert!(fs.contains("\"mountPoint\": \"/\""), "{fs}");
     }
     assert_eq!(condition(&a, "v-pa", "Paused"), "");
+    // A soft reboot goes to the guest agent: the guest says so and boots
+    // again in the same QEMU.
+    let qemu = a.ok("systemctl show -p MainPID --value kvirt-vm@default_v-pa.service");
+    let out = a.ok("virtctl soft-reboot v-pa");
+    assert!(
+        out.contains("VMI v-pa was scheduled to soft-reboot"),
+        "{out}"
+    );
+    a.wait(
+        "the guest rebooting through its agent",
+        WAIT,
+        "grep -q KVIRT-GUEST-AGENT-REBOOT /run/kvirt/vms/default_v-pa/console.log",
+    );
+    assert_eq!(
+        a.ok("systemctl show -p MainPID --value kvirt-vm@default_v-pa.service"),
+        qemu
+    );
     delete_vmi(&a, "v-pa");
     delete_vmi(&a, "v-pb");
 }
@@ -198,14 +215,12 @@ fn virtctl_console_reads_and_types_and_a_new_session_takes_over() {
         "{out}"
     );
     // kvirtctl's console goes the same way, as the user of ~/.kube/config.
-    let out = a.ok(
-        "out=$(mktemp)
+    let out = a.ok("out=$(mktemp)
          kvirtctl console default/v-con </dev/null >$out 2>&1 &
          pid=$!
          for i in $(seq 300); do grep -aq KVIRT-GUEST-ALIVE $out && break; sleep 0.1; done
          kill $pid || true
-         cat -v $out",
-    );
+         cat -v $out");
     assert!(out.contains("KVIRT-GUEST-ALIVE"), "{out}");
     // The benchmark's console figures (tests/bench --console), 3 sessions.
     let script = include_str!("bench.d/console-rtt.sh");
@@ -298,7 +313,11 @@ fn a_user_bound_to_view_reads_the_guest_but_cannot_touch_it() {
     wait_condition(&a, "v-view", "AgentConnected", "True");
     let info = a.ok(&format!("{viewer} virtctl guestosinfo v-view"));
     assert!(info.contains("kvirt test guest"), "{info}");
-    for cmd in ["console v-view --timeout 1", "pause vmi v-view"] {
+    for cmd in [
+        "console v-view --timeout 1",
+        "pause vmi v-view",
+        "stop v-view",
+    ] {
         let out = a.sh(&format!(
             "{viewer} timeout 60 virtctl {cmd} </dev/null 2>&1"
         ));
