@@ -136,7 +136,8 @@ async fn keep(
                 Err(_) => {}
             }
         }
-        if let Err(e) = aggregation::prune(&client, &node, lease).await {
+        let mine = refreshed.is_some().then_some(published);
+        if let Err(e) = aggregation::prune(&client, &node, mine, lease).await {
             warn!("pruning stale API endpoints: {e}");
         }
     }

@@ -121,8 +121,8 @@ fn subset_node(s: &EndpointSubset) -> Option<&str> {
         .find_map(|a| a.node_name.as_deref())
 }
 
-/// The subsets with `node`'s replaced by `mine` (or dropped), and those of
-/// the nodes `gone` dropped (pure).
+/// The subsets with `node`'s replaced by `mine` (kept as they are when
+/// `None`), and those of the nodes `gone` dropped (pure).
 pub fn merged_subsets(
     current: &[EndpointSubset],
     node: &str,
@@ -131,7 +131,10 @@ pub fn merged_subsets(
 ) -> Vec<EndpointSubset> {
     let mut out: Vec<EndpointSubset> = current
         .iter()
-        .filter(|s| subset_node(s).is_some_and(|n| n != node && !gone.iter().any(|g| g == n)))
+        .filter(|s| {
+            subset_node(s)
+                .is_some_and(|n| (n != node || mine.is_none()) && !gone.iter().any(|g| g == n))
+        })
         .cloned()
         .collect();
     out.extend(mine);
@@ -305,6 +308,7 @@ pub fn stale(
 pub async fn prune(
     client: &kube::Client,
     node: &str,
+    published: Option<SocketAddr>,
     grace: Duration,
 ) -> Result<(), AggregationError> {
     let api: Api<Endpoints> = Api::namespaced(client.clone(), NAMESPACE);
@@ -319,18 +323,22 @@ pub async fn prune(
         .map_err(endpoints_err)?;
     let now = jiff::Timestamp::now().as_second();
     let gone = stale(&ep, node, &leases.items, now, grace);
-    if gone.is_empty() {
+    // This host's subset, once published, is put back if it went missing
+    // (an edit, a lost race); left as it is otherwise.
+    let mine = published.map(|a| subset(node, a, true));
+    let missing = mine
+        .as_ref()
+        .is_some_and(|m| !ep.subsets.iter().flatten().any(|s| s == m));
+    if gone.is_empty() && !missing {
         return Ok(());
     }
-    info!(nodes = ?gone, "removing the API endpoints of hosts whose lease ran out");
-    write_endpoints(client, node, None, &gone)
-        .await
-        .or_else(|e| {
-            // Our own subset was dropped with `None`: put it back on the
-            // next publish; a failure here only delays the removal.
-            warn!("{e}");
-            Ok::<_, AggregationError>(())
-        })?;
+    if !gone.is_empty() {
+        info!(nodes = ?gone, "removing the API endpoints of hosts whose lease ran out");
+    }
+    // A failure only delays the change to the next period.
+    if let Err(e) = write_endpoints(client, node, mine.filter(|_| missing), &gone).await {
+        warn!("{e}");
+    }
     let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), NAMESPACE);
     for g in gone {
         if let Err(e) = slices
@@ -362,8 +370,8 @@ mod tests {
         let merged = merged_subsets(&merged, "node-b", Some(b_down.clone()), &[]);
         assert_eq!(merged, vec![a.clone(), b_down.clone()]);
         assert!(merged[1].addresses.is_none());
-        // A host gone is removed by another.
-        let merged = merged_subsets(&merged, "node-a", Some(a.clone()), &["node-b".into()]);
+        // A host gone is removed by another, which keeps its own as it is.
+        let merged = merged_subsets(&merged, "node-a", None, &["node-b".into()]);
         assert_eq!(merged, vec![a]);
     }
 
