@@ -49,8 +49,7 @@ for _ in $(seq "$n"); do
     cat -v "$out" >&2
     exit 1
   fi
-  read -r o e <<<"$times"
-  opens+=("$o") echoes+=("$e")
+  opens+=("${times% *}") echoes+=("${times#* }")
   rm -f "$out"
 done
 pct() { printf '%s\n' "${@:2}" | sort -n | awk -v p="$1" '{ a[NR] = $1 } END { i = int((NR - 1) * p / 100) + 1; print a[i] }'; }
