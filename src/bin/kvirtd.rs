@@ -554,7 +554,12 @@ async fn run(config: Config) -> Result<()> {
             let claim = k.claim.then(|| (client.clone(), config.host_facts()));
             let control_path = settings.layout.control_socket();
             let control_group = config.control.gid().map_err(anyhow::Error::msg)?;
-            let api = api_settings(&config, Duration::from_secs(k.lease_seconds))?;
+            // virtctl's API is never a reason not to run VMs.
+            let api =
+                api_settings(&config, Duration::from_secs(k.lease_seconds)).unwrap_or_else(|e| {
+                    error!("subresources.kubevirt.io (virtctl) not served: {e:#}");
+                    None
+                });
             let running_api = Arc::new(tokio::sync::Mutex::new(None));
             let (api_client, api_node, api_layout) =
                 (client.clone(), node.clone(), settings.layout.clone());
