@@ -1892,9 +1892,14 @@ fn virtual_machines_stay_up_by_their_run_strategy_and_obey_kvirtctl() {
     wait_vm_status(&h, "vmr", "Stopped", Duration::from_secs(10));
     h.ok("[ \"$(systemctl show -p LoadState --value kvirt-vm@default_vmr.service)\" = not-found ]");
 
-    // start: running again, a fourth VMI.
-    h.ok("kvirtctl start default/vmr");
+    // start --paused: a fourth VMI, its vCPUs stopped until unpaused; the
+    // VM is Always again.
+    h.ok("kvirtctl start --paused default/vmr");
     wait_new_vmi_running(&h, "vmr", &third, BOOT);
+    wait_vm_status(&h, "vmr", "Paused", BOOT);
+    assert_eq!(h.status("vmr")["spec"]["startStrategy"], "Paused");
+    assert_eq!(vm_record(&h, "vmr")["status"]["runStrategy"], "Always");
+    h.ok("kvirtctl unpause default/vmr");
     wait_vm_status(&h, "vmr", "Running", BOOT);
     let machine = h.status("vmr")["status"]["machine"]["type"].clone();
     assert!(

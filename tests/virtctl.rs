@@ -358,17 +358,51 @@ fn virtctl_starts_stops_and_restarts_a_vm() {
         v["spec"]["template"]["spec"]["domain"]["firmware"]["uuid"].is_string(),
         "{out}"
     );
-    let out = a.ok("virtctl start v-vm");
+    // start --paused: the VMI starts with its vCPUs stopped, the VM is Always.
+    let out = a.ok("virtctl start --paused v-vm");
     assert!(out.contains("VM v-vm was scheduled to start"), "{out}");
-    a.ok("kubectl wait vmi/v-vm --for=jsonpath='{.status.phase}'=Running --timeout=90s");
+    a.wait(
+        "the VM shown Paused",
+        WAIT,
+        "kubectl get vm v-vm -o jsonpath='{.status.printableStatus}' | grep -qx Paused",
+    );
+    let vmi_field = |f: &str| a.ok(&format!("kubectl get vmi v-vm -o jsonpath='{{{f}}}'"));
+    assert_eq!(vmi_field(".spec.startStrategy"), "Paused");
+    assert_eq!(vmi_field(".status.phase"), "Running");
+    assert_eq!(
+        a.ok("kubectl get vm v-vm -o jsonpath='{.spec.runStrategy}'"),
+        "Always"
+    );
     let again = a.sh("virtctl start v-vm 2>&1");
     assert!(!again.status.success());
-    let uid = a.ok("kubectl get vmi v-vm -o jsonpath='{.metadata.uid}'");
-    let out = a.ok("virtctl restart v-vm");
-    assert!(out.contains("VM v-vm was scheduled to restart"), "{out}");
-    a.wait("a new VMI", WAIT, &format!(
-        "u=$(kubectl get vmi v-vm -o jsonpath='{{.metadata.uid}}') && [ -n \"$u\" ] && [ \"$u\" != {uid} ]"
+    // restart --force: the old VMI's grace is cut to 1 s first (a paused
+    // guest would ignore the power button for all of its 30), then a new
+    // VMI comes, unpaused.
+    let uid = vmi_field(".metadata.uid");
+    // (One script: a background watch ends with the script's unit.)
+    let watched = a.ok(&format!(
+        "f=$(mktemp)
+         kubectl get vmi v-vm -w -o jsonpath='{{.metadata.uid}} {{.spec.terminationGracePeriodSeconds}}{{\"\\n\"}}' >$f 2>&1 &
+         w=$!
+         for i in $(seq 300); do grep -q {uid} $f && break; sleep 0.1; done
+         virtctl restart --force --grace-period=0 v-vm >&2
+         for i in $(seq 900); do
+           u=$(kubectl get vmi v-vm -o jsonpath='{{.metadata.uid}}' 2>/dev/null || true)
+           [ -n \"$u\" ] && [ \"$u\" != {uid} ] && break
+           sleep 0.1
+         done
+         kill $w
+         cat $f"
     ));
+    assert!(watched.contains(&format!("{uid} 1\n")), "{watched}");
+    a.ok("kubectl wait vmi/v-vm --for=jsonpath='{.status.phase}'=Running --timeout=90s");
+    assert_eq!(vmi_field(".spec.startStrategy"), "");
+    let refused = a.sh("virtctl restart --force --grace-period=5 v-vm 2>&1");
+    let refused = String::from_utf8_lossy(&refused.stdout);
+    assert!(
+        refused.contains("only gracePeriod=0 is supported"),
+        "{refused}"
+    );
     let out = a.ok("virtctl stop v-vm");
     assert!(out.contains("VM v-vm was scheduled to stop"), "{out}");
     a.wait("the VMI gone", WAIT, "! kubectl get vmi v-vm");

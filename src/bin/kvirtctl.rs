@@ -9,6 +9,7 @@ use kvirt::core::key::VmKey;
 use kvirt::core::kinds;
 use kvirt::core::layout::HostLayout;
 use kvirt::daemon::config::{Config, DEFAULT_PATH};
+use kvirt::daemon::control::Request;
 use kvirt::host::beneath::Beneath;
 use kvirt::sources::manifest::{read_all_status, ManifestDir};
 use std::io::{Read, Write};
@@ -51,6 +52,10 @@ enum Command {
     Start {
         /// NAMESPACE/NAME
         vm: String,
+        /// Start the VMI with its vCPUs stopped (`startStrategy: Paused`);
+        /// unpause it to run.
+        #[arg(long)]
+        paused: bool,
     },
     /// Stop a VirtualMachine gracefully (as `virtctl stop`): it becomes
     /// Halted (a Manual one gets a stop request) and stays stopped.
@@ -69,6 +74,10 @@ enum Command {
     Restart {
         /// NAMESPACE/NAME
         vm: String,
+        /// Do not wait for the guest: its VMI is stopped within 1 second
+        /// (as `virtctl restart --force`).
+        #[arg(long)]
+        force: bool,
     },
     /// Pause a running VM (its VMI's vCPUs stop; Ready=False, Paused=True).
     Pause {
@@ -146,17 +155,33 @@ fn main() -> Result<()> {
             }
         }
         Command::Vm { vm } => show_vm(&config()?.layout(), &vm),
-        Command::Start { vm } => request(&config()?, user.as_deref(), "start", &vm, None),
-        Command::Stop { vm, grace, force } => {
-            let grace = grace.or(force.then_some(0));
-            request(&config()?, user.as_deref(), "stop", &vm, grace)
-        }
-        Command::Restart { vm } => request(&config()?, user.as_deref(), "restart", &vm, None),
-        Command::Pause { vm } => request(&config()?, user.as_deref(), "pause", &vm, None),
-        Command::Unpause { vm } => request(&config()?, user.as_deref(), "unpause", &vm, None),
-        Command::SoftReboot { vm } => {
-            request(&config()?, user.as_deref(), "soft-reboot", &vm, None)
-        }
+        Command::Start { vm, paused } => request(
+            &config()?,
+            user.as_deref(),
+            Request {
+                paused,
+                ..asks("start", vm)
+            },
+        ),
+        Command::Stop { vm, grace, force } => request(
+            &config()?,
+            user.as_deref(),
+            Request {
+                grace: grace.or(force.then_some(0)),
+                ..asks("stop", vm)
+            },
+        ),
+        Command::Restart { vm, force } => request(
+            &config()?,
+            user.as_deref(),
+            Request {
+                force,
+                ..asks("restart", vm)
+            },
+        ),
+        Command::Pause { vm } => request(&config()?, user.as_deref(), asks("pause", vm)),
+        Command::Unpause { vm } => request(&config()?, user.as_deref(), asks("unpause", vm)),
+        Command::SoftReboot { vm } => request(&config()?, user.as_deref(), asks("soft-reboot", vm)),
         Command::Domxml {
             file,
             domain_type,
@@ -350,30 +375,41 @@ fn show_vm(layout: &HostLayout, vm: &str) -> Result<()> {
     Ok(())
 }
 
-/// `start`, `stop`, `restart` of a VirtualMachine: in a cluster through the
-/// API server (with kvirtd's kubeconfig, as `virtctl` would), standalone
-/// through kvirtd's control socket.
+fn asks(action: &str, vm: String) -> Request {
+    Request {
+        action: action.into(),
+        vm,
+        ..Default::default()
+    }
+}
+
 /// start, stop, restart, pause, unpause, soft-reboot: kvirtd's control
 /// socket on a standalone host; in a cluster, KubeVirt's subresource
 /// through the API server as the user (pause, unpause and soft-reboot name
 /// a VMI, as `virtctl ... vmi` does).
-fn request(
-    config: &Config,
-    kubeconfig: Option<&Path>,
-    action: &str,
-    vm: &str,
-    grace: Option<u64>,
-) -> Result<()> {
+fn request(config: &Config, kubeconfig: Option<&Path>, req: Request) -> Result<()> {
     if config.source.kind != kvirt::daemon::config::SourceKind::Kubernetes {
-        return control(&config.layout(), action, vm, grace);
+        return control(&config.layout(), &req);
     }
-    let key = VmKey::parse(vm)?;
+    let key = VmKey::parse(&req.vm)?;
+    let action = req.action.as_str();
+    // virtctl's bodies (StartOptions, StopOptions, RestartOptions).
     let (resource, sub, body) = match action {
-        "start" | "restart" => ("virtualmachines", action, serde_json::json!({})),
+        "start" => (
+            "virtualmachines",
+            action,
+            serde_json::json!({ "paused": req.paused }),
+        ),
+        "restart" if req.force => (
+            "virtualmachines",
+            action,
+            serde_json::json!({ "gracePeriodSeconds": 0 }),
+        ),
+        "restart" => ("virtualmachines", action, serde_json::json!({})),
         "stop" => (
             "virtualmachines",
             "stop",
-            serde_json::json!({ "gracePeriod": grace }),
+            serde_json::json!({ "gracePeriod": req.grace }),
         ),
         "soft-reboot" => (
             "virtualmachineinstances",
@@ -427,32 +463,15 @@ fn api_console(kubeconfig: Option<&Path>, vm: &str) -> Result<()> {
             .await
             .map_err(anyhow::Error::msg)
             .with_context(|| format!("console of {key}"))?;
-        let tty = nix::unistd::isatty(std::io::stdin()).unwrap_or(false);
-        if tty {
-            eprintln!("Connected to {key}; detach with Ctrl-]");
-        }
-        let raw = tty.then(RawTty::enter).transpose()?;
         let (mut tx, mut rx) = ws.split();
         let (in_tx, mut in_rx) = tokio::sync::mpsc::channel::<Vec<u8>>(16);
-        // Input ends at EOF (the console stays attached for output) or Ctrl-].
-        std::thread::spawn(move || {
-            let mut buf = [0u8; 1024];
-            let mut stdin = std::io::stdin().lock();
-            while let Ok(n) = stdin.read(&mut buf) {
-                if n == 0 {
-                    return;
-                }
-                let (chunk, detach) = match buf[..n].iter().position(|&b| b == 0x1d) {
-                    Some(i) => (&buf[..i], true),
-                    None => (&buf[..n], false),
-                };
-                if in_tx.blocking_send(chunk.to_vec()).is_err() || detach {
-                    // Dropping the sender detaches.
-                    let _ = in_tx.blocking_send(vec![0x1d]);
-                    return;
-                }
-            }
-        });
+        let detach_tx = in_tx.clone();
+        let raw = keyboard(
+            &key,
+            move |b| in_tx.blocking_send(b.to_vec()).is_ok(),
+            // Ctrl-] itself stands for the detach.
+            move || drop(detach_tx.blocking_send(vec![0x1d])),
+        )?;
         let mut out = std::io::stdout();
         let mut input_open = true;
         let mut why = None;
@@ -481,17 +500,10 @@ fn api_console(kubeconfig: Option<&Path>, vm: &str) -> Result<()> {
 }
 
 /// One request to kvirtd's control socket; its refusal is an error.
-fn control(layout: &HostLayout, action: &str, vm: &str, grace: Option<u64>) -> Result<()> {
+fn control(layout: &HostLayout, req: &Request) -> Result<()> {
     let path = layout.control_socket();
-    let answer = kvirt::daemon::control::call(
-        &path,
-        &kvirt::daemon::control::Request {
-            action: action.into(),
-            vm: vm.into(),
-            grace,
-        },
-    )
-    .with_context(|| format!("asking kvirtd at {}", path.display()))?;
+    let answer = kvirt::daemon::control::call(&path, req)
+        .with_context(|| format!("asking kvirtd at {}", path.display()))?;
     if !answer.ok {
         bail!("{}", answer.message);
     }
@@ -530,30 +542,13 @@ fn console(layout: &HostLayout, vm: &str) -> Result<()> {
         .and_then(|d| d.socket(path.strip_prefix(&paths.runtime_dir).unwrap_or(&path)))
         .and_then(|s| UnixStream::connect(s.path()))
         .with_context(|| format!("connecting to {key}'s serial console at {}", path.display()))?;
-    let tty = nix::unistd::isatty(std::io::stdin()).unwrap_or(false);
-    if tty {
-        eprintln!("Connected to {key}; detach with Ctrl-]");
-    }
-    let raw = tty.then(RawTty::enter).transpose()?;
     let mut writer = stream.try_clone()?;
-    // Input ends at EOF (the console stays attached for output) or Ctrl-].
-    std::thread::spawn(move || {
-        let mut buf = [0u8; 1024];
-        let mut stdin = std::io::stdin().lock();
-        while let Ok(n) = stdin.read(&mut buf) {
-            if n == 0 {
-                break;
-            }
-            if let Some(i) = buf[..n].iter().position(|&b| b == 0x1d) {
-                let _ = writer.write_all(&buf[..i]);
-                let _ = writer.shutdown(std::net::Shutdown::Both);
-                break;
-            }
-            if writer.write_all(&buf[..n]).is_err() {
-                break;
-            }
-        }
-    });
+    let closer = stream.try_clone()?;
+    let raw = keyboard(
+        &key,
+        move |b| writer.write_all(b).is_ok(),
+        move || drop(closer.shutdown(std::net::Shutdown::Both)),
+    )?;
     let mut reader = stream;
     let mut out = std::io::stdout();
     let mut buf = [0u8; 4096];
@@ -568,6 +563,41 @@ fn console(layout: &HostLayout, vm: &str) -> Result<()> {
     }
     drop(raw);
     Ok(())
+}
+
+/// A console's keyboard: the terminal in raw mode (until the guard is
+/// dropped), and a thread handing what is typed to `send`, until end of
+/// input (the console stays attached for output), a failed send, or
+/// Ctrl-] (what came before it is sent, then `detach`).
+fn keyboard(
+    key: &VmKey,
+    mut send: impl FnMut(&[u8]) -> bool + Send + 'static,
+    detach: impl FnOnce() + Send + 'static,
+) -> Result<Option<RawTty>> {
+    let tty = nix::unistd::isatty(std::io::stdin()).unwrap_or(false);
+    if tty {
+        eprintln!("Connected to {key}; detach with Ctrl-]");
+    }
+    let raw = tty.then(RawTty::enter).transpose()?;
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 1024];
+        let mut stdin = std::io::stdin().lock();
+        while let Ok(n) = stdin.read(&mut buf) {
+            let typed = &buf[..n];
+            match typed.iter().position(|&b| b == 0x1d) {
+                _ if n == 0 => return,
+                Some(i) => {
+                    if i > 0 {
+                        send(&typed[..i]);
+                    }
+                    return detach();
+                }
+                None if !send(typed) => return,
+                None => {}
+            }
+        }
+    });
+    Ok(raw)
 }
 
 /// Puts the terminal in raw mode for the console, restoring it on drop.

@@ -224,10 +224,39 @@ pub struct Override {
     pub over: Option<String>,
 }
 
+/// A pending request of `status.stateChangeRequests`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Req {
     Start,
+    /// `virtctl start --paused`: the VMI it makes has `startStrategy:
+    /// Paused` (KubeVirt's start request with `data.startPaused`).
+    StartPaused,
     Stop,
+}
+
+impl Req {
+    /// KubeVirt's form; a stop names the VMI it stops.
+    pub fn to_json(self, vmi_uid: Option<&str>) -> Value {
+        match self {
+            Req::Start => json!({"action": "Start"}),
+            Req::StartPaused => json!({"action": "Start", "data": {"startPaused": "true"}}),
+            Req::Stop => json!({"action": "Stop", "uid": vmi_uid}),
+        }
+    }
+
+    /// `None` for an action kvirt does not know.
+    pub fn from_json(r: &Value) -> Option<Req> {
+        match r["action"].as_str()? {
+            "Start" if r["data"]["startPaused"] == "true" => Some(Req::StartPaused),
+            "Start" => Some(Req::Start),
+            "Stop" => Some(Req::Stop),
+            _ => None,
+        }
+    }
+
+    fn starts(self) -> bool {
+        matches!(self, Req::Start | Req::StartPaused)
+    }
 }
 
 /// What the VM's VMI is doing, as the loop that runs it sees it.
@@ -390,6 +419,8 @@ pub enum Change {
     Stopping(String),
     Removed(String),
     Halted,
+    /// A Halted VM asked to start paused is now `Always`.
+    Unhalted,
     /// Waiting out the start-failure backoff.
     Waiting(Duration),
 }
@@ -442,9 +473,18 @@ pub fn advance(
         }
         return Ok((changes, None));
     }
-    let strategy = effective(vm, book)?;
+    let mut strategy = effective(vm, book)?;
     for _ in 0..4 {
         let state = state_of(book, seen);
+        if unhalts(strategy, book, state) {
+            book.override_strategy = Some(Override {
+                strategy: strategy_name(RunStrategy::Always).into(),
+                over: spec_strategy(vm),
+            });
+            strategy = RunStrategy::Always;
+            changes.push(Change::Unhalted);
+            continue;
+        }
         let request = match book.requests.first() {
             // A stop asked of a VMI that does not run is done already.
             Some(Req::Stop) if !matches!(state, VmiState::Active | VmiState::Stopping) => {
@@ -452,7 +492,7 @@ pub fn advance(
                 continue;
             }
             Some(Req::Stop) => Some(Request::Stop),
-            Some(Req::Start) => Some(Request::Start),
+            Some(Req::Start | Req::StartPaused) => Some(Request::Start),
             None => None,
         };
         let since = Duration::from_secs((now - book.last_failed_at).max(0) as u64);
@@ -464,7 +504,12 @@ pub fn advance(
             }
             Action::Create => {
                 book.runs += 1;
-                let vmi = instance(vm, book.runs, &book.captured)?;
+                let mut vmi = instance(vm, book.runs, &book.captured)?;
+                if request == Some(Request::Start) && book.requests[0] == Req::StartPaused {
+                    vmi.spec
+                        .extra
+                        .insert("startStrategy".into(), "Paused".into());
+                }
                 changes.push(Change::Created(vmi.uid().unwrap_or_default().into()));
                 book.vmi = Some(vmi);
                 book.running_since = None;
@@ -491,6 +536,15 @@ pub fn advance(
         }
     }
     Ok((changes, None))
+}
+
+/// A start asked of a Halted VM with no VMI (only a paused start asks
+/// so): as KubeVirt's controller, kvirt makes the strategy `Always` first,
+/// and the request then starts the VMI.
+fn unhalts(strategy: RunStrategy, book: &Book, state: VmiState) -> bool {
+    strategy == RunStrategy::Halted
+        && state == VmiState::Absent
+        && book.requests.first().is_some_and(|r| r.starts())
 }
 
 /// Marks the book's VMI deleted, as a delete of the object does: the loop
@@ -520,10 +574,34 @@ fn shorten_grace(v: &mut VirtualMachineInstance, grace: Option<u64>) {
 /// patches `spec.runStrategy`), and queue a request for a `Manual` one.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Verb {
-    Start,
-    Stop { grace: Option<u64> },
-    Restart,
+    /// `paused`: the VMI starts with its vCPUs stopped (`--paused`).
+    Start {
+        paused: bool,
+    },
+    Stop {
+        grace: Option<u64>,
+    },
+    /// `force`: the VMI is stopped within [`FORCE_RESTART_GRACE`].
+    Restart {
+        force: bool,
+    },
 }
+
+impl Verb {
+    /// The answer to a request taken (virtctl's words).
+    pub fn scheduled(self, key: &VmKey) -> String {
+        let what = match self {
+            Verb::Start { .. } => "start",
+            Verb::Stop { .. } => "stop",
+            Verb::Restart { .. } => "restart",
+        };
+        format!("VM {key} was scheduled to {what}")
+    }
+}
+
+/// The grace period of a forced restart: KubeVirt's virt-api sets the
+/// VMI's to 1 s, "the shortest safe restart period".
+pub const FORCE_RESTART_GRACE: u64 = 1;
 
 pub fn request(
     vm: &VirtualMachine,
@@ -541,47 +619,70 @@ pub fn request(
         });
     };
     match verb {
-        Verb::Start => match strategy {
-            _ if running => Err("VM is already running".into()),
-            RunStrategy::Halted => {
-                set(book, RunStrategy::Always);
-                Ok(())
+        Verb::Start { paused } => {
+            let start = if paused { Req::StartPaused } else { Req::Start };
+            match strategy {
+                _ if running => Err("VM is already running".into()),
+                // A paused start is a request: the VM loop makes the
+                // strategy Always when it takes it (as KubeVirt's does), so
+                // no VMI starts unpaused in between.
+                RunStrategy::Halted if paused => {
+                    book.requests.push(start);
+                    Ok(())
+                }
+                RunStrategy::Halted => {
+                    set(book, RunStrategy::Always);
+                    Ok(())
+                }
+                RunStrategy::Always | RunStrategy::Once => Err(format!(
+                    "VM is already started (runStrategy {})",
+                    strategy_name(strategy)
+                )),
+                RunStrategy::Manual | RunStrategy::RerunOnFailure => {
+                    book.requests.push(start);
+                    Ok(())
+                }
             }
-            RunStrategy::Always | RunStrategy::Once => Err(format!(
-                "VM is already started (runStrategy {})",
-                strategy_name(strategy)
-            )),
-            RunStrategy::Manual | RunStrategy::RerunOnFailure => {
-                book.requests.push(Req::Start);
-                Ok(())
-            }
-        },
+        }
         Verb::Stop { grace } => {
             if strategy == RunStrategy::Halted && !running {
                 return Err("VM is not running".into());
             }
-            book.stop_grace = grace;
-            if let Some(v) = book
-                .vmi
-                .as_mut()
-                .filter(|v| v.metadata.deletion_timestamp.is_some())
-            {
-                // Already stopping: a shorter grace (`--force`) still applies.
-                shorten_grace(v, grace);
-            }
+            stop_within(book, grace);
             match strategy {
                 RunStrategy::Manual => book.requests.push(Req::Stop),
                 _ => set(book, RunStrategy::Halted),
             }
             Ok(())
         }
-        Verb::Restart => {
-            if strategy == RunStrategy::Halted {
-                return Err("VM is not running: start it instead".into());
+        Verb::Restart { force } => {
+            match strategy {
+                RunStrategy::Halted => return Err("VM is not running: start it instead".into()),
+                RunStrategy::Once => {
+                    return Err("VM runs Once: runStrategy Once does not support restart".into())
+                }
+                _ if book.vmi.is_none() => return Err("VM is not running".into()),
+                _ => {}
+            }
+            if force {
+                stop_within(book, Some(FORCE_RESTART_GRACE));
             }
             book.requests.extend([Req::Stop, Req::Start]);
             Ok(())
         }
+    }
+}
+
+/// An asked-for stop's grace period, for the VMI it stops; one already
+/// stopping is shortened too (`stop --force` after `stop`).
+fn stop_within(book: &mut Book, grace: Option<u64>) {
+    book.stop_grace = grace;
+    if let Some(v) = book
+        .vmi
+        .as_mut()
+        .filter(|v| v.metadata.deletion_timestamp.is_some())
+    {
+        shorten_grace(v, grace);
     }
 }
 
@@ -652,6 +753,13 @@ pub fn status(vm: &VirtualMachine, book: &Book, seen: &Seen, now: i64, deleted: 
         if let (Some(n), None) = (now.as_mut(), fw_uuid(mine)) {
             n.spec.domain.firmware = mine.spec.domain.firmware.clone();
         }
+        // A paused start's startStrategy is the request's, not the template's.
+        if let (Some(n), Some(s)) = (now.as_mut(), mine.spec.extra.get("startStrategy")) {
+            n.spec
+                .extra
+                .entry("startStrategy")
+                .or_insert_with(|| s.clone());
+        }
         let now_spec = now.and_then(|v| spec(&v));
         if now_spec.is_some() && now_spec != spec(mine) {
             conditions.push(condition(
@@ -709,15 +817,8 @@ pub fn status(vm: &VirtualMachine, book: &Book, seen: &Seen, now: i64, deleted: 
         );
     }
     if !book.requests.is_empty() {
-        let uid = book.vmi.as_ref().and_then(|v| v.uid()).map(str::to_owned);
-        let reqs: Vec<Value> = book
-            .requests
-            .iter()
-            .map(|r| match r {
-                Req::Start => json!({"action": "Start"}),
-                Req::Stop => json!({"action": "Stop", "uid": uid}),
-            })
-            .collect();
+        let uid = book.vmi.as_ref().and_then(|v| v.uid());
+        let reqs: Vec<Value> = book.requests.iter().map(|r| r.to_json(uid)).collect();
         o.insert("stateChangeRequests".into(), reqs.into());
     }
     st
@@ -752,11 +853,7 @@ pub fn book_of(vm: &VirtualMachine, vmi: Option<&VirtualMachineInstance>) -> Boo
         .as_array()
         .into_iter()
         .flatten()
-        .filter_map(|r| match r["action"].as_str() {
-            Some("Start") => Some(Req::Start),
-            Some("Stop") => Some(Req::Stop),
-            _ => None,
-        })
+        .filter_map(Req::from_json)
         .collect();
     let running_since = vmi.and_then(|v| {
         v.status
@@ -791,8 +888,9 @@ pub struct ClusterStep {
     pub create: Option<VirtualMachineInstance>,
     /// Delete the VMI of this UID within this grace period.
     pub delete: Option<(String, i64)>,
-    /// Set `spec.runStrategy: Halted`.
-    pub halt: bool,
+    /// Set `spec.runStrategy` to this: `Halted` after `Once` ran, `Always`
+    /// for a paused start of a Halted VM.
+    pub run_strategy: Option<&'static str>,
     /// Look again after this long (a start waiting out its backoff).
     pub wait: Option<Duration>,
 }
@@ -815,12 +913,25 @@ pub fn cluster_step(
             v.metadata.deletion_timestamp.is_some(),
         )
     });
+    if let Ok(strategy) = effective(vm, &book) {
+        if unhalts(strategy, &book, state_of(&book, &seen)) {
+            // The strategy first, in a write of its own: the request then
+            // starts the VMI on the next pass, whatever happens in between.
+            return ClusterStep {
+                status: status(vm, &book, &seen, now, false),
+                create: None,
+                delete: None,
+                run_strategy: Some("Always"),
+                wait: None,
+            };
+        }
+    }
     let (changes, wait) = advance(vm, &mut book, &seen, now, false).unwrap_or_default();
     let mut step = ClusterStep {
         status: Value::Null,
         create: None,
         delete: None,
-        halt: changes.contains(&Change::Halted),
+        run_strategy: changes.contains(&Change::Halted).then_some("Halted"),
         wait,
     };
     if let Some(v) = &book.vmi {
@@ -1153,11 +1264,13 @@ mod tests {
         advance(&vm, &mut book, &GONE, 0, false).unwrap();
         let first = uid(&book);
         let running = seen(&book, Some(Phase::Running));
-        assert!(request(&vm, &mut book, &running, Verb::Start)
-            .unwrap_err()
-            .contains("already running"));
+        assert!(
+            request(&vm, &mut book, &running, Verb::Start { paused: false })
+                .unwrap_err()
+                .contains("already running")
+        );
         // Restart: the VMI goes, a new one comes.
-        request(&vm, &mut book, &running, Verb::Restart).unwrap();
+        request(&vm, &mut book, &running, Verb::Restart { force: false }).unwrap();
         advance(&vm, &mut book, &running, 1, false).unwrap();
         assert!(stopping(&book));
         advance(&vm, &mut book, &GONE, 2, false).unwrap();
@@ -1184,7 +1297,7 @@ mod tests {
             .unwrap_err()
             .contains("not running"));
         // Start: Always again.
-        request(&vm, &mut book, &GONE, Verb::Start).unwrap();
+        request(&vm, &mut book, &GONE, Verb::Start { paused: false }).unwrap();
         advance(&vm, &mut book, &GONE, 6, false).unwrap();
         assert!(book.vmi.is_some());
         // An edited manifest's strategy wins over kvirtctl's.
@@ -1193,13 +1306,99 @@ mod tests {
         assert_eq!(effective(&halted, &book), Ok(RunStrategy::Halted));
     }
 
+    fn start_strategy(book: &Book) -> Option<&Value> {
+        book.vmi.as_ref()?.spec.extra.get("startStrategy")
+    }
+
+    #[test]
+    fn a_paused_start_makes_a_paused_vmi_once() {
+        // Halted: the request comes first, the strategy follows it.
+        let vm = vm("Halted");
+        let mut book = Book::default();
+        request(&vm, &mut book, &GONE, Verb::Start { paused: true }).unwrap();
+        assert_eq!(effective(&vm, &book), Ok(RunStrategy::Halted));
+        let st = status(&vm, &book, &GONE, 0, false);
+        assert_eq!(
+            st["stateChangeRequests"][0],
+            json!({"action": "Start", "data": {"startPaused": "true"}})
+        );
+        let (changes, _) = advance(&vm, &mut book, &GONE, 1, false).unwrap();
+        assert_eq!(changes[0], Change::Unhalted, "{changes:?}");
+        assert_eq!(effective(&vm, &book), Ok(RunStrategy::Always));
+        assert_eq!(start_strategy(&book), Some(&json!("Paused")));
+        assert!(book.requests.is_empty());
+        // Its own start strategy is no edit of the template's.
+        let running = seen(&book, Some(Phase::Running));
+        let st = status(&vm, &book, &running, 2, false);
+        assert!(
+            !st["conditions"].to_string().contains("RestartRequired"),
+            "{st}"
+        );
+        // The next VMI (after a restart) runs as the template says.
+        request(&vm, &mut book, &running, Verb::Restart { force: false }).unwrap();
+        advance(&vm, &mut book, &running, 3, false).unwrap();
+        advance(&vm, &mut book, &GONE, 4, false).unwrap();
+        assert_eq!(start_strategy(&book), None);
+        // Manual: a request, as an unpaused start.
+        let manual = super::tests::vm("Manual");
+        let mut book = Book::default();
+        request(&manual, &mut book, &GONE, Verb::Start { paused: true }).unwrap();
+        assert_eq!(book.requests, [Req::StartPaused]);
+        advance(&manual, &mut book, &GONE, 0, false).unwrap();
+        assert_eq!(start_strategy(&book), Some(&json!("Paused")));
+        assert_eq!(effective(&manual, &book), Ok(RunStrategy::Manual));
+        // Always: refused as virt-api does.
+        let always = super::tests::vm("Always");
+        assert!(request(
+            &always,
+            &mut Book::default(),
+            &GONE,
+            Verb::Start { paused: true }
+        )
+        .unwrap_err()
+        .contains("already started"));
+    }
+
+    #[test]
+    fn a_forced_restart_stops_within_a_second() {
+        let vm = vm("Always");
+        let mut book = Book::default();
+        advance(&vm, &mut book, &GONE, 0, false).unwrap();
+        let running = seen(&book, Some(Phase::Running));
+        request(&vm, &mut book, &running, Verb::Restart { force: true }).unwrap();
+        assert_eq!(book.stop_grace, Some(FORCE_RESTART_GRACE));
+        advance(&vm, &mut book, &running, 1, false).unwrap();
+        let v = book.vmi.as_ref().unwrap();
+        assert_eq!(v.metadata.deletion_grace_period_seconds, Some(1));
+        advance(&vm, &mut book, &GONE, 2, false).unwrap();
+        // The new VMI keeps the template's grace.
+        let v = book.vmi.as_ref().unwrap();
+        assert_eq!(v.spec.termination_grace_period_seconds, Some(30));
+        assert_eq!(book.stop_grace, None);
+        // Nothing to restart: refused with virt-api's reasons.
+        for (strategy, seen, why) in [
+            ("Once", &running, "Once"),
+            ("Halted", &GONE, "not running"),
+            ("Always", &GONE, "not running"),
+        ] {
+            let e = request(
+                &super::tests::vm(strategy),
+                &mut Book::default(),
+                seen,
+                Verb::Restart { force: true },
+            )
+            .unwrap_err();
+            assert!(e.contains(why), "{strategy}: {e}");
+        }
+    }
+
     #[test]
     fn manual_vms_move_only_on_requests_and_once_halts() {
         let vm = vm("Manual");
         let mut book = Book::default();
         advance(&vm, &mut book, &GONE, 0, false).unwrap();
         assert!(book.vmi.is_none());
-        request(&vm, &mut book, &GONE, Verb::Start).unwrap();
+        request(&vm, &mut book, &GONE, Verb::Start { paused: false }).unwrap();
         advance(&vm, &mut book, &GONE, 0, false).unwrap();
         assert!(book.vmi.is_some() && book.requests.is_empty());
         let running = seen(&book, Some(Phase::Running));
@@ -1338,7 +1537,39 @@ mod tests {
         let once = super::tests::vm("Once");
         let mut done = instance(&once, 1, &NONE).unwrap();
         done.status.phase = Some(Phase::Succeeded);
-        assert!(cluster_step(&once, Some(&done), 5, &NONE).halt);
+        assert_eq!(
+            cluster_step(&once, Some(&done), 5, &NONE).run_strategy,
+            Some("Halted")
+        );
+    }
+
+    #[test]
+    fn a_cluster_vm_started_paused_becomes_always_before_its_vmi() {
+        let mut vm = vm("Halted");
+        let mut book = book_of(&vm, None);
+        request(&vm, &mut book, &GONE, Verb::Start { paused: true }).unwrap();
+        // What the request handler writes, read back by the VM loop.
+        let uid = None;
+        let reqs: Vec<Value> = book.requests.iter().map(|r| r.to_json(uid)).collect();
+        vm.status = json!({"stateChangeRequests": reqs});
+        let s = cluster_step(&vm, None, 1, &NONE);
+        assert_eq!(s.run_strategy, Some("Always"));
+        assert!(s.create.is_none());
+        assert_eq!(
+            s.status["stateChangeRequests"],
+            vm.status["stateChangeRequests"]
+        );
+        // The strategy written: the next pass makes the VMI, paused.
+        vm.spec.run_strategy = Some("Always".into());
+        let s = cluster_step(&vm, None, 2, &NONE);
+        let new = s.create.unwrap();
+        assert_eq!(new.spec.extra.get("startStrategy"), Some(&json!("Paused")));
+        assert!(
+            s.status.get("stateChangeRequests").is_none(),
+            "{}",
+            s.status
+        );
+        assert_eq!(s.run_strategy, None);
     }
 
     #[test]

@@ -22,7 +22,7 @@ use tracing::{info, warn};
 const MAX_REQUEST: u64 = 4096;
 const DEADLINE: Duration = Duration::from_secs(10);
 
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Request {
     /// `start`, `stop`, `restart` (a VirtualMachine), `pause`, `unpause`
@@ -32,6 +32,11 @@ pub struct Request {
     pub vm: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grace: Option<u64>,
+    /// `start --paused`; `restart --force`.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub paused: bool,
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub force: bool,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -56,9 +61,11 @@ impl Request {
             .ok_or_else(|| format!("{:?}: expected NAMESPACE/NAME", self.vm))?;
         let key = VmKey::new(ns, name).map_err(|e| e.to_string())?;
         let command = match self.action.as_str() {
-            "start" => Command::Vm(Verb::Start),
+            "start" => Command::Vm(Verb::Start {
+                paused: self.paused,
+            }),
             "stop" => Command::Vm(Verb::Stop { grace: self.grace }),
-            "restart" => Command::Vm(Verb::Restart),
+            "restart" => Command::Vm(Verb::Restart { force: self.force }),
             "pause" => Command::Vmi(VmiAction::Pause),
             "unpause" => Command::Vmi(VmiAction::Unpause),
             "soft-reboot" => Command::Vmi(VmiAction::SoftReboot),
@@ -233,7 +240,7 @@ mod tests {
         let req = Request {
             action: "stop".into(),
             vm: "default/a".into(),
-            grace: None,
+            ..Default::default()
         };
         match call(Path::new(&path), &req) {
             Ok(a) => println!("ANSWER ok={} {}", a.ok, a.message),
@@ -308,7 +315,7 @@ mod tests {
                 &Request {
                     action: "restart".into(),
                     vm: "default/a".into(),
-                    grace: None,
+                    ..Default::default()
                 },
             )
         })
@@ -360,10 +367,28 @@ mod tests {
             action: action.into(),
             vm: vm.into(),
             grace: Some(3),
+            ..Default::default()
         };
         assert_eq!(
             r("stop", "ns/a").parse().unwrap().1,
             Command::Vm(Verb::Stop { grace: Some(3) })
+        );
+        let flagged = Request {
+            paused: true,
+            force: true,
+            ..r("start", "ns/a")
+        };
+        assert_eq!(
+            flagged.parse().unwrap().1,
+            Command::Vm(Verb::Start { paused: true })
+        );
+        let restart = Request {
+            action: "restart".into(),
+            ..flagged
+        };
+        assert_eq!(
+            restart.parse().unwrap().1,
+            Command::Vm(Verb::Restart { force: true })
         );
         assert_eq!(
             r("soft-reboot", "ns/a").parse().unwrap().1,

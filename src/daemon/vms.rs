@@ -192,11 +192,7 @@ impl Vms {
         self.records.save(key, &record).map_err(|e| e.to_string())?;
         // The loop's next pass (right after this answer) carries it out.
         self.kept.insert(key.clone(), record);
-        Ok(match verb {
-            Verb::Start => format!("VM {key} was scheduled to start"),
-            Verb::Stop { .. } => format!("VM {key} was scheduled to stop"),
-            Verb::Restart => format!("VM {key} was scheduled to restart"),
-        })
+        Ok(verb.scheduled(key))
     }
 
     /// Hands the VMI loop the set when it changed.
@@ -260,6 +256,7 @@ fn log_change(c: &Change) {
         Change::Stopping(uid) => info!(vmi_uid = %uid, "VirtualMachine: stopping its VMI"),
         Change::Removed(uid) => info!(vmi_uid = %uid, "VirtualMachine: its VMI is gone"),
         Change::Halted => info!("VirtualMachine ran once: now Halted"),
+        Change::Unhalted => info!("VirtualMachine started paused: now Always"),
         Change::Waiting(d) => info!(
             retry_in = ?d,
             "VirtualMachine: start failed, backing off (CrashLoopBackOff)"

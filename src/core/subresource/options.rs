@@ -38,24 +38,25 @@ pub fn verb(action: VmAction, body: &[u8]) -> Result<Option<Verb>, ApiError> {
         .transpose()
     };
     let verb = match action {
-        VmAction::Start if o.paused => {
-            return Err(ApiError::bad_request(
-                "kvirt does not start a VirtualMachine paused yet (start it, then pause its VMI)",
-            ))
-        }
-        VmAction::Start => Verb::Start,
+        VmAction::Start => Verb::Start { paused: o.paused },
         VmAction::Stop => Verb::Stop {
             grace: grace(o.grace_period)?,
         },
-        VmAction::Restart => match grace(o.grace_period_seconds)? {
-            // A forced restart (grace 0) has no equivalent in kvirt's
-            // restart, which stops with the VMI's own grace period.
-            Some(g) => {
-                return Err(ApiError::bad_request(format!(
-                    "kvirt does not restart with gracePeriodSeconds={g} yet: stop --grace-period, then start"
-                )))
+        // virt-api's own checks and words: only a forced restart (0) has a
+        // grace period.
+        VmAction::Restart => match o.grace_period_seconds {
+            None => Verb::Restart { force: false },
+            Some(0) => Verb::Restart { force: true },
+            Some(g) if g > 0 => {
+                return Err(ApiError::bad_request(
+                    "For force restart, only gracePeriod=0 is supported for now",
+                ))
             }
-            None => Verb::Restart,
+            Some(_) => {
+                return Err(ApiError::bad_request(
+                    "gracePeriod has to be greater or equal to 0",
+                ))
+            }
         },
         VmAction::ExpandSpec => return Err(ApiError::bad_request("expand-spec takes no options")),
     };
@@ -74,13 +75,23 @@ mod tests {
 
     #[test]
     fn bodies_become_kvirts_verbs() {
-        assert_eq!(verb(VmAction::Start, b"").unwrap(), Some(Verb::Start));
-        assert_eq!(verb(VmAction::Start, b"{}").unwrap(), Some(Verb::Start));
+        let start = |paused| Some(Verb::Start { paused });
+        assert_eq!(verb(VmAction::Start, b"").unwrap(), start(false));
+        assert_eq!(verb(VmAction::Start, b"{}").unwrap(), start(false));
+        assert_eq!(
+            verb(VmAction::Start, br#"{"paused":true}"#).unwrap(),
+            start(true)
+        );
         assert_eq!(
             verb(VmAction::Stop, br#"{"gracePeriod":0}"#).unwrap(),
             Some(Verb::Stop { grace: Some(0) })
         );
-        assert_eq!(verb(VmAction::Restart, b"{}").unwrap(), Some(Verb::Restart));
+        let restart = |force| Some(Verb::Restart { force });
+        assert_eq!(verb(VmAction::Restart, b"{}").unwrap(), restart(false));
+        assert_eq!(
+            verb(VmAction::Restart, br#"{"gracePeriodSeconds":0}"#).unwrap(),
+            restart(true)
+        );
         assert_eq!(
             verb(VmAction::Stop, br#"{"dryRun":["All"]}"#).unwrap(),
             None
@@ -89,14 +100,24 @@ mod tests {
 
     #[test]
     fn what_kvirt_cannot_honour_is_refused() {
-        for (a, body) in [
-            (VmAction::Start, &br#"{"paused":true}"#[..]),
-            (VmAction::Stop, br#"{"gracePeriod":-1}"#),
-            (VmAction::Restart, br#"{"gracePeriodSeconds":0}"#),
-            (VmAction::Stop, br#"{"dryRun":["Some"]}"#),
-            (VmAction::Stop, b"not json"),
+        for (a, body, why) in [
+            (VmAction::Stop, &br#"{"gracePeriod":-1}"#[..], "negative"),
+            (
+                VmAction::Restart,
+                br#"{"gracePeriodSeconds":5}"#,
+                "only gracePeriod=0",
+            ),
+            (
+                VmAction::Restart,
+                br#"{"gracePeriodSeconds":-1}"#,
+                "greater or equal to 0",
+            ),
+            (VmAction::Stop, br#"{"dryRun":["Some"]}"#, "only All"),
+            (VmAction::Stop, b"not json", "unmarshal"),
         ] {
-            assert_eq!(verb(a, body).unwrap_err().code, 400, "{a:?} {body:?}");
+            let e = verb(a, body).unwrap_err();
+            assert_eq!(e.code, 400, "{a:?} {body:?}");
+            assert!(e.message.contains(why), "{a:?}: {}", e.message);
         }
     }
 }

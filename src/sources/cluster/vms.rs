@@ -178,11 +178,11 @@ impl Vms {
                 }),
                 create: None,
                 delete: None,
-                halt: false,
+                run_strategy: None,
                 wait: None,
             };
         }
-        let acts = step.create.is_some() || step.delete.is_some() || step.halt;
+        let acts = step.create.is_some() || step.delete.is_some() || step.run_strategy.is_some();
         if acts || step.status != vm.status {
             let p = status_patch(&vm.status, &step.status, rv);
             match self
@@ -206,13 +206,13 @@ impl Vms {
         if let Some((uid, grace)) = &step.delete {
             self.delete_vmi(key, uid, *grace).await?;
         }
-        if step.halt {
-            let p = json!({"spec": {"runStrategy": "Halted", "running": null}});
+        if let Some(s) = step.run_strategy {
+            let p = json!({"spec": {"runStrategy": s, "running": null}});
             self.vm_api(key)
                 .patch(key.name(), &PatchParams::default(), &Patch::Merge(&p))
                 .await
-                .map_err(err(key, "halt"))?;
-            info!("VirtualMachine ran once: now Halted");
+                .map_err(err(key, "set runStrategy"))?;
+            info!("VirtualMachine: runStrategy now {s}");
         }
         Ok(step.wait)
     }
@@ -307,7 +307,7 @@ async fn request_once(
     let before = book.clone();
     vm::request(&vm, &mut book, &seen, verb)?;
     let rv = vm.metadata.resource_version.as_deref();
-    if let (vm::Verb::Stop { grace: Some(g) }, Some(v)) = (verb, &owned) {
+    if let (Some(g), Some(v)) = (book.stop_grace, &owned) {
         let own = v.termination_grace_period().as_secs();
         let p = json!({"spec": {"terminationGracePeriodSeconds": g.min(own)}});
         vmis.patch(key.name(), &PatchParams::default(), &Patch::Merge(&p))
@@ -327,15 +327,8 @@ async fn request_once(
             .map_err(e("patching VirtualMachine"))?;
     }
     if book.requests != before.requests {
-        let uid = owned.as_ref().and_then(|v| v.uid()).map(str::to_owned);
-        let reqs: Vec<Value> = book
-            .requests
-            .iter()
-            .map(|r| match r {
-                vm::Req::Start => json!({"action": "Start"}),
-                vm::Req::Stop => json!({"action": "Stop", "uid": uid}),
-            })
-            .collect();
+        let uid = owned.as_ref().and_then(|v| v.uid());
+        let reqs: Vec<Value> = book.requests.iter().map(|r| r.to_json(uid)).collect();
         let p = json!({
             "metadata": {"resourceVersion": rv},
             "status": {"stateChangeRequests": reqs},
@@ -344,11 +337,7 @@ async fn request_once(
             .await
             .map_err(e("requesting of VirtualMachine"))?;
     }
-    Ok(match verb {
-        vm::Verb::Start => format!("VM {key} was scheduled to start"),
-        vm::Verb::Stop { .. } => format!("VM {key} was scheduled to stop"),
-        vm::Verb::Restart => format!("VM {key} was scheduled to restart"),
-    })
+    Ok(verb.scheduled(key))
 }
 
 pub(super) fn key_of(meta: &ObjectMeta) -> Option<VmKey> {
