@@ -9,6 +9,7 @@
 
 pub mod acl;
 pub mod budget;
+pub mod cni;
 pub mod convert;
 pub mod cpuset;
 pub mod defaults;

@@ -6,6 +6,7 @@
 
 pub mod beneath;
 pub mod capacity;
+pub mod cni;
 pub mod commit;
 pub mod consolelog;
 pub mod cpus;
