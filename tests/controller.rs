@@ -42,6 +42,7 @@ fn settings() -> Settings {
         token_renewal: Some(Duration::from_secs(2880)),
         claims: Default::default(),
         claim_roots: vec!["/var/lib/kvirt/claims".into()],
+        cni_global_namespaces: vec!["default".into()],
     }
 }
 
@@ -2154,4 +2155,113 @@ async fn a_running_vm_keeps_running_when_its_host_stops_dedicating_cpus() {
             || c.starts_with("destroy")),
         "{calls:?}"
     );
+}
+
+fn with_networks(name: &str, uid: &str, networks: &[&str]) -> VirtualMachineInstance {
+    let mut v = vmi(name, uid, "");
+    let mut ifaces = vec![serde_json::json!({"name": "default", "masquerade": {}})];
+    let mut nets = vec![serde_json::json!({"name": "default", "pod": {}})];
+    for (i, n) in networks.iter().enumerate() {
+        let name = format!("net{i}");
+        ifaces.push(serde_json::json!({"name": name, "bridge": {}}));
+        nets.push(serde_json::json!({"name": name, "multus": {"networkName": n}}));
+    }
+    v.spec.domain.devices.interfaces = serde_json::from_value(ifaces.into()).unwrap();
+    v.spec.networks = serde_json::from_value(nets.into()).unwrap();
+    v
+}
+
+#[tokio::test]
+async fn secondary_networks_are_resolved_at_start_and_a_bad_one_is_waited_for() {
+    let host = FakeHost::default();
+    let ctl = controller(&host);
+    let nad = |ns: &str, name: &str, config: &str, resource: Option<&str>| {
+        let mut data: kvirt::core::objects::ObjectData =
+            [("config".to_string(), config.as_bytes().to_vec())].into();
+        if let Some(r) = resource {
+            data.insert("resourceName".into(), r.as_bytes().to_vec());
+        }
+        host.state().objects.insert(
+            (
+                ns.into(),
+                ObjectRef::NetworkAttachmentDefinition(name.into()),
+            ),
+            data,
+        );
+    };
+    let bridge = r#"{"cniVersion":"1.0.0","type":"bridge","bridge":"br1"}"#;
+    nad("default", "blue", bridge, None);
+    nad("infra", "red", bridge, None);
+    nad("default", "sriov", bridge, Some("intel.com/sriov"));
+    nad(
+        "default",
+        "broken",
+        r#"{"cniVersion":"1.0.0","type":"../../bin/sh"}"#,
+        None,
+    );
+    nad("default", "named", "", None);
+    host.state().cni_files.insert(
+        "named".into(),
+        r#"{"cniVersion":"0.3.1","name":"named","type":"ptp"}"#.into(),
+    );
+    ctl.set_vmis(set(&[
+        with_networks("ok", "u1", &["blue", "named"]),
+        with_networks("missing", "u2", &["green"]),
+        with_networks("foreign", "u3", &["infra/red"]),
+        with_networks("device", "u4", &["sriov"]),
+        with_networks("bad", "u5", &["broken"]),
+    ]))
+    .await;
+
+    for (vm, why) in [
+        (
+            "missing",
+            "network-attachment-definition default/green not found",
+        ),
+        (
+            "foreign",
+            "may be used only from network.cni_global_namespaces",
+        ),
+        ("device", "device resource \"intel.com/sriov\""),
+        (
+            "bad",
+            "plugins[0].type \"../../bin/sh\" is not a plugin's file name",
+        ),
+    ] {
+        let err = ctl.reconcile(&format!("default_{vm}")).await.unwrap_err();
+        assert!(err.to_string().contains(why), "{vm}: {err}");
+        let message = waits_with_nothing_made(&host, vm, EventReason::FailedCreatePodSandBox);
+        assert!(message.contains(why), "{vm}: {message}");
+    }
+    ctl.reconcile("default_ok").await.unwrap();
+    assert_eq!(phase(&host, "ok"), Some(Phase::Running));
+    assert_eq!(
+        host.state().attached["default_ok"],
+        ["blue", "named"],
+        "the NAD's config, and the named file's"
+    );
+    let st = host.state().statuses[&VmKey::new("default", "ok").unwrap()].clone();
+    let ifaces: Vec<(String, String)> = st
+        .status
+        .interfaces
+        .iter()
+        .map(|i| {
+            (
+                i["name"].as_str().unwrap().to_owned(),
+                i["podInterfaceName"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        ifaces,
+        [
+            ("default".to_owned(), "eth0".to_owned()),
+            ("net0".to_owned(), kvirt::core::cni::pod_iface_name("net0")),
+            ("net1".to_owned(), kvirt::core::cni::pod_iface_name("net1")),
+        ]
+    );
+    // Gone: its attachments go with it.
+    ctl.set_vmis(set(&[])).await;
+    ctl.reconcile("default_ok").await.unwrap();
+    assert!(!host.state().attached.contains_key("default_ok"));
 }

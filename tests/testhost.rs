@@ -2673,3 +2673,120 @@ fn a_persistent_tpm_keeps_what_the_guest_wrote_across_restarts_and_a_plain_one_d
     assert!(h.succeeds("[ ! -e /var/lib/kvirt/efi-vars/default_tpm ]"));
     h.ok(&format!("rm -r {kept}"));
 }
+
+/// A NetworkAttachmentDefinition in the manifest directory: Debian's bridge
+/// plugin on host bridge `kvtblue`, addresses from host-local in
+/// `10.77.0.10`–`.11` (a pool of two).
+const BLUE_NAD: &str = r#"apiVersion: k8s.cni.cncf.io/v1
+kind: NetworkAttachmentDefinition
+metadata: {name: blue}
+spec:
+  config: '{"cniVersion":"1.0.0","type":"bridge","bridge":"kvtblue","ipam":{"type":"host-local","ranges":[[{"subnet":"10.77.0.0/24","rangeStart":"10.77.0.10","rangeEnd":"10.77.0.11"}]]}}'
+"#;
+
+/// A VM on the pod network and on `blue` (bridge binding); `user_data` a
+/// script its cloud-init seed runs.
+fn blue_vm(h: &Host, vm: &str, user_data: &str) {
+    let mut manifest = support::vmi_manifest(
+        vm,
+        "",
+        "  networks: [{name: default, pod: {}}, {name: blue, multus: {networkName: blue}}]\n",
+        "      - name: ci\n        disk: {bus: virtio}\n      interfaces: [{name: default, masquerade: {}}, {name: blue, bridge: {}}]\n",
+    );
+    let script: String = user_data
+        .lines()
+        .map(|l| format!("        {l}\n"))
+        .collect();
+    manifest.push_str(&format!(
+        "  - name: ci\n    cloudInitNoCloud:\n      userData: |\n        #!/bin/sh\n{script}"
+    ));
+    h.put_manifest(vm, "run", &manifest);
+}
+
+fn blue_leases(h: &Host) -> String {
+    h.ok("ls /var/lib/cni/networks/blue 2>/dev/null | grep '^10\\.' || true")
+}
+
+#[test]
+fn vms_on_a_secondary_bridge_network_get_its_addresses_and_reach_each_other() {
+    let Some(h) = host() else { return };
+    let _g = h.turn();
+    h.ok(&format!(
+        "cat > /etc/kvirt/vmis.d/blue-net.yaml <<'NAD'\n{BLUE_NAD}NAD"
+    ));
+    blue_vm(&h, "sec-a", "true");
+    h.wait_phase("sec-a", "Running", BOOT);
+    h.serial_log_shows("sec-a", "KVIRT-GUEST-IP-eth1 10.77.0.10");
+    // The second VM's guest pings the first's over the secondary network.
+    blue_vm(
+        &h,
+        "sec-b",
+        "(while ! ping -c1 -W1 10.77.0.10 >/dev/null 2>&1; do sleep 1; done; echo KVIRT-PING-OK) &",
+    );
+    h.wait_phase("sec-b", "Running", BOOT);
+    h.serial_log_shows("sec-b", "KVIRT-GUEST-IP-eth1 10.77.0.11");
+    h.serial_log_shows("sec-b", "KVIRT-PING-OK");
+    // The pod network works beside it.
+    h.serial_log_shows("sec-b", "KVIRT-GUEST-IP 10.0.2.2 router=10.0.2.1");
+    let st = h.status("sec-a");
+    let blue = &st["status"]["interfaces"][1];
+    assert_eq!(blue["name"], "blue", "{st}");
+    assert_eq!(blue["ipAddress"], "10.77.0.10", "{st}");
+    assert_eq!(blue["infoSource"], "domain, multus-status", "{st}");
+    let pod_iface = blue["podInterfaceName"].as_str().unwrap().to_owned();
+    assert!(
+        pod_iface.starts_with("pod") && pod_iface.len() == 14,
+        "{st}"
+    );
+    // Each attachment is recorded where libcni keeps them.
+    let uid = st["metadata"]["uid"].as_str().unwrap();
+    h.ok(&format!(
+        "test -s /var/lib/cni/results/blue-{uid}-{pod_iface}"
+    ));
+    // Inside the VM's namespace: KubeVirt's bridge binding, the tap the
+    // VM's user's, the stand-in holding the plugin's address.
+    let links = h.ok("ip netns exec kvirt-default_sec-a ip -o link show");
+    let hash = &pod_iface[3..];
+    for l in [
+        format!("{hash}-nic"),
+        format!("k6t-{hash}"),
+        format!("tap{hash}"),
+    ] {
+        assert!(links.contains(&l), "{l}: {links}");
+    }
+    let addrs = h.ok(&format!(
+        "ip netns exec kvirt-default_sec-a ip -o addr show {pod_iface}"
+    ));
+    assert!(addrs.contains("10.77.0.10/24"), "{addrs}");
+
+    // The pool is used up: a third VM's ADD fails, is undone, and its VMI
+    // says why; the others run on.
+    blue_vm(&h, "sec-c", "true");
+    h.wait_phase("sec-c", "Failed", BOOT);
+    let why = h.status("sec-c").to_string();
+    assert!(why.contains("no IP addresses available"), "{why}");
+    assert_eq!(blue_leases(&h), "10.77.0.10\n10.77.0.11");
+    assert_eq!(h.phase("sec-a").as_deref(), Some("Running"));
+
+    // kvirtd restarts under them: the VMs run on, their DHCP is served again.
+    let qemu = h.qemu_pid("sec-a");
+    h.restart_kvirtd();
+    h.wait(
+        "sec-a's DHCP server on blue again",
+        Duration::from_secs(60),
+        &format!("ip netns exec kvirt-default_sec-a ss -lun | grep -q '%k6t-{hash}:67'"),
+    );
+    assert_eq!(h.qemu_pid("sec-a"), qemu);
+
+    // The network's config changes before the VMs go: DEL uses the
+    // recorded one, and nothing is left.
+    h.ok("sed -i 's/\"bridge\",\"bridge\"/\"nosuchplugin\",\"bridge\"/' /etc/kvirt/vmis.d/blue-net.yaml");
+    for vm in ["sec-a", "sec-b", "sec-c"] {
+        h.remove_vm_and_wait_gone(vm);
+    }
+    assert_eq!(blue_leases(&h), "");
+    h.ok("! ls /var/lib/cni/results | grep -q blue-");
+    let ports = h.ok("ip -o link show master kvtblue || true");
+    assert!(ports.is_empty(), "{ports}");
+    h.ok("rm -f /etc/kvirt/vmis.d/blue-net.yaml && ip link del kvtblue");
+}

@@ -375,6 +375,7 @@ fn settings(config: &Config) -> Result<Settings> {
             .then(|| Duration::from_secs(config.kubernetes.service_account_token_seconds * 4 / 5)),
         claims: config.claims().map_err(anyhow::Error::msg)?,
         claim_roots: config.storage.claim_roots.clone(),
+        cni_global_namespaces: config.network.cni_global_namespaces.clone(),
     })
 }
 
@@ -490,9 +491,7 @@ async fn run(config: Config) -> Result<()> {
             let dir = config.source.directory.clone();
             std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
             migrate_status(&settings.layout);
-            let status = FileStatusStore {
-                host: settings.layout.clone(),
-            };
+            let status = FileStatusStore::new(settings.layout.clone());
             let manifests = Arc::new(manifest::ManifestDir::new(
                 dir,
                 Some(settings.layout.manifest_errors_file()),
@@ -510,14 +509,21 @@ async fn run(config: Config) -> Result<()> {
                     .and_then(|()| std::fs::write(&marker, b""))
                     .with_context(|| format!("writing {}", marker.display()))?;
             }
-            let initial = vms.take(manifests.scan());
+            let scan = manifests.scan();
+            status.set_networks(&scan.networks);
+            let initial = vms.take(scan);
             let control_path = settings.layout.control_socket();
             let control_group = config.control.gid().map_err(anyhow::Error::msg)?;
+            let networks_of = status.clone();
             let ready = move |tx: UnboundedSender<Trigger>, view: Arc<dyn VmiView>| {
                 let (in_tx, in_rx) = unbounded_channel();
                 let snapshots = in_tx.clone();
+                let networks = networks_of.clone();
                 manifests.watch(
-                    move |snap| snapshots.send(VmInput::Manifests(snap)).is_ok(),
+                    move |snap| {
+                        networks.set_networks(&snap.networks);
+                        snapshots.send(VmInput::Manifests(snap)).is_ok()
+                    },
                     resync,
                 )?;
                 serve_control(&control_path, control_group, in_tx, view.clone());
@@ -751,6 +757,13 @@ fn host_network(config: &Config, settings: &Settings) -> Result<HostNetwork> {
         n.dns.clone()
     };
     let net_settings = NetworkSettings {
+        cni: kvirt::host::cni::ExecCni {
+            path: n.cni_path.clone(),
+            cache_dir: n.cni_cache_dir.clone(),
+            timeout: Duration::from_secs(n.cni_timeout_seconds),
+            host_netns: None,
+        },
+        cni_config_dir: n.cni_config_dir.clone(),
         subnet: n.subnet.parse().context("network.subnet")?,
         mtu: n.mtu,
         dns,

@@ -159,7 +159,8 @@ fn list_of(network: &str, v: Value) -> Result<ConfList, CniError> {
     let err = |m: String| config_err(network, m);
     let name = match v.get("name") {
         Some(Value::String(n)) if is_network_name(n) => n.clone(),
-        n => return Err(err(format!("name {n:?} is not a CNI network name"))),
+        Some(n) => return Err(err(format!("name {n} is not a CNI network name"))),
+        None => return Err(err("name is missing".into())),
     };
     let cni_version = match v.get("cniVersion").and_then(Value::as_str) {
         Some(ver) if VERSIONS.contains(&ver) => ver.to_owned(),
@@ -177,9 +178,10 @@ fn list_of(network: &str, v: Value) -> Result<ConfList, CniError> {
             .map(|(i, p)| match p {
                 Value::Object(o) => match o.get("type").and_then(Value::as_str) {
                     Some(t) if is_plugin_type(t) => Ok(o.clone()),
-                    t => Err(err(format!(
+                    Some(t) => Err(err(format!(
                         "plugins[{i}].type {t:?} is not a plugin's file name"
                     ))),
+                    None => Err(err(format!("plugins[{i}].type is missing"))),
                 },
                 _ => Err(err(format!("plugins[{i}] is not an object"))),
             })

@@ -28,6 +28,7 @@ pub struct LeaseConfig {
     pub client_mac: [u8; 6],
     pub ip: Ipv4Addr,
     pub netmask: Ipv4Addr,
+    /// Unspecified: no router option (a network without a gateway).
     pub router: Ipv4Addr,
     pub server_id: Ipv4Addr,
     /// Empty means no DNS option (an empty option 6 is malformed).
@@ -39,6 +40,10 @@ pub struct LeaseConfig {
     pub hostname: Option<String>,
     /// Domains separated by whitespace or commas, as in resolv.conf `search`.
     pub domain_search: Option<String>,
+    /// Every reply broadcast, never sent to the client's address: behind
+    /// the bridge binding that address is also the namespace's own (the
+    /// dummy keeping the plugin's addresses), so a unicast would stay here.
+    pub broadcast: bool,
 }
 
 impl LeaseConfig {
@@ -56,6 +61,28 @@ impl LeaseConfig {
             lease_secs: DEFAULT_LEASE_SECS,
             hostname: None,
             domain_search: None,
+            broadcast: false,
+        }
+    }
+
+    /// KubeVirt's bridge binding of a secondary network: the address its
+    /// CNI plugin gave (`ip`/`prefix`), the gateway it named if any, from the
+    /// bridge's own link-local `server_id`.
+    pub fn bridged(
+        client_mac: [u8; 6],
+        ip: Ipv4Addr,
+        prefix: u8,
+        gateway: Option<Ipv4Addr>,
+        server_id: Ipv4Addr,
+    ) -> Self {
+        let prefix = prefix.min(32);
+        LeaseConfig {
+            ip,
+            netmask: Ipv4Addr::from(u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0)),
+            router: gateway.unwrap_or(Ipv4Addr::UNSPECIFIED),
+            server_id,
+            broadcast: true,
+            ..Self::masquerade(client_mac, Vec::new(), 0)
         }
     }
 }
@@ -118,9 +145,9 @@ pub fn respond(request: &Message, lease: &LeaseConfig) -> Option<Message> {
 /// A client with an address (renewing, informing) gets a unicast. Everyone
 /// else gets a broadcast: unicasting to `yiaddr` would need an ARP entry the
 /// client cannot answer for yet, and broadcast is always acceptable.
-pub fn reply_destination(request: &Message, reply: &Message) -> SocketAddrV4 {
+pub fn reply_destination(request: &Message, reply: &Message, broadcast: bool) -> SocketAddrV4 {
     let ciaddr = request.ciaddr();
-    if reply.opts().has_msg_type(MessageType::Nak) || ciaddr.is_unspecified() {
+    if reply.opts().has_msg_type(MessageType::Nak) || ciaddr.is_unspecified() || broadcast {
         SocketAddrV4::new(Ipv4Addr::BROADCAST, CLIENT_PORT)
     } else {
         SocketAddrV4::new(ciaddr, CLIENT_PORT)
@@ -164,7 +191,7 @@ pub fn handle_datagram(
     let request = std::panic::catch_unwind(|| Message::decode(&mut Decoder::new(datagram)))
         .map_err(|_| DecodeError::InvalidData(0, "malformed option"))??;
     Ok(respond(&request, lease).map(|reply| {
-        let to = reply_destination(&request, &reply);
+        let to = reply_destination(&request, &reply, lease.broadcast);
         (request, reply, to)
     }))
 }
@@ -235,7 +262,9 @@ fn nak(request: &Message, lease: &LeaseConfig) -> Message {
 fn insert_config(reply: &mut Message, lease: &LeaseConfig) {
     let opts = reply.opts_mut();
     opts.insert(DhcpOption::SubnetMask(lease.netmask));
-    opts.insert(DhcpOption::Router(vec![lease.router]));
+    if !lease.router.is_unspecified() {
+        opts.insert(DhcpOption::Router(vec![lease.router]));
+    }
     if !lease.dns.is_empty() {
         opts.insert(DhcpOption::DomainNameServer(lease.dns.clone()));
     }
@@ -386,7 +415,7 @@ pub(crate) mod tests {
             Some(&DhcpOption::Rebinding(75600))
         );
         assert_eq!(
-            reply_destination(&discover, &offer),
+            reply_destination(&discover, &offer, false),
             SocketAddrV4::new(Ipv4Addr::BROADCAST, 68)
         );
     }
@@ -427,7 +456,7 @@ pub(crate) mod tests {
             // Even a client that claims an address learns of the NAK by
             // broadcast: the address it claims may not be usable.
             assert_eq!(
-                reply_destination(&request, &nak),
+                reply_destination(&request, &nak, false),
                 SocketAddrV4::new(Ipv4Addr::BROADCAST, 68)
             );
         }
@@ -498,7 +527,7 @@ pub(crate) mod tests {
         let ack = respond(&request, &lease()).unwrap();
         assert_eq!(ack.opts().msg_type(), Some(MessageType::Ack));
         assert_eq!(
-            reply_destination(&request, &ack),
+            reply_destination(&request, &ack, false),
             SocketAddrV4::new(GUEST, 68)
         );
     }
@@ -520,7 +549,7 @@ pub(crate) mod tests {
             assert!(opt(&ack, code).is_none(), "{code:?}");
         }
         assert_eq!(
-            reply_destination(&inform, &ack),
+            reply_destination(&inform, &ack, false),
             SocketAddrV4::new(GUEST, 68)
         );
     }
@@ -536,6 +565,41 @@ pub(crate) mod tests {
         assert_eq!(
             opt(&offer, OptionCode::ClientIdentifier),
             Some(&DhcpOption::ClientIdentifier(id))
+        );
+    }
+
+    #[test]
+    fn a_bridged_network_is_answered_by_broadcast_with_the_plugins_address() {
+        let ip = Ipv4Addr::new(10, 1, 0, 5);
+        let server = Ipv4Addr::new(169, 254, 75, 11);
+        let lease = LeaseConfig::bridged(MAC, ip, 24, None, server);
+        let mut request = client(MessageType::Request, &MAC);
+        request.set_ciaddr(ip);
+        let (_, ack, to) = handle_datagram(&request.to_vec().unwrap(), &lease)
+            .unwrap()
+            .unwrap();
+        // A renewal too: the address is the namespace's own as well.
+        assert_eq!(to, SocketAddrV4::new(Ipv4Addr::BROADCAST, CLIENT_PORT));
+        assert_eq!(ack.yiaddr(), ip);
+        assert_eq!(
+            opt(&ack, OptionCode::SubnetMask),
+            Some(&DhcpOption::SubnetMask(Ipv4Addr::new(255, 255, 255, 0)))
+        );
+        assert_eq!(
+            opt(&ack, OptionCode::ServerIdentifier),
+            Some(&DhcpOption::ServerIdentifier(server))
+        );
+        // No gateway named: no router.
+        assert!(opt(&ack, OptionCode::Router).is_none());
+        let routed = LeaseConfig::bridged(MAC, ip, 24, Some(Ipv4Addr::new(10, 1, 0, 1)), server);
+        let ack = respond(&request, &routed).unwrap();
+        assert_eq!(
+            opt(&ack, OptionCode::Router),
+            Some(&DhcpOption::Router(vec![Ipv4Addr::new(10, 1, 0, 1)]))
+        );
+        assert_eq!(
+            LeaseConfig::bridged(MAC, ip, 0, None, server).netmask,
+            Ipv4Addr::UNSPECIFIED
         );
     }
 

@@ -163,6 +163,18 @@ pub struct NetworkConfig {
     /// DNS servers handed to guests; empty: the host's own resolvers.
     pub dns: Vec<std::net::Ipv4Addr>,
     pub dhcp_lease_seconds: u32,
+    /// Where CNI plugins are found, in order (`CNI_PATH`).
+    pub cni_path: Vec<PathBuf>,
+    /// Named CNI network configs, for NetworkAttachmentDefinitions
+    /// without a config (Multus's rule).
+    pub cni_config_dir: PathBuf,
+    /// libcni's cache: `results/` records each attachment.
+    pub cni_cache_dir: PathBuf,
+    /// How long one plugin may run.
+    pub cni_timeout_seconds: u64,
+    /// Namespaces whose NetworkAttachmentDefinitions every namespace's VMs
+    /// may use (Multus's `globalNamespaces`); others, only their own.
+    pub cni_global_namespaces: Vec<String>,
 }
 
 impl Default for NetworkConfig {
@@ -172,6 +184,11 @@ impl Default for NetworkConfig {
             mtu: 1500,
             dns: vec![],
             dhcp_lease_seconds: 86_400,
+            cni_path: vec!["/usr/lib/cni".into(), "/opt/cni/bin".into()],
+            cni_config_dir: "/etc/cni/net.d".into(),
+            cni_cache_dir: "/var/lib/cni".into(),
+            cni_timeout_seconds: 60,
+            cni_global_namespaces: vec!["default".into()],
         }
     }
 }
@@ -626,6 +643,24 @@ impl Config {
         }
         if !(576..=9000).contains(&self.network.mtu) {
             return Err(invalid("network.mtu must be 576..9000".into()));
+        }
+        if !(1..=3600).contains(&self.network.cni_timeout_seconds) {
+            return Err(invalid(
+                "network.cni_timeout_seconds must be 1..3600".into(),
+            ));
+        }
+        for d in self
+            .network
+            .cni_path
+            .iter()
+            .chain([&self.network.cni_config_dir, &self.network.cni_cache_dir])
+        {
+            if !d.is_absolute() {
+                return Err(invalid(format!(
+                    "network: {} must be an absolute path",
+                    d.display()
+                )));
+            }
         }
         if self.network.dhcp_lease_seconds < 10 {
             return Err(invalid(

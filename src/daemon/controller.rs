@@ -164,6 +164,9 @@ pub struct Settings {
     /// Filesystem claims' volumes must lie below one of these; every VM's
     /// unit hides them but for its own disks.
     pub claim_roots: Vec<PathBuf>,
+    /// Namespaces whose NetworkAttachmentDefinitions VMIs of any namespace
+    /// may use (Multus's `globalNamespaces`); others only their own.
+    pub cni_global_namespaces: Vec<String>,
 }
 
 /// The systems one controller drives, named once: the host's adapters and
@@ -576,7 +579,7 @@ impl<A: Adapters> Controller<A> {
         let mut obs = Observed {
             machine,
             netns,
-            network: self.deps.network.address(id).is_some(),
+            network: self.deps.network.holds(id),
             state_dir: self.deps.storage.exists(&paths.state_dir).await,
             runtime_dir: runtime != RuntimeDir::Absent,
             runtime_kept: runtime == RuntimeDir::Kept,
@@ -732,15 +735,17 @@ impl<A: Adapters> Controller<A> {
                 self.hold_cpus(id, conv).await?;
             }
         }
-        let (mut disks, mut images) = (Vec::new(), BTreeMap::new());
+        let (mut disks, mut images, mut networks) = (Vec::new(), BTreeMap::new(), Vec::new());
         if let (Some(v), Some(k), Some(Ok(conv)), true) = (&vmi, &key, &converted, creating) {
             disks = self.read_objects(v, k, conv).await?;
+            networks = self.read_networks(v, k, conv).await?;
             images = self.pull_images(v, k, conv).await?;
         }
         let ctx = StepCtx {
             id,
             disks: &disks,
             images: &images,
+            networks: &networks,
             obs: &obs,
             vmi: vmi.as_ref(),
             key: key.as_ref(),
@@ -817,10 +822,15 @@ impl<A: Adapters> Controller<A> {
     /// A running VM's DHCP lives in kvirtd: after a restart it is attached
     /// again here (idempotent), the VM untouched.
     async fn reattach_network(&self, ctx: &StepCtx<'_>) {
-        if let Some(net) = ctx.converted.and_then(|c| c.network.as_ref()) {
-            if let Err(e) = self.deps.network.attach(ctx.id, net).await {
-                warn!("re-attaching the network: {e}");
-            }
+        let Some(conv) = ctx.converted else {
+            return;
+        };
+        let (pod, secondary) = (conv.network.as_ref(), &conv.secondary_networks);
+        if pod.is_none() && secondary.is_empty() {
+            return;
+        }
+        if let Err(e) = self.deps.network.attach(ctx.id, pod, secondary).await {
+            warn!("re-attaching the network: {e}");
         }
     }
 
@@ -855,8 +865,7 @@ impl<A: Adapters> Controller<A> {
                     }
                     _ => status::Live::default(),
                 };
-                let net = ctx.converted.and_then(|c| c.network.as_ref());
-                self.report(k, v.uid(), outcome, &live, net).await
+                self.report(k, v.uid(), outcome, &live, ctx.converted).await
             }
             _ => Ok(None),
         }

@@ -59,6 +59,10 @@ pub struct HostState {
     /// Addresses leased, by VM id; and VM ids whose DHCP server runs.
     pub addresses: BTreeMap<String, std::net::Ipv4Addr>,
     pub dhcp: BTreeSet<String>,
+    /// Secondary networks attached, by VM id (their config names).
+    pub attached: BTreeMap<String, Vec<String>>,
+    /// The CNI config directory's networks, by name.
+    pub cni_files: BTreeMap<String, String>,
     pub released: Vec<VmKey>,
     /// Every call, in order: `start kvirt-vm@ns_vm.service`, `define ns_vm`...
     pub calls: Vec<String>,
@@ -826,10 +830,11 @@ impl crate::host::network::Network for FakeHost {
     async fn setup(
         &self,
         id: &str,
-        _uid: &str,
-        _net: &crate::core::convert::network::NetSpec,
+        _vm: crate::host::bridging::VmMeta<'_>,
+        pod: Option<&crate::core::convert::network::NetSpec>,
+        secondary: &[crate::host::bridging::Attached],
         tap_owner: (u32, u32),
-    ) -> Result<std::net::Ipv4Addr, crate::host::network::NetworkError> {
+    ) -> Result<(), crate::host::network::NetworkError> {
         self.state().tap_owners.insert(id.into(), tap_owner);
         if self.call(format!("net setup {id}")) {
             return Err(crate::host::network::NetworkError::Vm {
@@ -838,16 +843,25 @@ impl crate::host::network::Network for FakeHost {
             });
         }
         let mut s = self.state();
-        let next = std::net::Ipv4Addr::new(10, 213, 0, 2 + s.addresses.len() as u8);
-        let ip = *s.addresses.entry(id.into()).or_insert(next);
-        s.dhcp.insert(id.into());
-        Ok(ip)
+        for a in secondary {
+            s.attached
+                .entry(id.into())
+                .or_default()
+                .push(a.list.name.clone());
+        }
+        if pod.is_some() {
+            let next = std::net::Ipv4Addr::new(10, 213, 0, 2 + s.addresses.len() as u8);
+            s.addresses.entry(id.into()).or_insert(next);
+            s.dhcp.insert(id.into());
+        }
+        Ok(())
     }
 
     async fn attach(
         &self,
         id: &str,
-        _net: &crate::core::convert::network::NetSpec,
+        _pod: Option<&crate::core::convert::network::NetSpec>,
+        _secondary: &[crate::core::convert::network::Secondary],
     ) -> Result<(), crate::host::network::NetworkError> {
         if self.state().dhcp.insert(id.into()) {
             self.call(format!("net attach {id}"));
@@ -859,8 +873,18 @@ impl crate::host::network::Network for FakeHost {
         self.call(format!("net teardown {id}"));
         let mut s = self.state();
         s.addresses.remove(id);
+        s.attached.remove(id);
         s.dhcp.remove(id);
         Ok(())
+    }
+
+    fn holds(&self, id: &str) -> bool {
+        let s = self.state();
+        s.addresses.contains_key(id) || s.attached.contains_key(id)
+    }
+
+    fn named_config(&self, name: &str) -> Option<String> {
+        self.state().cni_files.get(name).cloned()
     }
 
     fn address(&self, id: &str) -> Option<std::net::Ipv4Addr> {
@@ -868,7 +892,16 @@ impl crate::host::network::Network for FakeHost {
     }
 
     fn ids(&self) -> Vec<String> {
-        self.state().addresses.keys().cloned().collect()
+        let s = self.state();
+        let mut ids: Vec<String> = s
+            .addresses
+            .keys()
+            .chain(s.attached.keys())
+            .cloned()
+            .collect();
+        ids.sort();
+        ids.dedup();
+        ids
     }
 }
 

@@ -5,6 +5,7 @@
 //! Everything here touches the host; what it decides comes from `core`.
 
 pub mod beneath;
+pub mod bridging;
 pub mod capacity;
 pub mod cni;
 pub mod commit;

@@ -7,8 +7,9 @@
 //! inside a VM's namespace happens on a short-lived thread that entered it;
 //! never on an async worker.
 
-use crate::core::convert::network::{NetSpec, TAP};
+use crate::core::convert::network::{NetSpec, Secondary, TAP};
 use crate::core::nft::{self as rules, VmSource};
+use crate::host::bridging::{Attached, LeaseDefaults, SecondaryNets, VmMeta};
 use crate::host::nft;
 use nix::sched::{setns, CloneFlags};
 use sha2::{Digest, Sha256};
@@ -65,7 +66,7 @@ pub fn host_veth_name(id: &str) -> String {
     format!("kv{hex}")
 }
 
-fn nl(what: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> NetworkError {
+pub(crate) fn nl(what: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> NetworkError {
     let what = what.into();
     move |e| NetworkError::Netlink {
         what,
@@ -75,7 +76,7 @@ fn nl(what: impl Into<String>) -> impl FnOnce(rtnetlink::Error) -> NetworkError 
 
 /// Runs `f` with a netlink handle on a fresh thread, inside `netns` when
 /// given, and waits for it.
-fn in_netns<T: Send + 'static>(
+pub(crate) fn in_netns<T: Send + 'static>(
     netns: Option<PathBuf>,
     f: impl FnOnce(
             rtnetlink::Handle,
@@ -116,7 +117,10 @@ fn in_netns<T: Send + 'static>(
     .map_err(|_| NetworkError::Thread)?
 }
 
-async fn index_of(h: &rtnetlink::Handle, name: &str) -> Result<Option<u32>, NetworkError> {
+pub(crate) async fn index_of(
+    h: &rtnetlink::Handle,
+    name: &str,
+) -> Result<Option<u32>, NetworkError> {
     use futures::TryStreamExt;
     let mut links = h.link().get().match_name(name.to_owned()).execute();
     match links.try_next().await {
@@ -145,7 +149,7 @@ async fn add_addr(
     }
 }
 
-async fn ensure_bridge(
+pub(crate) async fn ensure_bridge(
     h: &rtnetlink::Handle,
     name: &str,
     mac: Option<[u8; 6]>,
@@ -176,7 +180,7 @@ async fn ensure_bridge(
 
 /// Writes only when the value differs: forwarding may already be on (and
 /// /proc/sys read-only, as in a container sharing another's network).
-fn write_sysctl(path: &str, value: &str) -> Result<(), NetworkError> {
+pub(crate) fn write_sysctl(path: &str, value: &str) -> Result<(), NetworkError> {
     if std::fs::read_to_string(path).is_ok_and(|v| v.trim() == value) {
         return Ok(());
     }
@@ -433,40 +437,66 @@ pub fn veth_exists(host_veth: &str) -> bool {
     Path::new("/sys/class/net").join(host_veth).exists()
 }
 
-/// A VM's network as the loop sees it: made, re-attached after a restart,
-/// removed. The real adapter is [`HostNetwork`]; `fake` has a recording one.
+/// A VM's networks as the loop sees it: made, re-attached after a
+/// restart, removed. The real adapter is [`HostNetwork`]; `fake` has a
+/// recording one.
 pub trait Network: Send + Sync + 'static {
-    /// Leases the VM's address and makes its network (idempotent); returns
-    /// the address (the VMI's `ipAddress`, as KubeVirt reports the pod IP).
-    /// `tap_owner` is the VM's identity (uid, gid): QEMU opens the tap.
+    /// Makes the VM's networks (idempotent): the pod network (its address
+    /// leased), then each secondary network (attached by its CNI plugins,
+    /// bound to a bridge, served by DHCP). `tap_owner` is the VM's identity
+    /// (uid, gid): QEMU opens the taps.
     fn setup(
         &self,
         id: &str,
-        uid: &str,
-        net: &NetSpec,
+        vm: VmMeta<'_>,
+        pod: Option<&NetSpec>,
+        secondary: &[Attached],
         tap_owner: (u32, u32),
-    ) -> impl std::future::Future<Output = Result<Ipv4Addr, NetworkError>> + Send;
-    /// Re-attaches what lives in kvirtd itself (the DHCP server) to a
+    ) -> impl std::future::Future<Output = Result<(), NetworkError>> + Send;
+    /// Re-attaches what lives in kvirtd itself (the DHCP servers) to a
     /// running VM, e.g. after a restart; a no-op when attached.
     fn attach(
         &self,
         id: &str,
-        net: &NetSpec,
+        pod: Option<&NetSpec>,
+        secondary: &[Secondary],
     ) -> impl std::future::Future<Output = Result<(), NetworkError>> + Send;
-    /// Removes everything of the VM's network and releases its address;
-    /// continues past errors and reports them all.
+    /// Removes everything of the VM's networks (each CNI attachment
+    /// deleted, the address released); continues past errors and reports
+    /// them all.
     fn teardown(
         &self,
         id: &str,
     ) -> impl std::future::Future<Output = Result<(), NetworkError>> + Send;
+    /// The pod network's address (the VMI's `ipAddress`, as KubeVirt
+    /// reports the pod IP).
     fn address(&self, id: &str) -> Option<Ipv4Addr>;
-    /// Ids holding an address (for cleaning up after VMIs that are gone).
+    /// Whether anything of the VM's networks is held (an address, a CNI
+    /// attachment).
+    fn holds(&self, id: &str) -> bool {
+        self.address(id).is_some()
+    }
+    /// Ids holding an address or an attachment (for cleaning up after VMIs
+    /// that are gone).
     fn ids(&self) -> Vec<String>;
+    /// The secondary networks' plugin results, by interface (`pod<hash>`).
+    fn attachments(&self, _id: &str) -> Vec<(String, crate::core::cni::CniResult)> {
+        Vec::new()
+    }
+    /// The CNI config directory's network of this name (a
+    /// NetworkAttachmentDefinition without a config names one).
+    fn named_config(&self, _name: &str) -> Option<String> {
+        None
+    }
 }
 
 /// Host-wide network settings, from the config.
 #[derive(Clone, Debug)]
 pub struct NetworkSettings {
+    /// How CNI plugins are run, and where they are recorded.
+    pub cni: crate::host::cni::ExecCni,
+    /// Where named CNI network configs are (`/etc/cni/net.d`).
+    pub cni_config_dir: PathBuf,
     pub subnet: crate::core::ipam::Subnet,
     pub mtu: u32,
     pub dns: Vec<Ipv4Addr>,
@@ -476,6 +506,7 @@ pub struct NetworkSettings {
 
 pub struct HostNetwork {
     settings: NetworkSettings,
+    secondary: SecondaryNets,
     ipam: std::sync::Arc<crate::host::ipam::Ipam>,
     dhcp: crate::host::dhcp::DhcpServers,
     host_table: nft::HostTable,
@@ -530,14 +561,18 @@ impl HostNetwork {
             None,
         )
         .map_err(|e| err(e.to_string()))?;
+        let (secondary, unreadable) = SecondaryNets::open(settings.cni.clone());
+        let mut dropped: Vec<String> = dropped.iter().map(|d| d.to_string()).collect();
+        dropped.extend(unreadable);
         Ok((
             Self {
                 settings,
+                secondary,
                 ipam: std::sync::Arc::new(ipam),
                 dhcp: crate::host::dhcp::DhcpServers::new(),
                 host_table: nft::HostTable::start(None),
             },
-            dropped.iter().map(|d| d.to_string()).collect(),
+            dropped,
         ))
     }
 
@@ -564,14 +599,22 @@ impl HostNetwork {
     }
 }
 
-impl Network for HostNetwork {
-    async fn setup(
+impl HostNetwork {
+    fn lease_defaults(&self, hostname: &str) -> LeaseDefaults {
+        LeaseDefaults {
+            dns: self.settings.dns.clone(),
+            lease_secs: self.settings.dhcp_lease_secs,
+            hostname: hostname.to_owned(),
+        }
+    }
+
+    async fn setup_pod(
         &self,
         id: &str,
         uid: &str,
         net: &NetSpec,
         tap_owner: (u32, u32),
-    ) -> Result<Ipv4Addr, NetworkError> {
+    ) -> Result<(), NetworkError> {
         let ipam = self.ipam.clone();
         let (i, u) = (id.to_owned(), uid.to_owned());
         let ip = blocking(id, move || ipam.lease(&i, &u).map_err(|e| e.to_string())).await?;
@@ -606,11 +649,10 @@ impl Network for HostNetwork {
             })
             .await?;
         }
-        self.attach(id, net).await?;
-        Ok(ip)
+        self.attach_pod(id, net).await
     }
 
-    async fn attach(&self, id: &str, net: &NetSpec) -> Result<(), NetworkError> {
+    async fn attach_pod(&self, id: &str, net: &NetSpec) -> Result<(), NetworkError> {
         if self.dhcp.ids().iter().any(|i| i == id) {
             return Ok(());
         }
@@ -620,9 +662,59 @@ impl Network for HostNetwork {
             .await
             .map_err(|e| vm_err(id)(e.to_string()))
     }
+}
+
+impl Network for HostNetwork {
+    async fn setup(
+        &self,
+        id: &str,
+        vm: VmMeta<'_>,
+        pod: Option<&NetSpec>,
+        secondary: &[Attached],
+        tap_owner: (u32, u32),
+    ) -> Result<(), NetworkError> {
+        if let Some(net) = pod {
+            self.setup_pod(id, vm.uid, net, tap_owner).await?;
+        }
+        if secondary.is_empty() {
+            return Ok(());
+        }
+        let defaults = self.lease_defaults(vm.hostname);
+        self.secondary
+            .setup(
+                id,
+                vm,
+                &self.netns_path(id),
+                secondary,
+                tap_owner,
+                &self.dhcp,
+                &defaults,
+            )
+            .await
+    }
+
+    async fn attach(
+        &self,
+        id: &str,
+        pod: Option<&NetSpec>,
+        secondary: &[Secondary],
+    ) -> Result<(), NetworkError> {
+        if let Some(net) = pod {
+            self.attach_pod(id, net).await?;
+        }
+        if secondary.is_empty() {
+            return Ok(());
+        }
+        let hostname = pod.map_or(id, |p| p.hostname.as_str());
+        let defaults = self.lease_defaults(hostname);
+        self.secondary
+            .attach(id, &self.netns_path(id), secondary, &self.dhcp, &defaults)
+            .await
+    }
 
     async fn teardown(&self, id: &str) -> Result<(), NetworkError> {
-        let mut errors = Vec::new();
+        // The plugins first: they find what they made in the namespace.
+        let mut errors = self.secondary.teardown(id, &self.dhcp).await;
         self.dhcp.stop(id).await;
         let (veth, netns) = (host_veth_name(id), self.netns_path(id));
         if let Err(e) = blocking(id, move || {
@@ -658,8 +750,24 @@ impl Network for HostNetwork {
         self.ipam.get(id).map(|l| l.ip)
     }
 
+    fn holds(&self, id: &str) -> bool {
+        self.address(id).is_some() || self.secondary.holds(id)
+    }
+
     fn ids(&self) -> Vec<String> {
-        self.ipam.snapshot().ids().map(str::to_owned).collect()
+        let mut ids: Vec<String> = self.ipam.snapshot().ids().map(str::to_owned).collect();
+        ids.extend(self.secondary.ids());
+        ids.sort();
+        ids.dedup();
+        ids
+    }
+
+    fn attachments(&self, id: &str) -> Vec<(String, crate::core::cni::CniResult)> {
+        self.secondary.results_of(id)
+    }
+
+    fn named_config(&self, name: &str) -> Option<String> {
+        SecondaryNets::named_config(&self.settings.cni_config_dir, name)
     }
 }
 
@@ -678,7 +786,7 @@ struct IfReq {
 
 /// A persistent tap owned by the VM's user, so its unprivileged QEMU can
 /// open it (`managed='no'`).
-fn create_tap(name: &str, uid: u32, gid: u32) -> Result<(), NetworkError> {
+pub(crate) fn create_tap(name: &str, uid: u32, gid: u32) -> Result<(), NetworkError> {
     let sys = |what: &str| {
         let what = format!("{what} {name}");
         move |e: nix::Error| NetworkError::Sys {

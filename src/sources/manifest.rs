@@ -23,8 +23,16 @@ pub struct Snapshot {
     pub vms: BTreeMap<VmKey, VirtualMachine>,
     /// Instancetypes and preferences, for the VMs that name them.
     pub instancetypes: BTreeMap<ObjectKey, serde_json::Value>,
+    /// NetworkAttachmentDefinitions by (namespace, name), for the VMIs'
+    /// secondary networks.
+    pub networks: Networks,
     pub errors: Vec<SourceError>,
 }
+
+/// The manifests' NetworkAttachmentDefinitions: by (namespace, name).
+pub type Networks = BTreeMap<(String, String), crate::core::objects::ObjectData>;
+
+pub const NAD_KIND: &str = "NetworkAttachmentDefinition";
 
 /// Kubernetes refuses objects larger than this (etcd's request limit);
 /// so does kvirt, before parsing.
@@ -43,6 +51,7 @@ enum Object {
     Vmi(Box<VirtualMachineInstance>),
     Vm(Box<VirtualMachine>),
     Instancetype(Box<(ObjectKey, serde_json::Value)>),
+    Network(Box<((String, String), crate::core::objects::ObjectData)>),
 }
 
 /// Device, inode, size and modification time: a file whose stamp is
@@ -149,6 +158,19 @@ impl ManifestDir {
                 }
             };
             for object in vmis {
+                if let Object::Network(n) = object {
+                    let (key, data) = &**n;
+                    if snap.networks.insert(key.clone(), data.clone()).is_some() {
+                        snap.errors.push(SourceError::Manifest {
+                            path: path.clone(),
+                            message: format!(
+                                "{NAD_KIND} {}/{} is already defined by another manifest",
+                                key.0, key.1
+                            ),
+                        });
+                    }
+                    continue;
+                }
                 if let Object::Instancetype(it) = object {
                     let (key, obj) = &**it;
                     if snap
@@ -166,7 +188,7 @@ impl ManifestDir {
                 let key = match object {
                     Object::Vmi(v) => v.key().map_err(|e| e.to_string()),
                     Object::Vm(v) => v.key().map_err(|e| e.to_string()),
-                    Object::Instancetype(_) => unreachable!("handled above"),
+                    Object::Instancetype(_) | Object::Network(_) => continue,
                 };
                 let key = match key {
                     Ok(k) => k,
@@ -189,7 +211,7 @@ impl ManifestDir {
                 match object {
                     Object::Vmi(v) => snap.vmis.insert(key, (**v).clone()).is_none(),
                     Object::Vm(v) => snap.vms.insert(key, (**v).clone()).is_none(),
-                    Object::Instancetype(_) => unreachable!("handled above"),
+                    Object::Instancetype(_) | Object::Network(_) => continue,
                 };
             }
         }
@@ -437,6 +459,9 @@ fn read_manifest(path: &Path) -> Result<Vec<Object>, SourceError> {
                 return Ok(Object::Instancetype(Box::new((key, doc))));
             }
             let kind = doc.get("kind").and_then(|k| k.as_str()).unwrap_or("");
+            if kind == NAD_KIND {
+                return network_object(&doc).map_err(bad);
+            }
             if kind == crate::core::vm::KIND {
                 // Its UID and generation are kvirtd's to give (`vm::settle_identity`):
                 // an edited VM is the same VM.
@@ -455,7 +480,7 @@ fn read_manifest(path: &Path) -> Result<Vec<Object>, SourceError> {
                 return Err(bad(format!(
                     "kind {kind:?} is none of VirtualMachineInstance, VirtualMachine, \
                      VirtualMachinePool, VirtualMachine(Cluster)Instancetype, \
-                     VirtualMachine(Cluster)Preference"
+                     VirtualMachine(Cluster)Preference, NetworkAttachmentDefinition"
                 )));
             }
             // Like a static pod: the manifest's content is its identity, so
@@ -517,6 +542,30 @@ fn pool_members(mut doc: serde_json::Value) -> Result<Vec<serde_json::Value>, St
         .collect()
 }
 
+/// A NetworkAttachmentDefinition manifest (`k8s.cni.cncf.io/v1`), in
+/// `default` unless it names a namespace.
+fn network_object(doc: &serde_json::Value) -> Result<Object, String> {
+    let version = doc.get("apiVersion").and_then(|v| v.as_str());
+    if version != Some("k8s.cni.cncf.io/v1") {
+        return Err(format!(
+            "{NAD_KIND}: apiVersion {version:?} must be k8s.cni.cncf.io/v1"
+        ));
+    }
+    let text = |p: &str| doc.pointer(p).and_then(|v| v.as_str());
+    let name = text("/metadata/name").unwrap_or_default();
+    let namespace = text("/metadata/namespace").unwrap_or("default");
+    for part in [name, namespace] {
+        if crate::core::cni::NetworkRef::parse(part, "default").is_err() || part.contains('/') {
+            return Err(format!("{NAD_KIND}: {part:?} is not a DNS name"));
+        }
+    }
+    let data = crate::core::objects::nad_data(doc);
+    Ok(Object::Network(Box::new((
+        (namespace.to_owned(), name.to_owned()),
+        data,
+    ))))
+}
+
 /// A UUID-shaped digest of the manifest (status excluded).
 fn manifest_uid(doc: &serde_json::Value) -> String {
     let mut doc = doc.clone();
@@ -531,6 +580,22 @@ fn manifest_uid(doc: &serde_json::Value) -> String {
 #[derive(Clone, Debug)]
 pub struct FileStatusStore {
     pub host: HostLayout,
+    /// The manifests' NetworkAttachmentDefinitions, as last scanned.
+    pub networks: std::sync::Arc<std::sync::Mutex<Networks>>,
+}
+
+impl FileStatusStore {
+    pub fn new(host: HostLayout) -> Self {
+        Self {
+            host,
+            networks: Default::default(),
+        }
+    }
+
+    /// Takes the NetworkAttachmentDefinitions of a scan.
+    pub fn set_networks(&self, networks: &Networks) {
+        *self.networks.lock().unwrap_or_else(|p| p.into_inner()) = networks.clone();
+    }
 }
 
 impl StatusStore for FileStatusStore {
@@ -563,6 +628,28 @@ impl StatusStore for FileStatusStore {
         let json = serde_json::to_vec_pretty(vmi).expect("a VMI serializes");
         tokio::fs::write(&tmp, json).await.map_err(io("write"))?;
         tokio::fs::rename(&tmp, &path).await.map_err(io("rename"))
+    }
+
+    /// Only NetworkAttachmentDefinitions exist without a cluster: the
+    /// manifests' own.
+    async fn object(
+        &self,
+        namespace: &str,
+        object: &crate::core::objects::ObjectRef,
+    ) -> Result<Option<crate::core::objects::ObjectData>, SourceError> {
+        match object {
+            crate::core::objects::ObjectRef::NetworkAttachmentDefinition(name) => Ok(self
+                .networks
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .get(&(namespace.to_owned(), name.clone()))
+                .cloned()),
+            other => Err(SourceError::Object {
+                namespace: namespace.into(),
+                object: other.clone(),
+                message: "there is no cluster to read it from".into(),
+            }),
+        }
     }
 
     async fn forget(&self, id: &str) {
@@ -755,6 +842,48 @@ mod tests {
         );
     }
 
+    #[tokio::test]
+    async fn network_attachment_definitions_are_read_for_the_vmis_that_name_them() {
+        use crate::core::objects::{ObjectRef, NAD_CONFIG, NAD_RESOURCE};
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("nets.yaml"),
+            "apiVersion: k8s.cni.cncf.io/v1\nkind: NetworkAttachmentDefinition\nmetadata: {name: blue}\n\
+             spec: {config: '{\"cniVersion\":\"1.0.0\",\"type\":\"bridge\"}'}\n---\n\
+             apiVersion: k8s.cni.cncf.io/v1\nkind: NetworkAttachmentDefinition\n\
+             metadata: {name: sriov, namespace: infra, annotations: {k8s.v1.cni.cncf.io/resourceName: intel.com/sriov}}\n",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("bad.yaml"),
+            "apiVersion: v1\nkind: NetworkAttachmentDefinition\nmetadata: {name: x}\n",
+        )
+        .unwrap();
+        let snap = ManifestDir::new(dir.path().into(), None).scan();
+        let blue = &snap.networks[&("default".to_owned(), "blue".to_owned())];
+        assert!(String::from_utf8_lossy(&blue[NAD_CONFIG]).contains("bridge"));
+        let sriov = &snap.networks[&("infra".to_owned(), "sriov".to_owned())];
+        assert_eq!(sriov[NAD_RESOURCE], b"intel.com/sriov");
+        assert!(snap
+            .errors
+            .iter()
+            .any(|e| e.to_string().contains("k8s.cni.cncf.io/v1")));
+        // The status store hands them out by namespace.
+        let store = FileStatusStore::new(HostLayout::default());
+        store.set_networks(&snap.networks);
+        let nad = |n: &str| ObjectRef::NetworkAttachmentDefinition(n.into());
+        assert!(store
+            .object("default", &nad("blue"))
+            .await
+            .unwrap()
+            .is_some());
+        assert!(store.object("infra", &nad("blue")).await.unwrap().is_none());
+        assert!(store
+            .object("default", &ObjectRef::Secret("s".into()))
+            .await
+            .is_err());
+    }
+
     #[test]
     fn instancetypes_and_preferences_are_read_for_the_vms_that_name_them() {
         use crate::core::instancetype::Kind;
@@ -941,12 +1070,10 @@ mod tests {
     #[tokio::test]
     async fn status_round_trips() {
         let tmp = tempfile::tempdir().unwrap();
-        let store = FileStatusStore {
-            host: HostLayout {
-                runtime_dir: tmp.path().into(),
-                ..HostLayout::default()
-            },
-        };
+        let store = FileStatusStore::new(HostLayout {
+            runtime_dir: tmp.path().into(),
+            ..HostLayout::default()
+        });
         let mut vmi = VirtualMachineInstance::from_yaml(VMI).unwrap();
         vmi.metadata.namespace = Some("default".into());
         vmi.status.phase = Some(crate::core::vmi::Phase::Running);

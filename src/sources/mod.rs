@@ -228,6 +228,10 @@ pub enum EventReason {
     /// Too few of the host's dedicated CPUs are free (kube-scheduler's
     /// reason when no node has room for a pod).
     FailedScheduling,
+    /// A secondary network cannot be attached: its
+    /// NetworkAttachmentDefinition is missing or unusable, or a CNI plugin
+    /// failed (kubelet's reason when a pod's network cannot be set up).
+    FailedCreatePodSandBox,
 }
 
 /// Where Events about a VMI go (the log in standalone mode, Event objects

@@ -23,7 +23,7 @@ TH_ROOTFS_PKGS=(systemd systemd-sysv dbus libpam-systemd libvirt-daemon
   libvirt-daemon-driver-qemu libvirt-clients qemu-system-x86 qemu-utils seabios
   ipxe-qemu iproute2 nftables busybox-static procps socat util-linux kmod
   ca-certificates systemd-container xorriso docker-registry ovmf libnss-systemd
-  swtpm swtpm-tools)
+  swtpm swtpm-tools containernetworking-plugins)
 
 # Units that fail or only make noise in an nspawn container.
 TH_ROOTFS_MASK=(systemd-modules-load.service apt-daily.timer apt-daily-upgrade.timer
@@ -240,12 +240,16 @@ while read -r m; do insmod "/lib/modules/$m.ko" 2>/dev/null || echo "kvirt-guest
 acpi=no
 i=0; while [ $i -lt 20 ] && ! ls /dev/input/event* >/dev/null 2>&1; do i=$((i + 1)); sleep 0.1; done
 if ls /dev/input/event* >/dev/null 2>&1 && acpid -c /etc/acpi -l /run/acpid.log; then acpi=yes; fi
-# Network: DHCP on eth0 (virtio-net) in the background; the lease is printed as
-# KVIRT-GUEST-IP <address> by /etc/udhcpc.script.
+# Network: DHCP on each NIC (virtio-net) in the background; eth0's lease is
+# printed as KVIRT-GUEST-IP <address>, another's as KVIRT-GUEST-IP-ethN
+# <address>, by /etc/udhcpc.script.
+for nic in /sys/class/net/eth*; do
+  [ -e "$nic" ] || continue
+  ip link set "${nic##*/}" up
+  udhcpc -f -i "${nic##*/}" -s /etc/udhcpc.script -t 5 -T 1 -A 2 -S >/dev/null 2>&1 &
+done
 if [ -e /sys/class/net/eth0 ]; then
   ip link set lo up
-  ip link set eth0 up
-  udhcpc -f -i eth0 -s /etc/udhcpc.script -t 5 -T 1 -A 2 -S >/dev/null 2>&1 &
   # Two TCP listeners for the port-forwarding tests: each answers its port.
   for p in 8080 9090; do
     mkdir -p /www/$p && echo "KVIRT-HELLO $p" >/www/$p/index.html && httpd -p $p -h /www/$p
@@ -346,6 +350,10 @@ case $1 in
   bound|renew)
     ip addr flush dev "$interface"
     ip addr add "$ip/${mask:-24}" dev "$interface"
+    if [ "$interface" != eth0 ]; then
+      echo "KVIRT-GUEST-IP-$interface $ip router=${router%% *} mtu=$mtu" >/dev/console
+      exit 0
+    fi
     [ -n "$router" ] && ip route replace default via "${router%% *}" dev "$interface"
     : >/etc/resolv.conf
     for d in $dns; do echo "nameserver $d" >>/etc/resolv.conf; done

@@ -48,10 +48,7 @@ pub(super) fn seed(v: &Volume, path: &str, cluster: bool, errs: &mut Errors) -> 
         errs.add(&p, super::NEEDS_CLUSTER);
         return None;
     }
-    let (ObjectRef::ConfigMap(name)
-    | ObjectRef::Secret(name)
-    | ObjectRef::ServiceAccountToken(name)) = &object;
-    if name.is_empty() {
+    if object.name().is_empty() {
         let name_field = match field {
             "secret" => "secretName",
             "serviceAccount" => "serviceAccountName",

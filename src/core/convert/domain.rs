@@ -561,7 +561,7 @@ pub struct MacAddress {
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct InterfaceTarget {
     #[serde(rename = "@dev")]
-    pub dev: &'static str,
+    pub dev: String,
     #[serde(rename = "@managed")]
     pub managed: &'static str,
 }

@@ -198,6 +198,8 @@ pub struct Converted {
     pub disks: Vec<DiskPrep>,
     /// The pod interface, when the VM has one.
     pub network: Option<network::NetSpec>,
+    /// Its secondary networks' interfaces, in the VMI's order.
+    pub secondary_networks: Vec<network::Secondary>,
     pub resources: Resources,
     /// `startStrategy: Paused`: the domain starts with its vCPUs stopped.
     pub start_paused: bool,
@@ -525,20 +527,28 @@ pub fn convert_all_errors(
     let default_mac = network::guest_mac(&ctx.key.id());
     let (hostname, domain_search) =
         network::guest_names(&spec.extra, ctx.key.name(), ctx.key.namespace(), &mut errs);
-    let net = network::convert(spec, default_mac, &mut errs).map(|(iface, mut net)| {
+    let (ifaces, mut nets) = network::convert(
+        spec,
+        ctx.key.namespace(),
+        &ctx.key.id(),
+        default_mac,
+        &mut errs,
+    );
+    if let Some(net) = nets.pod.as_mut() {
         net.hostname = hostname;
         net.domain_search = domain_search;
+    }
+    for (i, iface) in ifaces.iter().enumerate() {
         if let Some(b) = &iface.boot {
             if devices.disks.iter().any(|d| d.boot.as_ref() == Some(b)) {
                 errs.add(
-                    "spec.domain.devices.interfaces[0].bootOrder",
+                    format!("spec.domain.devices.interfaces[{i}].bootOrder"),
                     format!("{} is used by a disk", b.order),
                 );
             }
         }
-        devices.interfaces.push(iface);
-        net
-    });
+    }
+    devices.interfaces = ifaces;
 
     if !errs.0.is_empty() {
         return Err(errs.0);
@@ -592,7 +602,8 @@ pub fn convert_all_errors(
         domain_xml,
         volume_status,
         disks: preps,
-        network: net,
+        network: nets.pod,
+        secondary_networks: nets.secondary,
         start_paused: spec.extra.get("startStrategy").and_then(|s| s.as_str()) == Some("Paused"),
         resources: Resources {
             memory_bytes,

@@ -1,9 +1,11 @@
-//! The pod network with KubeVirt's masquerade binding: the only network
-//! kvirt gives a VM. Everything else (bridge, SR-IOV, passt, Multus) is
-//! refused by name.
+//! The VM's networks: the pod network with KubeVirt's masquerade binding,
+//! and secondary networks (Multus NetworkAttachmentDefinitions) with its
+//! bridge binding. Other bindings (SR-IOV, passt, macvtap, ...) are refused
+//! by name.
 
 use super::domain::{Boot, Interface, InterfaceAlias, InterfaceModel, InterfaceTarget, MacAddress};
 use super::Errors;
+use crate::core::cni::{BridgeLinks, NetworkRef};
 pub use crate::core::nft::{PortRule, Proto};
 use crate::core::vmi::VmiSpec;
 use core::net::Ipv4Addr;
@@ -85,7 +87,7 @@ pub fn format_mac(m: &[u8; 6]) -> String {
         .join(":")
 }
 
-fn parse_mac(s: &str) -> Option<[u8; 6]> {
+pub fn parse_mac(s: &str) -> Option<[u8; 6]> {
     let parts: Vec<u8> = s
         .split([':', '-'])
         .map(|p| u8::from_str_radix(p, 16).ok().filter(|_| p.len() == 2))
@@ -110,114 +112,141 @@ pub fn guest_mac(id: &str) -> [u8; 6] {
     [0x02, h[0], h[1], h[2], h[3], h[4]]
 }
 
-/// Converts the VMI's networks and interfaces; `default_mac` is used when
-/// the VMI names none (the DHCP server must know the guest's MAC).
-pub(super) fn convert(
-    spec: &VmiSpec,
-    default_mac: [u8; 6],
-    errs: &mut Errors,
-) -> Option<(Interface, NetSpec)> {
-    const IFACES: &str = "spec.domain.devices.interfaces";
-    let dev = &spec.domain.devices;
-    if spec.networks.is_empty() && dev.interfaces.is_empty() {
-        if dev.autoattach_pod_interface == Some(false) {
-            return None;
-        }
-        let net = NetSpec {
-            name: DEFAULT_NETWORK.into(),
-            mac: default_mac,
-            ports: vec![],
-            vm_cidr: DEFAULT_VM_CIDR,
-            hostname: String::new(),
-            domain_search: None,
-        };
-        return Some((interface(&net, "virtio"), net));
-    }
+/// A secondary network's interface: its NetworkAttachmentDefinition,
+/// attached by its CNI plugins and bound to the guest by KubeVirt's bridge
+/// binding.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Secondary {
+    /// The VMI's name of the network (and of its interface).
+    pub name: String,
+    pub network: NetworkRef,
+    /// The guest's MAC: the spec's, else one of kvirt's, stable per VM and
+    /// network. It is also offered to the plugins (`runtimeConfig.mac`).
+    pub mac: [u8; 6],
+    pub links: BridgeLinks,
+}
 
-    let mut vm_cidr = DEFAULT_VM_CIDR;
-    let mut pod_network = None;
+/// The VM's networks as the host side makes them.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Networks {
+    pub pod: Option<NetSpec>,
+    pub secondary: Vec<Secondary>,
+}
+
+/// What one of `spec.networks` is.
+enum Source {
+    Pod,
+    Multus(NetworkRef),
+    /// Refused already: its interface says nothing more.
+    Refused,
+}
+
+/// Reads `spec.networks`: one pod network at most, Multus secondary
+/// networks; anything else is refused by name.
+fn sources(
+    spec: &VmiSpec,
+    namespace: &str,
+    vm_cidr: &mut (Ipv4Addr, u8),
+    errs: &mut Errors,
+) -> Vec<(String, Source)> {
+    let mut out: Vec<(String, Source)> = Vec::new();
     for (i, n) in spec.networks.iter().enumerate() {
         let path = format!("spec.networks[{i}]");
+        if out.iter().any(|(name, _)| *name == n.name) {
+            errs.add(
+                format!("{path}.name"),
+                format!("{:?} is named twice", n.name),
+            );
+            continue;
+        }
         let mut extra = n.extra.clone();
-        match extra.remove("pod") {
-            Some(pod) if pod_network.is_none() => {
-                pod_network = Some(n.name.clone());
-                if let Some(cidr) = pod.get("vmNetworkCIDR") {
-                    match cidr.as_str().and_then(parse_cidr) {
-                        Some(c) => vm_cidr = c,
-                        None => errs.add(
-                            format!("{path}.pod.vmNetworkCIDR"),
-                            format!("{cidr} is not an IPv4 network (a.b.c.d/8..30)"),
-                        ),
-                    }
-                }
-                for k in pod.as_object().into_iter().flatten().map(|(k, _)| k) {
-                    if k != "vmNetworkCIDR" {
-                        errs.add(format!("{path}.pod.{k}"), super::UNSUPPORTED);
-                    }
-                }
+        let source = match (extra.remove("pod"), extra.remove("multus")) {
+            (Some(_), _) if out.iter().any(|(_, s)| matches!(s, Source::Pod)) => {
+                errs.add(format!("{path}.pod"), "only one pod network is possible");
+                None
             }
-            Some(_) => errs.add(format!("{path}.pod"), "only one pod network is possible"),
-            None => {
+            (Some(pod), None) => {
+                pod_source(&pod, &path, vm_cidr, errs);
+                Some(Source::Pod)
+            }
+            (None, Some(m)) => multus_source(&m, &path, namespace, errs),
+            (Some(_), Some(_)) => {
+                errs.add(path.clone(), "names both pod and multus");
+                None
+            }
+            (None, None) => {
                 errs.add(
                     path.clone(),
-                    "only the pod network is supported (no Multus or other networks yet)",
+                    "only the pod network and multus networks are supported",
                 );
-                continue;
+                None
             }
-        }
+        };
         for k in extra.keys() {
             errs.add(format!("{path}.{k}"), super::UNSUPPORTED);
         }
+        out.push((n.name.clone(), source.unwrap_or(Source::Refused)));
     }
+    out
+}
 
-    if dev.interfaces.len() > 1 {
-        errs.add(
-            IFACES,
-            "only one interface (on the pod network) is supported",
-        );
-    }
-    let Some(iface) = dev.interfaces.first() else {
-        errs.add(
-            IFACES,
-            "spec.networks names a network but no interface uses it",
-        );
-        return None;
-    };
-    let path = format!("{IFACES}[0]");
-    if Some(&iface.name) != pod_network.as_ref() {
-        errs.add(
-            format!("{path}.name"),
-            format!(
-                "{:?} is not the name of a pod network in spec.networks",
-                iface.name
+fn pod_source(pod: &Value, path: &str, vm_cidr: &mut (Ipv4Addr, u8), errs: &mut Errors) {
+    if let Some(cidr) = pod.get("vmNetworkCIDR") {
+        match cidr.as_str().and_then(parse_cidr) {
+            Some(c) => *vm_cidr = c,
+            None => errs.add(
+                format!("{path}.pod.vmNetworkCIDR"),
+                format!("{cidr} is not an IPv4 network (a.b.c.d/8..30)"),
             ),
-        );
-    }
-    let mut extra = iface.extra.clone();
-    if extra.remove("masquerade").is_none() {
-        let binding = BINDINGS.iter().find(|b| extra.contains_key(**b));
-        errs.add(
-            format!("{path}.{}", binding.unwrap_or(&"masquerade")),
-            match binding {
-                Some(b) => format!("the {b} binding is not supported yet; use masquerade"),
-                None => "the interface needs a binding; only masquerade is supported".into(),
-            },
-        );
-        for b in BINDINGS {
-            extra.remove(*b);
         }
     }
-    let mac = match extra.remove("macAddress") {
-        None => default_mac,
-        Some(v) => v.as_str().and_then(parse_mac).unwrap_or_else(|| {
+    for k in pod.as_object().into_iter().flatten().map(|(k, _)| k) {
+        if k != "vmNetworkCIDR" {
+            errs.add(format!("{path}.pod.{k}"), super::UNSUPPORTED);
+        }
+    }
+}
+
+fn multus_source(m: &Value, path: &str, namespace: &str, errs: &mut Errors) -> Option<Source> {
+    let mut source = None;
+    for (k, v) in m.as_object().into_iter().flatten() {
+        match (k.as_str(), v) {
+            ("networkName", Value::String(n)) => match NetworkRef::parse(n, namespace) {
+                Ok(r) => source = Some(Source::Multus(r)),
+                Err(e) => errs.add(format!("{path}.multus.networkName"), e),
+            },
+            ("default", Value::Bool(false)) => {}
+            ("default", _) => errs.add(
+                format!("{path}.multus.default"),
+                "a Multus network in place of the pod network is not supported yet",
+            ),
+            _ => errs.add(format!("{path}.multus.{k}"), super::UNSUPPORTED),
+        }
+    }
+    if source.is_none() && !m.get("networkName").is_some_and(Value::is_string) {
+        errs.add(format!("{path}.multus.networkName"), "is required");
+    }
+    source
+}
+
+/// The fields every binding reads alike.
+struct Common {
+    mac: Option<[u8; 6]>,
+    model: String,
+    boot: Option<Boot>,
+}
+
+fn common(extra: &mut crate::core::vmi::Extra, path: &str, errs: &mut Errors) -> Common {
+    let mac = extra.remove("macAddress").and_then(|v| {
+        let m = v.as_str().and_then(parse_mac);
+        if m.is_none() {
             errs.add(
                 format!("{path}.macAddress"),
                 format!("{v} is not a unicast MAC address"),
             );
-            default_mac
-        }),
-    };
+        }
+        m
+    });
     let model = match extra.remove("model") {
         None => "virtio".to_owned(),
         Some(Value::String(m)) if MODELS.contains(&m.as_str()) => m,
@@ -229,11 +258,7 @@ pub(super) fn convert(
             "virtio".into()
         }
     };
-    let ports = extra
-        .remove("ports")
-        .map(|p| ports(&p, &format!("{path}.ports"), errs))
-        .unwrap_or_default();
-    // PXE from the pod network; disks check that no two share an order.
+    // PXE from a network; disks check that no two share an order.
     let boot = extra.remove("bootOrder").and_then(|v| match v.as_u64() {
         Some(order @ 1..=65535) => Some(Boot {
             order: order as u32,
@@ -243,20 +268,153 @@ pub(super) fn convert(
             None
         }
     });
-    for k in extra.keys() {
-        errs.add(format!("{path}.{k}"), super::UNSUPPORTED);
+    Common { mac, model, boot }
+}
+
+/// Converts the VMI's networks and interfaces: the pod network with the
+/// masquerade binding, secondary (Multus) networks with the bridge binding.
+/// `default_mac` is the pod interface's when the VMI names none; `id` (the
+/// VM's) makes the secondary interfaces' MACs.
+pub(super) fn convert(
+    spec: &VmiSpec,
+    namespace: &str,
+    id: &str,
+    default_mac: [u8; 6],
+    errs: &mut Errors,
+) -> (Vec<Interface>, Networks) {
+    const IFACES: &str = "spec.domain.devices.interfaces";
+    let dev = &spec.domain.devices;
+    if spec.networks.is_empty() && dev.interfaces.is_empty() {
+        if dev.autoattach_pod_interface == Some(false) {
+            return Default::default();
+        }
+        let net = NetSpec {
+            name: DEFAULT_NETWORK.into(),
+            mac: default_mac,
+            ports: vec![],
+            vm_cidr: DEFAULT_VM_CIDR,
+            hostname: String::new(),
+            domain_search: None,
+        };
+        let iface = interface(&net.name, net.mac, TAP, "virtio");
+        return (
+            vec![iface],
+            Networks {
+                pod: Some(net),
+                secondary: vec![],
+            },
+        );
     }
-    let net = NetSpec {
-        name: iface.name.clone(),
-        mac,
-        ports,
-        vm_cidr,
-        hostname: String::new(),
-        domain_search: None,
-    };
-    let mut iface = interface(&net, &model);
-    iface.boot = boot;
-    Some((iface, net))
+
+    let mut vm_cidr = DEFAULT_VM_CIDR;
+    let sources = sources(spec, namespace, &mut vm_cidr, errs);
+    let (mut ifaces, mut nets) = (Vec::new(), Networks::default());
+    for (i, iface) in dev.interfaces.iter().enumerate() {
+        let path = format!("{IFACES}[{i}]");
+        if dev.interfaces[..i].iter().any(|o| o.name == iface.name) {
+            errs.add(
+                format!("{path}.name"),
+                format!("{:?} is named twice", iface.name),
+            );
+            continue;
+        }
+        let Some((_, source)) = sources.iter().find(|(n, _)| *n == iface.name) else {
+            errs.add(
+                format!("{path}.name"),
+                format!(
+                    "{:?} is not the name of a network in spec.networks",
+                    iface.name
+                ),
+            );
+            continue;
+        };
+        let mut extra = iface.extra.clone();
+        let c = common(&mut extra, &path, errs);
+        // `None`: the pod network.
+        let multus = match source {
+            Source::Pod => None,
+            Source::Multus(r) => Some(r),
+            Source::Refused => continue,
+        };
+        let (binding, want) = match multus {
+            None => ("masquerade", "the pod network"),
+            Some(_) => ("bridge", "a multus network"),
+        };
+        if extra.remove(binding).is_none() {
+            let other = BINDINGS
+                .iter()
+                .chain(["masquerade"].iter())
+                .find(|b| extra.contains_key(**b));
+            errs.add(
+                format!("{path}.{}", other.unwrap_or(&binding)),
+                match other {
+                    Some(b) => {
+                        format!("the {b} binding is not supported on {want} yet; use {binding}")
+                    }
+                    None => format!("the interface needs a binding; {want} takes {binding}"),
+                },
+            );
+        }
+        for b in BINDINGS.iter().chain(["masquerade"].iter()) {
+            extra.remove(*b);
+        }
+        let mut domain_iface = match multus {
+            None => {
+                let ports = extra
+                    .remove("ports")
+                    .map(|p| ports(&p, &format!("{path}.ports"), errs))
+                    .unwrap_or_default();
+                let net = NetSpec {
+                    name: iface.name.clone(),
+                    mac: c.mac.unwrap_or(default_mac),
+                    ports,
+                    vm_cidr,
+                    hostname: String::new(),
+                    domain_search: None,
+                };
+                let d = interface(&net.name, net.mac, TAP, &c.model);
+                nets.pod = Some(net);
+                d
+            }
+            Some(r) => {
+                let links = BridgeLinks::of(&iface.name);
+                let mac = c
+                    .mac
+                    .unwrap_or_else(|| guest_mac(&format!("{id}/{}", iface.name)));
+                let d = interface(&iface.name, mac, &links.tap, &c.model);
+                nets.secondary.push(Secondary {
+                    name: iface.name.clone(),
+                    network: r.clone(),
+                    mac,
+                    links,
+                });
+                d
+            }
+        };
+        domain_iface.boot = c.boot;
+        for k in extra.keys() {
+            errs.add(format!("{path}.{k}"), super::UNSUPPORTED);
+        }
+        ifaces.push(domain_iface);
+    }
+    for (name, _) in &sources {
+        if !dev.interfaces.iter().any(|i| i.name == *name) {
+            errs.add(
+                IFACES,
+                format!("spec.networks names {name:?} but no interface uses it"),
+            );
+        }
+    }
+    let macs: Vec<[u8; 6]> = nets
+        .pod
+        .iter()
+        .map(|p| p.mac)
+        .chain(nets.secondary.iter().map(|s| s.mac))
+        .collect();
+    if (1..macs.len()).any(|i| macs[..i].contains(&macs[i])) {
+        errs.add(IFACES, "two interfaces have the same macAddress");
+    }
+    (ifaces, nets)
 }
 
 fn ports(v: &Value, path: &str, errs: &mut Errors) -> Vec<PortRule> {
@@ -297,14 +455,14 @@ fn ports(v: &Value, path: &str, errs: &mut Errors) -> Vec<PortRule> {
     out
 }
 
-fn interface(net: &NetSpec, model: &str) -> Interface {
+fn interface(name: &str, mac: [u8; 6], tap: &str, model: &str) -> Interface {
     Interface {
         type_: "ethernet",
         mac: MacAddress {
-            address: net.mac_string(),
+            address: format_mac(&mac),
         },
         target: InterfaceTarget {
-            dev: TAP,
+            dev: tap.to_owned(),
             managed: "no",
         },
         model: InterfaceModel {
@@ -312,7 +470,7 @@ fn interface(net: &NetSpec, model: &str) -> Interface {
         },
         boot: None,
         alias: InterfaceAlias {
-            name: format!("ua-{}", net.name),
+            name: format!("ua-{name}"),
         },
     }
 }
@@ -331,15 +489,19 @@ mod tests {
         assert_ne!(m, guest_mac("default_vm2"));
     }
 
-    fn conv(yaml: &str) -> Result<Option<NetSpec>, Vec<String>> {
+    fn convert_all(yaml: &str) -> Result<(Vec<Interface>, Networks), Vec<String>> {
         let spec: VmiSpec = serde_norway::from_str(yaml).unwrap();
         let mut errs = Errors::default();
-        let r = convert(&spec, [2, 1, 2, 3, 4, 5], &mut errs);
+        let r = convert(&spec, "prod", "prod_web", [2, 1, 2, 3, 4, 5], &mut errs);
         if errs.0.is_empty() {
-            Ok(r.map(|(_, n)| n))
+            Ok(r)
         } else {
             Err(errs.0.into_iter().map(|e| e.field).collect())
         }
+    }
+
+    fn conv(yaml: &str) -> Result<Option<NetSpec>, Vec<String>> {
+        convert_all(yaml).map(|(_, n)| n.pod)
     }
 
     #[test]
@@ -385,7 +547,7 @@ mod tests {
         let e = conv("domain: {devices: {interfaces: [{name: default, bridge: {}}]}}\nnetworks: [{name: default, pod: {}}]").unwrap_err();
         assert_eq!(e, vec!["spec.domain.devices.interfaces[0].bridge"]);
         let e = conv("domain: {devices: {interfaces: [{name: m, masquerade: {}}]}}\nnetworks: [{name: m, multus: {networkName: x}}]").unwrap_err();
-        assert!(e.contains(&"spec.networks[0]".to_string()), "{e:?}");
+        assert_eq!(e, vec!["spec.domain.devices.interfaces[0].masquerade"]);
         let e = conv("domain: {devices: {interfaces: [{name: default, masquerade: {}, macAddress: 'ff:ff:ff:ff:ff:ff', ports: [{port: 0}]}]}}\nnetworks: [{name: default, pod: {vmNetworkCIDR: 10.0.2.1/24}}]").unwrap_err();
         assert_eq!(
             e,
@@ -395,6 +557,56 @@ mod tests {
                 "spec.domain.devices.interfaces[0].ports[0].port",
             ]
         );
+    }
+
+    const TWO: &str = "domain: {devices: {interfaces: [{name: default, masquerade: {}}, {name: blue, bridge: {}, model: e1000e}, {name: red, bridge: {}, macAddress: '02:00:00:00:00:0a', bootOrder: 3}]}}
+networks: [{name: default, pod: {}}, {name: blue, multus: {networkName: blue-net}}, {name: red, multus: {networkName: infra/red-net}}]";
+
+    #[test]
+    fn multus_networks_are_bridged_interfaces_of_their_own() {
+        let (ifaces, nets) = convert_all(TWO).unwrap();
+        assert_eq!(nets.pod.as_ref().unwrap().name, "default");
+        let [blue, red] = &nets.secondary[..] else {
+            panic!("{nets:?}")
+        };
+        assert_eq!(blue.network.to_string(), "prod/blue-net");
+        assert_eq!(red.network.to_string(), "infra/red-net");
+        assert_eq!(red.mac, [2, 0, 0, 0, 0, 0x0a]);
+        // A MAC of kvirt's own: stable, local, per network.
+        assert_eq!(blue.mac, guest_mac("prod_web/blue"));
+        assert_eq!(blue.links, BridgeLinks::of("blue"));
+        assert_eq!(ifaces.len(), 3);
+        assert_eq!(ifaces[1].target.dev, blue.links.tap);
+        assert_eq!(ifaces[1].model.type_, "e1000e");
+        assert_eq!(ifaces[1].alias.name, "ua-blue");
+        assert_eq!(ifaces[2].boot, Some(Boot { order: 3 }));
+        assert_eq!(ifaces[0].target.dev, TAP);
+        // Without the pod network.
+        let (_, nets) = convert_all(
+            "domain: {devices: {interfaces: [{name: blue, bridge: {}}]}}\nnetworks: [{name: blue, multus: {networkName: blue-net}}]",
+        )
+        .unwrap();
+        assert_eq!((nets.pod, nets.secondary.len()), (None, 1));
+    }
+
+    #[test]
+    fn what_secondary_networks_cannot_do_is_refused_by_name() {
+        for (yaml, field) in [
+            ("domain: {devices: {interfaces: [{name: b, masquerade: {}}]}}\nnetworks: [{name: b, multus: {networkName: n}}]", "spec.domain.devices.interfaces[0].masquerade"),
+            ("domain: {devices: {interfaces: [{name: b, macvtap: {}}]}}\nnetworks: [{name: b, multus: {networkName: n}}]", "spec.domain.devices.interfaces[0].macvtap"),
+            ("domain: {devices: {interfaces: [{name: b, sriov: {}}]}}\nnetworks: [{name: b, multus: {networkName: n}}]", "spec.domain.devices.interfaces[0].sriov"),
+            ("domain: {devices: {interfaces: [{name: b, passt: {}}]}}\nnetworks: [{name: b, multus: {networkName: n}}]", "spec.domain.devices.interfaces[0].passt"),
+            ("domain: {devices: {interfaces: [{name: b, bridge: {}}]}}\nnetworks: [{name: b, multus: {networkName: n, default: true}}]", "spec.networks[0].multus.default"),
+            ("domain: {devices: {interfaces: [{name: b, bridge: {}}]}}\nnetworks: [{name: b, multus: {networkName: 'Bad/Name'}}]", "spec.networks[0].multus.networkName"),
+            ("domain: {devices: {interfaces: [{name: b, bridge: {}}]}}\nnetworks: [{name: b, multus: {}}]", "spec.networks[0].multus.networkName"),
+            ("domain: {devices: {interfaces: [{name: b, bridge: {}, ports: [{port: 80}]}]}}\nnetworks: [{name: b, multus: {networkName: n}}]", "spec.domain.devices.interfaces[0].ports"),
+            ("domain: {devices: {interfaces: [{name: b, bridge: {}}, {name: c, bridge: {}}]}}\nnetworks: [{name: b, multus: {networkName: n}}]", "spec.domain.devices.interfaces[1].name"),
+            ("domain: {devices: {interfaces: [{name: b, bridge: {}}]}}\nnetworks: [{name: b, multus: {networkName: n}}, {name: c, multus: {networkName: n}}]", "spec.domain.devices.interfaces"),
+            ("domain: {devices: {interfaces: [{name: b, bridge: {}, macAddress: '02:00:00:00:00:01'}, {name: c, bridge: {}, macAddress: '02:00:00:00:00:01'}]}}\nnetworks: [{name: b, multus: {networkName: n}}, {name: c, multus: {networkName: m}}]", "spec.domain.devices.interfaces"),
+        ] {
+            let e = conv(yaml).unwrap_err();
+            assert_eq!(e, vec![field], "{yaml}");
+        }
     }
 
     #[test]

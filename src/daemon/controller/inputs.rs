@@ -3,14 +3,17 @@
 //! they are missing the VMI waits, with the reason in its Ready condition.
 
 use super::{now_rfc3339, Adapters, Controller, ControllerError};
+use crate::core::cni::{self, ConfList, NetworkRef};
 use crate::core::convert::{Converted, DiskPrep};
 use crate::core::key::VmKey;
-use crate::core::objects::{ObjectRef, Objects};
+use crate::core::objects::{ObjectRef, Objects, NAD_CONFIG, NAD_RESOURCE};
 use crate::core::pullsecret::{self, Credentials};
 use crate::core::quota;
 use crate::core::status;
 use crate::core::vmi::VirtualMachineInstance;
+use crate::host::bridging::Attached;
 use crate::host::image::{ImageDisk, ImageError, Images, Progress};
+use crate::host::network::Network;
 use crate::sources::cluster::FINALIZER;
 use crate::sources::{EventReason, Recorder, SourceError, StatusStore};
 use std::collections::BTreeMap;
@@ -80,6 +83,87 @@ impl<A: Adapters> Controller<A> {
                 })
             }
         }
+    }
+
+    /// The NetworkAttachmentDefinitions of the secondary networks, read
+    /// once per start and resolved as Multus does. One that is missing,
+    /// unusable, or another namespace's that this one may not use is
+    /// waited for (`Ready=False`, an Event), as a pod waits for Multus; a
+    /// running VM never rereads them (DEL uses what ADD was given).
+    pub(super) async fn read_networks(
+        &self,
+        vmi: &VirtualMachineInstance,
+        key: &VmKey,
+        conv: &Converted,
+    ) -> Result<Vec<Attached>, ControllerError> {
+        let mut out = Vec::new();
+        for s in &conv.secondary_networks {
+            match self.network_config(key, &s.network).await {
+                Ok(list) => out.push(Attached {
+                    secondary: s.clone(),
+                    list,
+                }),
+                Err((reason, message)) => {
+                    self.wait_for(vmi, key, reason, &message).await;
+                    return Err(ControllerError::Objects {
+                        id: key.id(),
+                        message,
+                    });
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    async fn network_config(
+        &self,
+        key: &VmKey,
+        r: &NetworkRef,
+    ) -> Result<ConfList, (EventReason, String)> {
+        let sandbox = |m: String| (EventReason::FailedCreatePodSandBox, m);
+        if r.namespace != key.namespace()
+            && !self.settings.cni_global_namespaces.contains(&r.namespace)
+        {
+            return Err(sandbox(format!(
+                "network {r}: a network of another namespace may be used only from \
+                 network.cni_global_namespaces ({:?})",
+                self.settings.cni_global_namespaces
+            )));
+        }
+        let object = ObjectRef::NetworkAttachmentDefinition(r.name.clone());
+        let data = match self.deps.status.object(&r.namespace, &object).await {
+            Ok(Some(d)) => d,
+            Ok(None) => {
+                return Err(sandbox(format!(
+                    "network-attachment-definition {r} not found"
+                )))
+            }
+            Err(e @ SourceError::NotOptedIn { .. }) => {
+                return Err((EventReason::NamespaceNotOptedIn, e.to_string()))
+            }
+            Err(e) => return Err(sandbox(e.to_string())),
+        };
+        if let Some(res) = data.get(NAD_RESOURCE) {
+            return Err(sandbox(format!(
+                "network {r}: device resource {:?} (SR-IOV and other device plugins) is not supported by kvirt",
+                String::from_utf8_lossy(res)
+            )));
+        }
+        let config = data
+            .get(NAD_CONFIG)
+            .map(|c| String::from_utf8_lossy(c).into_owned())
+            .unwrap_or_default();
+        let config = if config.trim().is_empty() {
+            self.deps.network.named_config(&r.name).ok_or_else(|| {
+                sandbox(format!(
+                    "network {r}: no spec.config, and no CNI config file names a network {:?}",
+                    r.name
+                ))
+            })?
+        } else {
+            config
+        };
+        cni::resolve(&r.name, &config).map_err(|e| sandbox(e.to_string()))
     }
 
     /// A VMI's emptyDisks must fit its namespace's ResourceQuotas

@@ -3,7 +3,8 @@
 //! written out within the host's write budget.
 
 use super::{now_rfc3339, status_err, Adapters, Controller, ControllerError};
-use crate::core::convert::network::NetSpec;
+use crate::core::convert::network::format_mac;
+use crate::core::convert::Converted;
 use crate::core::key::VmKey;
 use crate::core::plan::{DomainObs, Outcome};
 use crate::core::status;
@@ -66,11 +67,11 @@ impl<A: Adapters> Controller<A> {
         uid: Option<&str>,
         outcome: &Outcome,
         live: &status::Live,
-        net: Option<&NetSpec>,
+        conv: Option<&Converted>,
     ) -> Result<Option<Duration>, ControllerError> {
         let id = key.id();
         let now = now_rfc3339();
-        let interfaces = self.interfaces(&id, outcome, net);
+        let interfaces = self.interfaces(&id, outcome, conv);
         let changed = {
             let mut vmis = self.vmis();
             let Some(vmi) = vmis.get_mut(&id).filter(|v| v.uid() == uid) else {
@@ -152,27 +153,53 @@ impl<A: Adapters> Controller<A> {
         Ok(None)
     }
 
-    /// `status.interfaces` while the VM runs: the namespace's `eth0`
-    /// address, as KubeVirt reports the pod IP.
+    /// `status.interfaces` while the VM runs: the pod network with the
+    /// namespace's `eth0` address (as KubeVirt reports the pod IP), and each
+    /// secondary network with the addresses its plugins gave (as KubeVirt
+    /// reports them from Multus's network-status).
     pub(super) fn interfaces(
         &self,
         id: &str,
         outcome: &Outcome,
-        net: Option<&NetSpec>,
+        conv: Option<&Converted>,
     ) -> Vec<serde_json::Value> {
         if *outcome != Outcome::Phase(Phase::Running) {
             return vec![];
         }
-        let (Some(net), Some(ip)) = (net, self.deps.network.address(id)) else {
+        let Some(conv) = conv else {
             return vec![];
         };
-        vec![serde_json::json!({
-            "name": net.name,
-            "mac": net.mac_string(),
-            "ipAddress": ip.to_string(),
-            "ipAddresses": [ip.to_string()],
-            "infoSource": "domain",
-        })]
+        let mut out = Vec::new();
+        if let (Some(net), Some(ip)) = (&conv.network, self.deps.network.address(id)) {
+            out.push(serde_json::json!({
+                "name": net.name,
+                "mac": net.mac_string(),
+                "ipAddress": ip.to_string(),
+                "ipAddresses": [ip.to_string()],
+                "infoSource": "domain",
+                "podInterfaceName": crate::host::network::POD_IFACE,
+            }));
+        }
+        let results = self.deps.network.attachments(id);
+        for s in &conv.secondary_networks {
+            let mut iface = serde_json::json!({
+                "name": s.name,
+                "mac": format_mac(&s.mac),
+                "infoSource": "domain, multus-status",
+                "podInterfaceName": s.links.pod_iface,
+            });
+            let ips: Vec<String> = results
+                .iter()
+                .filter(|(ifname, _)| *ifname == s.links.pod_iface)
+                .flat_map(|(_, r)| r.ips.iter().filter_map(|i| i.ip()).map(|i| i.to_string()))
+                .collect();
+            if let Some(first) = ips.first() {
+                iface["ipAddress"] = first.clone().into();
+                iface["ipAddresses"] = ips.clone().into();
+            }
+            out.push(iface);
+        }
+        out
     }
 
     pub(super) fn unsaved(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {

@@ -9,6 +9,7 @@ use crate::core::key::{self, VmKey};
 use crate::core::plan::{self, DomainState, Observed, Step};
 use crate::core::unit::{self, UnitInput};
 use crate::core::vmi::VirtualMachineInstance;
+use crate::host::bridging::{Attached, VmMeta};
 use crate::host::identity::{IdentityStoreError, VmUsers};
 use crate::host::image::ImageDisk;
 use crate::host::libvirt::{DomainRef, Hypervisor};
@@ -30,6 +31,8 @@ pub(super) struct StepCtx<'a> {
     pub disks: &'a [DiskPrep],
     /// containerDisks pulled for this start, by volume.
     pub images: &'a BTreeMap<String, ImageDisk>,
+    /// The secondary networks with their configs, for this start.
+    pub networks: &'a [Attached],
     pub obs: &'a Observed,
     pub vmi: Option<&'a VirtualMachineInstance>,
     pub key: Option<&'a VmKey>,
@@ -132,6 +135,7 @@ impl<A: Adapters> Controller<A> {
             id,
             disks: &[],
             images: &BTreeMap::new(),
+            networks: &[],
             obs: &Observed::default(),
             vmi: None,
             key: None,
@@ -272,15 +276,32 @@ impl<A: Adapters> Controller<A> {
     }
 
     async fn setup_network(&self, c: &StepCtx<'_>) -> Result<(), ControllerError> {
-        let Some(net) = &c.converted().network else {
+        let conv = c.converted();
+        if conv.network.is_none() && c.networks.is_empty() {
             return Ok(());
-        };
+        }
+        let key = c.key.expect("a converted VMI has a key");
         let owner = self.owner(c.id).ok_or_else(|| no_identity(c.id))?;
+        let hostname = conv
+            .network
+            .as_ref()
+            .map_or(key.name(), |n| n.hostname.as_str());
+        let vm = VmMeta {
+            namespace: key.namespace(),
+            name: key.name(),
+            uid: c.uid(),
+            hostname,
+        };
         self.deps
             .network
-            .setup(c.id, c.uid(), net, (owner.uid, owner.gid))
+            .setup(
+                c.id,
+                vm,
+                conv.network.as_ref(),
+                c.networks,
+                (owner.uid, owner.gid),
+            )
             .await
-            .map(|_| ())
             .map_err(|source| ControllerError::Network { source })
     }
 

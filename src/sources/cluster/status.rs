@@ -236,6 +236,13 @@ impl StatusStore for KubeStatus {
                         .chain(binary.map(|(k, v)| (k, v.0)))
                         .collect()
                 }),
+            ObjectRef::NetworkAttachmentDefinition(name) => {
+                let api: Api<kube::api::DynamicObject> =
+                    Api::namespaced_with(client, namespace, &nad_resource());
+                api.get_opt(name).await.map_err(err)?.map(|o| {
+                    crate::core::objects::nad_data(&serde_json::to_value(&o).unwrap_or_default())
+                })
+            }
             ObjectRef::ServiceAccountToken(name) => {
                 let request = TokenRequest {
                     spec: TokenRequestSpec {
@@ -359,6 +366,17 @@ impl StatusStore for KubeStatus {
         Ok(vm.is_some_and(|vm| {
             vm.metadata.uid.as_deref() == Some(uid) && vm.metadata.deletion_timestamp.is_none()
         }))
+    }
+}
+
+/// Multus's `NetworkAttachmentDefinition` (`k8s.cni.cncf.io/v1`).
+fn nad_resource() -> kube::api::ApiResource {
+    kube::api::ApiResource {
+        group: "k8s.cni.cncf.io".into(),
+        version: "v1".into(),
+        api_version: "k8s.cni.cncf.io/v1".into(),
+        kind: "NetworkAttachmentDefinition".into(),
+        plural: "network-attachment-definitions".into(),
     }
 }
 
