@@ -1832,3 +1832,104 @@ spec:
     kubectl(&a, "delete pvc k-block --timeout=60s");
     kubectl(&a, "delete pv k-block --timeout=60s");
 }
+
+/// A NetworkAttachmentDefinition on the bridge `kvtred` both hosts share
+/// (they share a network namespace), its host-local addresses from
+/// `10.78.0.<first>` on: host-local leases are each host's own, as on any
+/// cluster's nodes, so each host's VMs get a range of their own.
+fn red_nad(name: &str, first: u8) -> String {
+    format!(
+        "apiVersion: k8s.cni.cncf.io/v1
+kind: NetworkAttachmentDefinition
+metadata: {{name: {name}, namespace: default}}
+spec:
+  config: '{{\"cniVersion\":\"0.3.1\",\"type\":\"bridge\",\"bridge\":\"kvtred\",\"ipam\":{{\"type\":\"host-local\",\"subnet\":\"10.78.0.0/24\",\"rangeStart\":\"10.78.0.{first}\",\"rangeEnd\":\"10.78.0.{}\"}}}}'
+",
+        first + 9
+    )
+}
+
+/// A VMI for `node` on the pod network and the network `nad`.
+fn red_vmi(name: &str, node: &str, nad: &str, user_data: &str) -> String {
+    let mut y = support::vmi_manifest(
+        name,
+        &format!("kubevirt.io/nodeName: {node}"),
+        &format!("  networks: [{{name: default, pod: {{}}}}, {{name: red, multus: {{networkName: {nad}}}}}]\n"),
+        "      - name: ci\n        disk: {bus: virtio}\n      interfaces: [{name: default, masquerade: {}}, {name: red, bridge: {}}]\n",
+    );
+    y.push_str(&format!(
+        "  - name: ci\n    cloudInitNoCloud:\n      userData: |\n        #!/bin/sh\n        {user_data}\n"
+    ));
+    y
+}
+
+#[test]
+fn secondary_networks_are_the_clusters_network_attachment_definitions() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = serial();
+    disk(&[&a], "k-red-a", "run");
+    disk(&[&b], "k-red-b", "run");
+    // A VMI whose network does not exist yet waits, and says why.
+    apply(&a, &red_vmi("k-red-a", "node-a", "red-a", "true"));
+    wait_vmi(
+        &a,
+        "k-red-a",
+        "{.status.conditions[?(@.type==\"Ready\")].reason}",
+        "FailedCreatePodSandBox",
+        WAIT,
+    );
+    let ev = events(&a, "k-red-a");
+    assert!(ev.contains(&"FailedCreatePodSandBox".to_string()), "{ev:?}");
+    assert!(!unit_loaded(&a, "k-red-a"));
+    // Created: the VMI starts on its next try.
+    apply(&a, &red_nad("red-a", 10));
+    apply(&a, &red_nad("red-b", 20));
+    wait_vmi(
+        &a,
+        "k-red-a",
+        "{.status.phase}",
+        "Running",
+        Duration::from_secs(120),
+    );
+    apply(
+        &a,
+        &red_vmi(
+            "k-red-b",
+            "node-b",
+            "red-b",
+            "(while ! ping -c1 -W1 10.78.0.10 >/dev/null 2>&1; do sleep 1; done; echo KVIRT-PING-OK) &",
+        ),
+    );
+    wait_vmi(
+        &a,
+        "k-red-b",
+        "{.status.phase}",
+        "Running",
+        Duration::from_secs(120),
+    );
+    let ip = |vm: &str| {
+        kubectl(
+            &a,
+            &format!(
+                "get vmi {vm} -o jsonpath='{{.status.interfaces[?(@.name==\"red\")].ipAddress}}'"
+            ),
+        )
+    };
+    a.wait("k-red-a's red address", WAIT, "kubectl get vmi k-red-a -o jsonpath='{.status.interfaces[1].ipAddress}' | grep -q 10.78.0.10");
+    assert_eq!(ip("k-red-a"), "10.78.0.10");
+    assert_eq!(ip("k-red-b"), "10.78.0.20");
+    // Across hosts, guest to guest on the secondary network.
+    b.wait(
+        "k-red-b's guest reaches k-red-a's",
+        Duration::from_secs(120),
+        "grep -q KVIRT-PING-OK /run/kvirt/vms/default_k-red-b/console.log",
+    );
+    delete(&a, "k-red-a");
+    delete(&a, "k-red-b");
+    for h in [&a, &b] {
+        h.ok("! ls /var/lib/cni/results 2>/dev/null | grep -q red-");
+        h.ok("! ls /var/lib/cni/networks/red-a /var/lib/cni/networks/red-b 2>/dev/null | grep -q '^10\\.'");
+    }
+    kubectl(&a, "delete network-attachment-definitions red-a red-b");
+    a.ok("ip link del kvtred");
+}

@@ -98,16 +98,20 @@ kvirt_k8s_cluster() {
   # (On lo: a dummy link needs a kernel module nspawn cannot load.)
   th_sh "$a" 'ip addr add 10.250.0.1/32 dev lo && ip addr add 10.250.0.2/32 dev lo' || return
   th_copy_in "$a" "$top/packaging/kubernetes/crd.yaml" /etc/kvirt/manifests/crd.yaml || return
+  th_copy_in "$a" "$top/packaging/kubernetes/network-attachment-definition-crd.yaml" \
+    /etc/kvirt/manifests/nad-crd.yaml || return
   th_copy_in "$a" "$top/packaging/kubernetes/rbac.yaml" /etc/kvirt/manifests/rbac.yaml || return
   # The tests' namespace is opted in (Secrets, ConfigMaps, tokens); others are not.
   "$top/target/debug/kvirtd" --print-rbac --namespace default >"$TH_STATE/kvirt-rbac-default.yaml" || return
   th_copy_in "$a" "$TH_STATE/kvirt-rbac-default.yaml" /etc/kvirt/manifests/rbac-default.yaml || return
-  th_k8s_kubectl "$a" apply -f /etc/kvirt/manifests/crd.yaml -f /etc/kvirt/manifests/rbac.yaml \
+  th_k8s_kubectl "$a" apply -f /etc/kvirt/manifests/crd.yaml -f /etc/kvirt/manifests/nad-crd.yaml \
+    -f /etc/kvirt/manifests/rbac.yaml \
     -f /etc/kvirt/manifests/rbac-default.yaml >&2 || return
   th_k8s_kubectl "$a" wait --for=condition=Established --timeout=60s crd/virtualmachineinstances.kubevirt.io \
     crd/virtualmachines.kubevirt.io crd/virtualmachineclusterinstancetypes.instancetype.kubevirt.io \
     crd/virtualmachinepreferences.instancetype.kubevirt.io crd/virtualmachinepools.pool.kubevirt.io \
-    crd/virtualmachineinstancereplicasets.kubevirt.io >&2 || return
+    crd/virtualmachineinstancereplicasets.kubevirt.io \
+    crd/network-attachment-definitions.k8s.cni.cncf.io >&2 || return
   # A user with no rights of its own (tests bind roles to it).
   th_k8s_kubeconfig "$a" kvirt-viewer >/dev/null || return
   pb=$(TH_NETNS_OF=$a TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud $k8s" th_boot "$b") || return

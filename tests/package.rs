@@ -234,6 +234,7 @@ fn the_rpm_carries_the_same_files_and_declares_its_dependencies() {
         "/usr/share/kvirt/kubernetes/crd.yaml",
         "/usr/share/kvirt/kubernetes/rbac.yaml",
         "/usr/share/kvirt/kubernetes/api.yaml",
+        "/usr/share/kvirt/kubernetes/network-attachment-definition-crd.yaml",
         "/usr/share/man/man8/kvirtd.8.gz",
         "/usr/share/man/man1/kvirtctl.1.gz",
         "/usr/share/doc/kvirt/README.md",

@@ -559,6 +559,46 @@ mod tests {
         serde_json::from_slice(&out.stdout).unwrap_or_default()
     }
 
+    #[test]
+    fn the_guest_is_leased_the_plugins_address_gateway_and_dns() {
+        let (_, r) = crate::core::cni::parse_result(
+            "bridge",
+            br#"{"cniVersion":"1.0.0","interfaces":[{"name":"kvtblue"},{"name":"veth1"},{"name":"pod16477688c0e","mac":"02:aa:00:00:00:07","sandbox":"/run/netns/x"}],
+                 "ips":[{"interface":2,"address":"fd00::7/64"},{"interface":2,"address":"10.77.0.7/24","gateway":"10.77.0.1"}],
+                 "dns":{"nameservers":["10.77.0.53"],"search":["blue.example"]}}"#,
+        )
+        .unwrap();
+        let s = Secondary {
+            name: "blue".into(),
+            network: crate::core::cni::NetworkRef::parse("blue", "prod").unwrap(),
+            mac: [2, 0, 0, 0, 0, 9],
+            links: BridgeLinks::of("blue"),
+        };
+        let (addrs, mac) = addresses_of(&r, &s.links.pod_iface);
+        assert_eq!(addrs.len(), 2);
+        assert_eq!(mac, Some([2, 0xaa, 0, 0, 0, 7]));
+        let d = LeaseDefaults {
+            dns: vec![Ipv4Addr::new(192, 0, 2, 53)],
+            lease_secs: 3600,
+            hostname: "web".into(),
+        };
+        let l = lease_of(&s, &r, 1, 1400, &d).unwrap();
+        assert_eq!(l.client_mac, s.mac);
+        assert_eq!(l.ip, Ipv4Addr::new(10, 77, 0, 7));
+        assert_eq!(l.router, Ipv4Addr::new(10, 77, 0, 1));
+        assert_eq!(l.server_id, bridge_address(1));
+        assert_eq!(l.dns, [Ipv4Addr::new(10, 77, 0, 53)]);
+        assert_eq!(l.domain_search.as_deref(), Some("blue.example"));
+        assert_eq!((l.mtu, l.lease_secs, l.broadcast), (1400, 3600, true));
+        // IPv6 only: plain L2, no DHCP.
+        let (_, v6) = crate::core::cni::parse_result(
+            "bridge",
+            br#"{"cniVersion":"1.0.0","ips":[{"address":"fd00::7/64"}]}"#,
+        )
+        .unwrap();
+        assert!(lease_of(&s, &v6, 1, 1400, &d).is_none());
+    }
+
     /// Tier 2: a veth standing in for a plugin's interface, bound twice
     /// (idempotent): renamed, enslaved with a tap, the stand-in holding its
     /// name, MAC and address, the bridge its link-local address.
