@@ -5,6 +5,7 @@
 //! the config ADD used, also after a crash), and what Multus reports.
 //! Running the plugins is `host::cni`'s.
 
+use crate::core::key::is_dns_subdomain;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
@@ -65,19 +66,6 @@ impl std::fmt::Display for NetworkRef {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(f, "{}/{}", self.namespace, self.name)
     }
-}
-
-fn is_dns_subdomain(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 253
-        && s.split('.').all(|l| {
-            !l.is_empty()
-                && l.len() <= 63
-                && l.bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-                && !l.starts_with('-')
-                && !l.ends_with('-')
-        })
 }
 
 /// libcni's rule for network names (they name cache files).

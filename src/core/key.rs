@@ -100,6 +100,23 @@ impl VmKey {
     }
 }
 
+/// A Kubernetes DNS-1123 label: lower-case letters, digits and `-`, at
+/// most 63, neither first nor last a `-`.
+pub fn is_dns_label(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 63
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
+        && !s.starts_with('-')
+        && !s.ends_with('-')
+}
+
+/// A DNS-1123 subdomain (most objects' names): labels joined by dots, at
+/// most 253.
+pub fn is_dns_subdomain(s: &str) -> bool {
+    s.len() <= 253 && s.split('.').all(is_dns_label)
+}
+
 /// Unit name of a VM known only by its id (found on the host).
 /// Sixteen bytes in a UUID's form (8-4-4-4-12 hex digits): how kvirt
 /// writes the UIDs it makes (digests, random ones).

@@ -180,8 +180,7 @@ fn is_qualified_key(key: &str) -> bool {
         && name
             .bytes()
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
-    let prefix_ok = prefix
-        .is_none_or(|p| !p.is_empty() && p.len() <= 253 && p.split('.').all(super::is_dns_label));
+    let prefix_ok = prefix.is_none_or(|p| !p.is_empty() && super::is_dns_subdomain(p));
     name_ok && prefix_ok
 }
 

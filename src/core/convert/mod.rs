@@ -760,21 +760,9 @@ impl Errors {
     }
 }
 
-/// Kubernetes DNS-1123 label: volume and disk names become file names and
-/// device aliases, so they must not carry anything else.
-fn is_dns_label(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 63
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-')
-        && !s.starts_with('-')
-        && !s.ends_with('-')
-}
-
-/// A DNS-1123 subdomain: what Kubernetes allows as a claim's name.
-fn is_dns_subdomain(s: &str) -> bool {
-    s.len() <= 253 && s.split('.').all(is_dns_label)
-}
+// Volume and disk names become file names and device aliases, so they must
+// not carry anything else than a DNS label's characters.
+use crate::core::key::{is_dns_label, is_dns_subdomain};
 
 #[cfg(test)]
 pub(crate) mod test_support {
