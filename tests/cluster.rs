@@ -1918,6 +1918,14 @@ fn secondary_networks_are_the_clusters_network_attachment_definitions() {
     a.wait("k-red-a's red address", WAIT, "kubectl get vmi k-red-a -o jsonpath='{.status.interfaces[1].ipAddress}' | grep -q 10.78.0.10");
     assert_eq!(ip("k-red-a"), "10.78.0.10");
     assert_eq!(ip("k-red-b"), "10.78.0.20");
+    // Multus's network-status on the VMI, as on a pod.
+    let ns = kubectl(
+        &a,
+        "get vmi k-red-b -o jsonpath='{.metadata.annotations.k8s\\.v1\\.cni\\.cncf\\.io/network-status}'",
+    );
+    let ns: serde_json::Value = serde_json::from_str(&ns).unwrap_or_else(|e| panic!("{e}: {ns}"));
+    assert_eq!(ns[1]["name"], "default/red-b", "{ns}");
+    assert_eq!(ns[1]["ips"], serde_json::json!(["10.78.0.20"]), "{ns}");
     // Across hosts, guest to guest on the secondary network.
     b.wait(
         "k-red-b's guest reaches k-red-a's",

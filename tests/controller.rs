@@ -2260,6 +2260,22 @@ async fn secondary_networks_are_resolved_at_start_and_a_bad_one_is_waited_for() 
             ("net1".to_owned(), kvirt::core::cni::pod_iface_name("net1")),
         ]
     );
+    let ips: Vec<&str> = st
+        .status
+        .interfaces
+        .iter()
+        .filter_map(|i| i["ipAddress"].as_str())
+        .collect();
+    assert_eq!(ips[1..], ["10.99.0.10", "10.99.1.10"]);
+    // Multus's network-status, as on a pod.
+    let ns: serde_json::Value = serde_json::from_str(
+        &st.metadata.annotations.as_ref().unwrap()["k8s.v1.cni.cncf.io/network-status"],
+    )
+    .unwrap();
+    assert_eq!(ns[0]["default"], true);
+    assert_eq!(ns[1]["name"], "default/blue");
+    assert_eq!(ns[1]["ips"], serde_json::json!(["10.99.0.10"]));
+    assert_eq!(ns[2]["name"], "default/named");
     // Gone: its attachments go with it.
     ctl.set_vmis(set(&[])).await;
     ctl.reconcile("default_ok").await.unwrap();

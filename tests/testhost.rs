@@ -2738,6 +2738,16 @@ fn vms_on_a_secondary_bridge_network_get_its_addresses_and_reach_each_other() {
         pod_iface.starts_with("pod") && pod_iface.len() == 14,
         "{st}"
     );
+    // Multus's network-status, as on a pod.
+    let ns: serde_json::Value = serde_json::from_str(
+        st["metadata"]["annotations"]["k8s.v1.cni.cncf.io/network-status"]
+            .as_str()
+            .unwrap_or_else(|| panic!("no network-status: {st}")),
+    )
+    .unwrap();
+    assert_eq!(ns[1]["name"], "default/blue", "{ns}");
+    assert_eq!(ns[1]["interface"], pod_iface.as_str(), "{ns}");
+    assert_eq!(ns[1]["ips"], serde_json::json!(["10.77.0.10"]), "{ns}");
     // Each attachment is recorded where libcni keeps them.
     let uid = st["metadata"]["uid"].as_str().unwrap();
     h.ok(&format!(

@@ -14,6 +14,10 @@ use sha2::{Digest, Sha256};
 pub const VERSIONS: &[&str] = &["0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0"];
 /// A config or a plugin's answer larger than this is no network's.
 pub const MAX_BYTES: usize = 256 * 1024;
+/// The annotation Multus writes on a pod with what each network attached.
+pub const NETWORK_STATUS_ANNOTATION: &str = "k8s.v1.cni.cncf.io/network-status";
+/// The pod network's name in it.
+pub const POD_NETWORK_NAME: &str = "kvirt-pod-network";
 /// libcni's cache record kind.
 pub const CACHE_KIND: &str = "cniCacheV1";
 /// Set in `CNI_ARGS` by kvirt (plugins ignore it: `IgnoreUnknown`): a

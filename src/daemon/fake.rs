@@ -63,6 +63,8 @@ pub struct HostState {
     pub attached: BTreeMap<String, Vec<String>>,
     /// The CNI config directory's networks, by name.
     pub cni_files: BTreeMap<String, String>,
+    /// The attachments' results, by VM id.
+    pub cni_results: BTreeMap<String, Vec<(String, crate::core::cni::CniResult)>>,
     pub released: Vec<VmKey>,
     /// Every call, in order: `start kvirt-vm@ns_vm.service`, `define ns_vm`...
     pub calls: Vec<String>,
@@ -843,11 +845,24 @@ impl crate::host::network::Network for FakeHost {
             });
         }
         let mut s = self.state();
-        for a in secondary {
+        for (i, a) in secondary.iter().enumerate() {
             s.attached
                 .entry(id.into())
                 .or_default()
                 .push(a.list.name.clone());
+            // What a bridge plugin with host-local would answer.
+            let result = crate::core::cni::CniResult {
+                ips: vec![crate::core::cni::ResultIp {
+                    address: format!("10.99.{i}.10/24"),
+                    gateway: None,
+                    interface: None,
+                }],
+                ..Default::default()
+            };
+            s.cni_results
+                .entry(id.into())
+                .or_default()
+                .push((a.secondary.links.pod_iface.clone(), result));
         }
         if pod.is_some() {
             let next = std::net::Ipv4Addr::new(10, 213, 0, 2 + s.addresses.len() as u8);
@@ -874,8 +889,17 @@ impl crate::host::network::Network for FakeHost {
         let mut s = self.state();
         s.addresses.remove(id);
         s.attached.remove(id);
+        s.cni_results.remove(id);
         s.dhcp.remove(id);
         Ok(())
+    }
+
+    fn attachments(&self, id: &str) -> Vec<(String, crate::core::cni::CniResult)> {
+        self.state()
+            .cni_results
+            .get(id)
+            .cloned()
+            .unwrap_or_default()
     }
 
     fn holds(&self, id: &str) -> bool {

@@ -3,12 +3,14 @@
 //! written out within the host's write budget.
 
 use super::{now_rfc3339, status_err, Adapters, Controller, ControllerError};
+use crate::core::cni;
 use crate::core::convert::network::format_mac;
 use crate::core::convert::Converted;
 use crate::core::key::VmKey;
 use crate::core::plan::{DomainObs, Outcome};
 use crate::core::status;
 use crate::core::vmi::Phase;
+use crate::core::vmi::VirtualMachineInstance;
 use crate::host::libvirt::{DomainRef, Hypervisor};
 use crate::host::network::Network;
 use crate::sources::{EventReason, Recorder, StatusStore};
@@ -72,6 +74,7 @@ impl<A: Adapters> Controller<A> {
         let id = key.id();
         let now = now_rfc3339();
         let interfaces = self.interfaces(&id, outcome, conv);
+        let network_status = self.network_status(&id, outcome, conv);
         let changed = {
             let mut vmis = self.vmis();
             let Some(vmi) = vmis.get_mut(&id).filter(|v| v.uid() == uid) else {
@@ -97,7 +100,10 @@ impl<A: Adapters> Controller<A> {
                     status::set_live(&mut next, live, &now);
                 }
                 let old = vmi.status.phase;
-                (next != vmi.status).then(|| {
+                let annotated = network_status
+                    .as_ref()
+                    .is_some_and(|ns| set_annotation(vmi, cni::NETWORK_STATUS_ANNOTATION, ns));
+                (next != vmi.status || annotated).then(|| {
                     vmi.status = next;
                     (old, vmi.status.phase)
                 })
@@ -202,7 +208,52 @@ impl<A: Adapters> Controller<A> {
         out
     }
 
+    /// Multus's `k8s.v1.cni.cncf.io/network-status` of a running VM with
+    /// secondary networks: the pod network (the default) and each
+    /// attachment, from its plugins' result.
+    fn network_status(
+        &self,
+        id: &str,
+        outcome: &Outcome,
+        conv: Option<&Converted>,
+    ) -> Option<String> {
+        let conv = conv.filter(|c| !c.secondary_networks.is_empty())?;
+        if *outcome != Outcome::Phase(Phase::Running) {
+            return None;
+        }
+        let mut list = Vec::new();
+        if let (Some(_), Some(ip)) = (&conv.network, self.deps.network.address(id)) {
+            list.push(serde_json::json!({
+                "name": cni::POD_NETWORK_NAME,
+                "interface": crate::host::network::POD_IFACE,
+                "ips": [ip.to_string()],
+                "default": true,
+                "dns": {},
+            }));
+        }
+        let results = self.deps.network.attachments(id);
+        for s in &conv.secondary_networks {
+            if let Some((_, r)) = results.iter().find(|(i, _)| *i == s.links.pod_iface) {
+                list.push(cni::network_status(&s.network, r, false));
+            }
+        }
+        serde_json::to_string(&list).ok()
+    }
+
     pub(super) fn unsaved(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
         self.unsaved.lock().unwrap_or_else(|p| p.into_inner())
     }
+}
+
+/// Sets an annotation; whether it changed.
+fn set_annotation(vmi: &mut VirtualMachineInstance, key: &str, value: &str) -> bool {
+    let a = vmi
+        .metadata
+        .annotations
+        .get_or_insert_with(Default::default);
+    if a.get(key).map(String::as_str) == Some(value) {
+        return false;
+    }
+    a.insert(key.into(), value.into());
+    true
 }

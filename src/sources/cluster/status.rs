@@ -37,10 +37,16 @@ pub fn status_patch(vmi: &VirtualMachineInstance) -> Value {
         .iter()
         .filter_map(|k| status.get(*k).map(|v| ((*k).to_owned(), v.clone())))
         .collect();
-    match vmi.metadata.uid.as_deref() {
-        Some(uid) => json!({ "metadata": { "uid": uid }, "status": owned }),
-        None => json!({ "status": owned }),
+    let mut patch = json!({ "status": owned });
+    if let Some(uid) = vmi.metadata.uid.as_deref() {
+        patch["metadata"]["uid"] = uid.into();
     }
+    // Multus's network-status, which kvirt writes as Multus would on a pod.
+    let key = crate::core::cni::NETWORK_STATUS_ANNOTATION;
+    if let Some(ns) = vmi.metadata.annotations.as_ref().and_then(|a| a.get(key)) {
+        patch["metadata"]["annotations"][key] = ns.clone().into();
+    }
+    patch
 }
 
 /// The API server's answer to a patch whose uid is not the object's: a
@@ -400,6 +406,18 @@ mod tests {
         assert!(p.get("spec").is_none() && p.get("metadata").is_none());
         vmi.metadata.uid = Some("u-1".into());
         assert_eq!(status_patch(&vmi)["metadata"], json!({"uid": "u-1"}));
+        // Of the annotations, only Multus's network-status, kvirt's to write.
+        vmi.metadata.annotations = Some(
+            [
+                ("k8s.v1.cni.cncf.io/network-status".into(), "[]".into()),
+                ("user".into(), "x".into()),
+            ]
+            .into(),
+        );
+        assert_eq!(
+            status_patch(&vmi)["metadata"],
+            json!({"uid": "u-1", "annotations": {"k8s.v1.cni.cncf.io/network-status": "[]"}})
+        );
     }
 
     #[test]
