@@ -2806,3 +2806,55 @@ fn vms_on_a_secondary_bridge_network_get_its_addresses_and_reach_each_other() {
     assert!(ports.is_empty(), "{ports}");
     h.ok("rm -f /etc/kvirt/vmis.d/blue-net.yaml && ip link del kvtblue");
 }
+
+/// A chained config (bridge, then tuning with the `mac` capability) with
+/// static addressing, as a VM's only network: the guest takes the spec's
+/// MAC, is handed the static address and gateway by DHCP, and answers the
+/// host across the network's bridge (the plugin's gateway).
+#[test]
+fn a_chained_static_network_alone_serves_the_guest_with_the_specs_mac() {
+    let Some(h) = host() else { return };
+    let _g = h.turn();
+    h.ok(
+        "cat > /etc/kvirt/vmis.d/green-net.yaml <<'NAD'
+apiVersion: k8s.cni.cncf.io/v1
+kind: NetworkAttachmentDefinition
+metadata: {name: green}
+spec:
+  config: '{\"cniVersion\":\"1.0.0\",\"name\":\"green\",\"plugins\":[{\"type\":\"bridge\",\"bridge\":\"kvtgreen\",\"isGateway\":true,\"ipam\":{\"type\":\"static\",\"addresses\":[{\"address\":\"10.79.0.5/24\",\"gateway\":\"10.79.0.1\"}]}},{\"type\":\"tuning\",\"capabilities\":{\"mac\":true}}]}'
+NAD",
+    );
+    let manifest = support::vmi_manifest(
+        "sec-green",
+        "",
+        "  networks: [{name: green, multus: {networkName: green}}]\n",
+        "      interfaces: [{name: green, bridge: {}, macAddress: '02:00:00:00:79:05'}]\n",
+    );
+    h.put_manifest("sec-green", "run", &manifest);
+    h.wait_phase("sec-green", "Running", BOOT);
+    // Its only NIC is the guest's eth0.
+    h.serial_log_shows("sec-green", "KVIRT-GUEST-IP 10.79.0.5 router=10.79.0.1");
+    let st = h.status("sec-green");
+    let green = &st["status"]["interfaces"][0];
+    assert_eq!(green["name"], "green", "{st}");
+    assert_eq!(green["mac"], "02:00:00:00:79:05", "{st}");
+    assert_eq!(green["ipAddress"], "10.79.0.5", "{st}");
+    assert_eq!(
+        st["status"]["interfaces"].as_array().unwrap().len(),
+        1,
+        "{st}"
+    );
+    // The host reaches the guest through the plugin's bridge.
+    h.wait(
+        "the guest answering on green",
+        Duration::from_secs(60),
+        "busybox ping -c1 -W1 10.79.0.5 >/dev/null",
+    );
+    let arp = h.ok("ip neigh show 10.79.0.5");
+    assert!(arp.contains("02:00:00:00:79:05"), "{arp}");
+    h.remove_vm_and_wait_gone("sec-green");
+    h.ok("! ls /var/lib/cni/results 2>/dev/null | grep -q green-");
+    let ports = h.ok("ip -o link show master kvtgreen || true");
+    assert!(ports.is_empty(), "{ports}");
+    h.ok("rm -f /etc/kvirt/vmis.d/green-net.yaml && ip link del kvtgreen");
+}
