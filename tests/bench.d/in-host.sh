@@ -23,10 +23,15 @@ stats() {
   }'
 }
 
-# A VMI of the test guest; $2 = net|nonet.
+# A VMI of the test guest; $2 = net|nonet|multus (the pod network and one
+# secondary network: Debian's bridge plugin with host-local addresses).
 manifest() {
-  local extra=""
+  local extra="" nets=""
   [[ $2 == nonet ]] && extra="      autoattachPodInterface: false"
+  if [[ $2 == multus ]]; then
+    extra="      interfaces: [{name: default, masquerade: {}}, {name: side, bridge: {}}]"
+    nets="  networks: [{name: default, pod: {}}, {name: side, multus: {networkName: bench-side}}]"
+  fi
   cat <<EOF
 apiVersion: kubevirt.io/v1
 kind: VirtualMachineInstance
@@ -35,6 +40,7 @@ metadata:
   namespace: default
 spec:
   terminationGracePeriodSeconds: 5
+$nets
   domain:
     memory: {guest: 128Mi}
     devices:
@@ -300,6 +306,15 @@ echo '{'
 echo "\"floor_seq\": $(floor_seq | stats),"
 echo "\"kvirt_seq_nonet\": $(kvirt_seq nonet | stats),"
 echo "\"kvirt_seq_net\": $(kvirt_seq net | stats),"
+cat >"$dir/bench-side.yaml" <<'NAD'
+apiVersion: k8s.cni.cncf.io/v1
+kind: NetworkAttachmentDefinition
+metadata: {name: bench-side}
+spec:
+  config: '{"cniVersion":"1.0.0","type":"bridge","bridge":"kvbench","ipam":{"type":"host-local","subnet":"10.76.0.0/16"}}'
+NAD
+echo "\"kvirt_seq_multus\": $(kvirt_seq multus | stats),"
+rm -f "$dir/bench-side.yaml"
 # Helper memory at SEQ VMs: a burst of SEQ, measured, removed.
 for i in $(seq "$seq_n"); do disk "h$i"; put "h$i" net; done
 for i in $(seq "$seq_n"); do wait_until 300 running "h$i"; done

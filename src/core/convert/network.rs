@@ -282,7 +282,6 @@ pub(super) fn convert(
     default_mac: [u8; 6],
     errs: &mut Errors,
 ) -> (Vec<Interface>, Networks) {
-    const IFACES: &str = "spec.domain.devices.interfaces";
     let dev = &spec.domain.devices;
     if spec.networks.is_empty() && dev.interfaces.is_empty() {
         if dev.autoattach_pod_interface == Some(false) {
@@ -305,61 +304,32 @@ pub(super) fn convert(
             },
         );
     }
-
     let mut vm_cidr = DEFAULT_VM_CIDR;
     let sources = sources(spec, namespace, &mut vm_cidr, errs);
     let (mut ifaces, mut nets) = (Vec::new(), Networks::default());
     for (i, iface) in dev.interfaces.iter().enumerate() {
         let path = format!("{IFACES}[{i}]");
-        if dev.interfaces[..i].iter().any(|o| o.name == iface.name) {
-            errs.add(
-                format!("{path}.name"),
-                format!("{:?} is named twice", iface.name),
-            );
-            continue;
-        }
-        let Some((_, source)) = sources.iter().find(|(n, _)| *n == iface.name) else {
-            errs.add(
-                format!("{path}.name"),
-                format!(
-                    "{:?} is not the name of a network in spec.networks",
-                    iface.name
-                ),
-            );
+        let Some(source) = source_of(&dev.interfaces[..i], iface, &sources, &path, errs) else {
             continue;
         };
         let mut extra = iface.extra.clone();
         let c = common(&mut extra, &path, errs);
-        // `None`: the pod network.
-        let multus = match source {
-            Source::Pod => None,
-            Source::Multus(r) => Some(r),
-            Source::Refused => continue,
-        };
-        let (binding, want) = match multus {
-            None => ("masquerade", "the pod network"),
-            Some(_) => ("bridge", "a multus network"),
-        };
-        if extra.remove(binding).is_none() {
-            let other = BINDINGS
-                .iter()
-                .chain(["masquerade"].iter())
-                .find(|b| extra.contains_key(**b));
-            errs.add(
-                format!("{path}.{}", other.unwrap_or(&binding)),
-                match other {
-                    Some(b) => {
-                        format!("the {b} binding is not supported on {want} yet; use {binding}")
-                    }
-                    None => format!("the interface needs a binding; {want} takes {binding}"),
-                },
-            );
-        }
-        for b in BINDINGS.iter().chain(["masquerade"].iter()) {
-            extra.remove(*b);
-        }
-        let mut domain_iface = match multus {
-            None => {
+        binding(&mut extra, source, &path, errs);
+        let mut domain_iface = match source {
+            Source::Multus(r) => {
+                let links = BridgeLinks::of(&iface.name);
+                let mac = c
+                    .mac
+                    .unwrap_or_else(|| guest_mac(&format!("{id}/{}", iface.name)));
+                nets.secondary.push(Secondary {
+                    name: iface.name.clone(),
+                    network: r.clone(),
+                    mac,
+                    links: links.clone(),
+                });
+                interface(&iface.name, mac, &links.tap, &c.model)
+            }
+            _ => {
                 let ports = extra
                     .remove("ports")
                     .map(|p| ports(&p, &format!("{path}.ports"), errs))
@@ -376,20 +346,6 @@ pub(super) fn convert(
                 nets.pod = Some(net);
                 d
             }
-            Some(r) => {
-                let links = BridgeLinks::of(&iface.name);
-                let mac = c
-                    .mac
-                    .unwrap_or_else(|| guest_mac(&format!("{id}/{}", iface.name)));
-                let d = interface(&iface.name, mac, &links.tap, &c.model);
-                nets.secondary.push(Secondary {
-                    name: iface.name.clone(),
-                    network: r.clone(),
-                    mac,
-                    links,
-                });
-                d
-            }
         };
         domain_iface.boot = c.boot;
         for k in extra.keys() {
@@ -397,7 +353,75 @@ pub(super) fn convert(
         }
         ifaces.push(domain_iface);
     }
-    for (name, _) in &sources {
+    check_pairing(dev, &sources, &nets, errs);
+    (ifaces, nets)
+}
+
+const IFACES: &str = "spec.domain.devices.interfaces";
+
+/// The network an interface is on: `None` (said in `errs`) for a second
+/// interface of a name, one of no network, or one on a refused network.
+fn source_of<'a>(
+    before: &[crate::core::vmi::Interface],
+    iface: &crate::core::vmi::Interface,
+    sources: &'a [(String, Source)],
+    path: &str,
+    errs: &mut Errors,
+) -> Option<&'a Source> {
+    if before.iter().any(|o| o.name == iface.name) {
+        errs.add(
+            format!("{path}.name"),
+            format!("{:?} is named twice", iface.name),
+        );
+        return None;
+    }
+    match sources.iter().find(|(n, _)| *n == iface.name) {
+        None => {
+            errs.add(
+                format!("{path}.name"),
+                format!(
+                    "{:?} is not the name of a network in spec.networks",
+                    iface.name
+                ),
+            );
+            None
+        }
+        Some((_, Source::Refused)) => None,
+        Some((_, s)) => Some(s),
+    }
+}
+
+/// The one binding each network takes: masquerade on the pod network,
+/// bridge on a Multus one; any other named and refused.
+fn binding(extra: &mut crate::core::vmi::Extra, source: &Source, path: &str, errs: &mut Errors) {
+    let (binding, want) = match source {
+        Source::Multus(_) => ("bridge", "a multus network"),
+        _ => ("masquerade", "the pod network"),
+    };
+    let all = || BINDINGS.iter().chain(["masquerade"].iter());
+    if extra.remove(binding).is_none() {
+        let other = all().find(|b| extra.contains_key(**b));
+        errs.add(
+            format!("{path}.{}", other.unwrap_or(&binding)),
+            match other {
+                Some(b) => format!("the {b} binding is not supported on {want} yet; use {binding}"),
+                None => format!("the interface needs a binding; {want} takes {binding}"),
+            },
+        );
+    }
+    for b in all() {
+        extra.remove(*b);
+    }
+}
+
+/// Every network has an interface, and no two interfaces one MAC.
+fn check_pairing(
+    dev: &crate::core::vmi::Devices,
+    sources: &[(String, Source)],
+    nets: &Networks,
+    errs: &mut Errors,
+) {
+    for (name, _) in sources {
         if !dev.interfaces.iter().any(|i| i.name == *name) {
             errs.add(
                 IFACES,
@@ -414,7 +438,6 @@ pub(super) fn convert(
     if (1..macs.len()).any(|i| macs[..i].contains(&macs[i])) {
         errs.add(IFACES, "two interfaces have the same macAddress");
     }
-    (ifaces, nets)
 }
 
 fn ports(v: &Value, path: &str, errs: &mut Errors) -> Vec<PortRule> {
