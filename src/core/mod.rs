@@ -14,6 +14,7 @@ pub mod convert;
 pub mod cpuset;
 pub mod defaults;
 pub mod dhcp;
+pub mod dhcp6;
 pub mod efivars;
 pub mod guestinfo;
 pub mod identity;

@@ -15,6 +15,7 @@ use crate::core::dhcp::LeaseConfig;
 use crate::host::cni::{Cni, ExecCni};
 use crate::host::dhcp::DhcpServers;
 use crate::host::network::{create_tap, in_netns, index_of, nl, write_sysctl, NetworkError};
+use sha2::Digest;
 use std::collections::{HashMap, HashSet};
 use std::net::{IpAddr, Ipv4Addr};
 use std::path::{Path, PathBuf};
@@ -41,6 +42,14 @@ pub struct Binding {
     pub tap_gid: u32,
 }
 
+/// The bridge's MAC, set (so enslaving a port never changes it), local,
+/// and of the network's hash: never a guest's (kvirt's guest MACs are made
+/// another way, and a spec's would have to hit these 40 bits).
+pub fn bridge_mac(links: &BridgeLinks) -> [u8; 6] {
+    let h = sha2::Sha256::digest(format!("bridge:{}", links.bridge).as_bytes());
+    [0x02, h[0], h[1], h[2], h[3], h[4]]
+}
+
 /// The stand-in's peer: `d` and the hash (12 bytes).
 fn stand_in_peer(links: &BridgeLinks) -> String {
     format!("d{}", &links.pod_iface[3..])
@@ -63,11 +72,16 @@ pub fn bind(b: &Binding) -> Result<u32, NetworkError> {
                             message: "the CNI plugin made no interface of this name".into(),
                         })?;
                 flush_addresses(&h, pod).await?;
+                // The port takes the bridge's MAC (KubeVirt's CopyMacFrom):
+                // the plugin's may be the guest's own (a spec MAC offered to
+                // the plugins), and a bridge drops frames from a MAC one of
+                // its own ports has.
                 h.link()
                     .set(
                         rtnetlink::LinkUnspec::new_with_index(pod)
                             .down()
                             .name(l.nic.clone())
+                            .address(bridge_mac(l).to_vec())
                             .build(),
                     )
                     .execute()
@@ -94,7 +108,9 @@ pub fn bind(b: &Binding) -> Result<u32, NetworkError> {
             }
             // 3. The bridge, its port (with the bridge's MAC, as KubeVirt's)
             // and QEMU's tap.
-            let br = crate::host::network::ensure_bridge(&h, &l.bridge, None, Some(mtu)).await?;
+            let br =
+                crate::host::network::ensure_bridge(&h, &l.bridge, Some(bridge_mac(l)), Some(mtu))
+                    .await?;
             if b.addresses.iter().any(|(ip, _)| ip.is_ipv4()) {
                 add_any(&h, br, bridge_address(b.index).into(), 32, &l.bridge).await?;
             }
@@ -654,6 +670,10 @@ mod tests {
                 .unwrap_or_else(|| panic!("{n} missing: {links_json}"))
         };
         assert_eq!(link(&links.nic)["master"], links.bridge.as_str());
+        // The port has the bridge's MAC, never the plugin's (maybe the guest's).
+        let mac = crate::core::convert::network::format_mac(&bridge_mac(&links));
+        assert_eq!(link(&links.nic)["address"], mac.as_str());
+        assert_eq!(link(&links.bridge)["address"], mac.as_str());
         assert_eq!(link(&links.tap)["master"], links.bridge.as_str());
         assert_eq!(link(&links.tap)["mtu"], 1400);
         assert_eq!(link(&links.pod_iface)["address"], "02:00:00:00:00:33");
