@@ -306,15 +306,14 @@ echo '{'
 echo "\"floor_seq\": $(floor_seq | stats),"
 echo "\"kvirt_seq_nonet\": $(kvirt_seq nonet | stats),"
 echo "\"kvirt_seq_net\": $(kvirt_seq net | stats),"
-cat >"$dir/bench-side.yaml" <<'NAD'
-apiVersion: k8s.cni.cncf.io/v1
-kind: NetworkAttachmentDefinition
-metadata: {name: bench-side}
-spec:
-  config: '{"cniVersion":"1.0.0","type":"bridge","bridge":"kvbench","ipam":{"type":"host-local","subnet":"10.76.0.0/16"}}'
+# The network, as JSON (remove_all takes every .yaml); its host bridge is
+# not named kv<hex>... (all_gone takes those for VMs' veths).
+cat >"$dir/bench-side.json" <<'NAD'
+{"apiVersion": "k8s.cni.cncf.io/v1", "kind": "NetworkAttachmentDefinition", "metadata": {"name": "bench-side"},
+ "spec": {"config": "{\"cniVersion\":\"1.0.0\",\"type\":\"bridge\",\"bridge\":\"sidebr0\",\"ipam\":{\"type\":\"host-local\",\"subnet\":\"10.76.0.0/16\"}}"}}
 NAD
 echo "\"kvirt_seq_multus\": $(kvirt_seq multus | stats),"
-rm -f "$dir/bench-side.yaml"
+rm -f "$dir/bench-side.json"
 # Helper memory at SEQ VMs: a burst of SEQ, measured, removed.
 for i in $(seq "$seq_n"); do disk "h$i"; put "h$i" net; done
 for i in $(seq "$seq_n"); do wait_until 300 running "h$i"; done
