@@ -72,6 +72,9 @@ kvirt_testhost() {
   # Called as $(...), where set -e does not reach: every step says so.
   pid=$(TH_BIND="$binds" TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud" th_boot "$name") || return
   [[ -z $loop ]] || echo "$loop" >"$TH_STATE/$name/share/claim-loop"
+  # Dual stack on the standalone host (the cluster's hosts stay IPv4-only,
+  # the default): every VM here gets KubeVirt's IPv6 masquerade too.
+  th_sh "$name" 'mkdir -p /etc/kvirt/kvirtd.toml.d && printf "[network]\nsubnet6 = \"fd00:6b76::/64\"\n" >/etc/kvirt/kvirtd.toml.d/40-dual-stack.toml' || return
   bash "$top/tests/testhost/install-kvirt.sh" "$name" "$KVIRT_DEB" >&2 || return
   echo "$pid"
 }

@@ -140,12 +140,31 @@ async fn a_new_vmi_becomes_a_running_vm_in_order() {
     let iface = &st.status.interfaces[0];
     assert_eq!(iface["name"], "default");
     assert_eq!(iface["ipAddress"], "10.213.0.2");
+    assert_eq!(iface["ipAddresses"], serde_json::json!(["10.213.0.2"]));
     assert_eq!(iface["infoSource"], "domain");
 
     // Level-triggered: a second pass with nothing changed does nothing, and
     // writes nothing.
     ctl.reconcile("default_vm1").await.unwrap();
     assert!(host.take_calls().is_empty());
+}
+
+/// A dual-stack host: the pod interface lists both addresses, IPv4 first,
+/// as KubeVirt reports a dual-stack pod's.
+#[tokio::test]
+async fn a_dual_stack_vm_reports_both_pod_addresses() {
+    let host = FakeHost::default();
+    host.state().dual_stack = true;
+    let ctl = controller(&host);
+    ctl.set_vmis(set(&[vmi("vm1", "u1", "")])).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    let st = host.state().statuses[&VmKey::new("default", "vm1").unwrap()].clone();
+    let iface = &st.status.interfaces[0];
+    assert_eq!(iface["ipAddress"], "10.213.0.2");
+    assert_eq!(
+        iface["ipAddresses"],
+        serde_json::json!(["10.213.0.2", "fd00:6b76::2"])
+    );
 }
 
 #[tokio::test]

@@ -368,6 +368,88 @@ fn vms_get_a_pod_like_network_with_dhcp_and_port_forwarding() {
     h.ok("! ip -br link | grep -q '^kv[0-9a-f]\\{12\\}'");
 }
 
+/// The test host's IPv6 VM range (`network.subnet6`, tests/common.sh).
+const SUBNET6: &str = "fd00:6b76::";
+
+/// Dual stack, KubeVirt's IPv6 masquerade: the guest leases `fd10:0:2::2`
+/// by DHCPv6 (busybox's udhcpc6), reaches the host's IPv6 address with its
+/// pod address as the source (NAT), cannot send from another address, and
+/// a listed port is forwarded over IPv6 while another is not.
+#[test]
+fn a_dual_stack_guest_gets_kubevirts_ipv6_by_dhcpv6_and_is_reached_through_nat() {
+    let Some(h) = host() else { return };
+    let _g = h.turn();
+    let gw6 = format!("{SUBNET6}1");
+    // Counters on the host by ICMPv6 payload length (the ping sizes below
+    // plus 8): the guest's own pings, and those from a spoofed address.
+    h.ok("nft -f - <<'NFT'\ntable ip6 kvirt_spy6\ndelete table ip6 kvirt_spy6\ntable ip6 kvirt_spy6 {\n  chain pre {\n    type filter hook prerouting priority -300; policy accept;\n    ip6 length 1119 ip6 saddr fd10:0:2::/120 counter\n    ip6 length 1119 counter\n    ip6 length 1230 counter\n  }\n}\nNFT");
+    let script = format!(
+        "#!/bin/sh\n(\n  i=0; while [ $i -lt 90 ] && ! ping -c 1 -W 1 -s 1111 {gw6} >/dev/null 2>&1; do i=$((i + 1)); sleep 1; done\n  ping -c 3 -s 1111 {gw6} >/dev/null 2>&1 && echo KVIRT-PING6-OK\n  ip -6 addr add fd10:0:2::77/120 dev eth0\n  i=0; while [ $i -lt 10 ] && ip -6 addr show dev eth0 | grep -q tentative; do i=$((i + 1)); sleep 1; done\n  ping -c 3 -s 1222 -I fd10:0:2::77 {gw6} >/dev/null 2>&1 && echo KVIRT-SPOOF6-ANSWERED\n  echo KVIRT-SPOOF6-DONE\n) &\n"
+    );
+    let user_data: String = script.lines().map(|l| format!("        {l}\n")).collect();
+    let manifest = support::vmi_manifest(
+        "dual",
+        "",
+        "  networks: [{name: default, pod: {}}]\n",
+        "      - name: cloudinit\n        disk: {bus: virtio}\n      interfaces: [{name: default, masquerade: {}, ports: [{port: 8080}]}]\n",
+    ) + "  - name: cloudinit\n    cloudInitNoCloud:\n      userData: |\n"
+        + &user_data;
+    h.put_manifest("dual", "run", &manifest);
+    h.wait_phase("dual", "Running", BOOT);
+    // (busybox writes the address out in full)
+    h.serial_log_shows(
+        "dual",
+        "KVIRT-GUEST-DHCP6 fd10:0000:0002:0000:0000:0000:0000:0002",
+    );
+    // Both pod addresses in the status, IPv4 first; the IPv6 one is the
+    // range plus the IPv4 address's host part.
+    let pod4 = pod_ip(&h, "dual");
+    let last: u8 = pod4.rsplit('.').next().unwrap().parse().unwrap();
+    let pod6 = format!("{SUBNET6}{last:x}");
+    let st = h.status("dual");
+    assert_eq!(
+        st["status"]["interfaces"][0]["ipAddresses"],
+        serde_json::json!([pod4, pod6]),
+        "{st}"
+    );
+    let eth0 = h.ok("ip netns exec kvirt-default_dual ip -o -6 addr show dev eth0");
+    assert!(eth0.contains(&format!("{pod6}/64")), "{eth0}");
+    // The namespace's DHCPv6 server is kvirtd's socket on the bridge.
+    h.ok("ip netns exec kvirt-default_dual ss -Hluan | grep -q ':547 '");
+    h.serial_log_shows("dual", "KVIRT-SPOOF6-DONE");
+    let log = h.ok("cat /run/kvirt/vms/default_dual/console.log");
+    assert!(log.contains("KVIRT-PING6-OK"), "the guest's pings: {log}");
+    assert!(!log.contains("KVIRT-SPOOF6-ANSWERED"), "{log}");
+    let count = |rule: &str| -> u64 {
+        h.ok(&format!(
+            "nft list chain ip6 kvirt_spy6 pre | grep '{rule} counter' | sed 's/.*packets \\([0-9]*\\).*/\\1/'"
+        ))
+        .parse()
+        .unwrap_or_else(|e| panic!("{rule}: {e}"))
+    };
+    assert!(count("ip6 length 1119") > 0, "the guest's own pings");
+    assert_eq!(
+        count("ip6 length 1119 ip6 saddr fd10:0:2::/120"),
+        0,
+        "not masqueraded"
+    );
+    assert_eq!(
+        count("ip6 length 1230"),
+        0,
+        "the spoofed source reached the host"
+    );
+    h.ok("nft delete table ip6 kvirt_spy6");
+    // Inbound over IPv6: the listed port reaches the guest, another not.
+    let url = format!("[{pod6}]");
+    assert!(http(&h, None, &url, 8080), "port 8080 over IPv6");
+    assert!(!http(&h, None, &url, 9090), "an unlisted port over IPv6");
+    h.remove_vm_and_wait_gone("dual");
+    // Gone from the host's IPv6 senders with the VM.
+    assert!(!h.succeeds(&format!(
+        "nft list set bridge kvirt vm_sources6 | grep -q '{pod6}'"
+    )));
+}
+
 #[test]
 fn twenty_vms_come_and_go_leaving_no_network_state() {
     let Some(h) = host() else { return };
@@ -2748,6 +2830,11 @@ fn vms_on_a_secondary_bridge_network_get_its_addresses_and_reach_each_other() {
     assert_eq!(ns[1]["name"], "default/blue", "{ns}");
     assert_eq!(ns[1]["interface"], pod_iface.as_str(), "{ns}");
     assert_eq!(ns[1]["ips"], serde_json::json!(["10.77.0.10"]), "{ns}");
+    // No spec MAC: the guest has the plugin's interface's, KubeVirt's
+    // order (and its DHCP lease above, answered only to the guest's MAC,
+    // shows the domain has it too).
+    assert!(ns[1]["mac"].is_string(), "{ns}");
+    assert_eq!(blue["mac"], ns[1]["mac"], "{st}");
     // Each attachment is recorded where libcni keeps them.
     let uid = st["metadata"]["uid"].as_str().unwrap();
     h.ok(&format!(
@@ -2805,6 +2892,109 @@ fn vms_on_a_secondary_bridge_network_get_its_addresses_and_reach_each_other() {
     let ports = h.ok("ip -o link show master kvtblue || true");
     assert!(ports.is_empty(), "{ports}");
     h.ok("rm -f /etc/kvirt/vmis.d/blue-net.yaml && ip link del kvtblue");
+}
+
+/// `amber`: bridge + host-local, then `held-tuning`, a stand-in that
+/// waits before each command (`/run/kvirt-held-<CMD>` says it is waiting)
+/// until the test releases it (`/run/kvirt-release-<CMD>`), then is tuning.
+const AMBER_NAD: &str = r#"apiVersion: k8s.cni.cncf.io/v1
+kind: NetworkAttachmentDefinition
+metadata: {name: amber}
+spec:
+  config: '{"cniVersion":"1.0.0","plugins":[{"type":"bridge","bridge":"kvtamber","ipam":{"type":"host-local","ranges":[[{"subnet":"10.78.0.0/24"}]]}},{"type":"held-tuning"}]}'
+"#;
+
+fn amber_vm(h: &Host, vm: &str) {
+    let manifest = support::vmi_manifest(
+        vm,
+        "",
+        "  networks: [{name: default, pod: {}}, {name: amber, multus: {networkName: amber}}]\n",
+        "      interfaces: [{name: default, masquerade: {}}, {name: amber, bridge: {}}]\n",
+    );
+    h.put_manifest(vm, "run", &manifest);
+}
+
+fn amber_records(h: &Host) -> usize {
+    h.ok("ls /var/lib/cni/results | grep -c '^amber-' || true")
+        .parse()
+        .unwrap()
+}
+
+fn amber_leases(h: &Host) -> usize {
+    h.ok("ls /var/lib/cni/networks/amber 2>/dev/null | grep -c '^10\\.' || true")
+        .parse()
+        .unwrap()
+}
+
+/// kvirtd killed (`systemctl kill -s KILL`, its plugins with it) at a
+/// chain's exact points: between the two plugins of an ADD (the first's
+/// lease and port made, the record written) and between them on DEL. Each
+/// next kvirtd converges from the records: the VM runs after all, then goes
+/// leaving no lease, port or record; another VM on the network runs on
+/// untouched throughout.
+#[test]
+fn kvirtd_killed_between_a_chains_plugins_converges_from_the_records() {
+    let Some(h) = host() else { return };
+    let _g = h.turn();
+    h.ok("mkdir -p /opt/cni/bin && cat > /opt/cni/bin/held-tuning <<'SH'\n#!/bin/sh\ntouch /run/kvirt-held-$CNI_COMMAND\nwhile [ ! -e /run/kvirt-release-$CNI_COMMAND ]; do sleep 0.1; done\nexec /usr/lib/cni/tuning\nSH\nchmod 755 /opt/cni/bin/held-tuning && rm -f /run/kvirt-held-* /run/kvirt-release-*");
+    h.ok(&format!(
+        "cat > /etc/kvirt/vmis.d/amber-net.yaml <<'NAD'\n{AMBER_NAD}NAD"
+    ));
+    h.ok("touch /run/kvirt-release-ADD /run/kvirt-release-DEL /run/kvirt-release-CHECK");
+    amber_vm(&h, "amb-a");
+    h.wait_phase("amb-a", "Running", BOOT);
+    let witness = h.qemu_pid("amb-a");
+    let kill = |h: &Host| {
+        let before = h.ok("systemctl show -P NRestarts kvirtd");
+        h.ok("systemctl kill -s KILL kvirtd");
+        h.wait(
+            "kvirtd restarted",
+            Duration::from_secs(60),
+            &format!(
+                "systemctl is-active -q kvirtd && [ \"$(systemctl show -P NRestarts kvirtd)\" -gt {before} ]"
+            ),
+        );
+    };
+
+    // Between the plugins of an ADD.
+    h.ok("rm -f /run/kvirt-release-ADD /run/kvirt-held-ADD");
+    amber_vm(&h, "amb-b");
+    h.wait(
+        "amb-b's ADD held after bridge",
+        BOOT,
+        "[ -e /run/kvirt-held-ADD ]",
+    );
+    assert_eq!(
+        amber_records(&h),
+        2,
+        "amb-b's record, before its plugins ran"
+    );
+    assert_eq!(amber_leases(&h), 2, "the first plugin's lease is made");
+    kill(&h);
+    h.ok("touch /run/kvirt-release-ADD");
+    h.wait_phase("amb-b", "Running", BOOT);
+    assert_eq!(amber_leases(&h), 2, "the cut-short ADD was undone");
+    assert_eq!(h.qemu_pid("amb-a"), witness);
+
+    // Between the plugins of a DEL (tuning's comes first).
+    h.ok("rm -f /run/kvirt-release-DEL /run/kvirt-held-DEL");
+    h.ok("rm /etc/kvirt/vmis.d/amb-b.yaml");
+    h.wait("amb-b's DEL held", BOOT, "[ -e /run/kvirt-held-DEL ]");
+    kill(&h);
+    h.ok("touch /run/kvirt-release-DEL");
+    h.wait_gone("amb-b");
+    h.ok("rm -f /var/lib/kvirt/images/amb-b.raw");
+    assert_eq!(amber_leases(&h), 1);
+    assert_eq!(amber_records(&h), 1);
+    assert_eq!(h.qemu_pid("amb-a"), witness);
+    assert_eq!(h.phase("amb-a").as_deref(), Some("Running"));
+
+    h.remove_vm_and_wait_gone("amb-a");
+    assert_eq!(amber_leases(&h), 0);
+    h.ok("! ls /var/lib/cni/results | grep -q amber-");
+    let ports = h.ok("ip -o link show master kvtamber || true");
+    assert!(ports.is_empty(), "{ports}");
+    h.ok("rm -f /etc/kvirt/vmis.d/amber-net.yaml /opt/cni/bin/held-tuning /run/kvirt-held-* /run/kvirt-release-* && ip link del kvtamber");
 }
 
 /// A chained config (bridge, then tuning with the `mac` capability) with

@@ -756,6 +756,11 @@ fn host_network(config: &Config, settings: &Settings) -> Result<HostNetwork> {
     } else {
         n.dns.clone()
     };
+    let subnet: kvirt::core::ipam::Subnet = n.subnet.parse().context("network.subnet")?;
+    let subnet6 = (!n.subnet6.is_empty())
+        .then(|| kvirt::core::ipam::Subnet6::parse(&n.subnet6, &subnet))
+        .transpose()
+        .context("network.subnet6")?;
     let net_settings = NetworkSettings {
         cni: kvirt::host::cni::ExecCni {
             path: n.cni_path.clone(),
@@ -764,7 +769,8 @@ fn host_network(config: &Config, settings: &Settings) -> Result<HostNetwork> {
             host_netns: None,
         },
         cni_config_dir: n.cni_config_dir.clone(),
-        subnet: n.subnet.parse().context("network.subnet")?,
+        subnet,
+        subnet6,
         mtu: n.mtu,
         dns,
         dhcp_lease_secs: n.dhcp_lease_seconds,

@@ -355,6 +355,19 @@ pub struct CniResult {
     pub dns: Value,
 }
 
+impl CniResult {
+    /// The MAC of the result's interface `ifname` inside the sandbox (the
+    /// VM's namespace), when it is a usable unicast one.
+    pub fn mac_of(&self, ifname: &str) -> Option<[u8; 6]> {
+        let i = self
+            .interfaces
+            .iter()
+            .find(|i| i.name == ifname && !i.sandbox.is_empty())?;
+        let mac = crate::core::convert::network::parse_mac(&i.mac)?;
+        (mac[0] & 1 == 0 && mac != [0; 6]).then_some(mac)
+    }
+}
+
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 pub struct ResultIface {
     pub name: String,

@@ -161,7 +161,8 @@ pub fn reply_destination(request: &Message, reply: &Message, broadcast: bool) ->
 /// skipped: from the guest, 127.x is its own loopback, and the host's is not
 /// reachable through the masquerade. On a systemd-resolved host, read
 /// `/run/systemd/resolve/resolv.conf`, which lists the real upstreams.
-/// IPv6 resolvers are skipped since the guest only gets IPv4 here.
+/// IPv6 resolvers are skipped: the DHCPv6 answer carries no DNS servers
+/// yet, and a guest resolves over IPv4.
 pub fn host_dns(resolv_conf: &str) -> Vec<Ipv4Addr> {
     let mut servers = Vec::new();
     for line in resolv_conf.lines() {

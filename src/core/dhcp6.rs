@@ -12,6 +12,8 @@ use dhcproto::{Decodable, Decoder, Encodable};
 
 /// KubeVirt's IPv6 masquerade addressing.
 pub const GUEST: Ipv6Addr = Ipv6Addr::new(0xfd10, 0, 2, 0, 0, 0, 0, 2);
+/// The guest's network: the bridge `k6t-eth0` and the guest on it.
+pub const GUEST_NET: Ipv6Addr = Ipv6Addr::new(0xfd10, 0, 2, 0, 0, 0, 0, 0);
 pub const GATEWAY: Ipv6Addr = Ipv6Addr::new(0xfd10, 0, 2, 0, 0, 0, 0, 1);
 pub const PREFIX: u8 = 120;
 pub const SERVER_PORT: u16 = 547;

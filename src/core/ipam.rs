@@ -4,7 +4,7 @@
 //! [`Leases`] is the pure allocator and its file format; `host::ipam` keeps
 //! it on disk, every change saved before the caller sees it.
 
-use core::net::Ipv4Addr;
+use core::net::{Ipv4Addr, Ipv6Addr};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt;
@@ -135,7 +135,7 @@ impl FromStr for Subnet {
             .ok_or_else(|| invalid("expected ADDRESS/PREFIX, e.g. 10.213.0.0/24"))?;
         let addr = addr
             .parse::<Ipv4Addr>()
-            .map_err(|_| invalid("not an IPv4 address (IPv6 is not supported yet)"))?;
+            .map_err(|_| invalid("not an IPv4 address (IPv6 ranges go in subnet6)"))?;
         let prefix = prefix
             .parse::<u8>()
             .map_err(|_| invalid("prefix is not a number"))?;
@@ -154,6 +154,117 @@ impl TryFrom<String> for Subnet {
 impl From<Subnet> for String {
     fn from(s: Subnet) -> Self {
         s.to_string()
+    }
+}
+
+/// The node's IPv6 VM range, beside the IPv4 subnet: a VM's IPv6 address
+/// is this network plus the host part of its IPv4 lease (10.213.0.7 →
+/// `<network>::7`). So one lease, one atomic write, gives both families: a
+/// crash cannot leave a VM with one family's address and not the other's,
+/// and no second lease file has to agree with the first.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Subnet6 {
+    network: Ipv6Addr,
+    prefix: u8,
+}
+
+/// A /64 is the usual site assignment; past /120 too few addresses are
+/// left for a node's VMs.
+const MIN_PREFIX6: u8 = 64;
+const MAX_PREFIX6: u8 = 120;
+
+impl Subnet6 {
+    /// A range that fits `v4`'s host part, is unicast and global or
+    /// unique-local, and stays clear of the guest's own `fd10:0:2::/120`
+    /// (both are routed in the VM's namespace).
+    pub fn new(network: Ipv6Addr, prefix: u8, v4: &Subnet) -> Result<Self, IpamError> {
+        let invalid = |reason: String| IpamError::InvalidSubnet {
+            text: format!("{network}/{prefix}"),
+            reason,
+        };
+        if !(MIN_PREFIX6..=MAX_PREFIX6).contains(&prefix) {
+            return Err(invalid(format!(
+                "prefix must be {MIN_PREFIX6}..={MAX_PREFIX6}"
+            )));
+        }
+        let host_bits = 32 - u32::from(v4.prefix());
+        if 128 - u32::from(prefix) < host_bits {
+            return Err(invalid(format!(
+                "has fewer host bits than the IPv4 subnet {v4} ({host_bits}): prefix at most /{}",
+                128 - host_bits
+            )));
+        }
+        let s = Self { network, prefix };
+        if u128::from(network) & !s.mask() != 0 {
+            return Err(invalid(format!(
+                "host bits set, the network address is {}",
+                Ipv6Addr::from(u128::from(network) & s.mask())
+            )));
+        }
+        let first = network.segments()[0];
+        if first & 0xffc0 == 0xfe80 || first & 0xff00 == 0xff00 || network.is_unspecified() {
+            return Err(invalid(
+                "not a unicast range (link-local, multicast)".into(),
+            ));
+        }
+        let guest = crate::core::dhcp6::GUEST_NET;
+        let common = prefix.min(crate::core::dhcp6::PREFIX);
+        let m = u128::MAX << (128 - u32::from(common));
+        if u128::from(network) & m == u128::from(guest) & m {
+            return Err(invalid(format!(
+                "overlaps the guest network {guest}/{}",
+                crate::core::dhcp6::PREFIX
+            )));
+        }
+        Ok(s)
+    }
+
+    /// Parses `ADDRESS/PREFIX` for the IPv4 subnet `v4`.
+    pub fn parse(text: &str, v4: &Subnet) -> Result<Self, IpamError> {
+        let invalid = |reason: &str| IpamError::InvalidSubnet {
+            text: text.into(),
+            reason: reason.into(),
+        };
+        let (addr, prefix) = text
+            .trim()
+            .split_once('/')
+            .ok_or_else(|| invalid("expected ADDRESS/PREFIX, e.g. fd00:6b76::/64"))?;
+        let addr = addr
+            .parse::<Ipv6Addr>()
+            .map_err(|_| invalid("not an IPv6 address"))?;
+        let prefix = prefix
+            .parse::<u8>()
+            .map_err(|_| invalid("prefix is not a number"))?;
+        Self::new(addr, prefix, v4)
+    }
+
+    pub fn prefix(&self) -> u8 {
+        self.prefix
+    }
+
+    /// The IPv6 address paired with `ip` of `v4` (its host part kept).
+    pub fn address_of(&self, v4: &Subnet, ip: Ipv4Addr) -> Ipv6Addr {
+        let host = u32::from(ip) & !v4.mask();
+        Ipv6Addr::from(u128::from(self.network) | u128::from(host))
+    }
+
+    /// The bridge's IPv6 address, paired with the IPv4 gateway.
+    pub fn gateway(&self, v4: &Subnet) -> Ipv6Addr {
+        self.address_of(v4, v4.gateway())
+    }
+
+    pub fn network(&self) -> Ipv6Addr {
+        self.network
+    }
+
+    fn mask(&self) -> u128 {
+        u128::MAX << (128 - u32::from(self.prefix))
+    }
+}
+
+impl fmt::Display for Subnet6 {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.network, self.prefix)
     }
 }
 
@@ -401,6 +512,40 @@ mod tests {
         assert_eq!(s.to_string(), "10.213.0.0/24");
         assert_eq!(subnet(" 10.0.0.0/16 ").capacity(), 65533);
         assert_eq!(subnet("10.0.0.8/29").capacity(), 5);
+    }
+
+    #[test]
+    fn an_ipv6_range_pairs_each_vm_address_with_one_of_its_own() {
+        let v4 = subnet("10.213.0.0/24");
+        let s = Subnet6::parse("fd00:6b76::/64", &v4).unwrap();
+        assert_eq!(s.gateway(&v4), "fd00:6b76::1".parse::<Ipv6Addr>().unwrap());
+        assert_eq!(
+            s.address_of(&v4, ip("10.213.0.254")),
+            "fd00:6b76::fe".parse::<Ipv6Addr>().unwrap()
+        );
+        assert_eq!(s.to_string(), "fd00:6b76::/64");
+        // As many host bits as the IPv4 subnet is enough.
+        assert!(Subnet6::parse("fd00:6b76::100/120", &v4).is_ok());
+        for bad in [
+            "fd00:6b76::",
+            "fd00:6b76::/x",
+            "10.0.0.0/64",
+            "fd00:6b76::/63",
+            "fd00:6b76::/121",
+            "fd00:6b76::1/64",
+            "fe80::/64",
+            "ff02::/64",
+            "fd10:0:2::/64",
+            "fd10:0:2::/120",
+        ] {
+            let err = Subnet6::parse(bad, &v4).map(|s| s.to_string());
+            assert!(err.is_err(), "{bad} accepted: {err:?}");
+        }
+        // A /120 holds a /24's host part, not a /16's.
+        assert!(Subnet6::parse("fd00:6b76::/120", &subnet("10.0.0.0/16")).is_err());
+        // The guest's net itself is refused, a neighbour of it is fine.
+        assert!(Subnet6::parse("fd10:0:2::/120", &v4).is_err());
+        assert!(Subnet6::parse("fd10:0:2::100/120", &v4).is_ok());
     }
 
     #[test]

@@ -159,6 +159,10 @@ pub struct NetworkConfig {
     /// address). The default avoids Docker's 172.17/16, Podman's 10.88/16
     /// and the common pod CIDRs 10.42/16, 10.244/16.
     pub subnet: String,
+    /// The node's IPv6 VM range, for dual-stack VMs (KubeVirt's masquerade
+    /// with IPv6); empty: IPv4 only. Each VM's IPv6 address is this range
+    /// plus the host part of its IPv4 address.
+    pub subnet6: String,
     pub mtu: u32,
     /// DNS servers handed to guests; empty: the host's own resolvers.
     pub dns: Vec<std::net::Ipv4Addr>,
@@ -181,6 +185,7 @@ impl Default for NetworkConfig {
     fn default() -> Self {
         Self {
             subnet: "10.213.0.0/24".into(),
+            subnet6: String::new(),
             mtu: 1500,
             dns: vec![],
             dhcp_lease_seconds: 86_400,
@@ -638,8 +643,14 @@ impl Config {
                 self.vm.slice
             )));
         }
-        if let Err(e) = self.network.subnet.parse::<crate::core::ipam::Subnet>() {
-            return Err(invalid(format!("network.subnet: {e}")));
+        let subnet = match self.network.subnet.parse::<crate::core::ipam::Subnet>() {
+            Ok(s) => s,
+            Err(e) => return Err(invalid(format!("network.subnet: {e}"))),
+        };
+        if !self.network.subnet6.is_empty() {
+            if let Err(e) = crate::core::ipam::Subnet6::parse(&self.network.subnet6, &subnet) {
+                return Err(invalid(format!("network.subnet6: {e}")));
+            }
         }
         if !(576..=9000).contains(&self.network.mtu) {
             return Err(invalid("network.mtu must be 576..9000".into()));

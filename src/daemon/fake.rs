@@ -58,6 +58,9 @@ pub struct HostState {
     pub held: BTreeSet<VmKey>,
     /// Addresses leased, by VM id; and VM ids whose DHCP server runs.
     pub addresses: BTreeMap<String, std::net::Ipv4Addr>,
+    /// Dual stack: each address has an IPv6 one beside it, `fd00:6b76::`
+    /// and the IPv4 address's last byte.
+    pub dual_stack: bool,
     pub dhcp: BTreeSet<String>,
     /// Secondary networks attached, by VM id (their config names).
     pub attached: BTreeMap<String, Vec<String>>,
@@ -913,6 +916,13 @@ impl crate::host::network::Network for FakeHost {
 
     fn address(&self, id: &str) -> Option<std::net::Ipv4Addr> {
         self.state().addresses.get(id).copied()
+    }
+
+    fn address6(&self, id: &str) -> Option<std::net::Ipv6Addr> {
+        let s = self.state();
+        let v4 = s.addresses.get(id).filter(|_| s.dual_stack)?;
+        let last = u16::from(v4.octets()[3]);
+        Some(std::net::Ipv6Addr::new(0xfd00, 0x6b76, 0, 0, 0, 0, 0, last))
     }
 
     fn ids(&self) -> Vec<String> {

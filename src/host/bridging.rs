@@ -288,7 +288,8 @@ fn lease_of(
                 .find(|rt| rt.dst == "0.0.0.0/0")
                 .and_then(|rt| rt.gw.as_deref()?.parse().ok())
         });
-    let mut l = LeaseConfig::bridged(s.mac, ip, prefix, gateway, bridge_address(index));
+    let mac = s.guest_mac(Some(r));
+    let mut l = LeaseConfig::bridged(mac, ip, prefix, gateway, bridge_address(index));
     let dns: Vec<Ipv4Addr> = r.dns["nameservers"]
         .as_array()
         .into_iter()
@@ -386,8 +387,10 @@ impl SecondaryNets {
                 &netns.to_string_lossy(),
                 &links.pod_iface,
             );
-            rt.capability_args
-                .insert("mac".into(), format_mac(&a.secondary.mac).into());
+            if a.secondary.spec_mac {
+                rt.capability_args
+                    .insert("mac".into(), format_mac(&a.secondary.mac).into());
+            }
             self.holders().insert(id.to_owned());
             let kept = existing
                 .iter()
@@ -588,6 +591,7 @@ mod tests {
             name: "blue".into(),
             network: crate::core::cni::NetworkRef::parse("blue", "prod").unwrap(),
             mac: [2, 0, 0, 0, 0, 9],
+            spec_mac: false,
             links: BridgeLinks::of("blue"),
         };
         let (addrs, mac) = addresses_of(&r, &s.links.pod_iface);
@@ -599,7 +603,13 @@ mod tests {
             hostname: "web".into(),
         };
         let l = lease_of(&s, &r, 1, 1400, &d).unwrap();
-        assert_eq!(l.client_mac, s.mac);
+        // No spec MAC: the guest has the plugin's interface's, as in KubeVirt.
+        assert_eq!(l.client_mac, [2, 0xaa, 0, 0, 0, 7]);
+        let spec = Secondary {
+            spec_mac: true,
+            ..s.clone()
+        };
+        assert_eq!(lease_of(&spec, &r, 1, 1400, &d).unwrap().client_mac, s.mac);
         assert_eq!(l.ip, Ipv4Addr::new(10, 77, 0, 7));
         assert_eq!(l.router, Ipv4Addr::new(10, 77, 0, 1));
         assert_eq!(l.server_id, bridge_address(1));

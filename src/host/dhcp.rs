@@ -1,4 +1,5 @@
-//! DHCP for the guest behind KubeVirt's masquerade binding: the servers.
+//! DHCP (and DHCPv6) for the guest behind KubeVirt's masquerade binding:
+//! the servers.
 //!
 //! Rather than run a DHCP daemon per VM, kvirtd opens one UDP socket
 //! *inside* each VM's namespace and serves all of them from its own
@@ -9,12 +10,13 @@
 use std::collections::HashMap;
 use std::fs::File;
 use std::io;
-use std::net::{Ipv4Addr, SocketAddr, UdpSocket};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use crate::core::dhcp::{handle_datagram, LeaseConfig, SERVER_PORT};
+use crate::core::dhcp6::Lease6;
 use dhcproto::v4::MessageType;
 use dhcproto::Encodable;
 use nix::sched::{setns, CloneFlags};
@@ -51,6 +53,26 @@ pub enum DhcpError {
     Runtime(io::Error),
 }
 
+/// What one server hands out: an IPv4 lease (DHCP, port 67) or an IPv6
+/// one (DHCPv6, port 547).
+#[derive(Clone, Debug)]
+pub enum ServerLease {
+    V4(LeaseConfig),
+    V6(Lease6),
+}
+
+impl From<LeaseConfig> for ServerLease {
+    fn from(l: LeaseConfig) -> Self {
+        ServerLease::V4(l)
+    }
+}
+
+impl From<Lease6> for ServerLease {
+    fn from(l: Lease6) -> Self {
+        ServerLease::V6(l)
+    }
+}
+
 /// A non-blocking UDP socket on port 67 of `iface`, created inside the
 /// network namespace at `netns_path`.
 ///
@@ -58,6 +80,16 @@ pub enum DhcpError {
 /// throwaway thread that exits afterwards: no runtime worker ever changes
 /// namespace. Blocks briefly; from async code call it via `spawn_blocking`.
 pub fn bind_in_netns(netns_path: &Path, iface: &str) -> Result<UdpSocket, DhcpError> {
+    bind_family_in_netns(netns_path, iface, false)
+}
+
+/// [`bind_in_netns`] for DHCPv6: port 547, joined to the servers' group
+/// `ff02::1:2` on `iface`.
+pub fn bind6_in_netns(netns_path: &Path, iface: &str) -> Result<UdpSocket, DhcpError> {
+    bind_family_in_netns(netns_path, iface, true)
+}
+
+fn bind_family_in_netns(netns_path: &Path, iface: &str, v6: bool) -> Result<UdpSocket, DhcpError> {
     let path = netns_path.to_owned();
     let ns = File::open(&path).map_err(|source| DhcpError::OpenNetns {
         path: path.clone(),
@@ -72,7 +104,12 @@ pub fn bind_in_netns(netns_path: &Path, iface: &str) -> Result<UdpSocket, DhcpEr
                 path: thread_path.clone(),
                 source,
             })?;
-            open_server_socket(&iface).map_err(|(op, source)| DhcpError::Socket {
+            let socket = if v6 {
+                open_server_socket6(&iface)
+            } else {
+                open_server_socket(&iface)
+            };
+            socket.map_err(|(op, source)| DhcpError::Socket {
                 path: thread_path,
                 iface,
                 op,
@@ -109,6 +146,50 @@ fn open_server_socket(iface: &str) -> Result<UdpSocket, (&'static str, io::Error
     Ok(socket.into())
 }
 
+/// All DHCPv6 relay agents and servers (RFC 8415 §7.1).
+const ALL_DHCP_SERVERS: Ipv6Addr = Ipv6Addr::new(0xff02, 0, 0, 0, 0, 0, 1, 2);
+
+fn open_server_socket6(iface: &str) -> Result<UdpSocket, (&'static str, io::Error)> {
+    // Looked up here, inside the namespace, where the name means this link.
+    let index = nix::net::if_::if_nametoindex(iface).map_err(|e| ("if_nametoindex", e.into()))?;
+    let socket =
+        Socket::new(Domain::IPV6, Type::DGRAM, Some(Protocol::UDP)).map_err(|e| ("socket", e))?;
+    socket.set_only_v6(true).map_err(|e| ("IPV6_V6ONLY", e))?;
+    socket
+        .set_reuse_address(true)
+        .map_err(|e| ("SO_REUSEADDR", e))?;
+    socket
+        .bind_device(Some(iface.as_bytes()))
+        .map_err(|e| ("SO_BINDTODEVICE", e))?;
+    let addr = SocketAddr::from((Ipv6Addr::UNSPECIFIED, crate::core::dhcp6::SERVER_PORT));
+    socket.bind(&addr.into()).map_err(|e| ("bind :547", e))?;
+    socket
+        .join_multicast_v6(&ALL_DHCP_SERVERS, index)
+        .map_err(|e| ("join ff02::1:2", e))?;
+    socket
+        .set_nonblocking(true)
+        .map_err(|e| ("O_NONBLOCK", e))?;
+    Ok(socket.into())
+}
+
+/// Answers DHCPv6 on `socket` (from [`bind6_in_netns`]) until `cancel`
+/// fires: each reply goes back to where its request came from (the
+/// client's link-local address and port).
+pub async fn serve6(
+    socket: UdpSocket,
+    lease: Lease6,
+    cancel: oneshot::Receiver<()>,
+) -> Result<(), DhcpError> {
+    serve_with(socket, cancel, |datagram, from| {
+        let reply = crate::core::dhcp6::handle_datagram(datagram, &lease);
+        if reply.is_none() {
+            debug!(%from, "DHCPv6 message ignored");
+        }
+        reply.map(|r| (r, from))
+    })
+    .await
+}
+
 /// Answers DHCP on `socket` (from [`bind_in_netns`]) until `cancel` fires
 /// or its sender is dropped.
 ///
@@ -117,7 +198,54 @@ fn open_server_socket(iface: &str) -> Result<UdpSocket, (&'static str, io::Error
 pub async fn serve(
     socket: UdpSocket,
     lease: LeaseConfig,
+    cancel: oneshot::Receiver<()>,
+) -> Result<(), DhcpError> {
+    serve_with(socket, cancel, |datagram, from| {
+        answer(datagram, from, &lease)
+    })
+    .await
+}
+
+/// What to send for one DHCP datagram, and where.
+fn answer(datagram: &[u8], from: SocketAddr, lease: &LeaseConfig) -> Option<(Vec<u8>, SocketAddr)> {
+    let (request, reply, to) = match handle_datagram(datagram, lease) {
+        Ok(Some(exchange)) => exchange,
+        Ok(None) => {
+            debug!(%from, "DHCP message ignored");
+            return None;
+        }
+        Err(e) => {
+            debug!(%from, error = %e, "undecodable DHCP datagram");
+            return None;
+        }
+    };
+    if request.opts().has_msg_type(MessageType::Decline) {
+        warn!(ip = %lease.ip, "guest declined its address: it is in use on the link");
+    }
+    let bytes = match reply.to_vec() {
+        Ok(bytes) => bytes,
+        Err(e) => {
+            warn!(error = %e, "encoding DHCP reply failed");
+            return None;
+        }
+    };
+    debug!(
+        xid = format_args!("{:#010x}", request.xid()),
+        request = ?request.opts().msg_type(),
+        reply = ?reply.opts().msg_type(),
+        yiaddr = %reply.yiaddr(),
+        %to,
+        "DHCP exchange"
+    );
+    Some((bytes, SocketAddr::V4(to)))
+}
+
+/// The receive loop both servers share: bad input is the answer's to
+/// refuse, socket errors are logged and survived.
+async fn serve_with(
+    socket: UdpSocket,
     mut cancel: oneshot::Receiver<()>,
+    mut answer: impl FnMut(&[u8], SocketAddr) -> Option<(Vec<u8>, SocketAddr)>,
 ) -> Result<(), DhcpError> {
     let socket = tokio::net::UdpSocket::from_std(socket).map_err(DhcpError::Runtime)?;
     let mut buf = vec![0u8; RECV_BUFFER];
@@ -136,35 +264,9 @@ pub async fn serve(
                 }
             }
         };
-        let (request, reply, to) = match handle_datagram(&buf[..len], &lease) {
-            Ok(Some(exchange)) => exchange,
-            Ok(None) => {
-                debug!(%from, "DHCP message ignored");
-                continue;
-            }
-            Err(e) => {
-                debug!(%from, error = %e, "undecodable DHCP datagram");
-                continue;
-            }
+        let Some((bytes, to)) = answer(&buf[..len], from) else {
+            continue;
         };
-        if request.opts().has_msg_type(MessageType::Decline) {
-            warn!(ip = %lease.ip, "guest declined its address: it is in use on the link");
-        }
-        let bytes = match reply.to_vec() {
-            Ok(bytes) => bytes,
-            Err(e) => {
-                warn!(error = %e, "encoding DHCP reply failed");
-                continue;
-            }
-        };
-        debug!(
-            xid = format_args!("{:#010x}", request.xid()),
-            request = ?request.opts().msg_type(),
-            reply = ?reply.opts().msg_type(),
-            yiaddr = %reply.yiaddr(),
-            %to,
-            "DHCP exchange"
-        );
         if let Err(e) = socket.send_to(&bytes, to).await {
             warn!(%to, error = %e, "DHCP send failed");
         }
@@ -209,23 +311,30 @@ impl DhcpServers {
         id: &str,
         netns_path: &Path,
         iface: &str,
-        lease: LeaseConfig,
+        lease: impl Into<ServerLease>,
     ) -> Result<(), DhcpError> {
         self.stop(id).await;
+        let lease = lease.into();
         let path = netns_path.to_owned();
         let bind_iface = iface.to_owned();
-        let socket = tokio::task::spawn_blocking(move || bind_in_netns(&path, &bind_iface))
-            .await
-            .map_err(|_| DhcpError::ThreadPanicked {
-                path: netns_path.to_owned(),
-            })??;
+        let v6 = matches!(lease, ServerLease::V6(_));
+        let socket =
+            tokio::task::spawn_blocking(move || bind_family_in_netns(&path, &bind_iface, v6))
+                .await
+                .map_err(|_| DhcpError::ThreadPanicked {
+                    path: netns_path.to_owned(),
+                })??;
         let (cancel, cancelled) = oneshot::channel();
         // Created inside the VM's span (the reconcile that set it up), so
         // the task's lines still name the VM.
         let span = tracing::info_span!("dhcp", iface);
         let task = tokio::spawn(
             async move {
-                if let Err(e) = serve(socket, lease, cancelled).await {
+                let served = match lease {
+                    ServerLease::V4(l) => serve(socket, l, cancelled).await,
+                    ServerLease::V6(l) => serve6(socket, l, cancelled).await,
+                };
+                if let Err(e) = served {
                     warn!(error = %e, "DHCP server stopped");
                 }
             }
@@ -480,6 +589,102 @@ mod tests {
             assert_eq!(from, SocketAddr::from((GATEWAY, SERVER_PORT)));
             drop(cancel);
             server.await.unwrap().unwrap();
+        }
+
+        /// A DHCPv6 client socket in `ns` on `iface`: port 546, as a
+        /// guest's client binds it.
+        fn client6_in(ns: &TempNetns, iface: &str) -> UdpSocket {
+            let file = File::open(ns.path()).unwrap();
+            let iface = iface.to_owned();
+            std::thread::spawn(move || {
+                setns(&file, CloneFlags::CLONE_NEWNET).unwrap();
+                let s = Socket::new(Domain::IPV6, Type::DGRAM, Some(Protocol::UDP)).unwrap();
+                s.bind_device(Some(iface.as_bytes())).unwrap();
+                let any =
+                    SocketAddr::from((Ipv6Addr::UNSPECIFIED, crate::core::dhcp6::CLIENT_PORT));
+                s.bind(&any.into()).unwrap();
+                s.set_nonblocking(true).unwrap();
+                s.into()
+            })
+            .join()
+            .unwrap()
+        }
+
+        /// The DHCPv6 server for real: a Solicit with rapid commit, sent to
+        /// the servers' group on the guest's link, gets a Reply leasing
+        /// `fd10:0:2::2`, from the server's socket in the VM's namespace.
+        #[tokio::test]
+        async fn a_dhcpv6_solicit_on_the_link_gets_the_guests_address() {
+            use dhcproto::v6::{self, DhcpOption, OptionCode};
+            if !can_run() {
+                return;
+            }
+            let (vm, guest) = topology("v6");
+            let servers = DhcpServers::new();
+            let lease = Lease6::masquerade([2, 0, 0, 0, 0, 0], Vec::new(), 3600);
+            servers
+                .start("ns_vm#v6", &vm.path(), "k6t-eth0", lease)
+                .await
+                .unwrap();
+            let index = {
+                let out = Command::new("ip")
+                    .args([
+                        "netns",
+                        "exec",
+                        &guest.0,
+                        "cat",
+                        "/sys/class/net/guest0/ifindex",
+                    ])
+                    .output()
+                    .unwrap();
+                String::from_utf8_lossy(&out.stdout)
+                    .trim()
+                    .parse::<u32>()
+                    .unwrap()
+            };
+            let client = tokio::net::UdpSocket::from_std(client6_in(&guest, "guest0")).unwrap();
+            let mut solicit = v6::Message::new_with_id(v6::MessageType::Solicit, [7, 7, 7]);
+            let o = solicit.opts_mut();
+            o.insert(DhcpOption::ClientId(vec![
+                0, 3, 0, 1, 2, 0x42, 0x0a, 0, 2, 2,
+            ]));
+            o.insert(DhcpOption::IANA(v6::IANA {
+                id: 1,
+                t1: 0,
+                t2: 0,
+                opts: v6::DhcpOptions::new(),
+            }));
+            o.insert(DhcpOption::RapidCommit);
+            let bytes = solicit.to_vec().unwrap();
+            let to = std::net::SocketAddrV6::new(
+                ALL_DHCP_SERVERS,
+                crate::core::dhcp6::SERVER_PORT,
+                0,
+                index,
+            );
+            // Both links' own addresses go through duplicate detection
+            // first: until then a send or its reply fails, so ask again.
+            let deadline = Instant::now() + CLIENT_DEADLINE;
+            let mut buf = [0u8; RECV_BUFFER];
+            let len = loop {
+                assert!(Instant::now() < deadline, "no DHCPv6 reply");
+                let _ = client.send_to(&bytes, to).await;
+                let wait = tokio::time::timeout(Duration::from_secs(1), client.recv_from(&mut buf));
+                if let Ok(Ok((len, _))) = wait.await {
+                    break len;
+                }
+            };
+            let reply = v6::Message::decode(&mut Decoder::new(&buf[..len])).unwrap();
+            assert_eq!(reply.msg_type(), v6::MessageType::Reply);
+            assert_eq!(reply.xid(), [7, 7, 7]);
+            let Some(DhcpOption::IANA(ia)) = reply.opts().get(OptionCode::IANA) else {
+                panic!("no IA_NA: {reply:?}");
+            };
+            let Some(DhcpOption::IAAddr(a)) = ia.opts.get(OptionCode::IAAddr) else {
+                panic!("no address: {reply:?}");
+            };
+            assert_eq!(a.addr, crate::core::dhcp6::GUEST);
+            assert!(servers.stop("ns_vm#v6").await);
         }
 
         #[test]

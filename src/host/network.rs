@@ -13,7 +13,7 @@ use crate::host::bridging::{Attached, LeaseDefaults, SecondaryNets, VmMeta};
 use crate::host::nft;
 use nix::sched::{setns, CloneFlags};
 use sha2::{Digest, Sha256};
-use std::net::{IpAddr, Ipv4Addr};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::os::fd::{AsFd, AsRawFd};
 use std::path::{Path, PathBuf};
 
@@ -24,6 +24,8 @@ pub const VM_BRIDGE: &str = "k6t-eth0";
 pub const VM_BRIDGE_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 0];
 pub const VM_GATEWAY: Ipv4Addr = Ipv4Addr::new(10, 0, 2, 1);
 pub const VM_PREFIX: u8 = 24;
+/// KubeVirt's IPv6 masquerade: `k6t-eth0` is the guest's router.
+pub const VM_GATEWAY6: Ipv6Addr = crate::core::dhcp6::GATEWAY;
 
 #[derive(Debug, thiserror::Error)]
 pub enum NetworkError {
@@ -49,6 +51,9 @@ pub struct VmNetwork {
     pub pod_ip: Ipv4Addr,
     pub pod_prefix: u8,
     pub pod_gateway: Ipv4Addr,
+    /// Dual stack: `eth0`'s IPv6 address, its prefix and the host's
+    /// gateway; `k6t-eth0` then gets [`VM_GATEWAY6`] as well.
+    pub pod_v6: Option<PodV6>,
     pub mtu: u32,
     /// `k6t-eth0`'s address: the guest's router (KubeVirt: 10.0.2.1/24).
     pub vm_gateway: Ipv4Addr,
@@ -56,6 +61,14 @@ pub struct VmNetwork {
     /// Owner of `tap0`: the VM's unprivileged user.
     pub tap_uid: u32,
     pub tap_gid: u32,
+}
+
+/// A VM's IPv6 side of the pod network.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PodV6 {
+    pub ip: Ipv6Addr,
+    pub prefix: u8,
+    pub gateway: Ipv6Addr,
 }
 
 /// Interface names are limited to 15 bytes: a hash of the id keeps them
@@ -134,16 +147,21 @@ pub(crate) async fn index_of(
 async fn add_addr(
     h: &rtnetlink::Handle,
     index: u32,
-    ip: Ipv4Addr,
+    ip: IpAddr,
     prefix: u8,
     what: &str,
 ) -> Result<(), NetworkError> {
-    match h
-        .address()
-        .add(index, IpAddr::V4(ip), prefix)
-        .execute()
-        .await
-    {
+    use rtnetlink::packet_route::address::{AddressAttribute, AddressFlags};
+    let mut req = h.address().add(index, ip, prefix);
+    if ip.is_ipv6() {
+        // Unique by construction (paired with a unique IPv4 lease, or the
+        // namespace's private router address): duplicate detection would
+        // only keep it tentative, unusable, for a second or more.
+        req.message_mut()
+            .attributes
+            .push(AddressAttribute::Flags(AddressFlags::Nodad));
+    }
+    match req.execute().await {
         Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::EEXIST => Ok(()),
         r => r.map_err(nl(format!("address {ip}/{prefix} on {what}"))),
     }
@@ -191,12 +209,24 @@ pub(crate) fn write_sysctl(path: &str, value: &str) -> Result<(), NetworkError> 
 }
 
 /// The host side, once per host: the bridge with the VM subnet's gateway
-/// address, and forwarding (which VMs need to reach beyond the host).
-pub fn setup_host(gateway: Ipv4Addr, prefix: u8) -> Result<(), NetworkError> {
+/// address (and the IPv6 range's, dual-stack), and forwarding (which VMs
+/// need to reach beyond the host).
+pub fn setup_host(
+    gateway: Ipv4Addr,
+    prefix: u8,
+    v6: Option<(Ipv6Addr, u8)>,
+) -> Result<(), NetworkError> {
+    if v6.is_some() {
+        ipv6_available()?;
+    }
     in_netns(None, move |h| {
         Box::pin(async move {
             let i = ensure_bridge(&h, HOST_BRIDGE, None, None).await?;
-            add_addr(&h, i, gateway, prefix, HOST_BRIDGE).await?;
+            add_addr(&h, i, IpAddr::V4(gateway), prefix, HOST_BRIDGE).await?;
+            if let Some((gw6, len)) = v6 {
+                write_sysctl(&ipv6_conf(HOST_BRIDGE, "disable_ipv6"), "0")?;
+                add_addr(&h, i, IpAddr::V6(gw6), len, HOST_BRIDGE).await?;
+            }
             h.link()
                 .set(rtnetlink::LinkUnspec::new_with_index(i).up().build())
                 .execute()
@@ -205,7 +235,26 @@ pub fn setup_host(gateway: Ipv4Addr, prefix: u8) -> Result<(), NetworkError> {
             Ok(())
         })
     })?;
+    if v6.is_some() {
+        write_sysctl("/proc/sys/net/ipv6/conf/all/forwarding", "1")?;
+    }
     write_sysctl("/proc/sys/net/ipv4/ip_forward", "1")
+}
+
+fn ipv6_conf(iface: &str, key: &str) -> String {
+    format!("/proc/sys/net/ipv6/conf/{iface}/{key}")
+}
+
+/// A kernel booted with `ipv6.disable=1` has no IPv6 at all: say so
+/// rather than fail on the first address.
+fn ipv6_available() -> Result<(), NetworkError> {
+    if Path::new("/proc/sys/net/ipv6").exists() {
+        return Ok(());
+    }
+    Err(NetworkError::Sys {
+        what: "network.subnet6 is set but this kernel has IPv6 disabled".into(),
+        source: std::io::Error::from(std::io::ErrorKind::Unsupported),
+    })
 }
 
 /// A link's index, the index of its peer (a veth's), and whether the peer
@@ -358,7 +407,10 @@ pub fn setup_vm(n: &VmNetwork) -> Result<(), NetworkError> {
                     what: POD_IFACE.into(),
                     message: "missing in the VM namespace".into(),
                 })?;
-            add_addr(&h, eth0, n.pod_ip, n.pod_prefix, POD_IFACE).await?;
+            add_addr(&h, eth0, IpAddr::V4(n.pod_ip), n.pod_prefix, POD_IFACE).await?;
+            if let Some(v6) = n.pod_v6 {
+                add_addr(&h, eth0, IpAddr::V6(v6.ip), v6.prefix, POD_IFACE).await?;
+            }
             h.link()
                 .set(rtnetlink::LinkUnspec::new_with_index(eth0).up().build())
                 .execute()
@@ -367,12 +419,21 @@ pub fn setup_vm(n: &VmNetwork) -> Result<(), NetworkError> {
             let route = rtnetlink::RouteMessageBuilder::<Ipv4Addr>::new()
                 .gateway(n.pod_gateway)
                 .build();
-            match h.route().add(route).execute().await {
-                Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::EEXIST => {}
-                r => r.map_err(nl("default route"))?,
+            ignore_exists(h.route().add(route).execute().await, "default route")?;
+            if let Some(v6) = n.pod_v6 {
+                let route = rtnetlink::RouteMessageBuilder::<Ipv6Addr>::new()
+                    .output_interface(eth0)
+                    .gateway(v6.gateway)
+                    .build();
+                ignore_exists(h.route().add(route).execute().await, "IPv6 default route")?;
+                write_sysctl("/proc/sys/net/ipv6/conf/all/forwarding", "1")?;
             }
             let br = ensure_bridge(&h, VM_BRIDGE, Some(VM_BRIDGE_MAC), Some(n.mtu)).await?;
-            add_addr(&h, br, n.vm_gateway, n.vm_prefix, VM_BRIDGE).await?;
+            add_addr(&h, br, IpAddr::V4(n.vm_gateway), n.vm_prefix, VM_BRIDGE).await?;
+            if n.pod_v6.is_some() {
+                let prefix = crate::core::dhcp6::PREFIX;
+                add_addr(&h, br, IpAddr::V6(VM_GATEWAY6), prefix, VM_BRIDGE).await?;
+            }
             if index_of(&h, TAP).await?.is_none() {
                 create_tap(TAP, n.tap_uid, n.tap_gid)?;
             }
@@ -392,6 +453,13 @@ pub fn setup_vm(n: &VmNetwork) -> Result<(), NetworkError> {
             Ok(())
         })
     })
+}
+
+fn ignore_exists(r: Result<(), rtnetlink::Error>, what: &str) -> Result<(), NetworkError> {
+    match r {
+        Err(rtnetlink::Error::NetlinkError(e)) if e.raw_code() == -libc::EEXIST => Ok(()),
+        r => r.map_err(nl(what)),
+    }
 }
 
 /// Removes the host end of the veth (its peer goes with it); a missing one
@@ -423,13 +491,6 @@ pub fn teardown_vm(host_veth: &str, vm_netns: &Path) -> Result<(), NetworkError>
             }
         })
     })
-}
-
-fn vm_source(id: &str, ip: Ipv4Addr) -> VmSource {
-    VmSource {
-        veth: host_veth_name(id),
-        ip,
-    }
 }
 
 /// Whether the host end of a VM's veth exists (observation for adoption).
@@ -471,6 +532,10 @@ pub trait Network: Send + Sync + 'static {
     /// The pod network's address (the VMI's `ipAddress`, as KubeVirt
     /// reports the pod IP).
     fn address(&self, id: &str) -> Option<Ipv4Addr>;
+    /// The pod network's IPv6 address, dual-stack.
+    fn address6(&self, _id: &str) -> Option<Ipv6Addr> {
+        None
+    }
     /// Whether anything of the VM's networks is held (an address, a CNI
     /// attachment).
     fn holds(&self, id: &str) -> bool {
@@ -498,6 +563,8 @@ pub struct NetworkSettings {
     /// Where named CNI network configs are (`/etc/cni/net.d`).
     pub cni_config_dir: PathBuf,
     pub subnet: crate::core::ipam::Subnet,
+    /// Dual stack: the IPv6 range paired with `subnet`.
+    pub subnet6: Option<crate::core::ipam::Subnet6>,
     pub mtu: u32,
     pub dns: Vec<Ipv4Addr>,
     pub dhcp_lease_secs: u32,
@@ -549,18 +616,18 @@ impl HostNetwork {
             settings.subnet,
         )
         .map_err(|e| err(e.to_string()))?;
-        setup_host(settings.subnet.gateway(), settings.subnet.prefix())?;
+        let v4 = settings.subnet;
+        let v6 = settings.subnet6.map(|s| (s.network(), s.prefix()));
+        let gw6 = settings.subnet6.map(|s| (s.gateway(&v4), s.prefix()));
+        setup_host(v4.gateway(), v4.prefix(), gw6)?;
         // Every VM holding an address may send from it, running or adopted.
         let sources: Vec<VmSource> = ipam
             .snapshot()
             .iter()
-            .map(|(id, lease)| vm_source(id, lease.ip))
+            .map(|(id, lease)| vm_source(&settings, id, lease.ip))
             .collect();
-        nft::apply(
-            &rules::host_ruleset(&settings.subnet, HOST_BRIDGE, &sources),
-            None,
-        )
-        .map_err(|e| err(e.to_string()))?;
+        nft::apply(&rules::host_ruleset(&v4, v6, HOST_BRIDGE, &sources), None)
+            .map_err(|e| err(e.to_string()))?;
         let (secondary, unreadable) = SecondaryNets::open(settings.cni.clone());
         let mut dropped: Vec<String> = dropped.iter().map(|d| d.to_string()).collect();
         dropped.extend(unreadable);
@@ -599,6 +666,18 @@ impl HostNetwork {
     }
 }
 
+/// What a VM's veth may send from: its lease, and the IPv6 address
+/// paired with it when dual-stack.
+fn vm_source(settings: &NetworkSettings, id: &str, ip: Ipv4Addr) -> VmSource {
+    VmSource {
+        veth: host_veth_name(id),
+        ip,
+        ip6: settings
+            .subnet6
+            .map(|s6| s6.address_of(&settings.subnet, ip)),
+    }
+}
+
 impl HostNetwork {
     fn lease_defaults(&self, hostname: &str) -> LeaseDefaults {
         LeaseDefaults {
@@ -619,7 +698,7 @@ impl HostNetwork {
         let (i, u) = (id.to_owned(), uid.to_owned());
         let ip = blocking(id, move || ipam.lease(&i, &u).map_err(|e| e.to_string())).await?;
         self.host_table
-            .apply(rules::vm_source_add(&vm_source(id, ip)))
+            .apply(rules::vm_source_add(&vm_source(&self.settings, id, ip)))
             .await
             .map_err(|e| vm_err(id)(e.to_string()))?;
         let vm = VmNetwork {
@@ -628,6 +707,11 @@ impl HostNetwork {
             pod_ip: ip,
             pod_prefix: self.settings.subnet.prefix(),
             pod_gateway: self.settings.subnet.gateway(),
+            pod_v6: self.settings.subnet6.map(|s6| PodV6 {
+                ip: s6.address_of(&self.settings.subnet, ip),
+                prefix: s6.prefix(),
+                gateway: s6.gateway(&self.settings.subnet),
+            }),
             mtu: self.settings.mtu,
             vm_gateway: net.vm_gateway(),
             vm_prefix: net.vm_cidr.1,
@@ -640,6 +724,10 @@ impl HostNetwork {
             mac: net.mac,
             ip: net.guest_ip(),
             net: net.vm_cidr,
+            v6: self.settings.subnet6.map(|_| {
+                use crate::core::dhcp6;
+                (dhcp6::GUEST, (dhcp6::GUEST_NET, dhcp6::PREFIX))
+            }),
         };
         let rules = rules::vm_ruleset(&guest, &net.ports);
         let netns = crate::core::key::netns_name_of(id);
@@ -652,16 +740,37 @@ impl HostNetwork {
         self.attach_pod(id, net).await
     }
 
+    /// Serves the guest's leases: DHCP, and DHCPv6 when dual-stack. Each
+    /// server that runs already is kept.
     async fn attach_pod(&self, id: &str, net: &NetSpec) -> Result<(), NetworkError> {
-        if self.dhcp.ids().iter().any(|i| i == id) {
-            return Ok(());
+        let running = self.dhcp.ids();
+        let netns = self.netns_path(id);
+        if !running.iter().any(|i| i == id) {
+            let lease = self.lease_config(net);
+            self.dhcp
+                .start(id, &netns, VM_BRIDGE, lease)
+                .await
+                .map_err(|e| vm_err(id)(e.to_string()))?;
         }
-        let lease = self.lease_config(net);
-        self.dhcp
-            .start(id, &self.netns_path(id), VM_BRIDGE, lease)
-            .await
-            .map_err(|e| vm_err(id)(e.to_string()))
+        let key = dhcp6_key(id);
+        if self.settings.subnet6.is_some() && !running.contains(&key) {
+            let lease = crate::core::dhcp6::Lease6::masquerade(
+                VM_BRIDGE_MAC,
+                Vec::new(),
+                self.settings.dhcp_lease_secs,
+            );
+            self.dhcp
+                .start(&key, &netns, VM_BRIDGE, lease)
+                .await
+                .map_err(|e| vm_err(id)(e.to_string()))?;
+        }
+        Ok(())
     }
+}
+
+/// The pod network's DHCPv6 server's key (the DHCP server's is the id).
+fn dhcp6_key(id: &str) -> String {
+    format!("{id}#v6")
 }
 
 impl Network for HostNetwork {
@@ -716,6 +825,7 @@ impl Network for HostNetwork {
         // The plugins first: they find what they made in the namespace.
         let mut errors = self.secondary.teardown(id, &self.dhcp).await;
         self.dhcp.stop(id).await;
+        self.dhcp.stop(&dhcp6_key(id)).await;
         let (veth, netns) = (host_veth_name(id), self.netns_path(id));
         if let Err(e) = blocking(id, move || {
             teardown_vm(&veth, &netns).map_err(|e| e.to_string())
@@ -725,7 +835,7 @@ impl Network for HostNetwork {
             errors.push(e.to_string());
         }
         if let Some(lease) = self.ipam.get(id) {
-            let source = rules::vm_source_remove(&vm_source(id, lease.ip));
+            let source = rules::vm_source_remove(&vm_source(&self.settings, id, lease.ip));
             if let Err(e) = self.host_table.apply(source).await {
                 errors.push(e.to_string());
             }
@@ -748,6 +858,11 @@ impl Network for HostNetwork {
 
     fn address(&self, id: &str) -> Option<Ipv4Addr> {
         self.ipam.get(id).map(|l| l.ip)
+    }
+
+    fn address6(&self, id: &str) -> Option<Ipv6Addr> {
+        let s6 = self.settings.subnet6?;
+        Some(s6.address_of(&self.settings.subnet, self.address(id)?))
     }
 
     fn holds(&self, id: &str) -> bool {
@@ -857,6 +972,7 @@ mod tests {
             pod_ip: Ipv4Addr::new(10, 213, 0, ip),
             pod_prefix: 24,
             pod_gateway: Ipv4Addr::new(10, 213, 0, 1),
+            pod_v6: None,
             mtu: 1500,
             vm_gateway: VM_GATEWAY,
             vm_prefix: VM_PREFIX,
@@ -879,15 +995,24 @@ mod tests {
         ns.create(host).await.unwrap();
         ns.create(vm).await.unwrap();
         let (hp, vp) = (dir.path().join(host), dir.path().join(vm));
-        let n = test_vm(vp.clone(), "t_vm", 2);
+        // Dual stack, so both families are plumbed.
+        let n = VmNetwork {
+            pod_v6: Some(PodV6 {
+                ip: "fd00:6b76::2".parse().unwrap(),
+                prefix: 64,
+                gateway: "fd00:6b76::1".parse().unwrap(),
+            }),
+            ..test_vm(vp.clone(), "t_vm", 2)
+        };
         let hp2 = hp.clone();
         let n2 = n.clone();
         let result = std::thread::spawn(move || {
             // Threads spawned from here inherit this stand-in host namespace.
             let f = std::fs::File::open(&hp2).unwrap();
             setns(f.as_fd(), CloneFlags::CLONE_NEWNET).unwrap();
+            let gw6 = n2.pod_v6.map(|v| (v.gateway, v.prefix));
             for _ in 0..2 {
-                setup_host(n2.pod_gateway, n2.pod_prefix)?;
+                setup_host(n2.pod_gateway, n2.pod_prefix, gw6)?;
                 setup_vm(&n2)?;
             }
             Ok::<_, NetworkError>(())
@@ -897,6 +1022,7 @@ mod tests {
         let inside = ip_json(&vp, "addr");
         let host_side = ip_json(&hp, "addr");
         let routes = ip_json(&vp, "route");
+        let routes6 = ip_json(&vp, "-6 route");
         let tap = ip_json(&vp, "-d link show tap0");
         ns.delete(vm).await.unwrap();
         ns.delete(host).await.unwrap();
@@ -904,6 +1030,29 @@ mod tests {
         assert!(has_addr(&inside, "eth0", "10.213.0.2"), "{inside}");
         assert!(has_addr(&inside, "k6t-eth0", "10.0.2.1"), "{inside}");
         assert!(has_addr(&host_side, "kvirt0", "10.213.0.1"), "{host_side}");
+        assert!(has_addr(&inside, "eth0", "fd00:6b76::2"), "{inside}");
+        assert!(has_addr(&inside, "k6t-eth0", "fd10:0:2::1"), "{inside}");
+        assert!(
+            has_addr(&host_side, "kvirt0", "fd00:6b76::1"),
+            "{host_side}"
+        );
+        // Usable at once: no duplicate detection holding them tentative.
+        let tentative = inside
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|l| l["addr_info"].as_array().unwrap().iter())
+            .filter(|a| a["local"].as_str().is_some_and(|l| !l.starts_with("fe80")))
+            .any(|a| a.get("tentative").is_some());
+        assert!(!tentative, "{inside}");
+        assert!(
+            routes6
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|r| r["dst"] == "default" && r["gateway"] == "fd00:6b76::1"),
+            "{routes6}"
+        );
         assert!(
             routes
                 .as_array()
@@ -951,7 +1100,7 @@ mod tests {
         let result = std::thread::spawn(move || {
             let f = std::fs::File::open(&hp).unwrap();
             setns(f.as_fd(), CloneFlags::CLONE_NEWNET).unwrap();
-            setup_host(va.pod_gateway, va.pod_prefix).unwrap();
+            setup_host(va.pod_gateway, va.pod_prefix, None).unwrap();
             setup_vm(&va).unwrap();
             setup_vm(&va).expect("its own link is reused");
             let refused = setup_vm(&vb).expect_err("another VM's link");

@@ -164,8 +164,8 @@ mod tests {
     use super::*;
     use crate::core::nft::tests::*;
     use crate::core::nft::{
-        host_ruleset, host_teardown, vm_source_add, vm_source_remove, PortRule, Proto, VmSource,
-        TABLE,
+        host_ruleset, host_teardown, vm_ruleset, vm_source_add, vm_source_remove, PortRule, Proto,
+        VmSource, TABLE,
     };
     use serde_json::Value;
 
@@ -246,11 +246,12 @@ mod tests {
             }
             let host = TestNetns::new("burst");
             let subnet = "10.213.0.0/24".parse().unwrap();
-            apply(&host_ruleset(&subnet, "kvirt0", &[]), Some(&host.0)).unwrap();
+            apply(&host_ruleset(&subnet, None, "kvirt0", &[]), Some(&host.0)).unwrap();
             let table = HostTable::start(Some(host.0.clone()));
             let source = |i: u8| VmSource {
                 veth: format!("kvtest{i}"),
                 ip: std::net::Ipv4Addr::new(10, 213, 0, 10 + i),
+                ip6: None,
             };
             // A rule in a chain that does not exist: nft refuses it.
             let bad = serde_json::from_value::<Nftables>(serde_json::json!({"nftables": [
@@ -451,9 +452,10 @@ mod tests {
             let source = VmSource {
                 veth: veth.clone(),
                 ip: "10.213.0.2".parse().unwrap(),
+                ip6: None,
             };
             let subnet = "10.213.0.0/24".parse().unwrap();
-            apply(&host_ruleset(&subnet, "kvirt0", &[]), Some(&host.0)).unwrap();
+            apply(&host_ruleset(&subnet, None, "kvirt0", &[]), Some(&host.0)).unwrap();
             apply(&vm(&[]), Some(&vmns.0)).unwrap();
 
             // Until its address is in the host's set, the VM sends nothing.
@@ -489,6 +491,65 @@ mod tests {
             apply(&vm_source_remove(&source), Some(&host.0)).unwrap();
             apply(&vm_source_remove(&source), Some(&host.0)).unwrap();
             assert!(!pings(&vmns, "10.213.0.1", None), "a removed VM passed");
+        }
+
+        /// [`spoofed_sources_never_reach_the_host`] for IPv6, dual-stack:
+        /// the guest at `fd10:0:2::2` reaches the host masqueraded, and
+        /// neither another guest address nor another pod address passes.
+        #[test]
+        fn ipv6_spoofed_sources_never_reach_the_host() {
+            if !usable() || !std::path::Path::new("/bin/busybox").exists() {
+                eprintln!("skipping: needs root, nft and busybox");
+                return;
+            }
+            let (host, vmns, guest) = (
+                TestNetns::new("spoof6-h"),
+                TestNetns::new("spoof6-v"),
+                TestNetns::new("spoof6-g"),
+            );
+            let veth = format!("kv6{:011x}", std::process::id());
+            let mac = GUEST_MAC.map(|b| format!("{b:02x}")).join(":");
+            must(&host, "ip link add kvirt0 type bridge && ip addr add 10.213.0.1/24 dev kvirt0 && ip addr add fd00:6b76::1/64 dev kvirt0 nodad && ip link set kvirt0 up");
+            must(&host, &format!("ip link add {veth} type veth peer name eth0 netns {} && ip link set {veth} master kvirt0 up", vmns.0));
+            must(&vmns, "ip addr add 10.213.0.2/24 dev eth0 && ip addr add fd00:6b76::2/64 dev eth0 nodad && ip link set eth0 up && ip link set lo up && ip route add default via 10.213.0.1 && ip -6 route add default via fd00:6b76::1");
+            must(&vmns, "ip link add k6t-eth0 type bridge && ip addr add 10.0.2.1/24 dev k6t-eth0 && ip addr add fd10:0:2::1/120 dev k6t-eth0 nodad && ip link set k6t-eth0 up");
+            must(&vmns, &format!("ip link add tap0 type veth peer name guest0 netns {} && ip link set tap0 master k6t-eth0 up", guest.0));
+            must(&vmns, "echo 1 > /proc/sys/net/ipv4/ip_forward && echo 1 > /proc/sys/net/ipv6/conf/all/forwarding");
+            must(&guest, &format!("ip link set guest0 address {mac} up && ip addr add fd10:0:2::2/120 dev guest0 nodad && ip -6 route add default via fd10:0:2::1"));
+            let source = VmSource {
+                veth: veth.clone(),
+                ip: "10.213.0.2".parse().unwrap(),
+                ip6: Some("fd00:6b76::2".parse().unwrap()),
+            };
+            let subnet = "10.213.0.0/24".parse().unwrap();
+            let subnet6 = Some(crate::core::nft::tests::SUBNET6);
+            apply(
+                &host_ruleset(&subnet, subnet6, "kvirt0", &[]),
+                Some(&host.0),
+            )
+            .unwrap();
+            apply(&vm_ruleset(&guest6(), &[]), Some(&vmns.0)).unwrap();
+
+            assert!(!pings(&vmns, "fd00:6b76::1", None), "unknown VM passed");
+            apply(&vm_source_add(&source), Some(&host.0)).unwrap();
+            assert!(answers(&vmns, "fd00:6b76::1", None), "the VM's own address");
+            assert!(
+                answers(&guest, "fd00:6b76::1", None),
+                "the guest, masqueraded"
+            );
+
+            must(&guest, "ip addr add fd10:0:2::77/120 dev guest0 nodad");
+            assert!(
+                !pings(&guest, "fd00:6b76::1", Some("fd10:0:2::77")),
+                "spoofed guest address passed"
+            );
+            must(&vmns, "ip addr add fd00:6b76::99/64 dev eth0 nodad");
+            assert!(
+                !pings(&vmns, "fd00:6b76::1", Some("fd00:6b76::99")),
+                "spoofed pod address passed"
+            );
+            apply(&vm_source_remove(&source), Some(&host.0)).unwrap();
+            assert!(!pings(&vmns, "fd00:6b76::1", None), "a removed VM passed");
         }
     }
 }

@@ -248,6 +248,16 @@ for nic in /sys/class/net/eth*; do
   ip link set "${nic##*/}" up
   udhcpc -f -i "${nic##*/}" -s /etc/udhcpc.script -t 5 -T 1 -A 2 -S >/dev/null 2>&1 &
 done
+# DHCPv6 on eth0 where the network offers it (KubeVirt's dual-stack
+# masquerade); the lease is printed as KVIRT-GUEST-DHCP6 <address>.
+# udhcpc6 sends from eth0's link-local address, so it starts once there is one.
+if [ -e /sys/class/net/eth0 ]; then
+  (
+    i=0
+    while [ $i -lt 50 ] && ! ip -6 addr show dev eth0 | grep -q fe80; do i=$((i + 1)); sleep 0.2; done
+    exec udhcpc6 -f -i eth0 -s /etc/udhcpc6.script -t 5 -T 1 -A 2 >/dev/null 2>&1
+  ) &
+fi
 if [ -e /sys/class/net/eth0 ]; then
   ip link set lo up
   # Two TCP listeners for the port-forwarding tests: each answers its port.
@@ -348,7 +358,7 @@ th__build_guest() {
 #!/bin/sh
 case $1 in
   bound|renew)
-    ip addr flush dev "$interface"
+    ip -4 addr flush dev "$interface"
     ip addr add "$ip/${mask:-24}" dev "$interface"
     if [ "$interface" != eth0 ]; then
       echo "KVIRT-GUEST-IP-$interface $ip router=${router%% *} mtu=$mtu" >/dev/console
@@ -361,7 +371,21 @@ case $1 in
     ;;
 esac
 DHCP
-  chmod 755 "$ir/etc/acpi/PWRF/00000080" "$ir/etc/udhcpc.script"
+  # KubeVirt sends no router advertisements: a dual-stack guest is told its
+  # prefix and route by its own configuration (cloud-init's networkData in
+  # KubeVirt's docs), here: the masquerade's fd10:0:2::/120 and ::1.
+  cat >"$ir/etc/udhcpc6.script" <<'DHCP6'
+#!/bin/sh
+case $1 in
+  bound|renew)
+    [ -n "$ipv6" ] || exit 0
+    ip -6 addr add "$ipv6/120" dev "$interface" 2>/dev/null
+    ip -6 route replace default via fd10:0:2::1 dev "$interface"
+    echo "KVIRT-GUEST-DHCP6 $ipv6" >/dev/console
+    ;;
+esac
+DHCP6
+  chmod 755 "$ir/etc/acpi/PWRF/00000080" "$ir/etc/udhcpc.script" "$ir/etc/udhcpc6.script"
   # Kernel modules (the kernel package has no modules.dep: read depends= from each
   # module's .modinfo), written in load order.
   local -A seen=()

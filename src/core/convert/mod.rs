@@ -194,6 +194,8 @@ pub struct HostCapacity {
 #[derive(Clone, Debug, PartialEq)]
 pub struct Converted {
     pub domain_xml: String,
+    /// What `domain_xml` was made from, for [`Converted::domain_xml_with_macs`].
+    domain: domain::Domain,
     /// Files the runtime must create or check before defining the domain.
     pub disks: Vec<DiskPrep>,
     /// The pod interface, when the VM has one.
@@ -206,6 +208,35 @@ pub struct Converted {
     /// `status.volumeStatus`: each disk's volume and target, with a
     /// claim's `persistentVolumeClaimInfo` when its claim was read.
     pub volume_status: Vec<serde_json::Value>,
+}
+
+impl Converted {
+    /// The domain XML with the given guest MACs (by interface name) in
+    /// place of the converted ones: a secondary interface without a spec
+    /// MAC takes its plugins' once they have run (KubeVirt's bridge
+    /// binding), known only after the conversion.
+    pub fn domain_xml_with_macs(
+        &self,
+        macs: &[(String, [u8; 6])],
+    ) -> Result<String, quick_xml::SeError> {
+        let mut domain = self.domain.clone();
+        let mut changed = false;
+        for iface in &mut domain.devices.interfaces {
+            let Some(name) = iface.alias.name.strip_prefix("ua-") else {
+                continue;
+            };
+            if let Some((_, mac)) = macs.iter().find(|(n, _)| n == name) {
+                let address = network::format_mac(mac);
+                changed |= iface.mac.address != address;
+                iface.mac.address = address;
+            }
+        }
+        if changed {
+            domain.to_xml()
+        } else {
+            Ok(self.domain_xml.clone())
+        }
+    }
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -600,6 +631,7 @@ pub fn convert_all_errors(
     })?;
     Ok(Converted {
         domain_xml,
+        domain,
         volume_status,
         disks: preps,
         network: nets.pod,

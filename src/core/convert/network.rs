@@ -5,7 +5,7 @@
 
 use super::domain::{Boot, Interface, InterfaceAlias, InterfaceModel, InterfaceTarget, MacAddress};
 use super::Errors;
-use crate::core::cni::{BridgeLinks, NetworkRef};
+use crate::core::cni::{BridgeLinks, CniResult, NetworkRef};
 pub use crate::core::nft::{PortRule, Proto};
 use crate::core::vmi::VmiSpec;
 use core::net::Ipv4Addr;
@@ -120,10 +120,42 @@ pub struct Secondary {
     /// The VMI's name of the network (and of its interface).
     pub name: String,
     pub network: NetworkRef,
-    /// The guest's MAC: the spec's, else one of kvirt's, stable per VM and
-    /// network. It is also offered to the plugins (`runtimeConfig.mac`).
+    /// The spec's MAC, else one of kvirt's (stable per VM and network) for
+    /// when the plugins report none: see [`Secondary::guest_mac`].
     pub mac: [u8; 6],
+    /// Whether `mac` is the spec's: only then is it offered to the plugins
+    /// (`runtimeConfig.mac`), as KubeVirt does.
+    pub spec_mac: bool,
     pub links: BridgeLinks,
+}
+
+impl Secondary {
+    /// The guest's MAC, in KubeVirt's order for the bridge binding: the
+    /// spec's, else that of the interface the plugins made (from their
+    /// result, recorded, so the same after a restart), else kvirt's own.
+    pub fn guest_mac(&self, result: Option<&CniResult>) -> [u8; 6] {
+        if self.spec_mac {
+            return self.mac;
+        }
+        result
+            .and_then(|r| r.mac_of(&self.links.pod_iface))
+            .unwrap_or(self.mac)
+    }
+}
+
+/// Each secondary interface's guest MAC (by interface name), from the
+/// plugins' results (by pod interface name).
+pub fn guest_macs(
+    secondary: &[Secondary],
+    results: &[(String, CniResult)],
+) -> Vec<(String, [u8; 6])> {
+    secondary
+        .iter()
+        .map(|s| {
+            let r = results.iter().find(|(i, _)| *i == s.links.pod_iface);
+            (s.name.clone(), s.guest_mac(r.map(|(_, r)| r)))
+        })
+        .collect()
 }
 
 /// The VM's networks as the host side makes them.
@@ -325,6 +357,7 @@ pub(super) fn convert(
                     name: iface.name.clone(),
                     network: r.clone(),
                     mac,
+                    spec_mac: c.mac.is_some(),
                     links: links.clone(),
                 });
                 interface(&iface.name, mac, &links.tap, &c.model)
@@ -610,6 +643,82 @@ networks: [{name: default, pod: {}}, {name: blue, multus: {networkName: blue-net
         )
         .unwrap();
         assert_eq!((nets.pod, nets.secondary.len()), (None, 1));
+    }
+
+    /// KubeVirt's order for a bridged interface's guest MAC: the spec's,
+    /// else the plugins' interface's, else kvirt's own. A MAC the plugins
+    /// could not have given a guest (multicast, zero, outside the VM's
+    /// namespace) is not taken.
+    #[test]
+    fn a_bridged_guest_takes_the_plugins_mac_unless_the_spec_names_one() {
+        let (_, nets) = convert_all(TWO).unwrap();
+        let [blue, red] = &nets.secondary[..] else {
+            panic!("{nets:?}")
+        };
+        assert!(!blue.spec_mac && red.spec_mac);
+        let result = |name: &str, mac: &str, sandbox: &str| {
+            crate::core::cni::parse_result(
+                "bridge",
+                format!(
+                    r#"{{"cniVersion":"1.0.0","interfaces":[{{"name":"{name}","mac":"{mac}","sandbox":"{sandbox}"}}]}}"#
+                )
+                .as_bytes(),
+            )
+            .unwrap()
+            .1
+        };
+        let theirs = result(&blue.links.pod_iface, "0a:58:0a:4d:00:07", "/run/netns/x");
+        assert_eq!(
+            blue.guest_mac(Some(&theirs)),
+            [0x0a, 0x58, 0x0a, 0x4d, 0, 7]
+        );
+        assert_eq!(blue.guest_mac(None), blue.mac);
+        let red_result = result(&red.links.pod_iface, "0a:58:0a:4d:00:08", "/run/netns/x");
+        assert_eq!(red.guest_mac(Some(&red_result)), red.mac);
+        for (mac, sandbox) in [
+            ("01:00:5e:00:00:01", "/run/netns/x"),
+            ("00:00:00:00:00:00", "/run/netns/x"),
+            ("0a:58:0a:4d:00:07", ""),
+            ("not a mac", "/run/netns/x"),
+        ] {
+            let r = result(&blue.links.pod_iface, mac, sandbox);
+            assert_eq!(blue.guest_mac(Some(&r)), blue.mac, "{mac} {sandbox:?}");
+        }
+        let macs = guest_macs(&nets.secondary, &[(blue.links.pod_iface.clone(), theirs)]);
+        assert_eq!(
+            macs,
+            [
+                ("blue".to_owned(), [0x0a, 0x58, 0x0a, 0x4d, 0, 7]),
+                ("red".to_owned(), red.mac)
+            ]
+        );
+    }
+
+    /// The plugins' MACs go into the domain XML after the conversion: the
+    /// named interface's changes, nothing else does.
+    #[test]
+    fn the_domain_takes_the_plugins_macs_after_conversion() {
+        use super::super::test_support::{run, vmi};
+        let spec = TWO.replacen("domain: {", "domain: {memory: {guest: 64Mi}, ", 1);
+        let c = run(&vmi(&spec), DomainType::Qemu).unwrap();
+        assert_eq!(c.domain_xml_with_macs(&[]).unwrap(), c.domain_xml);
+        let blue = c.secondary_networks[0].clone();
+        let same = [("blue".to_owned(), blue.mac)];
+        assert_eq!(c.domain_xml_with_macs(&same).unwrap(), c.domain_xml);
+        let theirs = [("blue".to_owned(), [0x0a, 0x58, 0x0a, 0x4d, 0, 7])];
+        let xml = c.domain_xml_with_macs(&theirs).unwrap();
+        let old = format!("<mac address=\"{}\"/>", format_mac(&blue.mac));
+        assert!(c.domain_xml.contains(&old), "{}", c.domain_xml);
+        assert!(!xml.contains(&old), "{xml}");
+        assert!(
+            xml.contains("<mac address=\"0a:58:0a:4d:00:07\"/>"),
+            "{xml}"
+        );
+        assert_eq!(xml.len(), c.domain_xml.len());
+        assert!(
+            xml.contains("<mac address=\"02:00:00:00:00:0a\"/>"),
+            "{xml}"
+        );
     }
 
     #[test]

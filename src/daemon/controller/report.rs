@@ -181,16 +181,17 @@ impl<A: Adapters> Controller<A> {
                 "name": net.name,
                 "mac": net.mac_string(),
                 "ipAddress": ip.to_string(),
-                "ipAddresses": [ip.to_string()],
+                "ipAddresses": self.pod_ips(id, ip),
                 "infoSource": "domain",
                 "podInterfaceName": crate::host::network::POD_IFACE,
             }));
         }
         let results = self.deps.network.attachments(id);
         for s in &conv.secondary_networks {
+            let result = results.iter().find(|(i, _)| *i == s.links.pod_iface);
             let mut iface = serde_json::json!({
                 "name": s.name,
-                "mac": format_mac(&s.mac),
+                "mac": format_mac(&s.guest_mac(result.map(|(_, r)| r))),
                 "infoSource": "domain, multus-status",
                 "podInterfaceName": s.links.pod_iface,
             });
@@ -226,7 +227,7 @@ impl<A: Adapters> Controller<A> {
             list.push(serde_json::json!({
                 "name": cni::POD_NETWORK_NAME,
                 "interface": crate::host::network::POD_IFACE,
-                "ips": [ip.to_string()],
+                "ips": self.pod_ips(id, ip),
                 "default": true,
                 "dns": {},
             }));
@@ -238,6 +239,14 @@ impl<A: Adapters> Controller<A> {
             }
         }
         serde_json::to_string(&list).ok()
+    }
+
+    /// The pod network's addresses, IPv4 first as on a dual-stack pod.
+    fn pod_ips(&self, id: &str, ip: std::net::Ipv4Addr) -> Vec<String> {
+        let v6 = self.deps.network.address6(id);
+        std::iter::once(ip.to_string())
+            .chain(v6.map(|a| a.to_string()))
+            .collect()
     }
 
     pub(super) fn unsaved(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {

@@ -391,9 +391,19 @@ impl<A: Adapters> Controller<A> {
     }
 
     async fn define_domain(&self, c: &StepCtx<'_>) -> Result<(), ControllerError> {
-        let xml = &c.converted().domain_xml;
+        let conv = c.converted();
+        let results = self.deps.network.attachments(c.id);
+        let macs = crate::core::convert::network::guest_macs(&conv.secondary_networks, &results);
+        let xml = conv
+            .domain_xml_with_macs(&macs)
+            .map_err(|e| ControllerError::Network {
+                source: crate::host::network::NetworkError::Vm {
+                    id: c.id.into(),
+                    message: format!("the domain XML with the plugins' MACs: {e}"),
+                },
+            })?;
         let hv = &self.deps.hypervisor;
-        hv.define(&self.step_domain(c), xml)
+        hv.define(&self.step_domain(c), &xml)
             .await
             .map_err(|source| ControllerError::Libvirt { source })
     }
