@@ -60,9 +60,10 @@ kvirt_build() {
   th_log "kvirt built and packaged in $(th__since "$t"): $(basename "$KVIRT_DEB") $(basename "$KVIRT_RPM")"
 }
 
-# Boots test host NAME with kvirt installed; echoes its PID 1.
+# Boots test host NAME with kvirt installed; echoes its PID 1. With
+# --dual-stack its kvirtd has network.subnet6 (IPv6 on the pod network).
 kvirt_testhost() {
-  local name=$1 rootfs guest vq pid
+  local name=$1 dual=${2:-} rootfs guest vq pid
   rootfs=$(th_rootfs) || return
   guest=$(th_guest) || return
   vq=$(th_virtqemud) || return
@@ -72,9 +73,9 @@ kvirt_testhost() {
   # Called as $(...), where set -e does not reach: every step says so.
   pid=$(TH_BIND="$binds" TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud" th_boot "$name") || return
   [[ -z $loop ]] || echo "$loop" >"$TH_STATE/$name/share/claim-loop"
-  # Dual stack on the standalone host (the cluster's hosts stay IPv4-only,
-  # the default): every VM here gets KubeVirt's IPv6 masquerade too.
-  th_sh "$name" 'mkdir -p /etc/kvirt/kvirtd.toml.d && printf "[network]\nsubnet6 = \"fd00:6b76::/64\"\n" >/etc/kvirt/kvirtd.toml.d/40-dual-stack.toml' || return
+  if [[ $dual == --dual-stack ]]; then
+    th_sh "$name" 'mkdir -p /etc/kvirt/kvirtd.toml.d && printf "[network]\nsubnet6 = \"fd00:6b76::/64\"\n" >/etc/kvirt/kvirtd.toml.d/40-dual-stack.toml' || return
+  fi
   bash "$top/tests/testhost/install-kvirt.sh" "$name" "$KVIRT_DEB" >&2 || return
   echo "$pid"
 }
