@@ -175,22 +175,7 @@ pub fn host_ruleset(
 /// One family's egress masquerade of the VM range and the forward accepts.
 fn host_nat_forward(b: &mut Batch<'static>, family: NfFamily, range: (IpAddr, u8), bridge: &str) {
     recreate(b, family);
-    b.add(base_chain(
-        family,
-        "postrouting",
-        NfChainType::NAT,
-        NfHook::Postrouting,
-        PRIO_SRCNAT,
-    ));
-    b.add(rule(
-        family,
-        "postrouting",
-        vec![
-            saddr_in(range.0, range.1),
-            meta_match(MetaKey::Oifname, Operator::NEQ, bridge),
-            masquerade(),
-        ],
-    ));
+    masquerading(b, family, range, Operator::NEQ, bridge);
 
     // Only accepts, under the accept policy of every kvirt chain: this chain
     // must not change what the host forwards for anyone else.
@@ -211,6 +196,33 @@ fn host_nat_forward(b: &mut Batch<'static>, family: NfFamily, range: (IpAddr, u8
         family,
         "forward",
         vec![meta_match(MetaKey::Oifname, Operator::EQ, bridge), accept()],
+    ));
+}
+
+/// The postrouting chain masquerading `range` as it leaves by (`EQ`) or
+/// other than by (`NEQ`) the interface `oif`.
+fn masquerading(
+    b: &mut Batch<'static>,
+    family: NfFamily,
+    range: (IpAddr, u8),
+    op: Operator,
+    oif: &str,
+) {
+    b.add(base_chain(
+        family,
+        "postrouting",
+        NfChainType::NAT,
+        NfHook::Postrouting,
+        PRIO_SRCNAT,
+    ));
+    b.add(rule(
+        family,
+        "postrouting",
+        vec![
+            saddr_in(range.0, range.1),
+            meta_match(MetaKey::Oifname, op, oif),
+            masquerade(),
+        ],
     ));
 }
 
@@ -412,22 +424,7 @@ fn vm_nat(
     ports: &[PortRule],
 ) {
     recreate(b, family);
-    b.add(base_chain(
-        family,
-        "postrouting",
-        NfChainType::NAT,
-        NfHook::Postrouting,
-        PRIO_SRCNAT,
-    ));
-    b.add(rule(
-        family,
-        "postrouting",
-        vec![
-            saddr_in(guest_net.0, guest_net.1),
-            meta_match(MetaKey::Oifname, Operator::EQ, VM_UPLINK),
-            masquerade(),
-        ],
-    ));
+    masquerading(b, family, guest_net, Operator::EQ, VM_UPLINK);
     b.add(base_chain(
         family,
         "prerouting",
