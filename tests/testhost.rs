@@ -2926,7 +2926,8 @@ fn amber_leases(h: &Host) -> usize {
         .unwrap()
 }
 
-/// kvirtd killed (SIGKILL of its main process) at a chain's exact points: between the two plugins of an ADD (the first's
+/// kvirtd killed (`systemctl kill -s KILL`, its plugins with it) at a
+/// chain's exact points: between the two plugins of an ADD (the first's
 /// lease and port made, the record written) and between them on DEL. Each
 /// next kvirtd converges from the records: the VM runs after all, then goes
 /// leaving no lease, port or record; another VM on the network runs on
@@ -2945,9 +2946,10 @@ fn kvirtd_killed_between_a_chains_plugins_converges_from_the_records() {
     let witness = h.qemu_pid("amb-a");
     let kill = |h: &Host| {
         let before = h.ok("systemctl show -P NRestarts kvirtd");
-        // A crash: kvirtd's main process alone; systemd ends the rest of
-        // its cgroup (the held plugin) with it.
-        h.ok("kill -KILL \"$(systemctl show -P MainPID kvirtd)\"");
+        // Every process of kvirtd's unit (the held plugin too): with
+        // `KillMode=process` a crash of kvirtd alone would leave the plugin
+        // running on (see the note in docs/networking.md).
+        h.ok("systemctl kill -s KILL kvirtd");
         h.wait(
             "kvirtd restarted",
             Duration::from_secs(60),
@@ -2971,11 +2973,7 @@ fn kvirtd_killed_between_a_chains_plugins_converges_from_the_records() {
         "amb-b's record, before its plugins ran"
     );
     assert_eq!(amber_leases(&h), 2, "the first plugin's lease is made");
-    let held = h.ok("pgrep -f '[h]eld-tuning'");
     kill(&h);
-    // The held plugin ended with kvirtd (`KillMode=mixed`): no ADD runs
-    // on behind the new kvirtd's back (whose own ADD may be held by now).
-    h.ok(&format!("! kill -0 {held} 2>/dev/null"));
     h.ok("touch /run/kvirt-release-ADD");
     h.wait_phase("amb-b", "Running", BOOT);
     assert_eq!(amber_leases(&h), 2, "the cut-short ADD was undone");
