@@ -26,6 +26,7 @@ fn settings() -> Settings {
         node_name: "node-1".into(),
         layout: HostLayout::default(),
         host_disk_roots: HostDiskRoots::Host(vec!["/var/lib/kvirt/images".into()]),
+        shared_roots: vec!["/srv/shared".into()],
         cluster: true,
         daemon: DaemonKind::Virtqemud,
         daemon_path: "/usr/sbin/virtqemud".into(),
@@ -164,6 +165,44 @@ async fn a_dual_stack_vm_reports_both_pod_addresses() {
     assert_eq!(
         iface["ipAddresses"],
         serde_json::json!(["10.213.0.2", "fd00:6b76::2"])
+    );
+}
+
+/// Every VMI says whether it could migrate, as KubeVirt's do: a disk kvirt
+/// made (containerDisk overlay) is copied, a hostDisk under a shared root
+/// stays, one elsewhere keeps the VM on its host.
+#[tokio::test]
+async fn every_running_vmi_says_whether_it_could_live_migrate() {
+    let host = FakeHost::default();
+    let roots = vec!["/var/lib/kvirt/images".into(), "/srv/shared".into()];
+    let ctl: Arc<Ctl> = Controller::new(
+        host.deps(),
+        Settings {
+            host_disk_roots: HostDiskRoots::Host(roots),
+            ..settings()
+        },
+    );
+    let disk =
+        |path: &str| format!("  volumes: [{{name: d, hostDisk: {{path: {path}, type: Disk}}}}]\n");
+    ctl.set_vmis(set(&[
+        vmi("plain", "u1", ""),
+        vmi("shared", "u2", &disk("/srv/shared/vm.img")),
+        vmi("local", "u3", &disk("/var/lib/kvirt/images/vm.img")),
+    ]))
+    .await;
+    for name in ["plain", "shared", "local"] {
+        ctl.reconcile(&format!("default_{name}")).await.unwrap();
+        assert_eq!(phase(&host, name), Some(Phase::Running), "{name}");
+    }
+    let yes = Some(("True".to_string(), None));
+    assert_eq!(condition(&host, "plain", "LiveMigratable"), yes);
+    assert_eq!(condition(&host, "shared", "LiveMigratable"), yes);
+    assert_eq!(
+        condition(&host, "local", "LiveMigratable"),
+        Some((
+            "False".to_string(),
+            Some("DisksNotLiveMigratable".to_string())
+        ))
     );
 }
 

@@ -537,6 +537,7 @@ fn the_readmes_first_vm_converts() {
         paths: &paths,
         domain_type: DomainType::Kvm,
         host_disk_roots: &[],
+        shared_roots: &[],
         cluster: false,
         capacity: None,
         limits: kvirt::core::convert::Limits::default(),

@@ -76,6 +76,7 @@ fn context<'a>(key: &'a VmKey, paths: &'a VmPaths) -> ConvertContext<'a> {
         paths,
         domain_type: DomainType::Qemu,
         host_disk_roots: &[],
+        shared_roots: &[],
         cluster: false,
         capacity: Some(HostCapacity {
             memory_bytes: 64 << 30,
@@ -93,6 +94,7 @@ fn convert_any(vmi: &VirtualMachineInstance, input_len: usize) {
     let paths = HostLayout::default().vm(&key);
     let ctx = ConvertContext {
         host_disk_roots: &["/srv/vms".into()],
+        shared_roots: &[],
         ..context(&key, &paths)
     };
     if let Ok(c) = convert(vmi, &ctx) {

@@ -73,6 +73,17 @@ fn a_manifest_becomes_a_running_vm_that_survives_kvirtd_restarts() {
         "{st}"
     );
     assert_eq!(st["guestOSInfo"]["id"], "kvirt-test", "{st}");
+    // Its disk is a hostDisk on this host alone: it could not migrate, and
+    // says why as KubeVirt does.
+    let migratable = st["conditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["type"] == "LiveMigratable")
+        .cloned()
+        .unwrap_or_default();
+    assert_eq!(migratable["status"], "False", "{st}");
+    assert_eq!(migratable["reason"], "DisksNotLiveMigratable", "{st}");
     assert!(st["guestOSInfo"]["kernelRelease"].is_string(), "{st}");
     // QEMU's capabilities, probed by kvirt's own daemon as kvirt's user
     // (no VM runs as it); each VM starts from a copy of its own.
@@ -509,6 +520,7 @@ fn the_test_manifests_convert() {
             paths: &paths,
             domain_type: DomainType::Qemu,
             host_disk_roots: &["/var/lib/kvirt/images".into()],
+            shared_roots: &[],
             cluster: false,
             capacity: None,
             limits: kvirt::core::convert::Limits::default(),
@@ -3059,4 +3071,93 @@ NAD",
     let ports = h.ok("ip -o link show master kvtgreen || true");
     assert!(ports.is_empty(), "{ports}");
     h.ok("rm -f /etc/kvirt/vmis.d/green-net.yaml && ip link del kvtgreen");
+}
+
+/// The mechanism kvirt's migration stands on, with nothing of kvirt's:
+/// two session libvirt daemons (as the VMs' own, run as kvirt's user)
+/// move a live guest peer-to-peer with every connection on a unix socket
+/// (`qemu+unix:///session?socket=`, a `unix://` migration URI), as
+/// KubeVirt's virt-launchers do. The guest's counter on its serial console
+/// (one file, appended to by both QEMUs) goes on from where it was: the
+/// same guest, never rebooted.
+#[test]
+fn two_session_daemons_move_a_live_guest_over_unix_sockets_only() {
+    let Some(h) = host() else { return };
+    let _g = h.turn();
+    let dir = "/var/tmp/kvirt-mig-mechanism";
+    let daemon = |side: &str| {
+        format!(
+            "mkdir -p {dir}/{side}/config/libvirt {dir}/{side}/run {dir}/{side}/cache
+             printf 'keepalive_interval = -1\\n' > {dir}/{side}/config/libvirt/virtqemud.conf
+             chown -R kvirt:kvirt {dir}/{side}
+             setpriv --reuid kvirt --regid kvirt --clear-groups env HOME={dir}/{side} \
+               XDG_RUNTIME_DIR={dir}/{side}/run XDG_CONFIG_HOME={dir}/{side}/config \
+               XDG_CACHE_HOME={dir}/{side}/cache /usr/sbin/virtqemud --timeout 0 \
+               >{dir}/{side}.log 2>&1 &
+             echo $! > {dir}/{side}.pid
+             for i in $(seq 100); do [ -S {dir}/{side}/run/libvirt/virtqemud-sock ] && break; sleep 0.1; done"
+        )
+    };
+    let uri =
+        |side: &str| format!("qemu+unix:///session?socket={dir}/{side}/run/libvirt/virtqemud-sock");
+    let (a, b) = (uri("a"), uri("b"));
+    let xml = format!(
+        "<domain type='qemu'><name>mig</name><memory unit='MiB'>128</memory><vcpu>1</vcpu>
+           <os><type arch='x86_64' machine='q35'>hvm</type></os>
+           <devices><emulator>/usr/bin/qemu-system-x86_64</emulator>
+             <disk type='file' device='disk'><driver name='qemu' type='raw'/>
+               <source file='{dir}/run.raw'/><target dev='vda' bus='virtio'/><readonly/></disk>
+             <serial type='file'><source path='{dir}/serial.log' append='on'/></serial>
+             <memballoon model='none'/></devices></domain>"
+    );
+    // One service for the whole run: its daemons end with it.
+    let script = format!(
+        "rm -rf {dir}; mkdir -p {dir}/shared
+         cp /srv/guest/run.raw {dir}/run.raw
+         chown -R kvirt:kvirt {dir}
+         {da}
+         {db}
+         cat > {dir}/dom.xml <<'XML'\n{xml}\nXML
+         virsh -q -c '{a}' create {dir}/dom.xml
+         for i in $(seq 600); do grep -qE 'KVIRT-GUEST-ALIVE 2([^0-9]|$)' {dir}/serial.log && break; sleep 0.2; done
+         grep -q 'KVIRT-GUEST-ALIVE 2' {dir}/serial.log
+         virsh -c '{a}' domuuid mig > {dir}/uuid.before
+         virsh -q -c '{a}' migrate --live --p2p --persistent --undefinesource mig '{b}' \
+           --migrateuri unix://{dir}/shared/memory.sock
+         echo \"on-a=$(virsh -q -c '{a}' list --all --name | grep -c mig || true)\"
+         echo \"on-b=$(virsh -q -c '{b}' domstate mig)\"
+         echo \"same-uuid=$(virsh -c '{b}' domuuid mig | cmp -s - {dir}/uuid.before && echo yes)\"
+         last=$(grep -o 'KVIRT-GUEST-ALIVE [0-9]*' {dir}/serial.log | tail -n1 | cut -d' ' -f2)
+         want=$((last + 2))
+         for i in $(seq 300); do grep -qE \"KVIRT-GUEST-ALIVE $want([^0-9]|$)\" {dir}/serial.log && break; sleep 0.2; done
+         echo \"alive-after=$(grep -cE \"KVIRT-GUEST-ALIVE $want([^0-9]|$)\" {dir}/serial.log)\"
+         echo \"readies=$(grep -c KVIRT-GUEST-READY {dir}/serial.log)\"
+         grep -o 'KVIRT-GUEST-ALIVE [0-9]*' {dir}/serial.log | cut -d' ' -f2 | tr '\\n' ' ' | sed 's/^/counter=/'; echo
+         virsh -q -c '{b}' destroy mig; virsh -q -c '{b}' undefine mig
+         kill $(cat {dir}/a.pid) $(cat {dir}/b.pid)",
+        da = daemon("a"),
+        db = daemon("b"),
+    );
+    let out = h.ok(&script);
+    h.ok(&format!("rm -rf {dir}"));
+    let field = |k: &str| {
+        out.lines()
+            .find_map(|l| l.strip_prefix(&format!("{k}=")))
+            .unwrap_or_else(|| panic!("no {k} in {out}"))
+            .trim()
+            .to_string()
+    };
+    assert_eq!(field("on-a"), "0", "the source keeps nothing: {out}");
+    assert_eq!(field("on-b"), "running", "{out}");
+    assert_eq!(field("same-uuid"), "yes", "{out}");
+    assert_eq!(field("alive-after"), "1", "the guest counts on: {out}");
+    assert_eq!(field("readies"), "1", "booted once, never again: {out}");
+    let counter: Vec<u64> = field("counter")
+        .split_whitespace()
+        .map(|n| n.parse().unwrap())
+        .collect();
+    assert!(
+        counter.windows(2).all(|w| w[1] == w[0] + 1),
+        "the counter never restarts, repeats or skips back: {counter:?}"
+    );
 }

@@ -694,6 +694,7 @@ fn domxml(config: &Config, file: &Path, domain_type: DomainTypeArg, defaulted: b
         paths: &paths,
         domain_type,
         host_disk_roots: roots.of(key.namespace()),
+        shared_roots: &[],
         // The XML does not depend on what the objects hold.
         cluster: true,
         // Nor on the host it is made on: it may be for another.

@@ -351,6 +351,7 @@ fn settings(config: &Config) -> Result<Settings> {
         node_name: config.node_name.clone(),
         layout: config.layout(),
         host_disk_roots: config.host_disk_roots(),
+        shared_roots: config.storage.shared_roots.clone(),
         cluster: config.source.kind == kvirt::daemon::config::SourceKind::Kubernetes,
         daemon,
         daemon_path,

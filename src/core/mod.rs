@@ -24,6 +24,7 @@ pub mod ipam;
 pub mod key;
 pub mod kinds;
 pub mod layout;
+pub mod migration;
 pub mod nft;
 pub mod objects;
 pub mod phase;

@@ -127,6 +127,9 @@ pub struct Live {
     /// `status.volumeStatus`, set by the pass that starts the VM (the
     /// claims' facts are read then); `None` leaves it as it is.
     pub volumes: Option<Vec<serde_json::Value>>,
+    /// The `LiveMigratable` condition, set by the same pass (it depends on
+    /// the claims read then); `None` leaves it as it is.
+    pub migratable: Option<crate::core::migration::Migratable>,
 }
 
 /// A running VMI's live facts: the guest agent's condition and OS, the
@@ -137,6 +140,17 @@ pub fn set_live(status: &mut VmiStatus, live: &Live, now: &str) {
     set_guest_agent(status, live.agent.as_ref(), now);
     if let Some(v) = &live.volumes {
         status.extra.insert("volumeStatus".into(), v.clone().into());
+    }
+    if let Some(m) = &live.migratable {
+        let c = crate::core::migration::condition(m);
+        set_condition(
+            &mut status.conditions,
+            &c.type_,
+            c.status == "True",
+            c.reason.as_deref(),
+            c.message.as_deref(),
+            now,
+        );
     }
     match &live.paused {
         Some(reason) => {

@@ -372,6 +372,10 @@ pub struct StorageConfig {
     /// In a cluster: the roots each namespace may use; a namespace not
     /// listed gets no hostDisk at all.
     pub host_disk_roots_by_namespace: BTreeMap<String, Vec<PathBuf>>,
+    /// Directories on storage every kvirt host reaches at the same path: a
+    /// hostDisk, or a ReadWriteMany claim's volume, under one stays where
+    /// it is when its VM migrates (the `LiveMigratable` condition).
+    pub shared_roots: Vec<PathBuf>,
     /// containerDisk registries (`host:port`) spoken to over plain HTTP;
     /// loopback registries always are.
     pub insecure_registries: Vec<String>,
@@ -498,6 +502,7 @@ impl Default for StorageConfig {
         Self {
             host_disk_roots: vec!["/var/lib/kvirt/images".into()],
             host_disk_roots_by_namespace: BTreeMap::new(),
+            shared_roots: Vec::new(),
             insecure_registries: Vec::new(),
             local_registries: Vec::new(),
             image_max_layer: "10Gi".into(),
@@ -610,12 +615,12 @@ impl Config {
                 r.display()
             )));
         }
-        for root in &self.storage.host_disk_roots {
-            if !root.is_absolute() {
-                return Err(invalid(format!(
-                    "storage.host_disk_roots: {} is not absolute",
-                    root.display()
-                )));
+        for (key, roots) in [
+            ("storage.host_disk_roots", &self.storage.host_disk_roots),
+            ("storage.shared_roots", &self.storage.shared_roots),
+        ] {
+            if let Some(r) = roots.iter().find(|r| !r.is_absolute()) {
+                return Err(invalid(format!("{key}: {} is not absolute", r.display())));
             }
         }
         for (ns, roots) in &self.storage.host_disk_roots_by_namespace {

@@ -133,6 +133,8 @@ pub struct Settings {
     pub node_name: String,
     pub layout: HostLayout,
     pub host_disk_roots: HostDiskRoots,
+    /// `storage.shared_roots`: what every host reaches at the same path.
+    pub shared_roots: Vec<PathBuf>,
     /// VMIs come from a cluster (their volumes may name its objects).
     pub cluster: bool,
     pub daemon: DaemonKind,
@@ -527,6 +529,7 @@ impl<A: Adapters> Controller<A> {
                 paths: &paths,
                 domain_type: self.settings.domain_type,
                 host_disk_roots: self.settings.host_disk_roots.of(key.namespace()),
+                shared_roots: &self.settings.shared_roots,
                 cluster: self.settings.cluster,
                 capacity: self.settings.capacity.filter(|_| !admitted),
                 limits: if admitted {
@@ -860,6 +863,7 @@ impl<A: Adapters> Controller<A> {
                         let mut live = self.live(d, ctx.obs.domain.as_ref(), start_paused).await;
                         if creating {
                             live.volumes = ctx.converted.map(|c| c.volume_status.clone());
+                            live.migratable = ctx.converted.map(|c| c.migratable.clone());
                         }
                         live
                     }

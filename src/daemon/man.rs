@@ -27,6 +27,10 @@ pub const MANUAL: &[(&str, &str)] = &[
         "isolation.md",
         "the threat model and what each VM is kept from",
     ),
+    (
+        "migration.md",
+        "live migration: what could move, the tunnel",
+    ),
     ("reliability.md", "what survives what"),
     ("observing.md", "status, logs, machined and metrics"),
     ("configuration.md", "every key of kvirtd.toml"),

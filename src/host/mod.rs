@@ -30,3 +30,4 @@ pub mod qemulog;
 pub mod registry;
 pub mod storage;
 pub mod systemd;
+pub mod tunnel;

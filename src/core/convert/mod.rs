@@ -107,6 +107,9 @@ pub struct ConvertContext<'a> {
     /// hostDisk paths must lie under one of these (lexically; the runtime
     /// re-checks the real path).
     pub host_disk_roots: &'a [PathBuf],
+    /// Storage every kvirt host reaches at the same path
+    /// (`storage.shared_roots`): what may stay put when the VM migrates.
+    pub shared_roots: &'a [PathBuf],
     /// Whether the VMI comes from a cluster, whose Secrets, ConfigMaps and
     /// ServiceAccounts its volumes may name.
     pub cluster: bool,
@@ -208,6 +211,8 @@ pub struct Converted {
     /// `status.volumeStatus`: each disk's volume and target, with a
     /// claim's `persistentVolumeClaimInfo` when its claim was read.
     pub volume_status: Vec<serde_json::Value>,
+    /// Whether the VM could migrate (its `LiveMigratable` condition).
+    pub migratable: crate::core::migration::Migratable,
 }
 
 impl Converted {
@@ -629,10 +634,12 @@ pub fn convert_all_errors(
             message: format!("cannot serialise the domain XML: {e}"),
         }]
     })?;
+    let shared = crate::core::migration::SharedStorage::new(ctx.shared_roots, ctx.claims);
     Ok(Converted {
         domain_xml,
         domain,
         volume_status,
+        migratable: crate::core::migration::migratable(spec, &shared),
         disks: preps,
         network: nets.pod,
         secondary_networks: nets.secondary,
@@ -836,6 +843,7 @@ pub(crate) mod test_support {
                 paths: &paths,
                 domain_type,
                 host_disk_roots: &roots,
+                shared_roots: &[],
                 cluster: false,
                 capacity: Some(HostCapacity {
                     memory_bytes: 64 << 30,
@@ -907,6 +915,7 @@ mod tests {
             paths,
             domain_type,
             host_disk_roots: &[],
+            shared_roots: &[],
             cluster: false,
             capacity: None,
             limits: Limits::default(),

@@ -60,6 +60,7 @@ impl<A: Adapters> Controller<A> {
             paused,
             machine: seen.and_then(|d| d.machine.clone()),
             volumes: None,
+            migratable: None,
         }
     }
 

@@ -1,0 +1,535 @@
+//! Live migration's pure half: KubeVirt's `VirtualMachineInstanceMigration`
+//! and its phases (checked transitions), whether a VMI can move at all (the
+//! `LiveMigratable` condition, with KubeVirt's reasons), whether this host
+//! may be a migration's target, and the VMI's `status.migrationState`.
+//!
+//! Targets are chosen the way claim mode chooses a host for a VMI: every
+//! kvirtd that fits claims the migration with optimistic concurrency, the
+//! first write wins. So the scheduling rules are the VMI's own
+//! ([`scheduling::fits`]) plus the migration's `addedNodeSelector` and
+//! kvirt's target-node annotation.
+
+use crate::core::convert::Claims;
+use crate::core::pvc::{self, Backend, Pvc};
+use crate::core::scheduling::{self, HostFacts};
+use crate::core::vmi::{Condition, VirtualMachineInstance, VmiSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Component, Path, PathBuf};
+
+/// The VMI condition KubeVirt sets on every VMI.
+pub const CONDITION: &str = "LiveMigratable";
+/// KubeVirt's reason for a VMI whose disks cannot follow it.
+pub const REASON_DISKS: &str = "DisksNotLiveMigratable";
+/// The migration's label naming its VMI (`virtctl migrate-cancel` lists by it).
+pub const VMI_NAME_LABEL: &str = "kubevirt.io/vmi-name";
+/// The label, on the migration and the VMI, naming the target node.
+pub const TARGET_NODE_LABEL: &str = "kubevirt.io/migrationTargetNodeName";
+/// kvirt's annotation on a migration naming the one host that may take it.
+pub const TARGET_ANNOTATION: &str = "kvirt.io/target-node";
+
+/// KubeVirt's migration phases, in the order a migration passes them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub enum MigrationPhase {
+    Pending,
+    Scheduling,
+    Scheduled,
+    PreparingTarget,
+    TargetReady,
+    Running,
+    Succeeded,
+    Failed,
+}
+
+impl MigrationPhase {
+    pub fn is_final(self) -> bool {
+        matches!(self, Self::Succeeded | Self::Failed)
+    }
+}
+
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("migration phase {from:?} cannot become {to:?}")]
+pub struct TransitionError {
+    pub from: MigrationPhase,
+    pub to: MigrationPhase,
+}
+
+/// Forward only (a standalone migration skips the scheduling phases), any
+/// unfinished phase may fail, only a running migration succeeds, and the
+/// final phases stay.
+pub fn check(from: Option<MigrationPhase>, to: MigrationPhase) -> Result<(), TransitionError> {
+    use MigrationPhase::*;
+    let Some(from) = from else { return Ok(()) };
+    let ok = from == to
+        || match (from, to) {
+            (Succeeded | Failed, _) => false,
+            (_, Failed) => true,
+            (_, Succeeded) => from == Running,
+            _ => to > from,
+        };
+    if ok {
+        Ok(())
+    } else {
+        Err(TransitionError { from, to })
+    }
+}
+
+/// `kubevirt.io/v1` `VirtualMachineInstanceMigration`, the fields kvirt reads
+/// and writes; the rest is kept as it came.
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Migration {
+    #[serde(default)]
+    pub metadata: ObjectMeta,
+    #[serde(default)]
+    pub spec: MigrationSpec,
+    #[serde(default)]
+    pub status: MigrationStatus,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MigrationSpec {
+    #[serde(default)]
+    pub vmi_name: String,
+    /// Labels the target must have besides what the VMI asks for.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub added_node_selector: BTreeMap<String, String>,
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+#[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MigrationStatus {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub phase: Option<MigrationPhase>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migration_state: Option<MigrationState>,
+    #[serde(flatten)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
+}
+
+/// The VMI's `status.migrationState` (and the migration's), KubeVirt's names.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MigrationState {
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub migration_uid: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub source_node: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub target_node: String,
+    /// The target's migration port, `host:port`.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub target_node_address: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_timestamp: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub end_timestamp: Option<String>,
+    #[serde(default)]
+    pub completed: bool,
+    #[serde(default)]
+    pub failed: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failure_reason: Option<String>,
+    #[serde(default)]
+    pub abort_requested: bool,
+    /// `PreCopy`: kvirt does not switch to post-copy.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<String>,
+}
+
+/// What a host knows of its storage: which disks both ends reach at the
+/// same path.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SharedStorage {
+    /// `hostDisk` roots marked shared (`storage.shared_host_disk_roots`).
+    pub host_disk_roots: Vec<PathBuf>,
+    /// Claims (by name, in the VMI's namespace) whose volume every host
+    /// reaches: ReadWriteMany on a shared path.
+    pub claims: BTreeSet<String>,
+}
+
+impl SharedStorage {
+    /// From the host's shared roots and the claims a conversion read: a
+    /// claim is shared when it is ReadWriteMany (as KubeVirt asks) and its
+    /// volume is a block device (the PV's word that every host reaches
+    /// it) or a directory under a shared root.
+    pub fn new(roots: &[PathBuf], claims: &Claims) -> Self {
+        let shared = |p: &Pvc| {
+            p.access_modes.iter().any(|m| m == "ReadWriteMany")
+                && match &p.backend {
+                    Backend::Block(_) => true,
+                    Backend::Directory { dir, .. } => under_any(dir, roots),
+                }
+        };
+        Self {
+            host_disk_roots: roots.to_vec(),
+            claims: claims
+                .by_name
+                .values()
+                .filter(|p| shared(p))
+                .map(|p| p.name.clone())
+                .collect(),
+        }
+    }
+}
+
+/// Whether, and how, a VMI can move.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Migratable {
+    /// `copies_disks`: some disk is this host's alone (a containerDisk's
+    /// overlay, an emptyDisk) and is copied (`NON_SHARED_INC`).
+    Yes { copies_disks: bool },
+    No {
+        reason: &'static str,
+        message: String,
+    },
+}
+
+/// KubeVirt's answer for kvirt's devices: disks must be shared or copyable,
+/// and state kept on this host (persistent EFI variables or TPM) cannot
+/// follow. Everything else the converter accepts moves (masquerade on the
+/// pod network, bridge on Multus networks, as KubeVirt).
+pub fn migratable(spec: &VmiSpec, storage: &SharedStorage) -> Migratable {
+    match disks(spec, storage) {
+        Ok(copies_disks) => Migratable::Yes { copies_disks },
+        Err(message) => Migratable::No {
+            reason: REASON_DISKS,
+            message,
+        },
+    }
+}
+
+fn disks(spec: &VmiSpec, storage: &SharedStorage) -> Result<bool, String> {
+    let efi = spec
+        .domain
+        .firmware
+        .as_ref()
+        .and_then(|f| f.bootloader.as_ref());
+    if efi.and_then(|b| b.efi.as_ref()).and_then(|e| e.persistent) == Some(true) {
+        return Err("persistent EFI variables are kept on this host".into());
+    }
+    if let Some(tpm) = &spec.domain.devices.tpm {
+        if tpm.enabled != Some(false) {
+            return Err("a TPM's state is kept on this host".into());
+        }
+    }
+    let mut copies = false;
+    for v in &spec.volumes {
+        if let Some(h) = &v.host_disk {
+            if !under_any(Path::new(&h.path), &storage.host_disk_roots) {
+                return Err(format!(
+                    "hostDisk {:?} ({}) is not under a shared root, and kvirt copies only disks it made",
+                    v.name, h.path
+                ));
+            }
+        }
+        copies |= v.container_disk.is_some() || v.ephemeral.is_some() || v.empty_disk.is_some();
+    }
+    for c in pvc::claims_of(spec) {
+        if !storage.claims.contains(&c.claim) {
+            return Err(format!(
+                "PVC {:?} is not shared, live migration requires that all PVCs must be shared \
+                 (using ReadWriteMany access mode)",
+                c.claim
+            ));
+        }
+    }
+    Ok(copies)
+}
+
+/// Lexically under one of `roots`: a path with `..` is under none.
+fn under_any(path: &Path, roots: &[PathBuf]) -> bool {
+    let plain = path.is_absolute()
+        && path
+            .components()
+            .all(|c| matches!(c, Component::RootDir | Component::Normal(_)));
+    plain && roots.iter().any(|r| path.starts_with(r) && path != r)
+}
+
+/// The `LiveMigratable` condition for `m`.
+pub fn condition(m: &Migratable) -> Condition {
+    let (status, reason, message) = match m {
+        Migratable::Yes { .. } => ("True", None, None),
+        Migratable::No { reason, message } => {
+            ("False", Some(reason.to_string()), Some(message.clone()))
+        }
+    };
+    Condition {
+        type_: CONDITION.into(),
+        status: status.into(),
+        reason,
+        message,
+        ..Default::default()
+    }
+}
+
+/// Whether this host may take `migration` of `vmi`, running on
+/// `source_node`; `Err` says why not (for the log).
+pub fn target_fits(
+    vmi: &VirtualMachineInstance,
+    migration: &Migration,
+    host: &HostFacts,
+    source_node: &str,
+) -> Result<(), String> {
+    if host.node_name == source_node {
+        return Err("the VMI runs on this host".into());
+    }
+    let named = migration
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(TARGET_ANNOTATION));
+    if let Some(n) = named {
+        if *n != host.node_name {
+            return Err(format!("{TARGET_ANNOTATION} names {n:?}"));
+        }
+    }
+    for (k, v) in &migration.spec.added_node_selector {
+        if host.labels.get(k) != Some(v) {
+            return Err(format!(
+                "addedNodeSelector {k}={v} does not match this host"
+            ));
+        }
+    }
+    scheduling::fits(vmi, host)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use MigrationPhase::*;
+
+    fn vmi(spec: &str) -> VirtualMachineInstance {
+        let text = format!("apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata: {{name: a, namespace: ns}}\nspec: {spec}\n");
+        serde_norway::from_str(&text).unwrap()
+    }
+
+    fn storage() -> SharedStorage {
+        SharedStorage {
+            host_disk_roots: vec!["/srv/shared".into()],
+            claims: ["rwx".to_string()].into(),
+        }
+    }
+
+    #[test]
+    fn transition_table() {
+        let cases = [
+            (None, Pending, true),
+            (Some(Pending), Scheduling, true),
+            (Some(Pending), Scheduled, true),
+            (Some(Scheduled), PreparingTarget, true),
+            (Some(TargetReady), Running, true),
+            (Some(Running), Succeeded, true),
+            (Some(Running), Running, true),
+            (Some(Pending), Failed, true),
+            (Some(TargetReady), Failed, true),
+            (Some(TargetReady), Succeeded, false),
+            (Some(Running), Scheduled, false),
+            (Some(TargetReady), PreparingTarget, false),
+            (Some(Succeeded), Failed, false),
+            (Some(Failed), Running, false),
+            (Some(Failed), Pending, false),
+        ];
+        for (from, to, ok) in cases {
+            assert_eq!(check(from, to).is_ok(), ok, "{from:?} -> {to:?}");
+        }
+    }
+
+    #[test]
+    fn phases_read_and_write_as_kubevirts_strings() {
+        let m: Migration = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "m", "labels": {VMI_NAME_LABEL: "a"}},
+            "spec": {"vmiName": "a", "addedNodeSelector": {"zone": "b"}, "future": 1},
+            "status": {"phase": "PreparingTarget", "phaseTransitionTimestamps": []},
+        }))
+        .unwrap();
+        assert_eq!(m.status.phase, Some(PreparingTarget));
+        assert_eq!(m.spec.added_node_selector["zone"], "b");
+        let back = serde_json::to_value(&m).unwrap();
+        assert_eq!(back["spec"]["future"], 1, "unknown fields kept");
+        assert_eq!(back["status"]["phase"], "PreparingTarget");
+        let state = MigrationState {
+            migration_uid: "u".into(),
+            completed: true,
+            ..Default::default()
+        };
+        let v = serde_json::to_value(&state).unwrap();
+        assert_eq!(v["migrationUid"], "u");
+        assert_eq!(v["completed"], true);
+        assert!(v.get("targetNode").is_none());
+    }
+
+    #[test]
+    fn copied_disks_and_shared_ones_migrate() {
+        let v = vmi("{domain: {devices: {}}, volumes: [\
+            {name: a, containerDisk: {image: r/i}},\
+            {name: b, hostDisk: {path: /srv/shared/vm/b.img, type: Disk}},\
+            {name: c, persistentVolumeClaim: {claimName: rwx}},\
+            {name: d, cloudInitNoCloud: {userData: x}}]}");
+        assert_eq!(
+            migratable(&v.spec, &storage()),
+            Migratable::Yes { copies_disks: true }
+        );
+        let shared_only = vmi("{domain: {devices: {}}, volumes: [{name: c, persistentVolumeClaim: {claimName: rwx}}]}");
+        assert_eq!(
+            migratable(&shared_only.spec, &storage()),
+            Migratable::Yes {
+                copies_disks: false
+            }
+        );
+    }
+
+    #[test]
+    fn a_disk_only_this_host_reaches_keeps_the_vmi_here() {
+        let cases = [
+            (
+                "{name: a, hostDisk: {path: /var/lib/kvirt/images/a.img, type: Disk}}",
+                "not under a shared root",
+            ),
+            (
+                "{name: a, hostDisk: {path: /srv/shared/../../etc/a.img, type: Disk}}",
+                "not under a shared root",
+            ),
+            (
+                "{name: a, hostDisk: {path: /srv/shared, type: Disk}}",
+                "not under a shared root",
+            ),
+            (
+                "{name: a, hostDisk: {path: /srv/sharedx/a.img, type: Disk}}",
+                "not under a shared root",
+            ),
+            (
+                "{name: a, persistentVolumeClaim: {claimName: rwo}}",
+                "PVC \"rwo\" is not shared",
+            ),
+            (
+                "{name: a, dataVolume: {name: rwo}}",
+                "PVC \"rwo\" is not shared",
+            ),
+        ];
+        for (volume, why) in cases {
+            let v = vmi(&format!(
+                "{{domain: {{devices: {{}}}}, volumes: [{volume}]}}"
+            ));
+            match migratable(&v.spec, &storage()) {
+                Migratable::No { reason, message } => {
+                    assert_eq!(reason, REASON_DISKS);
+                    assert!(message.contains(why), "{volume}: {message}");
+                }
+                yes => panic!("{volume}: {yes:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn state_kept_on_this_host_keeps_the_vmi_here() {
+        for spec in [
+            "{domain: {devices: {}, firmware: {bootloader: {efi: {persistent: true}}}}}",
+            "{domain: {devices: {tpm: {}}}}",
+        ] {
+            let m = migratable(&vmi(spec).spec, &storage());
+            assert!(matches!(m, Migratable::No { .. }), "{spec}: {m:?}");
+        }
+        let off = vmi("{domain: {devices: {tpm: {enabled: false}}}}");
+        assert!(matches!(
+            migratable(&off.spec, &storage()),
+            Migratable::Yes { .. }
+        ));
+    }
+
+    #[test]
+    fn a_claim_is_shared_when_readwritemany_on_shared_storage() {
+        let pvc = |name: &str, mode: &str, backend: Backend| Pvc {
+            name: name.into(),
+            backend,
+            read_only: false,
+            capacity: None,
+            request: None,
+            access_modes: vec![mode.into()],
+        };
+        let dir = |d: &str| Backend::Directory {
+            root: "/srv".into(),
+            dir: d.into(),
+        };
+        let claims = Claims {
+            by_name: [
+                pvc("nfs", "ReadWriteMany", dir("/srv/shared/pv-1")),
+                pvc(
+                    "local-rwx",
+                    "ReadWriteMany",
+                    dir("/var/lib/kvirt/claims/pv-2"),
+                ),
+                pvc("nfs-rwo", "ReadWriteOnce", dir("/srv/shared/pv-3")),
+                pvc("san", "ReadWriteMany", Backend::Block("/dev/sdz".into())),
+            ]
+            .into_iter()
+            .map(|p| (p.name.clone(), p))
+            .collect(),
+            ..Default::default()
+        };
+        let s = SharedStorage::new(&["/srv/shared".into()], &claims);
+        assert_eq!(s.claims, ["nfs".to_string(), "san".to_string()].into());
+        assert_eq!(s.host_disk_roots, vec![PathBuf::from("/srv/shared")]);
+    }
+
+    #[test]
+    fn the_condition_carries_kubevirts_reason() {
+        let no = condition(&Migratable::No {
+            reason: REASON_DISKS,
+            message: "m".into(),
+        });
+        assert_eq!(
+            (no.type_.as_str(), no.status.as_str()),
+            ("LiveMigratable", "False")
+        );
+        assert_eq!(no.reason.as_deref(), Some("DisksNotLiveMigratable"));
+        let yes = condition(&Migratable::Yes {
+            copies_disks: false,
+        });
+        assert_eq!(yes.status, "True");
+        assert!(yes.reason.is_none());
+    }
+
+    fn host(name: &str, labels: &[(&str, &str)]) -> HostFacts {
+        HostFacts {
+            node_name: name.into(),
+            labels: labels
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_target_is_another_host_that_fits_the_vmi_and_the_migration() {
+        let v = vmi("{nodeSelector: {disk: ssd}, domain: {devices: {}}}");
+        let mut m: Migration = serde_json::from_value(serde_json::json!({
+            "spec": {"vmiName": "a", "addedNodeSelector": {"zone": "z1"}}
+        }))
+        .unwrap();
+        let b = host("b", &[("disk", "ssd"), ("zone", "z1")]);
+        assert_eq!(target_fits(&v, &m, &b, "a"), Ok(()));
+        assert!(target_fits(&v, &m, &b, "b")
+            .unwrap_err()
+            .contains("runs on this host"));
+        let wrong_zone = host("c", &[("disk", "ssd"), ("zone", "z2")]);
+        assert!(target_fits(&v, &m, &wrong_zone, "a")
+            .unwrap_err()
+            .contains("addedNodeSelector"));
+        let no_ssd = host("d", &[("zone", "z1")]);
+        assert!(target_fits(&v, &m, &no_ssd, "a")
+            .unwrap_err()
+            .contains("nodeSelector"));
+        m.metadata.annotations = Some([(TARGET_ANNOTATION.to_string(), "e".to_string())].into());
+        assert!(target_fits(&v, &m, &b, "a")
+            .unwrap_err()
+            .contains("names \"e\""));
+        let e = host("e", &[("disk", "ssd"), ("zone", "z1")]);
+        assert_eq!(target_fits(&v, &m, &e, "a"), Ok(()));
+    }
+}
