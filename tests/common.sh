@@ -71,13 +71,66 @@ kvirt_testhost() {
   local loop="" binds=""
   if loop=$(th_loop "$name"); then binds="$loop:$loop"; fi
   # Called as $(...), where set -e does not reach: every step says so.
-  pid=$(TH_BIND="$binds" TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud" th_boot "$name") || return
+  pid=$(TH_BIND="$binds ${KVIRT_TH_BIND:-}" TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud" th_boot "$name") || return
   [[ -z $loop ]] || echo "$loop" >"$TH_STATE/$name/share/claim-loop"
   if [[ $dual == --dual-stack ]]; then
     th_sh "$name" 'mkdir -p /etc/kvirt/kvirtd.toml.d && printf "[network]\nsubnet6 = \"fd00:6b76::/64\"\n" >/etc/kvirt/kvirtd.toml.d/40-dual-stack.toml' || return
   fi
   bash "$top/tests/testhost/install-kvirt.sh" "$name" "$KVIRT_DEB" >&2 || return
   echo "$pid"
+}
+
+# The bridge on this machine that joins the migration pair's hosts.
+KVIRT_PAIR_BRIDGE=kvth-mig
+
+# Two standalone test hosts for migration, as two machines would be: each
+# in its own network namespace, joined by a bridge on this machine (the
+# migration link: A is 10.251.0.1, B 10.251.0.2), one directory bound at
+# /srv/shared in both (storage both reach at the same path, configured as
+# a hostDisk root and shared root), one kvirt CA with a certificate of
+# each host's own, and the migration port on that link. Echoes "PID_A PID_B".
+kvirt_testhost_pair() {
+  local a=$1 b=$2 shared pa pb i host pid
+  shared=$TH_STATE/shared-$a-$b
+  rm -rf "$shared" && mkdir -p "$shared" || return
+  pa=$(KVIRT_TH_BIND="$shared:/srv/shared" kvirt_testhost "$a") || return
+  pb=$(KVIRT_TH_BIND="$shared:/srv/shared" kvirt_testhost "$b") || return
+  ip link del "$KVIRT_PAIR_BRIDGE" 2>/dev/null || true
+  ip link add "$KVIRT_PAIR_BRIDGE" type bridge && ip link set "$KVIRT_PAIR_BRIDGE" up || return
+  i=0
+  for pid in "$pa" "$pb"; do
+    i=$((i + 1))
+    ip link add "kvthm-$i" type veth peer name "kvthm-$i-in" &&
+      ip link set "kvthm-$i" master "$KVIRT_PAIR_BRIDGE" up &&
+      ip link set "kvthm-$i-in" netns "$pid" &&
+      nsenter -t "$pid" -n ip link set "kvthm-$i-in" name mig0 &&
+      nsenter -t "$pid" -n ip addr add "10.251.0.$i/24" dev mig0 &&
+      nsenter -t "$pid" -n ip link set mig0 up || return
+  done
+  th_sh "$a" 'kvirtd --make-api-pki /etc/kvirt/pki >/dev/null && cp /etc/kvirt/pki/api-ca.crt /etc/kvirt/pki/api-ca.key /share/' || return
+  for f in api-ca.crt api-ca.key; do
+    th_copy_in "$b" "$(th_share "$a")/$f" "/etc/kvirt/pki/$f" || return
+  done
+  rm -f "$(th_share "$a")/api-ca.key"
+  th_sh "$b" 'chmod 0600 /etc/kvirt/pki/api-ca.key && kvirtd --make-api-pki /etc/kvirt/pki >/dev/null' || return
+  i=0
+  for host in "$a" "$b"; do
+    i=$((i + 1))
+    th_sh "$host" "cat > /etc/kvirt/kvirtd.toml.d/55-pair.toml <<EOF
+[storage]
+host_disk_roots = [\"/var/lib/kvirt/images\", \"/srv/shared\"]
+shared_roots = [\"/srv/shared\"]
+[migration]
+listen = \"10.251.0.$i:8444\"
+EOF
+systemctl restart kvirtd" || return
+    th_wait 60 th_sh "$host" "systemctl is-active -q kvirtd" || {
+      th_sh "$host" "journalctl -u kvirtd --no-pager -n 30" >&2 || true
+      th_die "kvirtd on $host did not restart"; return
+    }
+  done
+  th_log "migration pair $a (10.251.0.1) and $b (10.251.0.2) up"
+  echo "$pa $pb"
 }
 
 # A cluster of two test hosts: A runs etcd and kube-apiserver plus kvirtd as

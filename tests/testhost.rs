@@ -3161,3 +3161,37 @@ fn two_session_daemons_move_a_live_guest_over_unix_sockets_only() {
         "the counter never restarts, repeats or skips back: {counter:?}"
     );
 }
+
+/// kvirtd's migration port (`[migration] listen`) lets only kvirt's peers
+/// in: a client without a certificate, or with one of another CA, is
+/// refused at the handshake and gets no byte; kvirt's own certificate
+/// completes it, and a migration this host has not prepared is cut cleanly.
+#[test]
+fn the_migration_port_answers_only_kvirts_peers() {
+    let Some(h) = host() else { return };
+    let _g = h.turn();
+    h.ok("rm -rf /var/tmp/kvirt-pki /var/tmp/other-pki
+          kvirtd --make-api-pki /var/tmp/kvirt-pki >/dev/null
+          kvirtd --make-api-pki /var/tmp/other-pki >/dev/null
+          mkdir -p /etc/kvirt/kvirtd.toml.d
+          printf '[migration]\\nlisten = \"127.0.0.1:8444\"\\n[api]\\ncert = \"/var/tmp/kvirt-pki/api.crt\"\\nkey = \"/var/tmp/kvirt-pki/api.key\"\\nca = \"/var/tmp/kvirt-pki/api-ca.crt\"\\n' \
+            > /etc/kvirt/kvirtd.toml.d/60-migration.toml");
+    h.restart_kvirtd();
+    h.wait(
+        "the migration port",
+        Duration::from_secs(30),
+        "ss -ltnH 'sport = :8444' | grep -q LISTEN",
+    );
+    let probe = |pki: Option<&str>| support::migration_port_probe(&h, "127.0.0.1:8444", pki);
+    for pki in [None, Some("/var/tmp/other-pki")] {
+        let (bytes, alert, out) = probe(pki);
+        assert_eq!(bytes, 0, "{pki:?}: {out}");
+        assert!(alert, "{pki:?} refused by an alert: {out}");
+    }
+    let (bytes, alert, out) = probe(Some("/var/tmp/kvirt-pki"));
+    assert_eq!(bytes, 0, "{out}");
+    assert!(!alert, "kvirt's peer is not refused: {out}");
+    h.ok("rm -f /etc/kvirt/kvirtd.toml.d/60-migration.toml; rm -rf /var/tmp/kvirt-pki /var/tmp/other-pki");
+    h.restart_kvirtd();
+    assert!(!h.succeeds("ss -ltnH 'sport = :8444' | grep -q LISTEN"));
+}

@@ -404,6 +404,18 @@ async fn run(config: Config) -> Result<()> {
         }
     });
 
+    // Other kvirtds' way in for migrations; never a reason not to run VMs.
+    let _migrations = match config.migration.listen_address() {
+        Ok(Some(listen)) => {
+            let a = &config.api;
+            kvirt::daemon::migration::start(listen, &a.cert, &a.key, &a.ca)
+                .await
+                .inspect_err(|e| error!("{e}; this host takes no migrations"))
+                .ok()
+        }
+        _ => None,
+    };
+
     let (tx, rx) = unbounded_channel::<Trigger>();
     // Domain events and unit changes name a VM id; both just wake it.
     let (lv_tx, lv_rx) = unbounded_channel::<String>();

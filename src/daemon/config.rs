@@ -47,6 +47,29 @@ pub struct Config {
     pub metrics: MetricsConfig,
     pub control: ControlConfig,
     pub api: ApiConfig,
+    pub migration: MigrationConfig,
+}
+
+/// The migration port: where other kvirtds carry a migrating VM's
+/// connections to this host, over mutual TLS with the `[api]` certificate,
+/// key and CA (kvirt's one PKI).
+#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct MigrationConfig {
+    /// address:port of the migration port; empty: not served.
+    pub listen: String,
+}
+
+impl MigrationConfig {
+    pub fn listen_address(&self) -> Result<Option<std::net::SocketAddr>, String> {
+        if self.listen.is_empty() {
+            return Ok(None);
+        }
+        self.listen
+            .parse()
+            .map(Some)
+            .map_err(|e| format!("migration.listen {:?}: {e}", self.listen))
+    }
 }
 
 /// KubeVirt's `subresources.kubevirt.io` API (what `virtctl` calls),
@@ -587,6 +610,7 @@ impl Config {
                 .and_then(|h| h.into_string().ok())
                 .unwrap_or_else(|| "localhost".into());
         }
+        self.migration.listen_address().map_err(invalid)?;
         if !self.metrics.listen.is_empty() && self.metrics.address().is_none() {
             return Err(invalid(format!(
                 "metrics.listen: {:?} is not an address:port",

@@ -10,5 +10,6 @@ pub mod controller;
 pub mod fake;
 pub mod man;
 pub mod metrics;
+pub mod migration;
 pub mod serve;
 pub mod vms;

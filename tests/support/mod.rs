@@ -348,3 +348,26 @@ impl Host {
         );
     }
 }
+
+/// What a TLS client on host `h` gets from kvirtd's migration port at
+/// `addr` after sending a header for a migration never prepared, with the
+/// certificate and key of the PKI directory `pki` (or none): the bytes it
+/// received, and whether the server refused it with a TLS alert.
+pub fn migration_port_probe(h: &Host, addr: &str, pki: Option<&str>) -> (usize, bool, String) {
+    let cert = pki
+        .map(|p| format!(" -cert {p}/api.crt -key {p}/api.key"))
+        .unwrap_or_default();
+    let out = h.ok(&format!(
+        "printf 'kvirt-migration/1 0000-never-prepared memory\\n' |
+           timeout 30 openssl s_client -connect {addr} -quiet{cert} \
+           > /var/tmp/probe.out 2> /var/tmp/probe.err || true
+         echo \"bytes=$(wc -c < /var/tmp/probe.out)\"
+         cat /var/tmp/probe.err; rm -f /var/tmp/probe.out /var/tmp/probe.err"
+    ));
+    let bytes = out
+        .lines()
+        .find_map(|l| l.strip_prefix("bytes="))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{out}"));
+    (bytes, out.contains(" alert "), out)
+}

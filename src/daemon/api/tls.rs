@@ -127,6 +127,35 @@ impl Identity {
     }
 }
 
+/// The migration port's protocol: a TLS client of the API port (or any
+/// other) is refused at the handshake, and the reverse.
+pub const TUNNEL_ALPN: &[u8] = b"kvirt-migration/1";
+
+impl Identity {
+    /// The migration port: only a peer with a certificate of kvirt's CA
+    /// completes the handshake (none is anonymous there).
+    pub fn tunnel_server_config(&self) -> Result<Arc<rustls::ServerConfig>, TlsError> {
+        let verifier = WebPkiClientVerifier::builder_with_provider(self.peers.clone(), provider())
+            .build()
+            .map_err(|e| invalid("client CA")(e.to_string()))?;
+        let mut config = rustls::ServerConfig::builder_with_provider(provider())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| invalid("TLS versions")(e.to_string()))?
+            .with_client_cert_verifier(verifier)
+            .with_single_cert(self.chain.clone(), self.key.clone_key())
+            .map_err(|e| invalid("api.cert and api.key")(e.to_string()))?;
+        config.alpn_protocols = vec![TUNNEL_ALPN.to_vec()];
+        Ok(Arc::new(config))
+    }
+
+    /// The client side of the migration port, as [`Identity::client_config`].
+    pub fn tunnel_client_config(&self) -> Result<Arc<rustls::ClientConfig>, TlsError> {
+        let mut config = (*self.client_config()?).clone();
+        config.alpn_protocols = vec![TUNNEL_ALPN.to_vec()];
+        Ok(Arc::new(config))
+    }
+}
+
 fn client_verifier(roots: Arc<RootCertStore>) -> Result<Arc<dyn ClientCertVerifier>, TlsError> {
     WebPkiClientVerifier::builder_with_provider(roots, provider())
         .allow_unauthenticated()
