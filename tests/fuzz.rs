@@ -200,6 +200,7 @@ status: {{phase: \"{phase}\"}}
             grace: vmi.termination_grace_period(),
             phase: vmi.status.phase,
             invalid,
+            migrating: None,
         };
         let states = [DomainState::Running, DomainState::Paused, DomainState::Shutdown,
                       DomainState::Crashed, DomainState::Shutoff, DomainState::Other];

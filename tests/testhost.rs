@@ -3073,34 +3073,48 @@ NAD",
     h.ok("rm -f /etc/kvirt/vmis.d/green-net.yaml && ip link del kvtgreen");
 }
 
-/// The mechanism kvirt's migration stands on, with nothing of kvirt's:
-/// two session libvirt daemons (as the VMs' own, run as kvirt's user)
-/// move a live guest peer-to-peer with every connection on a unix socket
-/// (`qemu+unix:///session?socket=`, a `unix://` migration URI), as
-/// KubeVirt's virt-launchers do. The guest's counter on its serial console
-/// (one file, appended to by both QEMUs) goes on from where it was: the
-/// same guest, never rebooted.
+/// The mechanism kvirt's migration stands on, driven through kvirt's own
+/// adapter (`host::migrate::LiveMigration` on `host::libvirt::Libvirt`):
+/// two session libvirt daemons, run as the VMs' own are (transient units,
+/// kvirt's user), move a live guest peer-to-peer with every connection on
+/// a unix socket (`qemu+unix:///session?socket=`, a `unix://` migration
+/// URI), as KubeVirt's virt-launchers do. First a throttled migration is
+/// aborted midway (the guest runs on at the source); then one completes:
+/// the target runs the same domain, the source keeps nothing, and the
+/// guest's counter on its serial console (one file both QEMUs append to)
+/// goes on from where it was, never restarting.
 #[test]
 fn two_session_daemons_move_a_live_guest_over_unix_sockets_only() {
+    use kvirt::host::libvirt::{DomainRef, Libvirt};
+    use kvirt::host::migrate::{LiveMigration, MigrateTo};
     let Some(h) = host() else { return };
     let _g = h.turn();
     let dir = "/var/tmp/kvirt-mig-mechanism";
-    let daemon = |side: &str| {
-        format!(
+    let unit = |side: &str| format!("kvirt-mig-mechanism-{side}");
+    let mut setup = format!(
+        "systemctl stop {ua} {ub} 2>/dev/null || true
+         systemctl reset-failed {ua} {ub} 2>/dev/null || true
+         rm -rf {dir}; mkdir -p {dir}/shared
+         cp /srv/guest/run.raw {dir}/run.raw\n",
+        ua = unit("a"),
+        ub = unit("b")
+    );
+    for side in ["a", "b"] {
+        setup += &format!(
             "mkdir -p {dir}/{side}/config/libvirt {dir}/{side}/run {dir}/{side}/cache
              printf 'keepalive_interval = -1\\n' > {dir}/{side}/config/libvirt/virtqemud.conf
-             chown -R kvirt:kvirt {dir}/{side}
-             setpriv --reuid kvirt --regid kvirt --clear-groups env HOME={dir}/{side} \
-               XDG_RUNTIME_DIR={dir}/{side}/run XDG_CONFIG_HOME={dir}/{side}/config \
-               XDG_CACHE_HOME={dir}/{side}/cache /usr/sbin/virtqemud --timeout 0 \
-               >{dir}/{side}.log 2>&1 &
-             echo $! > {dir}/{side}.pid
-             for i in $(seq 100); do [ -S {dir}/{side}/run/libvirt/virtqemud-sock ] && break; sleep 0.1; done"
-        )
-    };
-    let uri =
+             chown -R kvirt:kvirt {dir}
+             systemd-run --collect --unit={u} -p User=kvirt -p Group=kvirt \
+               -E HOME={dir}/{side} -E XDG_RUNTIME_DIR={dir}/{side}/run \
+               -E XDG_CONFIG_HOME={dir}/{side}/config -E XDG_CACHE_HOME={dir}/{side}/cache \
+               /usr/sbin/virtqemud --timeout 0
+             for i in $(seq 100); do [ -S {dir}/{side}/run/libvirt/virtqemud-sock ] && break; sleep 0.1; done\n",
+            u = unit(side)
+        );
+    }
+    h.ok(&setup);
+    let inside =
         |side: &str| format!("qemu+unix:///session?socket={dir}/{side}/run/libvirt/virtqemud-sock");
-    let (a, b) = (uri("a"), uri("b"));
     let xml = format!(
         "<domain type='qemu'><name>mig</name><memory unit='MiB'>128</memory><vcpu>1</vcpu>
            <os><type arch='x86_64' machine='q35'>hvm</type></os>
@@ -3110,56 +3124,109 @@ fn two_session_daemons_move_a_live_guest_over_unix_sockets_only() {
              <serial type='file'><source path='{dir}/serial.log' append='on'/></serial>
              <memballoon model='none'/></devices></domain>"
     );
-    // One service for the whole run: its daemons end with it.
-    let script = format!(
-        "rm -rf {dir}; mkdir -p {dir}/shared
-         cp /srv/guest/run.raw {dir}/run.raw
-         chown -R kvirt:kvirt {dir}
-         {da}
-         {db}
-         cat > {dir}/dom.xml <<'XML'\n{xml}\nXML
-         virsh -q -c '{a}' create {dir}/dom.xml
-         for i in $(seq 600); do grep -qE 'KVIRT-GUEST-ALIVE 2([^0-9]|$)' {dir}/serial.log && break; sleep 0.2; done
-         grep -q 'KVIRT-GUEST-ALIVE 2' {dir}/serial.log
-         virsh -c '{a}' domuuid mig > {dir}/uuid.before
-         virsh -q -c '{a}' migrate --live --p2p --persistent --undefinesource mig '{b}' \
-           --migrateuri unix://{dir}/shared/memory.sock
-         echo \"on-a=$(virsh -q -c '{a}' list --all --name | grep -c mig || true)\"
-         echo \"on-b=$(virsh -q -c '{b}' domstate mig)\"
-         echo \"same-uuid=$(virsh -c '{b}' domuuid mig | cmp -s - {dir}/uuid.before && echo yes)\"
-         last=$(grep -o 'KVIRT-GUEST-ALIVE [0-9]*' {dir}/serial.log | tail -n1 | cut -d' ' -f2)
-         want=$((last + 2))
-         for i in $(seq 300); do grep -qE \"KVIRT-GUEST-ALIVE $want([^0-9]|$)\" {dir}/serial.log && break; sleep 0.2; done
-         echo \"alive-after=$(grep -cE \"KVIRT-GUEST-ALIVE $want([^0-9]|$)\" {dir}/serial.log)\"
-         echo \"readies=$(grep -c KVIRT-GUEST-READY {dir}/serial.log)\"
-         grep -o 'KVIRT-GUEST-ALIVE [0-9]*' {dir}/serial.log | cut -d' ' -f2 | tr '\\n' ' ' | sed 's/^/counter=/'; echo
-         virsh -q -c '{b}' destroy mig; virsh -q -c '{b}' undefine mig
-         kill $(cat {dir}/a.pid) $(cat {dir}/b.pid)",
-        da = daemon("a"),
-        db = daemon("b"),
-    );
-    let out = h.ok(&script);
-    h.ok(&format!("rm -rf {dir}"));
-    let field = |k: &str| {
-        out.lines()
-            .find_map(|l| l.strip_prefix(&format!("{k}=")))
-            .unwrap_or_else(|| panic!("no {k} in {out}"))
-            .trim()
-            .to_string()
-    };
-    assert_eq!(field("on-a"), "0", "the source keeps nothing: {out}");
-    assert_eq!(field("on-b"), "running", "{out}");
-    assert_eq!(field("same-uuid"), "yes", "{out}");
-    assert_eq!(field("alive-after"), "1", "the guest counts on: {out}");
-    assert_eq!(field("readies"), "1", "booted once, never again: {out}");
-    let counter: Vec<u64> = field("counter")
+    h.ok(&format!(
+        "cat > {dir}/dom.xml <<'XML'\n{xml}\nXML
+         virsh -q -c '{a}' create {dir}/dom.xml",
+        a = inside("a")
+    ));
+    let counter = || -> Vec<u64> {
+        h.ok(&format!(
+            "grep -ao 'KVIRT-GUEST-ALIVE [0-9]*' {dir}/serial.log | cut -d' ' -f2 || true"
+        ))
         .split_whitespace()
         .map(|n| n.parse().unwrap())
-        .collect();
-    assert!(
-        counter.windows(2).all(|w| w[1] == w[0] + 1),
-        "the counter never restarts, repeats or skips back: {counter:?}"
+        .collect()
+    };
+    let counts_past = |n: u64| {
+        h.wait_until(&format!("the counter past {n}"), BOOT, || {
+            counter().last().is_some_and(|&c| c > n)
+        })
+    };
+    counts_past(1);
+
+    // kvirt's adapter, from this (the machine's) side: the source daemon's
+    // socket through the test host's root; the target as the source
+    // daemon, inside the test host, dials it.
+    let source = DomainRef {
+        id: "mechanism".into(),
+        uri: format!(
+            "qemu+unix:///session?socket=/proc/{}/root{dir}/a/run/libvirt/virtqemud-sock",
+            h.pid
+        ),
+        name: "mig".into(),
+        socket: None,
+    };
+    let to = MigrateTo {
+        daemon_socket: format!("{dir}/b/run/libvirt/virtqemud-sock").into(),
+        memory_socket: format!("{dir}/shared/memory.sock").into(),
+        disks_socket: format!("{dir}/shared/disks.sock").into(),
+        copied_disks: vec![],
+        dest_xml: None,
+        bandwidth_mib: Some(1),
+    };
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let (tx, _rx) = tokio::sync::mpsc::unbounded_channel();
+    let lv = Libvirt::new(tx);
+    let on = |side: &str| h.ok(&format!("virsh -q -c '{}' list --all --name", inside(side)));
+    rt.block_on(async {
+        // Throttled to 1 MiB/s: still running when it is aborted.
+        let job = {
+            let (lv, source, to) = (lv.clone(), source.clone(), to.clone());
+            tokio::spawn(async move { lv.migrate(&source, &to, Duration::from_secs(600)).await })
+        };
+        let deadline = std::time::Instant::now() + Duration::from_secs(60);
+        let progress = loop {
+            match lv.progress(&source).await.unwrap() {
+                Some(p) if p.data_processed > 0 => break p,
+                _ if std::time::Instant::now() > deadline => panic!("no migration job seen"),
+                _ => tokio::time::sleep(Duration::from_millis(100)).await,
+            }
+        };
+        assert!(progress.data_remaining > 0, "{progress:?}");
+        lv.abort(&source).await.unwrap();
+        let aborted = job.await.unwrap();
+        assert!(aborted.is_err(), "{aborted:?}");
+    });
+    assert_eq!(
+        on("a"),
+        "mig",
+        "the aborted migration left the VM running at the source"
     );
+    assert_eq!(on("b"), "", "and nothing at the target");
+    let before = *counter().last().unwrap();
+    counts_past(before);
+
+    let full = MigrateTo {
+        bandwidth_mib: None,
+        ..to
+    };
+    rt.block_on(lv.migrate(&source, &full, Duration::from_secs(300)))
+        .unwrap();
+    assert_eq!(on("a"), "", "the source keeps nothing");
+    assert_eq!(on("b"), "mig");
+    assert_eq!(
+        h.ok(&format!("virsh -q -c '{}' domstate mig", inside("b"))),
+        "running"
+    );
+    let moved = *counter().last().unwrap();
+    counts_past(moved + 1);
+    let all = counter();
+    assert!(
+        all.windows(2).all(|w| w[1] == w[0] + 1),
+        "the counter never restarts, repeats or skips back: {all:?}"
+    );
+    assert_eq!(
+        h.ok(&format!("grep -ac KVIRT-GUEST-READY {dir}/serial.log")),
+        "1",
+        "booted once, never again"
+    );
+    h.ok(&format!(
+        "virsh -q -c '{b}' destroy mig; virsh -q -c '{b}' undefine mig || true
+         systemctl stop {ua} {ub}; rm -rf {dir}",
+        b = inside("b"),
+        ua = unit("a"),
+        ub = unit("b")
+    ));
 }
 
 /// kvirtd's migration port (`[migration] listen`) lets only kvirt's peers

@@ -141,6 +141,35 @@ pub struct MigrationState {
     pub mode: Option<String>,
 }
 
+/// What a source kvirtd asks of the target kvirtd, one JSON line each on
+/// the migration's control channel.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub enum ToTarget {
+    /// Make everything the VM needs but its domain (the migration brings
+    /// that): unit, namespace, network, daemon, disks.
+    Prepare {
+        vmi: Box<VirtualMachineInstance>,
+        source_node: String,
+    },
+    /// libvirt finished: the target runs the VM, and owns it from now on.
+    Commit,
+    /// Remove what was prepared; the VM stays at the source.
+    Abort { reason: String },
+}
+
+/// What the target kvirtd answers.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub enum ToSource {
+    /// Prepared: the VM's daemon listens where the layout says.
+    Ready,
+    /// Not here, and why (nothing was left behind).
+    Refused { reason: String },
+    /// The target runs the VM as its own.
+    Committed,
+}
+
 /// What a host knows of its storage: which disks both ends reach at the
 /// same path.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -474,6 +503,35 @@ mod tests {
         let s = SharedStorage::new(&["/srv/shared".into()], &claims);
         assert_eq!(s.claims, ["nfs".to_string(), "san".to_string()].into());
         assert_eq!(s.host_disk_roots, vec![PathBuf::from("/srv/shared")]);
+    }
+
+    #[test]
+    fn control_messages_are_one_json_object_each_and_nothing_else() {
+        let prepare = ToTarget::Prepare {
+            vmi: Box::new(vmi("{domain: {devices: {}}}")),
+            source_node: "a".into(),
+        };
+        let line = serde_json::to_string(&prepare).unwrap();
+        assert!(line.starts_with("{\"prepare\":{\"vmi\":"), "{line}");
+        assert!(!line.contains('\n'));
+        assert_eq!(serde_json::from_str::<ToTarget>(&line).unwrap(), prepare);
+        assert_eq!(
+            serde_json::to_string(&ToTarget::Commit).unwrap(),
+            "\"commit\""
+        );
+        assert_eq!(
+            serde_json::from_str::<ToSource>("{\"refused\":{\"reason\":\"full\"}}").unwrap(),
+            ToSource::Refused {
+                reason: "full".into()
+            }
+        );
+        for bad in [
+            "\"delete everything\"",
+            "{\"abort\":{\"reason\":\"x\",\"also\":1}}",
+            "{\"prepare\":{\"sourceNode\":\"a\"}}",
+        ] {
+            assert!(serde_json::from_str::<ToTarget>(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

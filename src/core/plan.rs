@@ -134,6 +134,20 @@ pub struct Desired {
     pub phase: Option<Phase>,
     /// Why the VMI cannot run, if the converter refused it.
     pub invalid: Option<String>,
+    /// A live migration this host takes part in.
+    pub migrating: Option<Migrating>,
+}
+
+/// This host's part in a live migration of the VM.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Migrating {
+    /// It receives the VM: everything but the domain is made, and the
+    /// migration brings the domain. Until the source commits, the VMI's
+    /// status is the source's to write.
+    Incoming,
+    /// It sends the VM away: the domain leaving is the migration's end,
+    /// never a failure and never a reason to start it here again.
+    Outgoing,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -350,10 +364,27 @@ pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
         );
     }
 
-    match &obs.unit {
-        None => without_unit(d, obs),
-        Some(unit) => with_unit(d, obs, unit),
+    match (d.migrating, &obs.unit) {
+        (Some(Migrating::Incoming), None) => incoming(obs),
+        (Some(Migrating::Outgoing), None) => Plan::new(
+            teardown(obs, d.grace, true),
+            Outcome::Unchanged,
+            "the unit of a VM migrating away is gone",
+        ),
+        (_, None) => without_unit(d, obs),
+        (_, Some(unit)) => with_unit(d, obs, unit),
     }
+}
+
+/// A VM to receive: its identity, files, namespace, network and daemon,
+/// in the order of a start, without a domain.
+fn incoming(obs: &Observed) -> Plan {
+    let mut steps = vec![Step::AcquireIdentity, Step::CreateDirs, Step::PrepareDisks];
+    if !obs.netns {
+        steps.push(Step::CreateNetns);
+    }
+    steps.extend([Step::SetupNetwork, Step::StartUnit]);
+    Plan::new(steps, Outcome::Unchanged, "preparing to receive the VM")
 }
 
 /// Nothing of the VM runs: made, unless it ran and its unit went.
@@ -421,6 +452,11 @@ fn with_unit(d: &Desired, obs: &Observed, unit: &UnitObs) -> Plan {
 
 /// The unit runs: what the domain's state says.
 fn with_domain(d: &Desired, obs: &Observed) -> Plan {
+    match d.migrating {
+        Some(Migrating::Incoming) => return with_incoming_domain(obs),
+        Some(Migrating::Outgoing) => return with_outgoing_domain(d, obs),
+        None => {}
+    }
     let was_running = d.phase == Some(Phase::Running);
     match obs.domain.as_ref().map(|dom| dom.state) {
         None => Plan::new(
@@ -461,6 +497,47 @@ fn with_domain(d: &Desired, obs: &Observed) -> Plan {
     }
 }
 
+/// Receiving: nothing to do but wait until the migration brings the
+/// domain, then keep it (still the source's to report until it commits).
+fn with_incoming_domain(obs: &Observed) -> Plan {
+    match obs.domain.as_ref().map(|dom| dom.state) {
+        Some(DomainState::Running | DomainState::Paused) => Plan::new(
+            register(obs).collect(),
+            Outcome::Unchanged,
+            "the migrated VM runs here",
+        ),
+        _ => Plan::new(
+            vec![],
+            Outcome::Unchanged,
+            "waiting for the migration to bring the domain",
+        ),
+    }
+}
+
+/// Sending: the VM runs here until the migration ends; then its domain is
+/// gone (the target runs it) and the rest goes, reported by the migration,
+/// not as the VM's end.
+fn with_outgoing_domain(d: &Desired, obs: &Observed) -> Plan {
+    match obs.domain.as_ref().map(|dom| dom.state) {
+        Some(DomainState::Running | DomainState::Paused) => Plan::new(
+            register(obs).collect(),
+            Outcome::Phase(Phase::Running),
+            "the VM runs while it migrates",
+        ),
+        None => Plan::new(
+            teardown(obs, d.grace, true),
+            Outcome::Unchanged,
+            "the VM migrated away",
+        ),
+        // Shut off as the migration hands over, about to be undefined.
+        Some(_) => Plan::new(
+            vec![],
+            Outcome::Unchanged,
+            "the VM is handed over to its target",
+        ),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -474,6 +551,7 @@ mod tests {
             grace: G,
             phase,
             invalid: None,
+            migrating: None,
         }
     }
 
@@ -872,5 +950,84 @@ mod tests {
             ..Observed::default()
         };
         assert!(matches!(plan(Some(&d), &own).outcome, Outcome::Failed(_)));
+    }
+
+    #[test]
+    fn a_vm_to_receive_gets_everything_but_its_domain_and_waits_for_it() {
+        let incoming = Desired {
+            migrating: Some(Migrating::Incoming),
+            ..desired(None)
+        };
+        let nothing = Observed::default();
+        let p = plan(Some(&incoming), &nothing);
+        assert_eq!(
+            p.steps,
+            vec![
+                AcquireIdentity,
+                CreateDirs,
+                PrepareDisks,
+                CreateNetns,
+                SetupNetwork,
+                StartUnit
+            ]
+        );
+        assert_eq!(
+            p.outcome,
+            Outcome::Unchanged,
+            "the source reports, not the target"
+        );
+        let mut waiting = running_host(DomainState::Running);
+        waiting.domain = None;
+        let p = plan(Some(&incoming), &waiting);
+        assert!(
+            p.steps.is_empty(),
+            "never defines or starts it: {:?}",
+            p.steps
+        );
+        assert_eq!(p.outcome, Outcome::Unchanged);
+        let arrived = plan(Some(&incoming), &running_host(DomainState::Running));
+        assert!(!arrived
+            .steps
+            .iter()
+            .any(|s| s.creates() && *s != RegisterMachine));
+        assert_eq!(arrived.outcome, Outcome::Unchanged);
+    }
+
+    /// The safety of a migration's end: a domain gone from under a VM that
+    /// migrates away is not started here again (the target runs it), and
+    /// is no failure.
+    #[test]
+    fn a_vm_migrating_away_is_never_started_here_again() {
+        let outgoing = Desired {
+            migrating: Some(Migrating::Outgoing),
+            ..desired(Some(Phase::Running))
+        };
+        let runs = plan(Some(&outgoing), &running_host(DomainState::Running));
+        assert_eq!(runs.outcome, Outcome::Phase(Phase::Running));
+        assert!(!runs
+            .steps
+            .iter()
+            .any(|s| matches!(s, StartDomain | DefineDomain)));
+        let mut gone = running_host(DomainState::Running);
+        gone.domain = None;
+        let p = plan(Some(&outgoing), &gone);
+        assert!(
+            !p.steps
+                .iter()
+                .any(|s| matches!(s, StartDomain | DefineDomain)),
+            "{:?}",
+            p.steps
+        );
+        assert!(p.steps.contains(&StopUnit), "{:?}", p.steps);
+        assert_eq!(p.outcome, Outcome::Unchanged);
+        for state in [DomainState::Shutoff, DomainState::Other] {
+            let handing = plan(Some(&outgoing), &running_host(state));
+            assert!(handing.steps.is_empty(), "{state:?}: {:?}", handing.steps);
+            assert_eq!(handing.outcome, Outcome::Unchanged);
+        }
+        // Without the mark, the same observation restarts the domain: the
+        // mark is what keeps a migrated VM from running twice.
+        let unmarked = plan(Some(&desired(Some(Phase::Running))), &gone);
+        assert!(unmarked.steps.contains(&StartDomain));
     }
 }

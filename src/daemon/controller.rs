@@ -701,6 +701,7 @@ impl<A: Adapters> Controller<A> {
             grace: v.termination_grace_period(),
             phase: v.status.phase,
             invalid: converted.as_ref().and_then(|c| c.as_ref().err().cloned()),
+            migrating: None,
         });
         if let (true, Some(v), Some(u)) = (deleting, &vmi, obs.unit.as_mut()) {
             // A grace period shortened after the start (`virtctl stop

@@ -36,7 +36,7 @@ pub async fn start(
             source,
         })?;
     let routes = Routes::default();
-    tokio::spawn(tunnel::serve(listener, tls, routes.clone()));
+    tokio::spawn(tunnel::serve(listener, tls, routes.clone(), None));
     info!(%listen, "serving the migration port");
     Ok(routes)
 }

@@ -16,6 +16,8 @@ use virt::connect::Connect;
 use virt::domain::Domain;
 use virt::sys;
 
+mod migrate;
+
 #[derive(Debug, thiserror::Error)]
 pub enum LibvirtError {
     #[error("VM {id}: {op}: {message}")]

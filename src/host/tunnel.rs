@@ -17,7 +17,7 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
 use tokio::task::JoinHandle;
 use tokio_rustls::rustls::pki_types::ServerName;
@@ -47,6 +47,8 @@ pub enum TunnelError {
     Unknown(String),
     #[error("timed out: {0}")]
     Timeout(&'static str),
+    #[error("control message: {0}")]
+    Message(String),
 }
 
 fn io(what: impl Into<String>) -> impl FnOnce(std::io::Error) -> TunnelError {
@@ -63,16 +65,25 @@ pub enum Channel {
     Memory,
     /// The NBD server the target runs for disks that are copied.
     Disks,
+    /// kvirtd to kvirtd: the source asks the target to prepare, commit or
+    /// abort (JSON lines, [`read_message`] and [`write_message`]).
+    Control,
 }
 
 impl Channel {
-    pub const ALL: [Channel; 3] = [Channel::Daemon, Channel::Memory, Channel::Disks];
+    pub const ALL: [Channel; 4] = [
+        Channel::Daemon,
+        Channel::Memory,
+        Channel::Disks,
+        Channel::Control,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
             Channel::Daemon => "daemon",
             Channel::Memory => "memory",
             Channel::Disks => "disks",
+            Channel::Control => "control",
         }
     }
 
@@ -153,8 +164,18 @@ impl Routes {
     }
 }
 
-/// The target end: accepts peers on `listener` for as long as it runs.
-pub async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>, routes: Routes) {
+/// A peer's control connection, for the daemon: the migration's uid and
+/// the stream after the header.
+pub type ControlConn = (String, tokio_rustls::server::TlsStream<TcpStream>);
+
+/// The target end: accepts peers on `listener` for as long as it runs;
+/// control connections go to `control` (none: refused).
+pub async fn serve(
+    listener: TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    routes: Routes,
+    control: Option<tokio::sync::mpsc::UnboundedSender<ControlConn>>,
+) {
     let acceptor = TlsAcceptor::from(tls);
     let permits = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
     loop {
@@ -169,7 +190,7 @@ pub async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>, routes
         let Ok(permit) = permits.clone().acquire_owned().await else {
             return;
         };
-        let (acceptor, routes) = (acceptor.clone(), routes.clone());
+        let (acceptor, routes, control) = (acceptor.clone(), routes.clone(), control.clone());
         tokio::spawn(async move {
             let hello = tokio::time::timeout(HELLO_TIMEOUT, accept(acceptor, tcp, &routes));
             let joined = match hello.await {
@@ -178,15 +199,25 @@ pub async fn serve(listener: TcpListener, tls: Arc<rustls::ServerConfig>, routes
                 Err(_) => return debug!("migration port: {peer}: handshake timed out"),
             };
             drop(permit);
-            let (mut tls, mut unix) = joined;
-            if let Err(e) = tokio::io::copy_bidirectional(&mut tls, &mut unix).await {
-                debug!("migration port: {peer}: {e}");
+            match joined {
+                Joined::Control(uid, tls) => match control {
+                    Some(c) if c.send((uid, tls)).is_ok() => {}
+                    _ => debug!("migration port: {peer}: this host takes no migrations"),
+                },
+                Joined::Socket(mut tls, mut unix) => {
+                    if let Err(e) = tokio::io::copy_bidirectional(&mut tls, &mut unix).await {
+                        debug!("migration port: {peer}: {e}");
+                    }
+                }
             }
         });
     }
 }
 
-type Joined = (tokio_rustls::server::TlsStream<TcpStream>, UnixStream);
+enum Joined {
+    Control(String, tokio_rustls::server::TlsStream<TcpStream>),
+    Socket(tokio_rustls::server::TlsStream<TcpStream>, UnixStream),
+}
 
 async fn accept(
     acceptor: TlsAcceptor,
@@ -195,6 +226,9 @@ async fn accept(
 ) -> Result<Joined, TunnelError> {
     let mut tls = acceptor.accept(tcp).await.map_err(io("TLS handshake"))?;
     let (uid, channel) = parse_header(&read_header(&mut tls).await?)?;
+    if channel == Channel::Control {
+        return Ok(Joined::Control(uid, tls));
+    }
     let (dir, name) = routes.socket(&uid, channel)?;
     let socket = Beneath::open(&dir)
         .and_then(|d| d.socket(&name))
@@ -202,7 +236,50 @@ async fn accept(
     let unix = UnixStream::connect(socket.path())
         .await
         .map_err(io(format!("connecting {} {name}", dir.display())))?;
-    Ok((tls, unix))
+    Ok(Joined::Socket(tls, unix))
+}
+
+/// The most one control message may be: a VMI with its status.
+pub const MAX_MESSAGE: usize = 1 << 20;
+
+/// Sends one control message: a JSON line.
+pub async fn write_message<W: AsyncWrite + Unpin, T: serde::Serialize>(
+    w: &mut W,
+    message: &T,
+) -> Result<(), TunnelError> {
+    let mut line =
+        serde_json::to_vec(message).map_err(|e| TunnelError::Message(format!("encoding: {e}")))?;
+    line.push(b'\n');
+    w.write_all(&line)
+        .await
+        .map_err(io("sending a control message"))?;
+    w.flush().await.map_err(io("sending a control message"))
+}
+
+/// Reads one control message of at most [`MAX_MESSAGE`] bytes, a byte at
+/// a time (nothing after it is consumed); `None` at the end of the stream.
+pub async fn read_message<R: AsyncRead + Unpin, T: serde::de::DeserializeOwned>(
+    r: &mut R,
+) -> Result<Option<T>, TunnelError> {
+    let mut line = Vec::new();
+    loop {
+        match r.read_u8().await {
+            Ok(b'\n') => break,
+            Ok(b) if line.len() < MAX_MESSAGE => line.push(b),
+            Ok(_) => {
+                return Err(TunnelError::Message(format!(
+                    "no complete message within {MAX_MESSAGE} bytes"
+                )))
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof && line.is_empty() => {
+                return Ok(None)
+            }
+            Err(e) => return Err(io("reading a control message")(e)),
+        }
+    }
+    serde_json::from_slice(&line)
+        .map(Some)
+        .map_err(|e| TunnelError::Message(e.to_string()))
 }
 
 /// The source end of one channel: a unix socket that forwards every

@@ -98,7 +98,7 @@ async fn target(ca: &Ca) -> Target {
     );
     let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = tcp.local_addr().unwrap();
-    tokio::spawn(serve(tcp, server_config(ca), routes.clone()));
+    tokio::spawn(serve(tcp, server_config(ca), routes.clone(), None));
     Target {
         dir: dir.path().into(),
         _dir: dir,
@@ -192,6 +192,8 @@ async fn a_peer_reaches_only_prepared_migrations_and_channels() {
         "kvirt-migration/1 uid-1 memory extra\n".to_string(),
         "kvirt-migration/1 ../uid-1 memory\n".to_string(),
         "hello\n".to_string(),
+        // This target takes no control connections (no daemon handler).
+        header("uid-1", Channel::Control),
         format!("{}\n", "x".repeat(MAX_HEADER + 10)),
     ] {
         got_nothing(&t, good.clone(), &hello).await;
@@ -267,4 +269,51 @@ async fn bytes_cross_the_tunnel_both_ways_unchanged() {
     qemu_dst.write_all(b"ready").await.unwrap();
     assert_eq!(&send.await.unwrap(), b"ready");
     drop(fwd);
+}
+
+#[tokio::test]
+async fn a_control_connection_reaches_the_daemon_and_its_messages_are_bounded() {
+    use serde_json::{json, Value};
+    let ca = ca();
+    let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = tcp.local_addr().unwrap();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(serve(tcp, server_config(&ca), Routes::default(), Some(tx)));
+    let peer = Peer {
+        address,
+        name: ServerName::try_from(NAME).unwrap(),
+        tls: client_config(&ca, Some(&ca)),
+    };
+    let mut ours = dial(&peer, &header("uid-9", Channel::Control))
+        .await
+        .unwrap();
+    write_message(&mut ours, &json!({"prepare": 1}))
+        .await
+        .unwrap();
+    let (uid, mut theirs) = rx.recv().await.unwrap();
+    assert_eq!(uid, "uid-9");
+    let m: Value = read_message(&mut theirs).await.unwrap().unwrap();
+    assert_eq!(m, json!({"prepare": 1}));
+    write_message(&mut theirs, &json!("ready")).await.unwrap();
+    let back: Value = read_message(&mut ours).await.unwrap().unwrap();
+    assert_eq!(back, json!("ready"));
+    // A line longer than a message may be is refused once the bound is
+    // passed, not read to its end.
+    let big = vec![b'x'; MAX_MESSAGE + 100];
+    let writer = tokio::spawn(async move {
+        let _ = ours.write_all(&big).await;
+        ours
+    });
+    let r: Result<Option<Value>, _> = read_message(&mut theirs).await;
+    assert!(matches!(r, Err(TunnelError::Message(_))), "{r:?}");
+    drop(theirs);
+    drop(writer.await.unwrap());
+    // The end of the stream, between messages, is the end: no error.
+    let mut ours = dial(&peer, &header("uid-10", Channel::Control))
+        .await
+        .unwrap();
+    let (_, mut theirs) = rx.recv().await.unwrap();
+    ours.shutdown().await.unwrap();
+    let end: Option<Value> = read_message(&mut theirs).await.unwrap();
+    assert!(end.is_none());
 }
