@@ -3089,46 +3089,8 @@ fn two_session_daemons_move_a_live_guest_over_unix_sockets_only() {
     use kvirt::host::migrate::{LiveMigration, MigrateTo};
     let Some(h) = host() else { return };
     let _g = h.turn();
-    let dir = "/var/tmp/kvirt-mig-mechanism";
-    let unit = |side: &str| format!("kvirt-mig-mechanism-{side}");
-    let mut setup = format!(
-        "systemctl stop {ua} {ub} 2>/dev/null || true
-         systemctl reset-failed {ua} {ub} 2>/dev/null || true
-         rm -rf {dir}; mkdir -p {dir}/shared
-         cp /srv/guest/run.raw {dir}/run.raw\n",
-        ua = unit("a"),
-        ub = unit("b")
-    );
-    for side in ["a", "b"] {
-        setup += &format!(
-            "mkdir -p {dir}/{side}/config/libvirt {dir}/{side}/run {dir}/{side}/cache
-             printf 'keepalive_interval = -1\\n' > {dir}/{side}/config/libvirt/virtqemud.conf
-             chown -R kvirt:kvirt {dir}
-             systemd-run --collect --unit={u} -p User=kvirt -p Group=kvirt \
-               -E HOME={dir}/{side} -E XDG_RUNTIME_DIR={dir}/{side}/run \
-               -E XDG_CONFIG_HOME={dir}/{side}/config -E XDG_CACHE_HOME={dir}/{side}/cache \
-               /usr/sbin/virtqemud --timeout 0
-             for i in $(seq 100); do [ -S {dir}/{side}/run/libvirt/virtqemud-sock ] && break; sleep 0.1; done\n",
-            u = unit(side)
-        );
-    }
-    h.ok(&setup);
-    let inside =
-        |side: &str| format!("qemu+unix:///session?socket={dir}/{side}/run/libvirt/virtqemud-sock");
-    let xml = format!(
-        "<domain type='qemu'><name>mig</name><memory unit='MiB'>128</memory><vcpu>1</vcpu>
-           <os><type arch='x86_64' machine='q35'>hvm</type></os>
-           <devices><emulator>/usr/bin/qemu-system-x86_64</emulator>
-             <disk type='file' device='disk'><driver name='qemu' type='raw'/>
-               <source file='{dir}/run.raw'/><target dev='vda' bus='virtio'/><readonly/></disk>
-             <serial type='file'><source path='{dir}/serial.log' append='on'/></serial>
-             <memballoon model='none'/></devices></domain>"
-    );
-    h.ok(&format!(
-        "cat > {dir}/dom.xml <<'XML'\n{xml}\nXML
-         virsh -q -c '{a}' create {dir}/dom.xml",
-        a = inside("a")
-    ));
+    let pair = SessionPair::start(&h, "/var/tmp/kvirt-mig-mechanism");
+    let (dir, inside) = (pair.dir, |side: &str| pair.uri(side));
     let counter = || -> Vec<u64> {
         h.ok(&format!(
             "grep -ao 'KVIRT-GUEST-ALIVE [0-9]*' {dir}/serial.log | cut -d' ' -f2 || true"
@@ -3220,13 +3182,128 @@ fn two_session_daemons_move_a_live_guest_over_unix_sockets_only() {
         "1",
         "booted once, never again"
     );
+    pair.stop();
+}
+
+/// Two session libvirt daemons on host `h`, as the VMs' own run (transient
+/// units, kvirt's user), with a guest `mig` running in daemon `a` whose
+/// serial console both QEMUs append to `<dir>/serial.log`.
+struct SessionPair<'h> {
+    h: &'h Host,
+    dir: &'static str,
+}
+
+impl<'h> SessionPair<'h> {
+    fn unit(&self, side: &str) -> String {
+        format!("kvirt-sessions{}-{side}", self.dir.replace('/', "-"))
+    }
+
+    /// The daemon's URI, as seen inside the test host.
+    fn uri(&self, side: &str) -> String {
+        format!(
+            "qemu+unix:///session?socket={}/{side}/run/libvirt/virtqemud-sock",
+            self.dir
+        )
+    }
+
+    fn start(h: &'h Host, dir: &'static str) -> Self {
+        let pair = SessionPair { h, dir };
+        let (ua, ub) = (pair.unit("a"), pair.unit("b"));
+        let mut setup = format!(
+            "systemctl stop {ua} {ub} 2>/dev/null || true
+             systemctl reset-failed {ua} {ub} 2>/dev/null || true
+             rm -rf {dir}; mkdir -p {dir}/shared
+             cp /srv/guest/run.raw {dir}/run.raw\n"
+        );
+        for side in ["a", "b"] {
+            setup += &format!(
+                "mkdir -p {dir}/{side}/config/libvirt {dir}/{side}/run {dir}/{side}/cache
+                 printf 'keepalive_interval = -1\\n' > {dir}/{side}/config/libvirt/virtqemud.conf
+                 chown -R kvirt:kvirt {dir}
+                 systemd-run --collect --unit={u} -p User=kvirt -p Group=kvirt \
+                   -E HOME={dir}/{side} -E XDG_RUNTIME_DIR={dir}/{side}/run \
+                   -E XDG_CONFIG_HOME={dir}/{side}/config -E XDG_CACHE_HOME={dir}/{side}/cache \
+                   /usr/sbin/virtqemud --timeout 0
+                 for i in $(seq 100); do [ -S {dir}/{side}/run/libvirt/virtqemud-sock ] && break; sleep 0.1; done\n",
+                u = pair.unit(side)
+            );
+        }
+        h.ok(&setup);
+        let xml = format!(
+            "<domain type='qemu'><name>mig</name><memory unit='MiB'>128</memory><vcpu>1</vcpu>
+               <os><type arch='x86_64' machine='q35'>hvm</type></os>
+               <devices><emulator>/usr/bin/qemu-system-x86_64</emulator>
+                 <disk type='file' device='disk'><driver name='qemu' type='raw'/>
+                   <source file='{dir}/run.raw'/><target dev='vda' bus='virtio'/><readonly/></disk>
+                 <serial type='file'><source path='{dir}/serial.log' append='on'/></serial>
+                 <memballoon model='none'/></devices></domain>"
+        );
+        h.ok(&format!(
+            "cat > {dir}/dom.xml <<'XML'\n{xml}\nXML
+             virsh -q -c '{a}' create {dir}/dom.xml",
+            a = pair.uri("a")
+        ));
+        pair
+    }
+
+    /// The domains daemon `side` has, by name.
+    fn domains(&self, side: &str) -> String {
+        self.h.ok(&format!(
+            "virsh -q -c '{}' list --all --name",
+            self.uri(side)
+        ))
+    }
+
+    fn stop(&self) {
+        self.h.ok(&format!(
+            "systemctl stop {} {}; rm -rf {}",
+            self.unit("a"),
+            self.unit("b"),
+            self.dir
+        ));
+    }
+}
+
+/// What kvirt's migration must be built around (measured, so guarded):
+/// a peer-to-peer migration is the source daemon's job, not its client's.
+/// The client that asked for it (kvirtd, in kvirt) dying midway does not
+/// stop it: the source daemon completes it, and the VM ends up at the
+/// target alone. A kvirtd restarted meanwhile must therefore know the VM
+/// was leaving, and never start it again at the source.
+#[test]
+fn a_migration_goes_on_when_the_client_that_asked_for_it_dies() {
+    let Some(h) = host() else { return };
+    let _g = h.turn();
+    let pair = SessionPair::start(&h, "/var/tmp/kvirt-mig-client");
+    let dir = pair.dir;
+    h.wait(
+        "the guest counting",
+        BOOT,
+        &format!("grep -aq 'KVIRT-GUEST-ALIVE 2' {dir}/serial.log"),
+    );
+    // The client: virsh, killed once the job is seen moving (throttled to
+    // 2 MiB/s so that it is still running then).
     h.ok(&format!(
-        "virsh -q -c '{b}' destroy mig; virsh -q -c '{b}' undefine mig || true
-         systemctl stop {ua} {ub}; rm -rf {dir}",
-        b = inside("b"),
-        ua = unit("a"),
-        ub = unit("b")
+        "virsh -q -c '{a}' migrate --live --p2p --persistent --undefinesource --bandwidth 2 \
+           mig '{b}' --migrateuri unix://{dir}/shared/memory.sock >/dev/null 2>&1 &
+         client=$!
+         for i in $(seq 200); do
+           virsh -q -c '{a}' domjobinfo mig 2>/dev/null | grep -q 'Outgoing migration' && break
+           sleep 0.1
+         done
+         virsh -q -c '{a}' domjobinfo mig | grep -q 'Outgoing migration'
+         kill -9 $client",
+        a = pair.uri("a"),
+        b = pair.uri("b")
     ));
+    h.wait_until("the migration done without its client", BOOT, || {
+        pair.domains("a").is_empty() && pair.domains("b") == "mig"
+    });
+    assert_eq!(
+        h.ok(&format!("virsh -q -c '{}' domstate mig", pair.uri("b"))),
+        "running"
+    );
+    pair.stop();
 }
 
 /// kvirtd's migration port (`[migration] listen`) lets only kvirt's peers

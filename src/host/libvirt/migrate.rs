@@ -79,8 +79,7 @@ fn job_progress(dom: &Domain) -> Result<Option<Progress>, virt::error::Error> {
     let mut params: sys::virTypedParameterPtr = std::ptr::null_mut();
     let mut n: libc::c_int = 0;
     // SAFETY: out-pointers to locals; libvirt allocates `params`, freed below.
-    let ret =
-        unsafe { sys::virDomainGetJobStats(dom.as_ptr(), &mut kind, &mut params, &mut n, 0) };
+    let ret = unsafe { sys::virDomainGetJobStats(dom.as_ptr(), &mut kind, &mut params, &mut n, 0) };
     if ret < 0 {
         return Err(virt::error::Error::last_error());
     }
