@@ -5,8 +5,9 @@ use kvirt::core::convert::{DiskPrep, DomainType, HostDiskRoots};
 use kvirt::core::cpuset::CpuSet;
 use kvirt::core::key::VmKey;
 use kvirt::core::layout::{DaemonKind, HostLayout};
+use kvirt::core::migration::Mark;
 use kvirt::core::objects::ObjectRef;
-use kvirt::core::plan::{DomainState, GuestAgent, UnitActivity};
+use kvirt::core::plan::{DomainState, GuestAgent, Migrating, UnitActivity};
 use kvirt::core::trigger::Trigger;
 use kvirt::core::unit::Prop;
 use kvirt::core::vmi::{Phase, VirtualMachineInstance};
@@ -204,6 +205,103 @@ async fn every_running_vmi_says_whether_it_could_live_migrate() {
             Some("DisksNotLiveMigratable".to_string())
         ))
     );
+}
+
+fn mark(role: Migrating, vmi: Option<VirtualMachineInstance>) -> Mark {
+    Mark {
+        migration_uid: "m1".into(),
+        role,
+        vmi_uid: "u1".into(),
+        peer: "10.251.0.2:8444".into(),
+        vmi: vmi.map(Box::new),
+    }
+}
+
+/// A VM migrating away (its mark kept): the domain leaving is the end of
+/// the migration, not of the VM, and nothing starts it here again, not
+/// even a kvirtd restarted meanwhile (the source daemon completes a
+/// migration whose client died).
+#[tokio::test]
+async fn a_vm_migrating_away_is_never_started_here_again_even_by_a_new_kvirtd() {
+    let host = FakeHost::default();
+    let v = vmi("vm1", "u1", "");
+    let ctl = controller(&host);
+    ctl.set_vmis(set(std::slice::from_ref(&v))).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
+    host.state()
+        .marks
+        .insert("default_vm1".into(), mark(Migrating::Outgoing, None));
+    host.state().domains.remove("default_vm1");
+    host.take_calls();
+    let restarted = controller(&host);
+    restarted.set_vmis(set(std::slice::from_ref(&v))).await;
+    restarted.reconcile("default_vm1").await.unwrap();
+    let calls = host.take_calls();
+    assert!(
+        !calls
+            .iter()
+            .any(|c| c.starts_with("define") || c.starts_with("start")),
+        "{calls:?}"
+    );
+    assert!(
+        calls
+            .iter()
+            .any(|c| c == "stop kvirt-vm@default_vm1.service"),
+        "the rest of it goes: {calls:?}"
+    );
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running), "not failed");
+    // A mark of an older instance of the name holds nothing of a new one.
+    let newer = vmi("vm1", "u2", "");
+    restarted.set_vmis(set(&[newer])).await;
+    restarted.reconcile("default_vm1").await.unwrap();
+    restarted.reconcile("default_vm1").await.unwrap();
+    assert!(host
+        .take_calls()
+        .iter()
+        .any(|c| c == "start-domain default_vm1"));
+}
+
+/// A VM arriving: its mark holds the VMI (no source lists it yet), and
+/// everything is made but its domain, which the migration brings; the
+/// status stays the source's to write.
+#[tokio::test]
+async fn a_vm_to_receive_is_prepared_without_its_domain_though_no_source_lists_it() {
+    let host = FakeHost::default();
+    host.state().marks.insert(
+        "default_vm1".into(),
+        mark(Migrating::Incoming, Some(vmi("vm1", "u1", ""))),
+    );
+    let ctl = controller(&host);
+    ctl.set_vmis(BTreeMap::new()).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    let calls = host.take_calls();
+    assert!(
+        calls
+            .iter()
+            .any(|c| c == "start kvirt-vm@default_vm1.service"),
+        "{calls:?}"
+    );
+    assert!(
+        !calls
+            .iter()
+            .any(|c| c.starts_with("define") || c.starts_with("start-domain")),
+        "{calls:?}"
+    );
+    assert_eq!(phase(&host, "vm1"), None, "the source reports it");
+    // The migration brings the domain: still nothing to do here.
+    host.state().domains.insert(
+        "default_vm1".into(),
+        kvirt::core::plan::DomainObs {
+            state: DomainState::Paused,
+            uid: Some("u1".into()),
+            paused: None,
+            machine: None,
+            agent: false,
+        },
+    );
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert!(host.take_calls().iter().all(|c| !c.contains("domain")));
 }
 
 #[tokio::test]

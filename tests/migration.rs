@@ -50,15 +50,12 @@ fn a_hosts_migration_port_lets_in_its_peers_identity_only() {
     let Some((a, _b)) = hosts() else { return };
     let _g = a.turn();
     a.ok("rm -rf /var/tmp/other-pki && kvirtd --make-api-pki /var/tmp/other-pki >/dev/null");
-    let probe = |pki: Option<&str>| support::migration_port_probe(&a, "10.251.0.2:8444", pki);
-    for pki in [None, Some("/var/tmp/other-pki")] {
-        let (bytes, alert, out) = probe(pki);
-        assert_eq!(bytes, 0, "{pki:?}: {out}");
-        assert!(alert, "{pki:?} refused by an alert: {out}");
-    }
-    let (bytes, alert, out) = probe(Some("/etc/kvirt/pki"));
-    assert_eq!(bytes, 0, "{out}");
-    assert!(!alert, "A's identity is not refused: {out}");
+    support::assert_migration_port_lets_in_only(
+        &a,
+        "10.251.0.2:8444",
+        "/etc/kvirt/pki",
+        "/var/tmp/other-pki",
+    );
     a.ok("rm -rf /var/tmp/other-pki");
 }
 

@@ -3326,15 +3326,12 @@ fn the_migration_port_answers_only_kvirts_peers() {
         Duration::from_secs(30),
         "ss -ltnH 'sport = :8444' | grep -q LISTEN",
     );
-    let probe = |pki: Option<&str>| support::migration_port_probe(&h, "127.0.0.1:8444", pki);
-    for pki in [None, Some("/var/tmp/other-pki")] {
-        let (bytes, alert, out) = probe(pki);
-        assert_eq!(bytes, 0, "{pki:?}: {out}");
-        assert!(alert, "{pki:?} refused by an alert: {out}");
-    }
-    let (bytes, alert, out) = probe(Some("/var/tmp/kvirt-pki"));
-    assert_eq!(bytes, 0, "{out}");
-    assert!(!alert, "kvirt's peer is not refused: {out}");
+    support::assert_migration_port_lets_in_only(
+        &h,
+        "127.0.0.1:8444",
+        "/var/tmp/kvirt-pki",
+        "/var/tmp/other-pki",
+    );
     h.ok("rm -f /etc/kvirt/kvirtd.toml.d/60-migration.toml; rm -rf /var/tmp/kvirt-pki /var/tmp/other-pki");
     h.restart_kvirtd();
     assert!(!h.succeeds("ss -ltnH 'sport = :8444' | grep -q LISTEN"));

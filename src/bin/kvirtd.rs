@@ -22,6 +22,7 @@ use kvirt::host::journal::{self, Journal};
 use kvirt::host::libvirt::Libvirt;
 use kvirt::host::logwatch::LogWatch;
 use kvirt::host::machined::Machined;
+use kvirt::host::marks::FileMarks;
 use kvirt::host::netns::KernelNetns;
 use kvirt::host::network::{HostNetwork, NetworkSettings};
 use kvirt::host::qemulog::Forwarder;
@@ -470,6 +471,9 @@ async fn run(config: Config) -> Result<()> {
         machines,
         storage,
         users: HostUsers(Arc::new(identities)),
+        marks: FileMarks {
+            dir: settings.layout.migrations_dir(),
+        },
         images: {
             let layout = settings.layout.clone();
             OciImages::new(
@@ -808,6 +812,7 @@ struct Host {
     machines: Machined,
     images: OciImages,
     users: HostUsers,
+    marks: FileMarks,
 }
 
 impl Host {
@@ -825,6 +830,7 @@ impl Host {
             machines: self.machines,
             images: self.images,
             users: self.users,
+            marks: self.marks,
             cpus: self.cpus,
         }
     }
@@ -865,6 +871,7 @@ impl<St: StatusStore, R: Recorder> Adapters for Real<St, R> {
     type Users = HostUsers;
     type Status = St;
     type Recorder = R;
+    type Marks = FileMarks;
 }
 
 #[cfg(test)]

@@ -140,6 +140,13 @@ impl HostLayout {
         self.state_dir.join("identities.json")
     }
 
+    /// The migrations this host takes part in, one root-only file per VM
+    /// id. Under the runtime directory: a mark must not outlive the VM's
+    /// processes, which a reboot ends.
+    pub fn migrations_dir(&self) -> PathBuf {
+        self.runtime_dir.join("migrations")
+    }
+
     /// Which address each VM has.
     pub fn leases_file(&self) -> PathBuf {
         self.state_dir.join("network").join("leases.json")

@@ -10,6 +10,7 @@
 //! kvirt's target-node annotation.
 
 use crate::core::convert::Claims;
+use crate::core::plan::Migrating;
 use crate::core::pvc::{self, Backend, Pvc};
 use crate::core::scheduling::{self, HostFacts};
 use crate::core::vmi::{Condition, VirtualMachineInstance, VmiSpec};
@@ -168,6 +169,33 @@ pub enum ToSource {
     Refused { reason: String },
     /// The target runs the VM as its own.
     Committed,
+}
+
+/// A migration this host takes part in, kept (atomically, root's alone)
+/// from before it starts until it ends: a kvirtd restarted meanwhile must
+/// know a VM is leaving (never start it here again: the source daemon
+/// completes a migration whose client died) or arriving.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Mark {
+    pub migration_uid: String,
+    pub role: Migrating,
+    /// The VMI instance it is about: a mark of an older instance of the
+    /// name holds nothing of a newer one.
+    pub vmi_uid: String,
+    /// The other host (its migration port's address).
+    pub peer: String,
+    /// Arriving: the VMI itself, which no source of this host lists until
+    /// the migration commits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub vmi: Option<Box<VirtualMachineInstance>>,
+}
+
+impl Mark {
+    /// Whether it holds for `vmi` (its uid).
+    pub fn holds_for(&self, vmi: &VirtualMachineInstance) -> bool {
+        vmi.uid() == Some(self.vmi_uid.as_str())
+    }
 }
 
 /// What a host knows of its storage: which disks both ends reach at the

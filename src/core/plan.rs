@@ -8,6 +8,7 @@
 use crate::core::layout::DaemonKind;
 use crate::core::phase::is_final;
 use crate::core::vmi::Phase;
+use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::time::Duration;
 
@@ -139,7 +140,8 @@ pub struct Desired {
 }
 
 /// This host's part in a live migration of the VM.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
 pub enum Migrating {
     /// It receives the VM: everything but the domain is made, and the
     /// migration brings the domain. Until the source commits, the VMI's
@@ -376,15 +378,13 @@ pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
     }
 }
 
-/// A VM to receive: its identity, files, namespace, network and daemon,
-/// in the order of a start, without a domain.
+/// A VM to receive: made as a start makes it, without a domain.
 fn incoming(obs: &Observed) -> Plan {
-    let mut steps = vec![Step::AcquireIdentity, Step::CreateDirs, Step::PrepareDisks];
-    if !obs.netns {
-        steps.push(Step::CreateNetns);
-    }
-    steps.extend([Step::SetupNetwork, Step::StartUnit]);
-    Plan::new(steps, Outcome::Unchanged, "preparing to receive the VM")
+    Plan::new(
+        everything_but_the_domain(obs),
+        Outcome::Unchanged,
+        "preparing to receive the VM",
+    )
 }
 
 /// Nothing of the VM runs: made, unless it ran and its unit went.
@@ -396,18 +396,21 @@ fn without_unit(d: &Desired, obs: &Observed) -> Plan {
             "the unit of a running VM is gone",
         );
     }
+    let mut steps = everything_but_the_domain(obs);
+    steps.extend([Step::DefineDomain, Step::StartDomain]);
+    steps.extend(register(obs));
+    Plan::new(steps, Outcome::Phase(Phase::Running), "creating the VM")
+}
+
+/// A start's steps up to the VM's daemon running: its identity, files,
+/// namespace, network and unit.
+fn everything_but_the_domain(obs: &Observed) -> Vec<Step> {
     let mut steps = vec![Step::AcquireIdentity, Step::CreateDirs, Step::PrepareDisks];
     if !obs.netns {
         steps.push(Step::CreateNetns);
     }
-    steps.extend([
-        Step::SetupNetwork,
-        Step::StartUnit,
-        Step::DefineDomain,
-        Step::StartDomain,
-    ]);
-    steps.extend(register(obs));
-    Plan::new(steps, Outcome::Phase(Phase::Running), "creating the VM")
+    steps.extend([Step::SetupNetwork, Step::StartUnit]);
+    steps
 }
 
 /// The VM's unit is there: what its state says.
@@ -430,6 +433,12 @@ fn with_unit(d: &Desired, obs: &Observed, unit: &UnitObs) -> Plan {
                 "a unit of no known instance stopped",
             )
         }
+        // Arriving or leaving, the migration says how it ended, not this.
+        UnitActivity::Failed | UnitActivity::Inactive if d.migrating.is_some() => Plan::new(
+            teardown(obs, d.grace, true),
+            Outcome::Unchanged,
+            "the unit of a migrating VM stopped",
+        ),
         UnitActivity::Failed | UnitActivity::Inactive => Plan::new(
             teardown(obs, d.grace, true),
             Outcome::Failed(format!(
@@ -1019,6 +1028,21 @@ mod tests {
             let handing = plan(Some(&outgoing), &running_host(state));
             assert!(handing.steps.is_empty(), "{state:?}: {:?}", handing.steps);
             assert_eq!(handing.outcome, Outcome::Unchanged);
+        }
+        let mut stopped = running_host(DomainState::Running);
+        stopped.unit = unit(UnitActivity::Failed, "u1");
+        for role in [Migrating::Outgoing, Migrating::Incoming] {
+            let d = Desired {
+                migrating: Some(role),
+                ..desired(Some(Phase::Running))
+            };
+            let p = plan(Some(&d), &stopped);
+            assert_eq!(
+                p.outcome,
+                Outcome::Unchanged,
+                "{role:?}: no failure of its own"
+            );
+            assert!(p.steps.contains(&StopUnit) || p.steps.contains(&TeardownNetwork));
         }
         // Without the mark, the same observation restarts the domain: the
         // mark is what keeps a migrated VM from running twice.

@@ -62,14 +62,19 @@ pub struct MigrationConfig {
 
 impl MigrationConfig {
     pub fn listen_address(&self) -> Result<Option<std::net::SocketAddr>, String> {
-        if self.listen.is_empty() {
-            return Ok(None);
-        }
-        self.listen
-            .parse()
-            .map(Some)
-            .map_err(|e| format!("migration.listen {:?}: {e}", self.listen))
+        listen_address("migration.listen", &self.listen)
     }
+}
+
+/// A `listen` key's address:port; empty: nothing listens.
+fn listen_address(key: &str, value: &str) -> Result<Option<std::net::SocketAddr>, String> {
+    if value.is_empty() {
+        return Ok(None);
+    }
+    value
+        .parse()
+        .map(Some)
+        .map_err(|e| format!("{key} {value:?}: {e}"))
 }
 
 /// KubeVirt's `subresources.kubevirt.io` API (what `virtctl` calls),
@@ -107,13 +112,7 @@ impl Default for ApiConfig {
 
 impl ApiConfig {
     pub fn listen_address(&self) -> Result<Option<std::net::SocketAddr>, String> {
-        if self.listen.is_empty() {
-            return Ok(None);
-        }
-        self.listen
-            .parse()
-            .map(Some)
-            .map_err(|e| format!("api.listen {:?}: {e}", self.listen))
+        listen_address("api.listen", &self.listen)
     }
 
     /// The configured address, if any.

@@ -20,7 +20,7 @@ use crate::core::efivars;
 use crate::core::guestinfo::GuestDetails;
 use crate::core::key::{self, VmKey};
 use crate::core::layout::{DaemonKind, HostLayout, VmPaths};
-use crate::core::plan::{self, Desired, Observed, Outcome, Step, UnitActivity, UnitObs};
+use crate::core::plan::{self, Desired, Migrating, Observed, Outcome, Step, UnitActivity, UnitObs};
 use crate::core::scheduling::{self, HostFacts};
 use crate::core::status;
 use crate::core::trigger::Trigger;
@@ -32,6 +32,7 @@ use crate::host::image::{ImageError, Images};
 use crate::host::journal;
 use crate::host::libvirt::{DomainRef, Hypervisor, LibvirtError, VmSocket};
 use crate::host::machined::Machines;
+use crate::host::marks::MigrationMarks;
 use crate::host::netns::{Netns, NetnsError};
 use crate::host::network::{Network, NetworkError};
 use crate::host::storage::{Owner, RuntimeDir, Storage, StorageError};
@@ -82,6 +83,13 @@ pub enum ControllerError {
         id: String,
         source: IdentityStoreError,
     },
+    /// A migration mark that cannot be read: nothing is done to the VM
+    /// until it can (it may be leaving, and must not be started again).
+    #[error("VM {id}: {source}")]
+    Mark {
+        id: String,
+        source: crate::host::marks::MarkError,
+    },
 }
 
 impl ControllerError {
@@ -102,6 +110,7 @@ impl ControllerError {
             ControllerError::Cpus { .. } => "cpus",
             ControllerError::Teardown { .. } => "teardown",
             ControllerError::Identity { .. } => "identity",
+            ControllerError::Mark { .. } => "migration",
         }
     }
 }
@@ -185,6 +194,7 @@ pub trait Adapters: 'static {
     type Users: VmUsers;
     type Status: StatusStore;
     type Recorder: Recorder;
+    type Marks: MigrationMarks;
 }
 
 pub struct Deps<A: Adapters> {
@@ -198,6 +208,8 @@ pub struct Deps<A: Adapters> {
     pub machines: A::Machines,
     pub images: A::Images,
     pub users: A::Users,
+    /// The migrations this host takes part in.
+    pub marks: A::Marks,
     /// The host's dedicated CPUs and who holds them.
     pub cpus: Arc<crate::host::cpus::DedicatedCpus>,
 }
@@ -373,6 +385,17 @@ impl<A: Adapters> Controller<A> {
         self.heartbeat.load(Ordering::Relaxed)
     }
 
+    /// This host's part in a migration of `vmi`, by its mark (a mark of
+    /// another instance of the name holds nothing).
+    fn migrating(
+        &self,
+        id: &str,
+        vmi: &VirtualMachineInstance,
+    ) -> Result<Option<Migrating>, crate::host::marks::MarkError> {
+        let mark = self.deps.marks.get(id)?;
+        Ok(mark.filter(|m| m.holds_for(vmi)).map(|m| m.role))
+    }
+
     fn vmis(&self) -> std::sync::MutexGuard<'_, HashMap<String, VirtualMachineInstance>> {
         self.vmis.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -404,7 +427,19 @@ impl<A: Adapters> Controller<A> {
     /// Takes a new set of VMIs; returns the ids whose VMI appeared, went
     /// away, changed identity or began to be deleted. Known statuses carry over (from memory, or
     /// from the status store after a restart) when the UID matches.
-    pub async fn set_vmis(&self, new: BTreeMap<VmKey, VirtualMachineInstance>) -> Vec<String> {
+    pub async fn set_vmis(&self, mut new: BTreeMap<VmKey, VirtualMachineInstance>) -> Vec<String> {
+        // A VMI arriving by migration is listed by no source of this host
+        // until the migration commits: its mark holds it meanwhile.
+        for (id, mark) in self.deps.marks.all() {
+            if let (Migrating::Incoming, Some(vmi)) = (mark.role, mark.vmi) {
+                match vmi.key() {
+                    Ok(key) if key.id() == id => {
+                        new.entry(key).or_insert(*vmi);
+                    }
+                    _ => warn!("migration mark {id}: its VMI is not of that id"),
+                }
+            }
+        }
         let mut incoming = HashMap::new();
         for (key, mut vmi) in new {
             let id = key.id();
@@ -696,12 +731,21 @@ impl<A: Adapters> Controller<A> {
         let deleting = vmi
             .as_ref()
             .is_some_and(|v| v.metadata.deletion_timestamp.is_some());
+        let migrating = match &vmi {
+            Some(v) => self
+                .migrating(id, v)
+                .map_err(|source| ControllerError::Mark {
+                    id: id.into(),
+                    source,
+                })?,
+            None => None,
+        };
         let desired = vmi.as_ref().filter(|_| !deleting).map(|v| Desired {
             uid: v.uid().unwrap_or_default().to_owned(),
             grace: v.termination_grace_period(),
             phase: v.status.phase,
             invalid: converted.as_ref().and_then(|c| c.as_ref().err().cloned()),
-            migrating: None,
+            migrating,
         });
         if let (true, Some(v), Some(u)) = (deleting, &vmi, obs.unit.as_mut()) {
             // A grace period shortened after the start (`virtctl stop
@@ -730,7 +774,7 @@ impl<A: Adapters> Controller<A> {
             }
         }
         if let (Some(v), Some(k), true) = (&vmi, &key, creating) {
-            self.announce_start(v, k).await?;
+            self.announce_start(v, k, migrating).await?;
             if let (true, Ok(cpus)) = (self.reads_claims(v, false), &placed) {
                 let (conv, why) = self.convert_with_claims(v, k, cpus.as_ref()).await?;
                 (converted, refused) = (Some(conv), why);
@@ -877,11 +921,13 @@ impl<A: Adapters> Controller<A> {
     }
 
     /// Before anything is made on the host: the VMI held for cleanup, and
-    /// a VMI not yet scheduled shown Scheduled, with its Event.
+    /// a VMI not yet scheduled shown Scheduled, with its Event (not one
+    /// arriving by migration: its status is the source's to write).
     async fn announce_start(
         &self,
         v: &VirtualMachineInstance,
         k: &VmKey,
+        migrating: Option<Migrating>,
     ) -> Result<(), ControllerError> {
         self.fit_allowance(v, k).await?;
         self.deps
@@ -889,10 +935,11 @@ impl<A: Adapters> Controller<A> {
             .hold(v)
             .await
             .map_err(status_err(&k.id()))?;
-        if matches!(
+        let unscheduled = matches!(
             v.status.phase,
             None | Some(Phase::Pending | Phase::Scheduling)
-        ) {
+        );
+        if unscheduled && migrating.is_none() {
             let scheduled = Outcome::Phase(Phase::Scheduled);
             self.report(k, v.uid(), &scheduled, &Default::default(), None)
                 .await?;

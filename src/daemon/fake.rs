@@ -112,6 +112,8 @@ pub struct HostState {
     /// VirtualMachines that exist, as `namespace/name uid`; `None`: there
     /// is no cluster to ask.
     pub virtual_machines: Option<BTreeSet<String>>,
+    /// Migration marks, by VM id (kept across controllers, as on disk).
+    pub marks: BTreeMap<String, crate::core::migration::Mark>,
 }
 
 #[derive(Clone, Default)]
@@ -129,6 +131,7 @@ impl Adapters for FakeHost {
     type Users = FakeHost;
     type Status = FakeHost;
     type Recorder = FakeHost;
+    type Marks = FakeHost;
 }
 
 impl FakeHost {
@@ -149,6 +152,7 @@ impl FakeHost {
             machines: self.clone(),
             images: self.clone(),
             users: self.clone(),
+            marks: self.clone(),
             cpus: self
                 .state()
                 .cpus
@@ -967,5 +971,34 @@ impl VmUsers for FakeHost {
 
     fn ids(&self) -> Vec<String> {
         self.state().identities.keys().cloned().collect()
+    }
+}
+
+impl crate::host::marks::MigrationMarks for FakeHost {
+    fn get(
+        &self,
+        id: &str,
+    ) -> Result<Option<crate::core::migration::Mark>, crate::host::marks::MarkError> {
+        Ok(self.state().marks.get(id).cloned())
+    }
+
+    fn set(
+        &self,
+        id: &str,
+        mark: &crate::core::migration::Mark,
+    ) -> Result<(), crate::host::marks::MarkError> {
+        let _ = self.call(format!("mark {id} {:?}", mark.role));
+        self.state().marks.insert(id.into(), mark.clone());
+        Ok(())
+    }
+
+    fn clear(&self, id: &str) -> Result<(), crate::host::marks::MarkError> {
+        let _ = self.call(format!("clear mark {id}"));
+        self.state().marks.remove(id);
+        Ok(())
+    }
+
+    fn all(&self) -> Vec<(String, crate::core::migration::Mark)> {
+        self.state().marks.clone().into_iter().collect()
     }
 }

@@ -22,6 +22,7 @@ pub mod journal;
 pub mod libvirt;
 pub mod logwatch;
 pub mod machined;
+pub mod marks;
 pub mod migrate;
 pub mod netns;
 pub mod network;

@@ -349,11 +349,25 @@ impl Host {
     }
 }
 
-/// What a TLS client on host `h` gets from kvirtd's migration port at
-/// `addr` after sending a header for a migration never prepared, with the
-/// certificate and key of the PKI directory `pki` (or none): the bytes it
-/// received, and whether the server refused it with a TLS alert.
-pub fn migration_port_probe(h: &Host, addr: &str, pki: Option<&str>) -> (usize, bool, String) {
+/// kvirtd's migration port at `addr`, tried from host `h` with a header
+/// for a migration never prepared: a client without a certificate, or
+/// with the one of PKI directory `stranger` (another CA), is refused by a
+/// TLS alert and gets no byte; one with the certificate of PKI directory
+/// `ours` is not refused, and gets no byte either.
+pub fn assert_migration_port_lets_in_only(h: &Host, addr: &str, ours: &str, stranger: &str) {
+    for pki in [None, Some(stranger)] {
+        let (bytes, alert, out) = migration_port_probe(h, addr, pki);
+        assert_eq!(bytes, 0, "{pki:?}: {out}");
+        assert!(alert, "{pki:?} refused by an alert: {out}");
+    }
+    let (bytes, alert, out) = migration_port_probe(h, addr, Some(ours));
+    assert_eq!(bytes, 0, "{out}");
+    assert!(!alert, "{ours}'s certificate is not refused: {out}");
+}
+
+/// What a TLS client gets back (bytes), whether it was refused by an
+/// alert, and what `openssl s_client` said.
+fn migration_port_probe(h: &Host, addr: &str, pki: Option<&str>) -> (usize, bool, String) {
     let cert = pki
         .map(|p| format!(" -cert {p}/api.crt -key {p}/api.key"))
         .unwrap_or_default();

@@ -103,13 +103,23 @@ impl Identity {
             front_proxy: client_verifier(front_proxy)?,
             peers: client_verifier(self.peers.clone())?,
         });
+        self.serving(verifier, b"http/1.1")
+    }
+
+    /// This host's certificate, served to clients `verifier` accepts,
+    /// speaking `alpn`.
+    fn serving(
+        &self,
+        verifier: Arc<dyn ClientCertVerifier>,
+        alpn: &[u8],
+    ) -> Result<Arc<rustls::ServerConfig>, TlsError> {
         let mut config = rustls::ServerConfig::builder_with_provider(provider())
             .with_safe_default_protocol_versions()
             .map_err(|e| invalid("TLS versions")(e.to_string()))?
             .with_client_cert_verifier(verifier)
             .with_single_cert(self.chain.clone(), self.key.clone_key())
             .map_err(|e| invalid("api.cert and api.key")(e.to_string()))?;
-        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        config.alpn_protocols = vec![alpn.to_vec()];
         Ok(Arc::new(config))
     }
 
@@ -138,14 +148,7 @@ impl Identity {
         let verifier = WebPkiClientVerifier::builder_with_provider(self.peers.clone(), provider())
             .build()
             .map_err(|e| invalid("client CA")(e.to_string()))?;
-        let mut config = rustls::ServerConfig::builder_with_provider(provider())
-            .with_safe_default_protocol_versions()
-            .map_err(|e| invalid("TLS versions")(e.to_string()))?
-            .with_client_cert_verifier(verifier)
-            .with_single_cert(self.chain.clone(), self.key.clone_key())
-            .map_err(|e| invalid("api.cert and api.key")(e.to_string()))?;
-        config.alpn_protocols = vec![TUNNEL_ALPN.to_vec()];
-        Ok(Arc::new(config))
+        self.serving(verifier, TUNNEL_ALPN)
     }
 
     /// The client side of the migration port, as [`Identity::client_config`].

@@ -1,0 +1,190 @@
+//! The migrations this host takes part in, as files kvirtd alone may read
+//! or write (`/run/kvirt/migrations/<id>.json`, 0600 in a 0700 directory),
+//! each replaced whole: after a crash a mark is the old or the new one.
+
+use crate::core::migration::Mark;
+use std::path::PathBuf;
+
+/// A mark is a VMI at most, and a VMI is small: anything larger is not one.
+const MAX_MARK: u64 = 2 << 20;
+
+#[derive(Debug, thiserror::Error)]
+pub enum MarkError {
+    #[error("migration mark {path}: {source}")]
+    Io {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("migration mark {path}: {message}")]
+    Invalid { path: PathBuf, message: String },
+}
+
+/// Each VM's migration mark, by VM id.
+pub trait MigrationMarks: Send + Sync + 'static {
+    fn get(&self, id: &str) -> Result<Option<Mark>, MarkError>;
+    /// Kept before this returns (and before the migration may start).
+    fn set(&self, id: &str, mark: &Mark) -> Result<(), MarkError>;
+    fn clear(&self, id: &str) -> Result<(), MarkError>;
+    /// Every mark there is, by VM id (a bad one is said and skipped).
+    fn all(&self) -> Vec<(String, Mark)>;
+}
+
+/// The real marks: files in one directory.
+#[derive(Clone, Debug)]
+pub struct FileMarks {
+    pub dir: PathBuf,
+}
+
+impl FileMarks {
+    fn path(&self, id: &str) -> Result<PathBuf, MarkError> {
+        // A VM id is `<ns>_<name>`: DNS labels, never a path.
+        if id.is_empty()
+            || !id
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"-_.".contains(&b))
+            || id.starts_with('.')
+        {
+            return Err(MarkError::Invalid {
+                path: self.dir.clone(),
+                message: format!("{id:?} is not a VM id"),
+            });
+        }
+        Ok(self.dir.join(format!("{id}.json")))
+    }
+}
+
+impl MigrationMarks for FileMarks {
+    fn get(&self, id: &str) -> Result<Option<Mark>, MarkError> {
+        use std::io::Read;
+        let path = self.path(id)?;
+        let io = |source| MarkError::Io {
+            path: path.clone(),
+            source,
+        };
+        let file = match std::fs::File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(e) => return Err(io(e)),
+        };
+        let mut bytes = Vec::new();
+        file.take(MAX_MARK + 1)
+            .read_to_end(&mut bytes)
+            .map_err(io)?;
+        if bytes.len() as u64 > MAX_MARK {
+            return Err(MarkError::Invalid {
+                path,
+                message: format!("larger than {MAX_MARK} bytes"),
+            });
+        }
+        serde_json::from_slice(&bytes)
+            .map(Some)
+            .map_err(|e| MarkError::Invalid {
+                path,
+                message: e.to_string(),
+            })
+    }
+
+    fn set(&self, id: &str, mark: &Mark) -> Result<(), MarkError> {
+        use std::os::unix::fs::DirBuilderExt;
+        let path = self.path(id)?;
+        let io = |source| MarkError::Io {
+            path: path.clone(),
+            source,
+        };
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&self.dir)
+            .map_err(io)?;
+        let bytes = serde_json::to_vec(mark).map_err(|e| MarkError::Invalid {
+            path: path.clone(),
+            message: e.to_string(),
+        })?;
+        crate::host::commit::replace_private(&path, &bytes).map_err(io)
+    }
+
+    fn clear(&self, id: &str) -> Result<(), MarkError> {
+        let path = self.path(id)?;
+        match std::fs::remove_file(&path) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                Err(MarkError::Io { path, source: e })
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn all(&self) -> Vec<(String, Mark)> {
+        let Ok(entries) = std::fs::read_dir(&self.dir) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for name in entries.flatten().map(|e| e.file_name()) {
+            let Some(id) = name.to_str().and_then(|n| n.strip_suffix(".json")) else {
+                continue;
+            };
+            match self.get(id) {
+                Ok(Some(m)) => out.push((id.to_string(), m)),
+                Ok(None) => {}
+                Err(e) => tracing::warn!("{e}"),
+            }
+        }
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::core::plan::Migrating;
+
+    fn mark(role: Migrating) -> Mark {
+        Mark {
+            migration_uid: "m-1".into(),
+            role,
+            vmi_uid: "u1".into(),
+            peer: "10.251.0.2:8444".into(),
+            vmi: None,
+        }
+    }
+
+    #[test]
+    fn marks_are_kept_whole_and_root_only() {
+        use std::os::unix::fs::PermissionsExt;
+        let t = tempfile::tempdir().unwrap();
+        let marks = FileMarks {
+            dir: t.path().join("migrations"),
+        };
+        assert!(marks.get("ns_a").unwrap().is_none());
+        marks.set("ns_a", &mark(Migrating::Outgoing)).unwrap();
+        marks.set("ns_b", &mark(Migrating::Incoming)).unwrap();
+        assert_eq!(marks.get("ns_a").unwrap(), Some(mark(Migrating::Outgoing)));
+        let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&marks.dir), 0o700);
+        assert_eq!(mode(&marks.dir.join("ns_a.json")), 0o600);
+        let all: Vec<String> = marks.all().into_iter().map(|(id, _)| id).collect();
+        assert_eq!(all, vec!["ns_a".to_string(), "ns_b".to_string()]);
+        marks.clear("ns_a").unwrap();
+        marks.clear("ns_a").unwrap();
+        assert!(marks.get("ns_a").unwrap().is_none());
+    }
+
+    #[test]
+    fn a_bad_mark_or_name_is_an_error_and_skipped() {
+        let t = tempfile::tempdir().unwrap();
+        let marks = FileMarks {
+            dir: t.path().into(),
+        };
+        std::fs::write(t.path().join("ns_bad.json"), b"{\"role\": \"sideways\"}").unwrap();
+        assert!(matches!(
+            marks.get("ns_bad"),
+            Err(MarkError::Invalid { .. })
+        ));
+        for id in ["../etc", "", ".hidden", "a/b"] {
+            assert!(marks.set(id, &mark(Migrating::Outgoing)).is_err(), "{id:?}");
+        }
+        marks.set("ns_good", &mark(Migrating::Outgoing)).unwrap();
+        let all: Vec<String> = marks.all().into_iter().map(|(id, _)| id).collect();
+        assert_eq!(all, vec!["ns_good".to_string()]);
+    }
+}
