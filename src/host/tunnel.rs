@@ -143,16 +143,24 @@ pub struct Route {
 pub struct Routes(Arc<Mutex<HashMap<String, Route>>>);
 
 impl Routes {
+    /// Held only to look up or change a route, never across I/O; a panic
+    /// elsewhere while it was held leaves the map whole.
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Route>> {
+        self.0
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     pub fn add(&self, uid: &str, route: Route) {
-        self.0.lock().expect("routes").insert(uid.into(), route);
+        self.lock().insert(uid.into(), route);
     }
 
     pub fn remove(&self, uid: &str) {
-        self.0.lock().expect("routes").remove(uid);
+        self.lock().remove(uid);
     }
 
     fn socket(&self, uid: &str, channel: Channel) -> Result<(PathBuf, String), TunnelError> {
-        let routes = self.0.lock().expect("routes");
+        let routes = self.lock();
         let route = routes
             .get(uid)
             .ok_or_else(|| TunnelError::Unknown(uid.into()))?;
