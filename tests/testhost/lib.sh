@@ -17,7 +17,7 @@ TH_HOST_PKGS=(debootstrap systemd-container busybox-static cpio dosfstools mtool
   syslinux syslinux-common qemu-utils libvirt-clients libvirt-dev pkg-config
   util-linux xz-utils zstd debian-archive-keyring ca-certificates lintian rpm rpmlint
   xorriso docker-registry grub-efi-amd64-bin libxml2-utils nftables
-  containernetworking-plugins)
+  containernetworking-plugins iproute2)
 
 TH_ROOTFS_PKGS=(systemd systemd-sysv dbus libpam-systemd libvirt-daemon
   libvirt-daemon-driver-qemu libvirt-clients qemu-system-x86 qemu-utils seabios
