@@ -201,20 +201,21 @@ impl Mark {
 /// What a host knows of its storage: which disks both ends reach at the
 /// same path.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct SharedStorage {
-    /// `hostDisk` roots marked shared (`storage.shared_host_disk_roots`).
-    pub host_disk_roots: Vec<PathBuf>,
+pub struct SharedStorage<'a> {
+    /// Storage every host reaches at the same path (`storage.shared_roots`),
+    /// borrowed from the settings: a conversion copies nothing of it.
+    pub roots: &'a [PathBuf],
     /// Claims (by name, in the VMI's namespace) whose volume every host
     /// reaches: ReadWriteMany on a shared path.
     pub claims: BTreeSet<String>,
 }
 
-impl SharedStorage {
+impl<'a> SharedStorage<'a> {
     /// From the host's shared roots and the claims a conversion read: a
     /// claim is shared when it is ReadWriteMany (as KubeVirt asks) and its
     /// volume is a block device (the PV's word that every host reaches
     /// it) or a directory under a shared root.
-    pub fn new(roots: &[PathBuf], claims: &Claims) -> Self {
+    pub fn new(roots: &'a [PathBuf], claims: &Claims) -> Self {
         let shared = |p: &Pvc| {
             p.access_modes.iter().any(|m| m == "ReadWriteMany")
                 && match &p.backend {
@@ -223,7 +224,7 @@ impl SharedStorage {
                 }
         };
         Self {
-            host_disk_roots: roots.to_vec(),
+            roots,
             claims: claims
                 .by_name
                 .values()
@@ -277,7 +278,7 @@ fn disks(spec: &VmiSpec, storage: &SharedStorage) -> Result<bool, String> {
     let mut copies = false;
     for v in &spec.volumes {
         if let Some(h) = &v.host_disk {
-            if !under_any(Path::new(&h.path), &storage.host_disk_roots) {
+            if !under_any(Path::new(&h.path), storage.roots) {
                 return Err(format!(
                     "hostDisk {:?} ({}) is not under a shared root, and kvirt copies only disks it made",
                     v.name, h.path
@@ -365,9 +366,9 @@ mod tests {
         serde_norway::from_str(&text).unwrap()
     }
 
-    fn storage() -> SharedStorage {
+    fn storage() -> SharedStorage<'static> {
         SharedStorage {
-            host_disk_roots: vec!["/srv/shared".into()],
+            roots: Box::leak(vec![PathBuf::from("/srv/shared")].into_boxed_slice()),
             claims: ["rwx".to_string()].into(),
         }
     }
@@ -528,9 +529,10 @@ mod tests {
             .collect(),
             ..Default::default()
         };
-        let s = SharedStorage::new(&["/srv/shared".into()], &claims);
+        let roots = [PathBuf::from("/srv/shared")];
+        let s = SharedStorage::new(&roots, &claims);
         assert_eq!(s.claims, ["nfs".to_string(), "san".to_string()].into());
-        assert_eq!(s.host_disk_roots, vec![PathBuf::from("/srv/shared")]);
+        assert_eq!(s.roots, [PathBuf::from("/srv/shared")]);
     }
 
     #[test]
