@@ -117,6 +117,7 @@ kvirt_testhost_pair() {
   for host in "$a" "$b"; do
     i=$((i + 1))
     th_sh "$host" "cat > /etc/kvirt/kvirtd.toml.d/55-pair.toml <<EOF
+node_name = \"$host\"
 [storage]
 host_disk_roots = [\"/var/lib/kvirt/images\", \"/srv/shared\"]
 shared_roots = [\"/srv/shared\"]

@@ -262,6 +262,33 @@ async fn a_vm_migrating_away_is_never_started_here_again_even_by_a_new_kvirtd() 
         .any(|c| c == "start-domain default_vm1"));
 }
 
+/// A VM that left by migration: its mark holds while its VMI is listed
+/// here (its manifest not yet removed), and goes once the VMI is gone and
+/// nothing of it is left, so the name is free for a new instance.
+#[tokio::test]
+async fn a_vm_that_left_drops_its_mark_once_its_vmi_is_gone_too() {
+    let host = FakeHost::default();
+    let v = vmi("vm1", "u1", "");
+    let ctl = controller(&host);
+    ctl.set_vmis(set(std::slice::from_ref(&v))).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    host.state()
+        .marks
+        .insert("default_vm1".into(), mark(Migrating::Outgoing, None));
+    host.state().domains.remove("default_vm1");
+    host.take_calls();
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert!(host.state().marks.contains_key("default_vm1"));
+    ctl.set_vmis(BTreeMap::new()).await;
+    ctl.reconcile("default_vm1").await.unwrap();
+    ctl.reconcile("default_vm1").await.unwrap();
+    assert!(!host.state().marks.contains_key("default_vm1"));
+    assert!(!host
+        .take_calls()
+        .iter()
+        .any(|c| c.starts_with("start-domain")));
+}
+
 /// A VM arriving: its mark holds the VMI (no source lists it yet), and
 /// everything is made but its domain, which the migration brings; the
 /// status stays the source's to write.

@@ -105,3 +105,214 @@ fn a_vm_on_shared_storage_could_migrate_and_one_on_local_storage_could_not() {
         "! ls /run/kvirt/vms | grep -q disk",
     );
 }
+
+/// The guest's counter (`KVIRT-GUEST-ALIVE <n>`, one each 2 s) in its
+/// serial log on host `h`; empty without a log.
+fn counts(h: &Host, vm: &str) -> Vec<u64> {
+    h.ok(&format!(
+        "grep -ao 'KVIRT-GUEST-ALIVE [0-9]*' /run/kvirt/vms/default_{vm}/console.log 2>/dev/null | cut -d' ' -f2 || true"
+    ))
+    .split_whitespace()
+    .map(|n| n.parse().unwrap())
+    .collect()
+}
+
+/// A masquerade VM whose disk is on the shared storage, running on `h`.
+fn shared_vm(h: &Host, vm: &str) {
+    h.ok(&format!("cp /srv/guest/run.raw /srv/shared/{vm}.raw"));
+    let manifest = vmi_manifest(
+        vm,
+        "",
+        "  networks: [{name: default, pod: {}}]\n",
+        "      interfaces: [{name: default, masquerade: {}, ports: [{port: 8080}]}]\n",
+    )
+    .replace(
+        &format!("/var/lib/kvirt/images/{vm}.raw"),
+        &format!("/srv/shared/{vm}.raw"),
+    );
+    h.put_manifest(vm, "", &manifest);
+    h.wait_phase(vm, "Running", BOOT);
+}
+
+/// Moves `vm` from `from` to `to` (its migration port `addr`) and checks
+/// the move: the target runs it from a manifest of its own, Running on
+/// its node, the guest answering there through its new pod address; the
+/// guest counts on from where it was (the same boot: no second READY);
+/// the source keeps nothing of it (unit, namespace, lease, rules,
+/// manifest, mark).
+fn move_and_check(from: &Host, to: &Host, vm: &str, addr: &str, node: &str) {
+    from.wait_until("the guest counting", BOOT, || counts(from, vm).len() >= 2);
+    let before = *counts(from, vm).last().unwrap();
+    let out = from.ok(&format!("kvirtctl migrate default/{vm} --to {addr}"));
+    assert!(out.contains("moved to"), "{out}");
+    to.wait_phase(vm, "Running", BOOT);
+    let st = to.status(vm);
+    assert_eq!(st["status"]["nodeName"], node, "{st}");
+    to.ok(&format!(
+        "grep -q '\"uid\"' /etc/kvirt/vmis.d/default_{vm}.json"
+    ));
+    to.wait_until("the guest counting on the target", BOOT, || {
+        counts(to, vm).len() >= 2
+    });
+    let after = counts(to, vm);
+    assert!(
+        after[0] > before && after.windows(2).all(|w| w[1] == w[0] + 1),
+        "the counter goes on from {before}, never restarting: {after:?}"
+    );
+    to.ok(&format!(
+        "! grep -q KVIRT-GUEST-READY /run/kvirt/vms/default_{vm}/console.log"
+    ));
+    let ip = st["status"]["interfaces"][0]["ipAddress"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no pod address on the target: {st}"))
+        .to_owned();
+    to.wait(
+        "the guest answering through the target",
+        Duration::from_secs(60),
+        &format!("busybox wget -q -O- -T 5 http://{ip}:8080/ | grep -q 'KVIRT-HELLO 8080'"),
+    );
+    from.wait_gone(vm);
+    from.ok(&format!(
+        "! ls /etc/kvirt/vmis.d | grep -q {vm}; [ -z \"$(ls /run/kvirt/migrations)\" ]"
+    ));
+    to.ok("[ -z \"$(ls /run/kvirt/migrations)\" ]");
+}
+
+/// `kvirtctl migrate` moves a running guest on shared storage from A to
+/// B and back, live: the same boot of the guest throughout.
+#[test]
+fn a_running_guest_moves_to_the_other_host_and_back_without_restarting() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = a.turn();
+    shared_vm(&a, "mover");
+    move_and_check(&a, &b, "mover", "10.251.0.2:8444", "kvirt-mig-b");
+    move_and_check(&b, &a, "mover", "10.251.0.1:8444", "kvirt-mig-a");
+    a.ok("rm /etc/kvirt/vmis.d/default_mover.json");
+    a.wait_gone("mover");
+    a.ok("rm -f /srv/shared/mover.raw");
+}
+
+/// A VM whose disk only its host reaches is refused with its condition's
+/// reason; it runs on where it was, and neither host keeps anything of
+/// the attempt.
+#[test]
+fn a_vm_that_cannot_migrate_is_refused_and_runs_on() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = a.turn();
+    a.create_vm("stayer", "run");
+    a.wait_phase("stayer", "Running", BOOT);
+    let out = a.sh("kvirtctl migrate default/stayer --to 10.251.0.2:8444");
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("DisksNotLiveMigratable"), "{err}");
+    assert_eq!(a.phase("stayer").as_deref(), Some("Running"));
+    a.ok("[ -z \"$(ls /run/kvirt/migrations)\" ] && test -f /etc/kvirt/vmis.d/stayer.yaml");
+    b.ok("[ -z \"$(ls /run/kvirt/migrations)\" ] && ! systemctl -q is-active kvirt-vm@default_stayer");
+    a.remove_vm_and_wait_gone("stayer");
+}
+
+/// Starts `kvirtctl migrate` of `vm` from `from` to `addr` throttled to
+/// 1 MiB/s, in a unit of its own (it outlives this call), and waits until
+/// the guest's memory is on its way: the target's QEMU listens for it.
+fn start_slow_migration(from: &Host, to: &Host, vm: &str, addr: &str) {
+    from.ok(&format!(
+        "systemctl reset-failed kvirt-test-migrate 2>/dev/null || true
+         systemd-run --unit=kvirt-test-migrate --collect \
+           kvirtctl migrate default/{vm} --to {addr} --bandwidth 1"
+    ));
+    to.wait(
+        "the target's QEMU listening for the guest's memory",
+        BOOT,
+        &format!("[ -S /run/kvirt/vms/default_{vm}/migration/memory.sock ]"),
+    );
+}
+
+/// Kills `h`'s kvirtd (SIGKILL) and waits for systemd to start it again.
+fn kill_kvirtd(h: &Host) {
+    let before = h.ok("systemctl show -P MainPID kvirtd");
+    h.ok("systemctl kill -s KILL kvirtd");
+    h.wait_new_kvirtd("SIGKILL", "MainPID", &before);
+}
+
+/// The guest runs exactly once across the two hosts: one QEMU of it, on
+/// `on`, Running there, never booted twice; `off` keeps nothing of it.
+fn runs_exactly_once(on: &Host, off: &Host, vm: &str) {
+    on.wait_phase(vm, "Running", BOOT);
+    off.wait(
+        "the other host's unit gone",
+        Duration::from_secs(120),
+        &format!("! systemctl -q is-active kvirt-vm@default_{vm}"),
+    );
+    off.wait_gone(vm);
+    assert_eq!(
+        on.ok(&format!("pgrep -fc '[q]emu-system.*guest=default_{vm},'")),
+        "1"
+    );
+    on.wait(
+        "no migration mark left",
+        BOOT,
+        "[ -z \"$(ls /run/kvirt/migrations)\" ]",
+    );
+    off.wait(
+        "no migration mark left",
+        BOOT,
+        "[ -z \"$(ls /run/kvirt/migrations)\" ]",
+    );
+    let before = counts(on, vm).last().copied().unwrap_or(0);
+    on.wait_until("the guest counting on", BOOT, || {
+        counts(on, vm).last().is_some_and(|&c| c > before)
+    });
+    let boots = on.ok(&format!(
+        "grep -ac KVIRT-GUEST-READY /run/kvirt/vms/default_{vm}/console.log || true"
+    ));
+    assert!(boots == "0" || boots == "1", "booted {boots} times here");
+}
+
+/// The source kvirtd killed while the guest's memory is on its way: the
+/// new kvirtd finds its mark and finishes the migration one way or the
+/// other (here: the job aborted, the target told, the VM stays); the guest
+/// runs exactly once, and neither host keeps a mark.
+#[test]
+fn the_source_kvirtd_killed_midway_leaves_the_guest_running_once() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = a.turn();
+    shared_vm(&a, "src-killed");
+    start_slow_migration(&a, &b, "src-killed", "10.251.0.2:8444");
+    kill_kvirtd(&a);
+    // Settled when neither host keeps a mark; then one host has it.
+    a.wait_until("the migration settled", Duration::from_secs(180), || {
+        [&a, &b]
+            .iter()
+            .all(|h| h.succeeds("[ -z \"$(ls /run/kvirt/migrations)\" ]"))
+    });
+    let (on, off) = if a.succeeds("systemctl -q is-active kvirt-vm@default_src-killed") {
+        (&a, &b)
+    } else {
+        (&b, &a)
+    };
+    runs_exactly_once(on, off, "src-killed");
+    on.ok("rm -f /etc/kvirt/vmis.d/src-killed.yaml /etc/kvirt/vmis.d/default_src-killed.json");
+    on.wait_gone("src-killed");
+    a.ok("rm -f /srv/shared/src-killed.raw");
+}
+
+/// The target kvirtd killed while the guest's memory is on its way: the
+/// tunnel goes with it, the migration fails, the VM runs on at the
+/// source, and the target, started again, tears down what it prepared.
+#[test]
+fn the_target_kvirtd_killed_midway_leaves_the_guest_at_the_source() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = a.turn();
+    shared_vm(&a, "dst-killed");
+    start_slow_migration(&a, &b, "dst-killed", "10.251.0.2:8444");
+    kill_kvirtd(&b);
+    a.wait(
+        "kvirtctl migrate to give up",
+        BOOT,
+        "! systemctl -q is-active kvirt-test-migrate",
+    );
+    runs_exactly_once(&a, &b, "dst-killed");
+    a.ok("test -f /etc/kvirt/vmis.d/dst-killed.yaml");
+    a.remove_vm_and_wait_gone("dst-killed");
+    a.ok("rm -f /srv/shared/dst-killed.raw");
+}

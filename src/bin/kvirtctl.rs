@@ -95,6 +95,20 @@ enum Command {
         /// NAMESPACE/NAME of a VMI or a VirtualMachine
         vm: String,
     },
+    /// Live-migrate a running standalone VMI to another kvirt host: its
+    /// guest goes on there, and its manifest moves with it.
+    Migrate {
+        /// NAMESPACE/NAME of a VMI
+        vm: String,
+        /// The target kvirtd's migration port (its `migration.listen`),
+        /// ADDRESS:PORT
+        #[arg(long)]
+        to: String,
+        /// The most the migration may use, in MiB/s (KubeVirt's
+        /// `bandwidthPerMigration`); without it, as fast as it goes
+        #[arg(long)]
+        bandwidth: Option<u64>,
+    },
     /// Attach to a VM's serial console (detach with Ctrl-]).
     Console {
         /// NAMESPACE/NAME
@@ -182,6 +196,14 @@ fn main() -> Result<()> {
         Command::Pause { vm } => request(&config()?, user.as_deref(), asks("pause", vm)),
         Command::Unpause { vm } => request(&config()?, user.as_deref(), asks("unpause", vm)),
         Command::SoftReboot { vm } => request(&config()?, user.as_deref(), asks("soft-reboot", vm)),
+        Command::Migrate { vm, to, bandwidth } => control(
+            &config()?.layout(),
+            &Request {
+                to: Some(to),
+                bandwidth,
+                ..asks("migrate", vm)
+            },
+        ),
         Command::Domxml {
             file,
             domain_type,

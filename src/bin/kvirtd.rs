@@ -11,6 +11,7 @@ use kvirt::daemon::config::{Config, Emulation, SourceKind, DEFAULT_PATH};
 use kvirt::daemon::control;
 use kvirt::daemon::controller::VmiView;
 use kvirt::daemon::controller::{Adapters, Deps, LogRecorder, Settings};
+use kvirt::daemon::migration::Migrate;
 use kvirt::daemon::serve::{serve, Sources};
 use kvirt::daemon::vms::{Input as VmInput, Vms};
 use kvirt::host::beneath::Beneath;
@@ -405,16 +406,23 @@ async fn run(config: Config) -> Result<()> {
         }
     });
 
-    // Other kvirtds' way in for migrations; never a reason not to run VMs.
-    let _migrations = match config.migration.listen_address() {
-        Ok(Some(listen)) => {
-            let a = &config.api;
-            kvirt::daemon::migration::start(listen, &a.cert, &a.key, &a.ca)
-                .await
-                .inspect_err(|e| error!("{e}; this host takes no migrations"))
-                .ok()
+    // Other kvirtds' way in for migrations, and this one's way out.
+    let migrations = |manifests: Option<PathBuf>| {
+        let a = &config.api;
+        let listen = config
+            .migration
+            .listen_address()
+            .inspect_err(|e| error!("migration.listen: {e}; this host takes no migrations"))
+            .ok()
+            .flatten();
+        kvirt::daemon::migration::Setup {
+            listen,
+            cert: a.cert.clone(),
+            key: a.key.clone(),
+            ca: a.ca.clone(),
+            manifests,
+            timeout: Duration::from_secs(config.migration.timeout_seconds),
         }
-        _ => None,
     };
 
     let (tx, rx) = unbounded_channel::<Trigger>();
@@ -532,7 +540,9 @@ async fn run(config: Config) -> Result<()> {
             let control_path = settings.layout.control_socket();
             let control_group = config.control.gid().map_err(anyhow::Error::msg)?;
             let networks_of = status.clone();
-            let ready = move |tx: UnboundedSender<Trigger>, view: Arc<dyn VmiView>| {
+            let ready = move |tx: UnboundedSender<Trigger>,
+                              view: Arc<dyn VmiView>,
+                              migrate: Option<Arc<dyn Migrate>>| {
                 let (in_tx, in_rx) = unbounded_channel();
                 let snapshots = in_tx.clone();
                 let networks = networks_of.clone();
@@ -543,7 +553,7 @@ async fn run(config: Config) -> Result<()> {
                     },
                     resync,
                 )?;
-                serve_control(&control_path, control_group, in_tx, view.clone());
+                serve_control(&control_path, control_group, in_tx, view.clone(), migrate);
                 tokio::spawn(vms.run(view, in_rx, tx));
                 Ok(())
             };
@@ -553,6 +563,7 @@ async fn run(config: Config) -> Result<()> {
                 list: None::<fn() -> _>,
                 resync,
                 efi_vars_check: None,
+                migrations: Some(migrations(Some(config.source.directory.clone()))),
                 stop: None,
             };
             let deps = host.deps(status, LogRecorder);
@@ -587,7 +598,9 @@ async fn run(config: Config) -> Result<()> {
             let (api_client, api_node, api_layout) =
                 (client.clone(), node.clone(), settings.layout.clone());
             let api_running = running_api.clone();
-            let ready = move |_tx: UnboundedSender<Trigger>, view: Arc<dyn VmiView>| {
+            let ready = move |_tx: UnboundedSender<Trigger>,
+                              view: Arc<dyn VmiView>,
+                              _migrate: Option<Arc<dyn Migrate>>| {
                 if let Some((client, host)) = claim {
                     cluster::source::claim_unassigned(client, host);
                 }
@@ -616,7 +629,7 @@ async fn run(config: Config) -> Result<()> {
                             .into()));
                     }
                 });
-                serve_control(&control_path, control_group, in_tx, view);
+                serve_control(&control_path, control_group, in_tx, view, None);
                 Ok(())
             };
             let list = move || cluster::source::snapshot(&store);
@@ -635,6 +648,9 @@ async fn run(config: Config) -> Result<()> {
                 list: Some(list),
                 resync,
                 efi_vars_check: Some(Duration::from_secs(k.efi_vars_check_seconds.max(1))),
+                // In a cluster the port is served, and an arrival refused
+                // until migration objects are acted on.
+                migrations: Some(migrations(None)),
                 stop: Some(Box::new(move || {
                     Box::pin(async move {
                         if let Some(r) = running_api.lock().await.take() {
@@ -708,10 +724,11 @@ fn serve_control(
     group: Option<u32>,
     to: UnboundedSender<VmInput>,
     view: Arc<dyn VmiView>,
+    migrate: Option<Arc<dyn Migrate>>,
 ) {
     match control::bind(path, group) {
         Ok(l) => {
-            tokio::spawn(control::serve(l, group, to, view));
+            tokio::spawn(control::serve(l, group, to, view, migrate));
         }
         Err(e) => error!(
             "control socket {}: {e}; kvirtctl start, stop, restart, pause, unpause and \

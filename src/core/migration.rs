@@ -325,6 +325,56 @@ pub fn condition(m: &Migratable) -> Condition {
     }
 }
 
+/// Whether `vmi`, as this host last reported it, may leave now: Running,
+/// not being deleted, and found migratable (its `LiveMigratable`).
+pub fn may_leave(vmi: &VirtualMachineInstance) -> Result<(), String> {
+    if vmi.metadata.deletion_timestamp.is_some() {
+        return Err("it is being deleted".into());
+    }
+    match vmi.status.phase {
+        Some(crate::core::vmi::Phase::Running) => {}
+        p => {
+            let p = p.map_or("not started", |p| p.as_str());
+            return Err(format!("it is {p}, not Running"));
+        }
+    }
+    let c = vmi.status.conditions.iter().find(|c| c.type_ == CONDITION);
+    match c {
+        Some(c) if c.status == "True" => Ok(()),
+        Some(c) => Err(format!(
+            "it is not live-migratable ({}): {}",
+            c.reason.as_deref().unwrap_or("no reason given"),
+            c.message.as_deref().unwrap_or("")
+        )),
+        None => Err(format!("it has no {CONDITION} condition yet")),
+    }
+}
+
+/// The disks a migration copies to the target (`migrate_disks`): the
+/// targets (`vda`) of the volumes only this host has (a containerDisk's or
+/// an ephemeral volume's overlay, an emptyDisk), as `volumeStatus` names
+/// them. Every other writable disk is shared; read-only ones (cloud-init)
+/// the target made itself.
+pub fn copied_targets(spec: &VmiSpec, volume_status: &[serde_json::Value]) -> Vec<String> {
+    let local: BTreeSet<&str> = spec
+        .volumes
+        .iter()
+        .filter(|v| v.container_disk.is_some() || v.ephemeral.is_some() || v.empty_disk.is_some())
+        .map(|v| v.name.as_str())
+        .collect();
+    volume_status
+        .iter()
+        .filter(|s| s["name"].as_str().is_some_and(|n| local.contains(n)))
+        .filter_map(|s| s["target"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// A new migration's uid: unique per VMI instance, source and moment.
+pub fn new_uid(vmi_uid: &str, source_node: &str, nanos: u128) -> String {
+    let name = format!("{vmi_uid}/{source_node}/{nanos}");
+    uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_OID, name.as_bytes()).to_string()
+}
+
 /// Whether this host may take `migration` of `vmi`, running on
 /// `source_node`; `Err` says why not (for the log).
 pub fn target_fits(
@@ -371,6 +421,51 @@ mod tests {
             roots: Box::leak(vec![PathBuf::from("/srv/shared")].into_boxed_slice()),
             claims: ["rwx".to_string()].into(),
         }
+    }
+
+    #[test]
+    fn only_a_running_migratable_vmi_may_leave() {
+        let mut v = vmi("{domain: {devices: {}}}");
+        assert!(may_leave(&v).unwrap_err().contains("not started"));
+        v.status.phase = Some(crate::core::vmi::Phase::Running);
+        assert!(may_leave(&v).unwrap_err().contains("no LiveMigratable"));
+        v.status.conditions.push(condition(&Migratable::No {
+            reason: REASON_DISKS,
+            message: "hostDisk \"a\" is local".into(),
+        }));
+        let e = may_leave(&v).unwrap_err();
+        assert!(e.contains(REASON_DISKS) && e.contains("is local"), "{e}");
+        v.status.conditions = vec![condition(&Migratable::Yes {
+            copies_disks: false,
+        })];
+        assert_eq!(may_leave(&v), Ok(()));
+        v.metadata.deletion_timestamp = serde_json::from_value("2026-12-05T00:00:00Z".into()).ok();
+        assert!(v.metadata.deletion_timestamp.is_some());
+        assert!(may_leave(&v).unwrap_err().contains("deleted"));
+    }
+
+    #[test]
+    fn the_copied_disks_are_the_local_volumes_by_target() {
+        let v = vmi("{domain: {devices: {}}, volumes: [\
+            {name: root, containerDisk: {image: r/i}},\
+            {name: shared, hostDisk: {path: /srv/shared/b.img, type: Disk}},\
+            {name: scratch, emptyDisk: {capacity: 1Gi}},\
+            {name: ci, cloudInitNoCloud: {userData: x}}]}");
+        let status: Vec<serde_json::Value> = ["root", "shared", "scratch", "ci"]
+            .iter()
+            .zip(["vda", "vdb", "vdc", "vdd"])
+            .map(|(n, t)| serde_json::json!({"name": n, "target": t}))
+            .collect();
+        assert_eq!(copied_targets(&v.spec, &status), ["vda", "vdc"]);
+        assert!(copied_targets(&v.spec, &[]).is_empty());
+    }
+
+    #[test]
+    fn migration_uids_differ_per_attempt() {
+        let a = new_uid("u", "host-a", 1);
+        assert_ne!(a, new_uid("u", "host-a", 2));
+        assert_eq!(a, new_uid("u", "host-a", 1));
+        assert_eq!(a.len(), 36);
     }
 
     #[test]

@@ -53,11 +53,23 @@ pub struct Config {
 /// The migration port: where other kvirtds carry a migrating VM's
 /// connections to this host, over mutual TLS with the `[api]` certificate,
 /// key and CA (kvirt's one PKI).
-#[derive(Clone, Debug, Default, Deserialize, Serialize, PartialEq)]
+#[derive(Clone, Debug, Deserialize, Serialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct MigrationConfig {
     /// address:port of the migration port; empty: not served.
     pub listen: String,
+    /// The longest a migration may run before it is aborted (the VM stays
+    /// on the source): KubeVirt's `completionTimeoutPerGiB` for an 8 GiB VM.
+    pub timeout_seconds: u64,
+}
+
+impl Default for MigrationConfig {
+    fn default() -> Self {
+        Self {
+            listen: String::new(),
+            timeout_seconds: 1200,
+        }
+    }
 }
 
 impl MigrationConfig {

@@ -1,11 +1,14 @@
 //! kvirtd's control socket: `kvirtctl start|stop|restart` of standalone
-//! VirtualMachines, `pause|unpause|soft-reboot` of running VMIs. One JSON request line, one JSON answer line. Only root,
+//! VirtualMachines, `pause|unpause|soft-reboot` of running VMIs, `migrate`
+//! of a standalone VMI to another kvirtd. One JSON request line, one JSON
+//! answer line. Only root,
 //! or the members of a configured group, may connect: the socket's mode
 //! says so and each peer's credentials are checked again.
 
 use crate::core::key::VmKey;
 use crate::core::vm::Verb;
 use crate::daemon::controller::{VmiAction, VmiView};
+use crate::daemon::migration::Migrate;
 use crate::daemon::vms::Input;
 use serde::{Deserialize, Serialize};
 use std::os::unix::fs::PermissionsExt;
@@ -21,6 +24,9 @@ use tracing::{info, warn};
 /// A request is a name and a few flags: far below this.
 const MAX_REQUEST: u64 = 4096;
 const DEADLINE: Duration = Duration::from_secs(10);
+/// A migration's answer comes when it ended: the longest one allowed,
+/// and the target's preparation before it.
+pub const MIGRATE_DEADLINE: Duration = Duration::from_secs(3600);
 
 #[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
@@ -37,6 +43,12 @@ pub struct Request {
     pub paused: bool,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub force: bool,
+    /// `migrate --to`: the target kvirtd's migration port (ADDRESS:PORT).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to: Option<String>,
+    /// `migrate --bandwidth`: the most the migration may use, MiB/s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bandwidth: Option<u64>,
 }
 
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
@@ -51,6 +63,10 @@ pub struct Answer {
 pub enum Command {
     Vm(Verb),
     Vmi(VmiAction),
+    Migrate {
+        to: std::net::SocketAddr,
+        bandwidth: Option<u64>,
+    },
 }
 
 impl Request {
@@ -69,6 +85,18 @@ impl Request {
             "pause" => Command::Vmi(VmiAction::Pause),
             "unpause" => Command::Vmi(VmiAction::Unpause),
             "soft-reboot" => Command::Vmi(VmiAction::SoftReboot),
+            "migrate" => {
+                let to = self
+                    .to
+                    .as_deref()
+                    .ok_or("migrate: --to ADDRESS:PORT is missing")?;
+                Command::Migrate {
+                    to: to
+                        .parse()
+                        .map_err(|e| format!("--to {to:?}: not ADDRESS:PORT: {e}"))?,
+                    bandwidth: self.bandwidth,
+                }
+            }
             other => return Err(format!("unknown action {other:?}")),
         };
         Ok((key, command))
@@ -99,6 +127,7 @@ pub async fn serve(
     group: Option<u32>,
     to: UnboundedSender<Input>,
     view: Arc<dyn VmiView>,
+    migrate: Option<Arc<dyn Migrate>>,
 ) {
     loop {
         let stream = match listener.accept().await {
@@ -112,21 +141,24 @@ pub async fn serve(
         if to.is_closed() {
             return;
         }
-        let (to, view) = (to.clone(), view.clone());
+        let (to, view, migrate) = (to.clone(), view.clone(), migrate.clone());
         tokio::spawn(async move {
-            if let Err(e) = tokio::time::timeout(DEADLINE, one(stream, group, to, view)).await {
+            let ctx = Ctx { to, view, migrate };
+            if let Err(e) = tokio::time::timeout(MIGRATE_DEADLINE, one(stream, group, ctx)).await {
                 warn!("control socket: a client took too long: {e}");
             }
         });
     }
 }
 
-async fn one(
-    stream: UnixStream,
-    group: Option<u32>,
+/// What the requests act on.
+struct Ctx {
     to: UnboundedSender<Input>,
     view: Arc<dyn VmiView>,
-) {
+    migrate: Option<Arc<dyn Migrate>>,
+}
+
+async fn one(stream: UnixStream, group: Option<u32>, ctx: Ctx) {
     let allowed = stream
         .peer_cred()
         .map(|c| c.uid() == 0 || group.is_some_and(|g| c.gid() == g || in_group(c.pid(), g)))
@@ -142,11 +174,15 @@ async fn one(
     } else {
         let mut line = String::new();
         let mut reader = BufReader::new(tokio::io::AsyncReadExt::take(read, MAX_REQUEST));
-        match reader.read_line(&mut line).await {
-            Ok(_) => answer(&line, &to, view.as_ref()).await,
-            Err(e) => Answer {
+        match tokio::time::timeout(DEADLINE, reader.read_line(&mut line)).await {
+            Ok(Ok(_)) => answer(&line, &ctx).await,
+            Ok(Err(e)) => Answer {
                 ok: false,
                 message: format!("reading the request: {e}"),
+            },
+            Err(_) => Answer {
+                ok: false,
+                message: "no request line within 10 s".into(),
             },
         }
     };
@@ -155,20 +191,33 @@ async fn one(
     let _ = write.write_all(&out).await;
 }
 
-async fn answer(line: &str, to: &UnboundedSender<Input>, view: &dyn VmiView) -> Answer {
+async fn answer(line: &str, ctx: &Ctx) -> Answer {
     let parsed = serde_json::from_str::<Request>(line.trim())
         .map_err(|e| format!("bad request: {e}"))
         .and_then(|r| r.parse());
+    let done = |r: Result<String, String>| match r {
+        Ok(message) => Answer { ok: true, message },
+        Err(message) => Answer { ok: false, message },
+    };
     let (key, verb) = match parsed {
         Ok((key, Command::Vm(verb))) => (key, verb),
         Ok((key, Command::Vmi(action))) => {
-            return match view.act(&key.id(), action).await {
-                Ok(message) => Answer { ok: true, message },
-                Err(message) => Answer { ok: false, message },
-            }
+            let r = tokio::time::timeout(DEADLINE, ctx.view.act(&key.id(), action)).await;
+            return done(r.unwrap_or_else(|_| Err("no answer within 10 s".into())));
+        }
+        Ok((key, Command::Migrate { to, bandwidth })) => {
+            return done(match &ctx.migrate {
+                Some(m) => m.migrate(key, to, bandwidth).await,
+                None => Err(
+                    "this kvirtd migrates no VMs: standalone kvirtds with kvirt's \
+                             identity ([api] cert, key, ca) do; in a cluster, not yet"
+                        .into(),
+                ),
+            })
         }
         Err(message) => return Answer { ok: false, message },
     };
+    let to = &ctx.to;
     let (reply, rx) = oneshot::channel();
     if to
         .send(Input::Command {
@@ -183,7 +232,10 @@ async fn answer(line: &str, to: &UnboundedSender<Input>, view: &dyn VmiView) -> 
             message: "kvirtd is shutting down".into(),
         };
     }
-    match rx.await {
+    match tokio::time::timeout(DEADLINE, rx)
+        .await
+        .unwrap_or(Ok(Err("no answer within 10 s".into())))
+    {
         Ok(Ok(message)) => {
             info!(vm = %key, ?verb, "control socket: {message}");
             Answer { ok: true, message }
@@ -212,7 +264,12 @@ fn in_group(pid: Option<i32>, gid: u32) -> bool {
 pub fn call(path: &Path, req: &Request) -> std::io::Result<Answer> {
     use std::io::{BufRead, Write};
     let mut s = std::os::unix::net::UnixStream::connect(path)?;
-    s.set_read_timeout(Some(DEADLINE))?;
+    let wait = if req.action == "migrate" {
+        MIGRATE_DEADLINE
+    } else {
+        DEADLINE
+    };
+    s.set_read_timeout(Some(wait))?;
     let mut line = serde_json::to_vec(req).expect("a request serializes");
     line.push(b'\n');
     // A refused caller is answered at once, before its request is read:
@@ -301,7 +358,7 @@ mod tests {
         let mode = std::fs::metadata(&path).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        tokio::spawn(serve(listener, None, tx, Arc::new(NoVmis)));
+        tokio::spawn(serve(listener, None, tx, Arc::new(NoVmis), None));
         // The VM loop's part: every request answered "done".
         tokio::spawn(async move {
             while let Some(Input::Command { reply, .. }) = rx.recv().await {

@@ -7,6 +7,8 @@ mod claims;
 mod cpus;
 use cpus::Unplaced;
 mod inputs;
+mod migrate;
+pub use migrate::Leaving;
 mod report;
 mod steps;
 mod tokens;
@@ -187,7 +189,7 @@ pub trait Adapters: 'static {
     type Units: Units;
     type Netns: Netns;
     type Network: Network;
-    type Hypervisor: Hypervisor;
+    type Hypervisor: Hypervisor + crate::host::migrate::LiveMigration;
     type Storage: Storage;
     type Machines: Machines;
     type Images: Images;
@@ -833,6 +835,12 @@ impl<A: Adapters> Controller<A> {
             });
         }
         if vmi.is_none() {
+            // A VM that left by migration: its mark held it until now.
+            if let Ok(Some(_)) = self.deps.marks.get(id) {
+                if let Err(e) = self.deps.marks.clear(id) {
+                    warn!("{e}");
+                }
+            }
             self.deps.status.forget(id).await;
             self.write_budget
                 .lock()
@@ -906,7 +914,15 @@ impl<A: Adapters> Controller<A> {
                         let start_paused =
                             creating && ctx.converted.is_some_and(|c| c.start_paused);
                         let mut live = self.live(d, ctx.obs.domain.as_ref(), start_paused).await;
-                        if creating {
+                        // Set by the pass that starts the VM; one that
+                        // arrived by migration (or predates the condition)
+                        // gets them from the first pass that finds it running.
+                        let known = v
+                            .status
+                            .conditions
+                            .iter()
+                            .any(|c| c.type_ == crate::core::migration::CONDITION);
+                        if creating || !known {
                             live.volumes = ctx.converted.map(|c| c.volume_status.clone());
                             live.migratable = ctx.converted.map(|c| c.migratable.clone());
                         }

@@ -390,6 +390,40 @@ impl Netns for FakeHost {
     }
 }
 
+/// A migration moves the domain away at once (the other host is another
+/// fake); a domain injected with `migrate` fails and stays.
+impl crate::host::migrate::LiveMigration for FakeHost {
+    async fn migrate(
+        &self,
+        d: &DomainRef,
+        to: &crate::host::migrate::MigrateTo,
+        _timeout: Duration,
+    ) -> Result<(), LibvirtError> {
+        let copied = to.copied_disks.join(",");
+        if self.call(format!("migrate {} copying [{copied}]", d.name)) {
+            return Err(LibvirtError::Call {
+                id: d.id.clone(),
+                op: "migrate",
+                message: injected("migrate"),
+            });
+        }
+        self.state().domains.remove(&d.id);
+        Ok(())
+    }
+
+    async fn progress(
+        &self,
+        _d: &DomainRef,
+    ) -> Result<Option<crate::host::migrate::Progress>, LibvirtError> {
+        Ok(None)
+    }
+
+    async fn abort(&self, d: &DomainRef) -> Result<(), LibvirtError> {
+        self.call(format!("abort migration {}", d.name));
+        Ok(())
+    }
+}
+
 impl Hypervisor for FakeHost {
     async fn observe(&self, d: &DomainRef) -> Result<Option<DomainObs>, LibvirtError> {
         let s = self.state();

@@ -1,12 +1,37 @@
-//! The migration port in kvirtd: [`crate::host::tunnel`] served with this
-//! host's kvirt identity (the `[api]` certificate, key and CA), so that
-//! only other kvirtds reach it.
+//! Live migration between two kvirtds: the migration port (the tunnel of
+//! [`crate::host::tunnel`], served with this host's kvirt identity so that
+//! only other kvirtds reach it) and the conversation over it.
+//!
+//! The source keeps its mark before anything else, asks the target to
+//! prepare (the target keeps its own mark with the VMI, and its loop makes
+//! everything but the domain), carries the daemons' and QEMUs' sockets to
+//! the target and has libvirt move the domain; then the target takes the
+//! VMI on (its manifest, standalone) and the source lets it go. A kvirtd
+//! that dies midway finds its marks when it starts again: the source then
+//! finishes the conversation from what its daemon shows (the domain gone:
+//! it left, so commit; still here: abort), and neither host ever starts
+//! the VM a second time.
 
-use crate::daemon::api::tls::{Identity, TlsError};
-use crate::host::tunnel::{self, Routes};
+use crate::core::key::VmKey;
+use crate::core::migration::{self, Mark, ToSource, ToTarget};
+use crate::core::plan::{DomainState, Migrating};
+use crate::core::trigger::Trigger;
+use crate::core::vmi::{VirtualMachineInstance, VmiStatus};
+use crate::daemon::api::tls::{Identity, TlsError, SERVICE_NAME};
+use crate::daemon::controller::{Adapters, Controller, Leaving};
+use crate::host::beneath::Beneath;
+use crate::host::migrate::MigrateTo;
+use crate::host::tunnel::{self, Channel, ControlConn, Forward, Peer, Route, Routes};
+use crate::sources::manifest;
+use futures::future::BoxFuture;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
-use std::path::Path;
-use tracing::info;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncWrite};
+use tokio::sync::mpsc::UnboundedSender;
+use tracing::{info, warn, Instrument};
 
 #[derive(Debug, thiserror::Error)]
 pub enum MigrationPortError {
@@ -19,24 +44,650 @@ pub enum MigrationPortError {
     },
 }
 
-/// Serves the migration port on `listen` from now on; the routes are the
-/// migrations this host has prepared as a target.
-pub async fn start(
-    listen: SocketAddr,
-    cert: &Path,
-    key: &Path,
-    ca: &Path,
-) -> Result<Routes, MigrationPortError> {
-    let identity = Identity::load(cert, key, ca)?;
-    let tls = identity.tunnel_server_config()?;
-    let listener = tokio::net::TcpListener::bind(listen)
+/// The directory below a VM's runtime directory where a migration's
+/// sockets are, on both hosts (the source's ends kvirtd's, the target's
+/// its QEMU's).
+const DIR: &str = "migration";
+const MEMORY: &str = "memory.sock";
+const DISKS: &str = "disks.sock";
+const DAEMON: &str = "daemon.sock";
+/// How long the target may take to prepare (an image pull included).
+const PREPARE: Duration = Duration::from_secs(300);
+/// How long an answer to a commit or an abort may take.
+const ANSWER: Duration = Duration::from_secs(30);
+/// How long an arrival whose source went silent waits for it, when no
+/// domain came.
+const SETTLE: Duration = Duration::from_secs(30);
+
+/// How kvirtd takes part in migrations.
+#[derive(Clone, Debug)]
+pub struct Setup {
+    /// The migration port; `None`: this host takes no migrations (it may
+    /// still send VMs away).
+    pub listen: Option<SocketAddr>,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub ca: PathBuf,
+    /// Standalone: the manifests directory a VMI's manifest leaves and
+    /// arrives in. `None` (in a cluster): no standalone migration.
+    pub manifests: Option<PathBuf>,
+    /// The longest a migration may run before it is aborted.
+    pub timeout: Duration,
+}
+
+/// What kvirtctl's `migrate` asks of kvirtd.
+pub trait Migrate: Send + Sync + 'static {
+    /// Moves the VM `key` to the kvirtd whose migration port is `to`, at
+    /// most `bandwidth` MiB/s when given; the answer says how it went.
+    fn migrate(
+        &self,
+        key: VmKey,
+        to: SocketAddr,
+        bandwidth: Option<u64>,
+    ) -> BoxFuture<'_, Result<String, String>>;
+}
+
+/// Migrations, both ways, of one kvirtd.
+pub struct Migrations<A: Adapters> {
+    ctl: Arc<Controller<A>>,
+    triggers: UnboundedSender<Trigger>,
+    routes: Routes,
+    client: Arc<rustls::ClientConfig>,
+    setup: Setup,
+    /// Arrivals committed since kvirtd started, by migration uid: a commit
+    /// repeated (its answer lost) is answered again.
+    committed: Mutex<HashSet<String>>,
+}
+
+impl<A: Adapters> Migrations<A> {
+    /// Serves the migration port (when configured) and finishes what a
+    /// previous kvirtd left midway.
+    pub async fn start(
+        setup: Setup,
+        ctl: Arc<Controller<A>>,
+        triggers: UnboundedSender<Trigger>,
+    ) -> Result<Arc<Self>, MigrationPortError> {
+        let identity = Identity::load(&setup.cert, &setup.key, &setup.ca)?;
+        let this = Arc::new(Self {
+            ctl,
+            triggers,
+            routes: Routes::default(),
+            client: identity.tunnel_client_config()?,
+            setup: setup.clone(),
+            committed: Mutex::default(),
+        });
+        if let Some(listen) = setup.listen {
+            let listener = tokio::net::TcpListener::bind(listen)
+                .await
+                .map_err(|source| MigrationPortError::Bind {
+                    addr: listen,
+                    source,
+                })?;
+            let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<ControlConn>();
+            let tls = identity.tunnel_server_config()?;
+            tokio::spawn(tunnel::serve(listener, tls, this.routes.clone(), Some(tx)));
+            let me = this.clone();
+            tokio::spawn(async move {
+                while let Some((uid, stream)) = rx.recv().await {
+                    tokio::spawn(me.clone().receive(uid, stream));
+                }
+            });
+            info!(%listen, "serving the migration port");
+        }
+        tokio::spawn(this.clone().recover());
+        Ok(this)
+    }
+
+    fn peer(&self, address: SocketAddr) -> Peer {
+        Peer {
+            address,
+            name: rustls::pki_types::ServerName::try_from(SERVICE_NAME).expect("a DNS name"),
+            tls: self.client.clone(),
+        }
+    }
+
+    fn wake(&self, id: &str) {
+        let _ = self.triggers.send(Trigger::Vm(id.into()));
+    }
+}
+
+impl<A: Adapters> Migrate for Migrations<A> {
+    fn migrate(
+        &self,
+        key: VmKey,
+        to: SocketAddr,
+        bandwidth: Option<u64>,
+    ) -> BoxFuture<'_, Result<String, String>> {
+        let span = crate::host::journal::vm_span(&key.id(), Some(&key));
+        Box::pin(async move { self.send(&key, to, bandwidth).await }.instrument(span))
+    }
+}
+
+// ---- the source ----
+
+impl<A: Adapters> Migrations<A> {
+    async fn send(
+        &self,
+        key: &VmKey,
+        to: SocketAddr,
+        bandwidth: Option<u64>,
+    ) -> Result<String, String> {
+        let started = Instant::now();
+        let mut leaving = self.ctl.leaving(key)?;
+        leaving.bandwidth_mib = bandwidth;
+        if !leaving.copied.is_empty() {
+            // libvirt's copy (NON_SHARED_INC into the target's overlay) is
+            // not proven on real hosts yet: refused rather than tried.
+            return Err(format!(
+                "its disks {} would be copied, which kvirt does not do yet: \
+                 only VMs whose disks are all on shared storage migrate",
+                leaving.copied.join(", ")
+            ));
+        }
+        let vmi_uid = leaving.vmi.uid().unwrap_or_default().to_owned();
+        let Some(dir) = &self.setup.manifests else {
+            return Err("in a cluster, a VirtualMachineInstanceMigration moves a VMI".into());
+        };
+        let file = manifest::file_of_vmi(dir, key, &vmi_uid)?;
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos());
+        let uid = migration::new_uid(&vmi_uid, self.ctl.node_name(), nanos);
+        let id = key.id();
+        let mark = Mark {
+            migration_uid: uid.clone(),
+            role: Migrating::Outgoing,
+            vmi_uid,
+            peer: to.to_string(),
+            vmi: None,
+        };
+        // Kept first: from here a kvirtd restarted never starts it here again.
+        self.ctl.set_mark(&id, &mark).map_err(|e| e.to_string())?;
+        info!(migration = %uid, %to, "migrating");
+        match self.send_marked(&leaving, &uid, self.peer(to)).await {
+            Ok(()) => {
+                self.let_go(&id, &file);
+                let took = started.elapsed().as_secs_f64();
+                let m = format!("{key} moved to {to} in {took:.1} s (migration {uid})");
+                info!("{m}");
+                Ok(m)
+            }
+            Err(Failed { reason, left }) => {
+                if left {
+                    // It runs at the target, which did not answer the
+                    // commit: the mark stays, and the next start commits.
+                    return Err(format!(
+                        "{key} left for {to}, but the target did not confirm: {reason}"
+                    ));
+                }
+                if let Err(e) = self.ctl.clear_mark(&id) {
+                    warn!("{e}");
+                }
+                self.wake(&id);
+                warn!(migration = %uid, "migration failed, the VM runs on here: {reason}");
+                Err(format!("{key} stays here: {reason}"))
+            }
+        }
+    }
+
+    /// Prepare, move, commit; on failure before the domain left, the
+    /// target is told to abort.
+    async fn send_marked(&self, l: &Leaving, uid: &str, peer: Peer) -> Result<(), Failed> {
+        let stay = |reason: String| Failed {
+            reason,
+            left: false,
+        };
+        let mut control = tunnel::dial(&peer, &tunnel::header(uid, Channel::Control))
+            .await
+            .map_err(|e| stay(e.to_string()))?;
+        let mut vmi = l.vmi.clone();
+        vmi.status = VmiStatus::default();
+        let prepare = ToTarget::Prepare {
+            vmi: Box::new(vmi),
+            source_node: self.ctl.node_name().into(),
+        };
+        match ask(&mut control, &prepare, PREPARE).await {
+            Ok(ToSource::Ready) => {}
+            Ok(ToSource::Refused { reason }) => return Err(stay(format!("the target: {reason}"))),
+            Ok(other) => return Err(stay(format!("the target answered {other:?}"))),
+            Err(e) => return Err(stay(format!("preparing the target: {e}"))),
+        }
+        let moved = self.move_domain(l, uid, &peer).await;
+        let left = match &moved {
+            Ok(()) => true,
+            // libvirt may fail after the switch-over (its confirm step):
+            // what the daemon shows decides.
+            Err(_) => matches!(self.ctl.domain_here(&l.dom).await, Ok(false)),
+        };
+        if !left {
+            let reason = moved.err().unwrap_or_default();
+            return match abort(&mut control, &reason).await {
+                // Running there already: the target's word is final.
+                Some(ToSource::Committed) => Ok(()),
+                _ => Err(stay(reason)),
+            };
+        }
+        self.commit(&mut control, uid, &peer)
+            .await
+            .map_err(|reason| Failed { reason, left: true })
+    }
+
+    /// The sockets the source's daemon and QEMU reach the target by, each
+    /// carried to it; then libvirt's migration.
+    async fn move_domain(&self, l: &Leaving, uid: &str, peer: &Peer) -> Result<(), String> {
+        let dir = Beneath::open(&l.paths.runtime_dir)
+            .and_then(|d| d.mkdir(DIR, 0o755, Some((0, 0))))
+            .map_err(|e| format!("{}/{DIR}: {e}", l.paths.runtime_dir.display()))?;
+        let mut forwards: Vec<Forward> = Vec::new();
+        for (name, channel) in [
+            (DAEMON, Channel::Daemon),
+            (MEMORY, Channel::Memory),
+            (DISKS, Channel::Disks),
+        ] {
+            let listener = dir
+                .remove(name)
+                .and_then(|()| dir.bind_socket(name, Some((l.owner.uid, l.owner.gid))))
+                .and_then(|s| {
+                    s.set_nonblocking(true)?;
+                    tokio::net::UnixListener::from_std(s)
+                })
+                .map_err(|e| format!("binding {DIR}/{name}: {e}"))?;
+            forwards.push(tunnel::forward(listener, peer.clone(), uid, channel));
+        }
+        // The paths as the VM's unit sees them, the same on both hosts.
+        let seen = l.paths.unit_runtime_dir().join(DIR);
+        let to = MigrateTo {
+            daemon_socket: seen.join(DAEMON),
+            memory_socket: seen.join(MEMORY),
+            disks_socket: seen.join(DISKS),
+            copied_disks: l.copied.clone(),
+            dest_xml: None,
+            bandwidth_mib: l.bandwidth_mib,
+        };
+        let r = self.ctl.move_domain(&l.dom, &to, self.setup.timeout).await;
+        drop(forwards);
+        for name in [DAEMON, MEMORY, DISKS] {
+            let _ = dir.remove(name);
+        }
+        r.map_err(|e| e.to_string())
+    }
+
+    /// Tells the target it owns the VM now, again on a new connection if
+    /// the first is lost, until it confirms or [`ANSWER`] passes.
+    async fn commit<S: AsyncRead + AsyncWrite + Unpin>(
+        &self,
+        control: &mut S,
+        uid: &str,
+        peer: &Peer,
+    ) -> Result<(), String> {
+        let mut last = match ask(control, &ToTarget::Commit, ANSWER).await {
+            Ok(ToSource::Committed) => return Ok(()),
+            Ok(other) => format!("the target answered {other:?}"),
+            Err(e) => e,
+        };
+        let deadline = Instant::now() + ANSWER;
+        while Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            match tunnel::dial(peer, &tunnel::header(uid, Channel::Control)).await {
+                Ok(mut c) => match ask(&mut c, &ToTarget::Commit, ANSWER).await {
+                    Ok(ToSource::Committed) => return Ok(()),
+                    Ok(other) => last = format!("the target answered {other:?}"),
+                    Err(e) => last = e,
+                },
+                Err(e) => last = e.to_string(),
+            }
+        }
+        Err(last)
+    }
+
+    /// The VM is the target's: its manifest goes (the loop then tears
+    /// down what is left here, and clears the mark once nothing is).
+    fn let_go(&self, id: &str, file: &Path) {
+        match std::fs::remove_file(file) {
+            Ok(()) => info!(manifest = %file.display(), "the VM's manifest moved with it"),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(e) => warn!("removing {}: {e}", file.display()),
+        }
+        self.wake(id);
+    }
+
+    /// What a previous kvirtd left midway. As the source: the domain gone
+    /// from its daemon means it left (commit, then let go); still here, its
+    /// job is aborted and the target told (which keeps the VM only if it
+    /// runs there already). As the target: see [`Self::settle_arrival`].
+    async fn recover(self: Arc<Self>) {
+        for (id, mark) in self.ctl.marks() {
+            let span = crate::host::journal::vm_span(&id, None);
+            match mark.role {
+                Migrating::Outgoing => self.recover_outgoing(&id, mark).instrument(span).await,
+                Migrating::Incoming => {
+                    let uid = mark.migration_uid;
+                    tokio::spawn(self.clone().settle_arrival(uid).instrument(span));
+                }
+            }
+        }
+    }
+
+    async fn recover_outgoing(&self, id: &str, mark: Mark) {
+        let Ok(peer) = mark.peer.parse::<SocketAddr>().map(|a| self.peer(a)) else {
+            return warn!("migration mark of {id}: bad peer {:?}", mark.peer);
+        };
+        let Some(key) = self.ctl.view_vmi(id).and_then(|v| v.key().ok()) else {
+            // Its VMI is gone from here: the loop clears the mark.
+            return self.wake(id);
+        };
+        let dom = self.ctl.domain_of(&key);
+        let uid = mark.migration_uid.clone();
+        let mut here = self.ctl.domain_here(&dom).await;
+        if let Ok(true) = here {
+            // Its job may still run (the daemon carries on without its
+            // client): aborted, it ends one way or the other.
+            let _ = self.ctl.abort_job(&dom).await;
+            self.ctl.until_no_job(&dom, ANSWER).await;
+            here = self.ctl.domain_here(&dom).await;
+        }
+        let left = match here {
+            Ok(true) => {
+                let reason = "the source kvirtd restarted midway";
+                let answer =
+                    match tunnel::dial(&peer, &tunnel::header(&uid, Channel::Control)).await {
+                        Ok(mut c) => abort(&mut c, reason).await,
+                        Err(e) => {
+                            warn!(migration = %uid, "telling the target: {e}");
+                            None
+                        }
+                    };
+                answer == Some(ToSource::Committed)
+            }
+            Ok(false) => match tunnel::dial(&peer, &tunnel::header(&uid, Channel::Control)).await {
+                Ok(mut c) => match self.commit(&mut c, &uid, &peer).await {
+                    Ok(()) => true,
+                    Err(e) => return warn!(migration = %uid, "the target did not confirm: {e}"),
+                },
+                Err(e) => {
+                    return warn!(migration = %uid, "the VM left for {}, which does not answer: {e}", mark.peer)
+                }
+            },
+            Err(e) => return warn!(migration = %uid, "recovering: {e}"),
+        };
+        if left {
+            info!(migration = %uid, "a migration the last kvirtd began ended at the target");
+            if let Some(dir) = &self.setup.manifests {
+                match manifest::file_of_vmi(dir, &key, &mark.vmi_uid) {
+                    Ok(file) => self.let_go(id, &file),
+                    Err(e) => warn!("{e}"),
+                }
+            }
+        } else {
+            info!(migration = %uid, "a migration the last kvirtd began did not end: the VM stays");
+            if let Err(e) = self.ctl.clear_mark(id) {
+                warn!("{e}");
+            }
+            self.wake(id);
+        }
+    }
+}
+
+/// Tells the target to abort; its answer, if it gives one in time
+/// (`Committed`: the VM runs there already, and stays).
+async fn abort<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, reason: &str) -> Option<ToSource> {
+    let message = ToTarget::Abort {
+        reason: reason.into(),
+    };
+    ask(s, &message, ANSWER).await.ok()
+}
+
+/// A failed migration: why, and whether the domain left all the same.
+struct Failed {
+    reason: String,
+    left: bool,
+}
+
+async fn ask<S: AsyncRead + AsyncWrite + Unpin>(
+    s: &mut S,
+    message: &ToTarget,
+    wait: Duration,
+) -> Result<ToSource, String> {
+    tunnel::write_message(s, message)
         .await
-        .map_err(|source| MigrationPortError::Bind {
-            addr: listen,
-            source,
-        })?;
-    let routes = Routes::default();
-    tokio::spawn(tunnel::serve(listener, tls, routes.clone(), None));
-    info!(%listen, "serving the migration port");
-    Ok(routes)
+        .map_err(|e| e.to_string())?;
+    match tokio::time::timeout(wait, tunnel::read_message::<_, ToSource>(s)).await {
+        Ok(Ok(Some(a))) => Ok(a),
+        Ok(Ok(None)) => Err("the target closed the connection".into()),
+        Ok(Err(e)) => Err(e.to_string()),
+        Err(_) => Err(format!("no answer within {} s", wait.as_secs())),
+    }
+}
+
+// ---- the target ----
+
+impl<A: Adapters> Migrations<A> {
+    /// One control connection from a source: a new migration's prepare,
+    /// then its commit or abort; or (a source that restarted) one of those
+    /// alone.
+    async fn receive(self: Arc<Self>, uid: String, mut stream: tunnel::ControlStream) {
+        loop {
+            let message = match tunnel::read_message::<_, ToTarget>(&mut stream).await {
+                Ok(Some(m)) => m,
+                Ok(None) | Err(_) => {
+                    // The source went silent: it comes back to finish, or
+                    // this host's daemon decides (an arrival only).
+                    tokio::spawn(self.clone().settle_arrival(uid));
+                    return;
+                }
+            };
+            let answer = match message {
+                ToTarget::Prepare { vmi, source_node } => {
+                    self.prepare(&uid, *vmi, &source_node).await
+                }
+                ToTarget::Commit => self.take_on(&uid),
+                ToTarget::Abort { reason } => self.call_off(&uid, &reason).await,
+            };
+            if tunnel::write_message(&mut stream, &answer).await.is_err() {
+                return;
+            }
+        }
+    }
+
+    fn arrival(&self, uid: &str) -> Option<(String, Mark)> {
+        self.ctl
+            .marks()
+            .into_iter()
+            .find(|(_, m)| m.migration_uid == uid && m.role == Migrating::Incoming)
+    }
+
+    async fn prepare(&self, uid: &str, vmi: VirtualMachineInstance, source: &str) -> ToSource {
+        let refuse = |reason: String| {
+            warn!(migration = %uid, "refused: {reason}");
+            ToSource::Refused { reason }
+        };
+        if self.setup.manifests.is_none() {
+            return refuse("this host's VMIs come from a cluster".into());
+        }
+        let key = match self.ctl.may_arrive(&vmi) {
+            Ok(k) => k,
+            Err(e) => return refuse(e),
+        };
+        let id = key.id();
+        let span = crate::host::journal::vm_span(&id, Some(&key));
+        let _in = span.enter();
+        let mark = Mark {
+            migration_uid: uid.into(),
+            role: Migrating::Incoming,
+            vmi_uid: vmi.uid().unwrap_or_default().into(),
+            peer: source.into(),
+            vmi: Some(Box::new(vmi.clone())),
+        };
+        if let Err(e) = self.ctl.set_mark(&id, &mark) {
+            return refuse(e.to_string());
+        }
+        info!(migration = %uid, from = source, "preparing for an arriving VM");
+        self.ctl.arrive(&key, vmi);
+        self.wake(&id);
+        match self.until_daemon_listens(&id).await {
+            Ok(route) => {
+                self.routes.add(uid, route);
+                ToSource::Ready
+            }
+            Err(reason) => {
+                self.drop_arrival(uid, &reason);
+                refuse(reason)
+            }
+        }
+    }
+
+    /// Waits for the arrival's daemon (made by the loop's pass) to listen;
+    /// then the migration's directory is made for its QEMU to listen in.
+    async fn until_daemon_listens(&self, id: &str) -> Result<Route, String> {
+        let paths = self.ctl.vm_paths(id);
+        let daemon = self.ctl.daemon_socket(id);
+        let rel = daemon
+            .strip_prefix(&paths.runtime_dir)
+            .map_err(|_| "the daemon's socket is outside the VM's directory".to_string())?
+            .to_owned();
+        let deadline = Instant::now() + PREPARE;
+        let owner = loop {
+            let owner = self.ctl.vm_owner(id);
+            let listening = owner.and_then(|o| {
+                let (_, uid) = Beneath::open(&paths.runtime_dir)
+                    .and_then(|d| d.socket(&rel))
+                    .and_then(|s| s.listener())
+                    .ok()?;
+                (uid == o.uid).then_some(o)
+            });
+            if let Some(o) = listening {
+                break o;
+            }
+            if Instant::now() > deadline {
+                return Err(format!(
+                    "the VM's daemon did not listen within {} s",
+                    PREPARE.as_secs()
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        };
+        Beneath::open(&paths.runtime_dir)
+            .and_then(|d| d.mkdir(DIR, 0o700, Some((owner.uid, owner.gid))))
+            .map_err(|e| format!("{}/{DIR}: {e}", paths.runtime_dir.display()))?;
+        let sockets = HashMap::from([
+            (Channel::Daemon, rel.to_string_lossy().into_owned()),
+            (Channel::Memory, format!("{DIR}/{MEMORY}")),
+            (Channel::Disks, format!("{DIR}/{DISKS}")),
+        ]);
+        Ok(Route {
+            dir: paths.runtime_dir,
+            sockets,
+        })
+    }
+
+    /// The source says the VM runs here now: its manifest is written (so
+    /// this host lists it as its own), then its mark goes.
+    fn take_on(&self, uid: &str) -> ToSource {
+        let committed = |s: &Self| {
+            s.committed
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .contains(uid)
+        };
+        let Some((id, mark)) = self.arrival(uid) else {
+            if committed(self) {
+                return ToSource::Committed;
+            }
+            return ToSource::Refused {
+                reason: format!("no migration {uid} arriving here"),
+            };
+        };
+        let (Some(vmi), Some(dir)) = (&mark.vmi, &self.setup.manifests) else {
+            return ToSource::Refused {
+                reason: "the arrival's mark holds no VMI".into(),
+            };
+        };
+        match manifest::write_arrived(dir, vmi) {
+            Ok(file) => {
+                info!(migration = %uid, manifest = %file.display(), "the VM arrived: it runs here now")
+            }
+            Err(e) => {
+                warn!("{e}");
+                return ToSource::Refused { reason: e };
+            }
+        }
+        if let Err(e) = self.ctl.clear_mark(&id) {
+            // Its manifest holds it; the mark left only waits for a restart.
+            warn!("{e}");
+        }
+        self.routes.remove(uid);
+        self.committed
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(uid.into());
+        self.wake(&id);
+        ToSource::Committed
+    }
+
+    /// The source asks to abort: granted unless the VM runs here already
+    /// (the migration's switch-over done, the source's copy stopped):
+    /// then it is this host's, and the answer says so.
+    async fn call_off(&self, uid: &str, reason: &str) -> ToSource {
+        if self.arrival_state(uid).await == Some(DomainState::Running) {
+            return self.take_on(uid);
+        }
+        self.drop_arrival(uid, reason);
+        ToSource::Refused {
+            reason: format!("aborted: {reason}"),
+        }
+    }
+
+    /// The arrival's domain state here, if it has an arrival and a domain.
+    async fn arrival_state(&self, uid: &str) -> Option<DomainState> {
+        let (_, mark) = self.arrival(uid)?;
+        let key = mark.vmi.as_ref()?.key().ok()?;
+        self.ctl
+            .domain_state(&self.ctl.domain_of(&key))
+            .await
+            .ok()?
+    }
+
+    /// An arrival whose source went silent (it, or this kvirtd, restarted):
+    /// the source's recovery finishes it if it comes back in time; else
+    /// this host's daemon decides. The domain running here means the
+    /// switch-over was done (libvirt resumes the guest at the target only
+    /// then): the VM is this host's. Nothing here means it never came.
+    /// An incoming (paused) domain waits for its source.
+    async fn settle_arrival(self: Arc<Self>, uid: String) {
+        let grace = Instant::now() + SETTLE;
+        loop {
+            tokio::time::sleep(Duration::from_secs(2)).await;
+            if self.arrival(&uid).is_none() {
+                return;
+            }
+            match self.arrival_state(&uid).await {
+                Some(DomainState::Running) => {
+                    info!(migration = %uid, "the source went silent, and the VM runs here: it arrived");
+                    self.take_on(&uid);
+                    return;
+                }
+                None if Instant::now() > grace => {
+                    self.drop_arrival(&uid, "the source went silent before the VM came");
+                    return;
+                }
+                _ => {}
+            }
+        }
+    }
+
+    /// The migration did not happen: what was prepared goes.
+    fn drop_arrival(&self, uid: &str, reason: &str) {
+        self.routes.remove(uid);
+        let Some((id, mark)) = self.arrival(uid) else {
+            return;
+        };
+        info!(migration = %uid, "the arrival is called off: {reason}");
+        if let Err(e) = self.ctl.clear_mark(&id) {
+            return warn!("{e}");
+        }
+        if let Some(key) = mark.vmi.as_ref().and_then(|v| v.key().ok()) {
+            self.ctl.abandon(&key, &mark.vmi_uid);
+        }
+        self.wake(&id);
+    }
 }

@@ -6,6 +6,7 @@ use crate::core::key::VmKey;
 use crate::core::trigger::Trigger;
 use crate::core::vmi::VirtualMachineInstance;
 use crate::daemon::controller::{Adapters, Controller, Deps, Settings, VmiView};
+use crate::daemon::migration::{Migrate, Migrations};
 use std::collections::BTreeMap;
 use std::time::Duration;
 use tokio::sync::mpsc::{UnboundedReceiver, UnboundedSender};
@@ -32,6 +33,8 @@ pub struct Sources<Ready, List> {
     /// How often to look for EFI variables whose VirtualMachine is gone;
     /// only a cluster has VirtualMachines.
     pub efi_vars_check: Option<Duration>,
+    /// How this kvirtd takes part in live migrations; `None`: not at all.
+    pub migrations: Option<crate::daemon::migration::Setup>,
     /// What to finish at SIGTERM before exiting (at most [`STOP_WAIT`]).
     pub stop: Option<Stop>,
 }
@@ -52,7 +55,11 @@ pub async fn serve<A: Adapters>(
     metrics: Option<tokio::net::TcpListener>,
     (tx, rx): (UnboundedSender<Trigger>, UnboundedReceiver<Trigger>),
     sources: Sources<
-        impl FnOnce(UnboundedSender<Trigger>, std::sync::Arc<dyn VmiView>) -> std::io::Result<()>,
+        impl FnOnce(
+            UnboundedSender<Trigger>,
+            std::sync::Arc<dyn VmiView>,
+            Option<std::sync::Arc<dyn Migrate>>,
+        ) -> std::io::Result<()>,
         impl Fn() -> BTreeMap<VmKey, VirtualMachineInstance> + Send + 'static,
     >,
 ) -> Result<(), ServeError> {
@@ -77,7 +84,27 @@ pub async fn serve<A: Adapters>(
         sd_notify::NotifyState::Status(&status),
     ]);
     info!("ready: {status}");
-    (sources.ready)(tx.clone(), ctl.clone()).map_err(ServeError::Source)?;
+    // Migrations are never a reason not to run VMs: a failure is logged.
+    let migrate: Option<std::sync::Arc<dyn Migrate>> = match sources.migrations {
+        Some(setup) => {
+            let port = setup.listen.is_some();
+            match Migrations::start(setup, ctl.clone(), tx.clone()).await {
+                Ok(m) => Some(m),
+                // Asked for a port it cannot serve: an error. Without one,
+                // a host without kvirt's identity just sends no VM away.
+                Err(e) if port => {
+                    tracing::error!("{e}; this host takes part in no migrations");
+                    None
+                }
+                Err(e) => {
+                    info!("{e}: this host migrates no VMs");
+                    None
+                }
+            }
+        }
+        None => None,
+    };
+    (sources.ready)(tx.clone(), ctl.clone(), migrate).map_err(ServeError::Source)?;
     let probe = ctl.clone();
     tokio::spawn(async move {
         match probe.refresh_capabilities().await {

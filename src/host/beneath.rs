@@ -316,6 +316,32 @@ impl Beneath {
         Ok(SocketPath(fd))
     }
 
+    /// A unix socket `name` here, bound and listening, then given to
+    /// `owner` without following a link (only this directory's writers
+    /// could swap one in: keep it root's). Anything already at the name is
+    /// `AddrInUse`, never replaced.
+    pub fn bind_socket(
+        &self,
+        name: &str,
+        owner: Option<Ids>,
+    ) -> io::Result<std::os::unix::net::UnixListener> {
+        use std::os::fd::AsRawFd;
+        one_component(name)?;
+        // Through this process's fd of the directory: bound exactly here.
+        let path = format!("/proc/self/fd/{}/{name}", self.fd.as_raw_fd());
+        let listener = std::os::unix::net::UnixListener::bind(path)?;
+        if let Some((uid, gid)) = owner {
+            nix::unistd::fchownat(
+                &self.fd,
+                name,
+                Some(Uid::from_raw(uid)),
+                Some(Gid::from_raw(gid)),
+                nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
+            )?;
+        }
+        Ok(listener)
+    }
+
     /// A block device node `name` of `rdev` here, with `mode` and
     /// `owner`; the owner is set on what the name is then without
     /// following a link (one swapped in meanwhile only gets the owner
@@ -417,6 +443,20 @@ mod tests {
         let t = tempfile::tempdir().unwrap();
         let b = Beneath::open(t.path()).unwrap();
         (t, b)
+    }
+
+    #[test]
+    fn a_socket_is_bound_where_the_directory_is_and_never_over_a_planted_name() {
+        let (t, b) = setup();
+        let sub = b.mkdir("m", 0o755, None).unwrap();
+        std::os::unix::fs::symlink("/tmp/elsewhere.sock", t.path().join("m/taken.sock")).unwrap();
+        let e = sub.bind_socket("taken.sock", None).unwrap_err();
+        assert_eq!(e.kind(), io::ErrorKind::AddrInUse, "{e}");
+        assert!(!Path::new("/tmp/elsewhere.sock").exists());
+        let l = sub.bind_socket("ok.sock", None).unwrap();
+        std::os::unix::net::UnixStream::connect(t.path().join("m/ok.sock")).unwrap();
+        drop(l);
+        assert!(sub.bind_socket("../x.sock", None).is_err());
     }
 
     #[test]

@@ -174,7 +174,10 @@ impl Routes {
 
 /// A peer's control connection, for the daemon: the migration's uid and
 /// the stream after the header.
-pub type ControlConn = (String, tokio_rustls::server::TlsStream<TcpStream>);
+pub type ControlConn = (String, ControlStream);
+
+/// A control connection after its header.
+pub type ControlStream = tokio_rustls::server::TlsStream<TcpStream>;
 
 /// The target end: accepts peers on `listener` for as long as it runs;
 /// control connections go to `control` (none: refused).

@@ -324,6 +324,81 @@ fn manifest_files(dir: &Path) -> std::io::Result<BTreeSet<PathBuf>> {
         .collect())
 }
 
+/// The manifest file that holds the VMI `key` (of `uid`) and nothing
+/// else: what a migration away removes, once the target took it on.
+pub fn file_of_vmi(dir: &Path, key: &VmKey, uid: &str) -> Result<PathBuf, String> {
+    let files = manifest_files(dir).map_err(|e| format!("listing {}: {e}", dir.display()))?;
+    for path in files {
+        let Ok(objects) = read_manifest(&path) else {
+            continue;
+        };
+        let holds = |o: &Object| match o {
+            Object::Vmi(v) => v.key().is_ok_and(|k| &k == key) && v.uid() == Some(uid),
+            _ => false,
+        };
+        match objects.iter().filter(|o| holds(o)).count() {
+            0 => continue,
+            _ if objects.len() == 1 => return Ok(path),
+            _ => {
+                return Err(format!(
+                    "{} holds other objects too: give the VMI a manifest of its own to move it",
+                    path.display()
+                ))
+            }
+        }
+    }
+    Err(format!(
+        "no manifest of its own in {} (a VirtualMachine's VMI moves only with its \
+         VirtualMachine, which kvirt does not migrate yet)",
+        dir.display()
+    ))
+}
+
+/// Writes the manifest of a VMI that arrived by migration, whole (a new
+/// file, then a rename): its UID and creation time kept, so the host runs
+/// it as the same instance. Returns the file.
+pub fn write_arrived(dir: &Path, vmi: &VirtualMachineInstance) -> Result<PathBuf, String> {
+    let key = vmi.key().map_err(|e| e.to_string())?;
+    let mut doc = serde_json::to_value(vmi).map_err(|e| e.to_string())?;
+    if let Some(o) = doc.as_object_mut() {
+        o.remove("status");
+        o.insert("apiVersion".into(), "kubevirt.io/v1".into());
+        o.insert("kind".into(), "VirtualMachineInstance".into());
+    }
+    if let Some(m) = doc.get_mut("metadata").and_then(|m| m.as_object_mut()) {
+        for k in [
+            "resourceVersion",
+            "generation",
+            "managedFields",
+            "deletionTimestamp",
+        ] {
+            m.remove(k);
+        }
+    }
+    let mut path = dir.join(format!("{}.json", key.id()));
+    if path.exists() {
+        let uid = vmi.uid().unwrap_or("x");
+        path = dir.join(format!("{}-{}.json", key.id(), &uid[..uid.len().min(8)]));
+    }
+    let text = serde_json::to_vec_pretty(&doc).map_err(|e| e.to_string())?;
+    let tmp = dir.join(format!(".{}.arriving", key.id()));
+    let write = || -> std::io::Result<()> {
+        use std::io::Write;
+        use std::os::unix::fs::OpenOptionsExt;
+        let _ = std::fs::remove_file(&tmp);
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)?;
+        f.write_all(&text)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, &path)
+    };
+    write().map_err(|e| format!("writing {}: {e}", path.display()))?;
+    Ok(path)
+}
+
 fn stamp_of(path: &Path) -> std::io::Result<Stamp> {
     use std::os::unix::fs::MetadataExt;
     let m = std::fs::metadata(path)?;

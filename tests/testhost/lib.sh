@@ -594,7 +594,16 @@ th_boot() {
   args+=(${TH_NSPAWN_OPTS:-})
   t=$(th__now)
   th_log "booting test host $name"
-  setsid systemd-nspawn "${args[@]}" </dev/null >"$st/console.log" 2>&1 &
+  # Each test host in a cgroup of its own, as machines are: nspawn puts its
+  # payload below its own cgroup, so two hosts booted from one shell would
+  # share one tree, and a VM of one id on both (a migration) one unit
+  # cgroup, which neither host's systemd could then collect.
+  setsid bash -c 'for h in systemd unified; do
+      d=/sys/fs/cgroup/$h/kvirt-th-$1
+      [[ -d /sys/fs/cgroup/$h ]] || continue
+      mkdir -p "$d" && echo $$ >"$d/cgroup.procs"
+    done
+    shift; exec systemd-nspawn "$@"' _ "$name" "${args[@]}" </dev/null >"$st/console.log" 2>&1 &
   nspawn=$!
   echo "$nspawn" >"$st/nspawn.pid"
   # Wait for the container's init (or for nspawn to die: then fail at once).

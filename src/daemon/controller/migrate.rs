@@ -1,0 +1,182 @@
+//! What a migration asks of the VMI loop, on either host: the leaving VM's
+//! facts and its move (source), an arriving VMI held by its mark until the
+//! source commits (target). The conversation between the hosts is
+//! `daemon::migration`'s; the loop's passes do everything else (an
+//! arrival's unit, namespace, network and daemon; a departure's teardown).
+
+use super::{Adapters, Controller};
+use crate::core::key::VmKey;
+use crate::core::layout::VmPaths;
+use crate::core::migration::{self, Mark};
+use crate::core::plan::DomainState;
+use crate::core::vmi::VirtualMachineInstance;
+use crate::host::libvirt::{DomainRef, Hypervisor, LibvirtError};
+use crate::host::marks::{MarkError, MigrationMarks};
+use crate::host::migrate::{LiveMigration, MigrateTo};
+use crate::host::storage::Owner;
+use std::time::Duration;
+
+/// A VM that may leave this host now, as the loop knows it.
+#[derive(Clone, Debug)]
+pub struct Leaving {
+    pub vmi: VirtualMachineInstance,
+    pub key: VmKey,
+    pub dom: DomainRef,
+    pub paths: VmPaths,
+    pub owner: Owner,
+    /// The disks copied to the target, by target name.
+    pub copied: Vec<String>,
+    /// The most the migration may use, MiB/s; `None`: as fast as it goes.
+    pub bandwidth_mib: Option<u64>,
+}
+
+impl<A: Adapters> Controller<A> {
+    pub fn node_name(&self) -> &str {
+        &self.settings.node_name
+    }
+
+    /// The VM `key` if it may leave now; `Err` says why not.
+    pub fn leaving(&self, key: &VmKey) -> Result<Leaving, String> {
+        let id = key.id();
+        let vmi = self
+            .vmis()
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| format!("no VMI {key} on this host"))?;
+        migration::may_leave(&vmi)?;
+        let owner = self
+            .owner(&id)
+            .ok_or_else(|| format!("{key} has no identity on this host"))?;
+        let volume_status: Vec<serde_json::Value> = vmi
+            .status
+            .extra
+            .get("volumeStatus")
+            .and_then(|v| serde_json::from_value(v.clone()).ok())
+            .unwrap_or_default();
+        Ok(Leaving {
+            copied: migration::copied_targets(&vmi.spec, &volume_status),
+            bandwidth_mib: None,
+            dom: self.domain_ref(&id, None, &key.domain_name()),
+            paths: self.paths(&id),
+            key: key.clone(),
+            owner,
+            vmi,
+        })
+    }
+
+    /// Whether this host could run `vmi` as a migration's target: a VMI
+    /// of that name is not here already and it converts.
+    pub fn may_arrive(&self, vmi: &VirtualMachineInstance) -> Result<VmKey, String> {
+        let key = vmi.key().map_err(|e| e.to_string())?;
+        let id = key.id();
+        if self.vmis().contains_key(&id) {
+            return Err(format!("a VMI {key} is on this host already"));
+        }
+        if self
+            .deps
+            .marks
+            .get(&id)
+            .map_err(|e| e.to_string())?
+            .is_some()
+        {
+            return Err(format!("{key} takes part in another migration here"));
+        }
+        self.convert(vmi, &key, false, &self.settings.claims, None)
+            .map_err(|e| format!("this host cannot run it: {e}"))?;
+        Ok(key)
+    }
+
+    /// Holds `vmi` here from now on as an arrival (its mark already kept):
+    /// the next pass prepares everything but its domain.
+    pub fn arrive(&self, key: &VmKey, vmi: VirtualMachineInstance) {
+        self.vmis().insert(key.id(), vmi);
+    }
+
+    /// Lets go of an arrival that did not come (its mark already cleared):
+    /// the next pass tears down what was prepared.
+    pub fn abandon(&self, key: &VmKey, vmi_uid: &str) {
+        let mut vmis = self.vmis();
+        if vmis.get(&key.id()).and_then(|v| v.uid()) == Some(vmi_uid) {
+            vmis.remove(&key.id());
+        }
+    }
+
+    pub fn mark(&self, id: &str) -> Result<Option<Mark>, MarkError> {
+        self.deps.marks.get(id)
+    }
+
+    pub fn set_mark(&self, id: &str, mark: &Mark) -> Result<(), MarkError> {
+        self.deps.marks.set(id, mark)
+    }
+
+    pub fn clear_mark(&self, id: &str) -> Result<(), MarkError> {
+        self.deps.marks.clear(id)
+    }
+
+    /// Every mark there is, by VM id.
+    pub fn marks(&self) -> Vec<(String, Mark)> {
+        self.deps.marks.all()
+    }
+
+    pub fn vm_paths(&self, id: &str) -> VmPaths {
+        self.paths(id)
+    }
+
+    pub fn vm_owner(&self, id: &str) -> Option<Owner> {
+        self.owner(id)
+    }
+
+    /// Moves the leaving VM's domain (see [`LiveMigration::migrate`]).
+    pub async fn move_domain(
+        &self,
+        dom: &DomainRef,
+        to: &MigrateTo,
+        timeout: Duration,
+    ) -> Result<(), LibvirtError> {
+        self.deps.hypervisor.migrate(dom, to, timeout).await
+    }
+
+    /// Aborts the domain's running job, if any (a migration: the domain
+    /// runs on here).
+    pub async fn abort_job(&self, dom: &DomainRef) -> Result<(), LibvirtError> {
+        self.deps.hypervisor.abort(dom).await
+    }
+
+    /// The VMI of `id` the loop holds, with the status it reported.
+    pub fn view_vmi(&self, id: &str) -> Option<VirtualMachineInstance> {
+        self.vmis().get(id).cloned()
+    }
+
+    /// The VM's domain in its own daemon.
+    pub fn domain_of(&self, key: &VmKey) -> DomainRef {
+        self.domain_ref(&key.id(), None, &key.domain_name())
+    }
+
+    /// Where the VM's daemon listens, on the host.
+    pub fn daemon_socket(&self, id: &str) -> std::path::PathBuf {
+        self.paths(id).libvirt_socket(self.settings.daemon)
+    }
+
+    /// Whether the domain is still defined in the VM's daemon here.
+    pub async fn domain_here(&self, dom: &DomainRef) -> Result<bool, LibvirtError> {
+        Ok(self.domain_state(dom).await?.is_some())
+    }
+
+    /// The domain's state in the VM's daemon here; `None`: not there.
+    pub async fn domain_state(&self, dom: &DomainRef) -> Result<Option<DomainState>, LibvirtError> {
+        Ok(self.deps.hypervisor.observe(dom).await?.map(|o| o.state))
+    }
+
+    /// Waits (at most `wait`) for the domain's job to end: a migration
+    /// asked to abort ends with the domain here, or past its switch-over
+    /// with the domain gone.
+    pub async fn until_no_job(&self, dom: &DomainRef, wait: Duration) {
+        let deadline = tokio::time::Instant::now() + wait;
+        while let Ok(Some(_)) = self.deps.hypervisor.progress(dom).await {
+            if tokio::time::Instant::now() > deadline {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+}
