@@ -106,6 +106,9 @@ fn a_vm_on_shared_storage_could_migrate_and_one_on_local_storage_could_not() {
     );
 }
 
+/// True on a host that keeps no migration mark.
+const NO_MARKS: &str = "[ -z \"$(ls /run/kvirt/migrations)\" ]";
+
 /// The guest's counter (`KVIRT-GUEST-ALIVE <n>`, one each 2 s) in its
 /// serial log on host `h`; empty without a log.
 fn counts(h: &Host, vm: &str) -> Vec<u64> {
@@ -173,9 +176,9 @@ fn move_and_check(from: &Host, to: &Host, vm: &str, addr: &str, node: &str) {
     );
     from.wait_gone(vm);
     from.ok(&format!(
-        "! ls /etc/kvirt/vmis.d | grep -q {vm}; [ -z \"$(ls /run/kvirt/migrations)\" ]"
+        "! ls /etc/kvirt/vmis.d | grep -q {vm}; {NO_MARKS}"
     ));
-    to.ok("[ -z \"$(ls /run/kvirt/migrations)\" ]");
+    to.ok(NO_MARKS);
 }
 
 /// `kvirtctl migrate` moves a running guest on shared storage from A to
@@ -206,8 +209,12 @@ fn a_vm_that_cannot_migrate_is_refused_and_runs_on() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("DisksNotLiveMigratable"), "{err}");
     assert_eq!(a.phase("stayer").as_deref(), Some("Running"));
-    a.ok("[ -z \"$(ls /run/kvirt/migrations)\" ] && test -f /etc/kvirt/vmis.d/stayer.yaml");
-    b.ok("[ -z \"$(ls /run/kvirt/migrations)\" ] && ! systemctl -q is-active kvirt-vm@default_stayer");
+    a.ok(&format!(
+        "{NO_MARKS} && test -f /etc/kvirt/vmis.d/stayer.yaml"
+    ));
+    b.ok(&format!(
+        "{NO_MARKS} && ! systemctl -q is-active kvirt-vm@default_stayer"
+    ));
     a.remove_vm_and_wait_gone("stayer");
 }
 
@@ -248,16 +255,9 @@ fn runs_exactly_once(on: &Host, off: &Host, vm: &str) {
         on.ok(&format!("pgrep -fc '[q]emu-system.*guest=default_{vm},'")),
         "1"
     );
-    on.wait(
-        "no migration mark left",
-        BOOT,
-        "[ -z \"$(ls /run/kvirt/migrations)\" ]",
-    );
-    off.wait(
-        "no migration mark left",
-        BOOT,
-        "[ -z \"$(ls /run/kvirt/migrations)\" ]",
-    );
+    for h in [on, off] {
+        h.wait("no migration mark left", BOOT, NO_MARKS);
+    }
     let before = counts(on, vm).last().copied().unwrap_or(0);
     on.wait_until("the guest counting on", BOOT, || {
         counts(on, vm).last().is_some_and(|&c| c > before)
@@ -281,9 +281,7 @@ fn the_source_kvirtd_killed_midway_leaves_the_guest_running_once() {
     kill_kvirtd(&a);
     // Settled when neither host keeps a mark; then one host has it.
     a.wait_until("the migration settled", Duration::from_secs(180), || {
-        [&a, &b]
-            .iter()
-            .all(|h| h.succeeds("[ -z \"$(ls /run/kvirt/migrations)\" ]"))
+        [&a, &b].iter().all(|h| h.succeeds(NO_MARKS))
     });
     let (on, off) = if a.succeeds("systemctl -q is-active kvirt-vm@default_src-killed") {
         (&a, &b)

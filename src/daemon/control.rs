@@ -419,6 +419,27 @@ mod tests {
     }
 
     #[test]
+    fn a_migration_names_its_target_and_may_cap_its_bandwidth() {
+        let m = |to: Option<&str>| Request {
+            action: "migrate".into(),
+            vm: "ns/a".into(),
+            to: to.map(str::to_owned),
+            bandwidth: Some(8),
+            ..Default::default()
+        };
+        assert_eq!(
+            m(Some("10.0.0.2:8444")).parse().unwrap().1,
+            Command::Migrate {
+                to: "10.0.0.2:8444".parse().unwrap(),
+                bandwidth: Some(8)
+            }
+        );
+        assert!(m(None).parse().unwrap_err().contains("--to"));
+        let bad = m(Some("host-b")).parse().unwrap_err();
+        assert!(bad.contains("ADDRESS:PORT"), "{bad}");
+    }
+
+    #[test]
     fn requests_name_a_vm_and_an_action() {
         let r = |action: &str, vm: &str| Request {
             action: action.into(),

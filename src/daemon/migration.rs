@@ -602,6 +602,7 @@ impl<A: Adapters> Migrations<A> {
                 reason: "the arrival's mark holds no VMI".into(),
             };
         };
+        let _in = crate::host::journal::vm_span(&id, None).entered();
         match manifest::write_arrived(dir, vmi) {
             Ok(file) => {
                 info!(migration = %uid, manifest = %file.display(), "the VM arrived: it runs here now")
@@ -681,6 +682,7 @@ impl<A: Adapters> Migrations<A> {
         let Some((id, mark)) = self.arrival(uid) else {
             return;
         };
+        let _in = crate::host::journal::vm_span(&id, None).entered();
         info!(migration = %uid, "the arrival is called off: {reason}");
         if let Err(e) = self.ctl.clear_mark(&id) {
             return warn!("{e}");

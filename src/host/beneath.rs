@@ -330,6 +330,12 @@ impl Beneath {
         // Through this process's fd of the directory: bound exactly here.
         let path = format!("/proc/self/fd/{}/{name}", self.fd.as_raw_fd());
         let listener = std::os::unix::net::UnixListener::bind(path)?;
+        self.give_name(name, owner)?;
+        Ok(listener)
+    }
+
+    /// Gives what `name` is now to `owner`, never following a link.
+    fn give_name(&self, name: &str, owner: Option<Ids>) -> io::Result<()> {
         if let Some((uid, gid)) = owner {
             nix::unistd::fchownat(
                 &self.fd,
@@ -339,7 +345,7 @@ impl Beneath {
                 nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
             )?;
         }
-        Ok(listener)
+        Ok(())
     }
 
     /// A block device node `name` of `rdev` here, with `mode` and
@@ -361,16 +367,7 @@ impl Beneath {
             Mode::from_bits_truncate(mode),
             rdev,
         )?;
-        if let Some((uid, gid)) = owner {
-            nix::unistd::fchownat(
-                &self.fd,
-                name,
-                Some(Uid::from_raw(uid)),
-                Some(Gid::from_raw(gid)),
-                nix::fcntl::AtFlags::AT_SYMLINK_NOFOLLOW,
-            )?;
-        }
-        Ok(())
+        self.give_name(name, owner)
     }
 
     /// Removes the file (or link, or FIFO) `name`; one that is not there is fine.

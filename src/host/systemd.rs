@@ -383,6 +383,12 @@ impl Units for SystemdBus {
             // A failed unit is already stopped; resetting lets it be collected.
             return Ok(self.manager().await?.reset_failed_unit(unit.into()).await?);
         }
+        if now == UnitActivity::Inactive {
+            // Stopped already: systemd collects it once nothing holds it.
+            // A stop job here would change nothing but wake this VM's pass
+            // again (its signals), over and over while it is held.
+            return Ok(());
+        }
         let ended = if now == UnitActivity::Active {
             self.terminate(unit, &path).await.unwrap_or_else(|e| {
                 tracing::debug!(unit, "SIGTERM to the unit: {e}; stopping it instead");
