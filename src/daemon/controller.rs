@@ -525,7 +525,7 @@ impl<A: Adapters> Controller<A> {
         ids
     }
 
-    fn paths(&self, id: &str) -> VmPaths {
+    pub fn paths(&self, id: &str) -> VmPaths {
         self.settings.layout.vm_by_id(id)
     }
 

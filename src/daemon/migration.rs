@@ -173,8 +173,7 @@ impl<A: Adapters> Migrations<A> {
         bandwidth: Option<u64>,
     ) -> Result<String, String> {
         let started = Instant::now();
-        let mut leaving = self.ctl.leaving(key)?;
-        leaving.bandwidth_mib = bandwidth;
+        let leaving = self.ctl.leaving(key)?;
         if !leaving.copied.is_empty() {
             // libvirt's copy (NON_SHARED_INC into the target's overlay) is
             // not proven on real hosts yet: refused rather than tried.
@@ -204,7 +203,10 @@ impl<A: Adapters> Migrations<A> {
         // Kept first: from here a kvirtd restarted never starts it here again.
         self.ctl.set_mark(&id, &mark).map_err(|e| e.to_string())?;
         info!(migration = %uid, %to, "migrating");
-        match self.send_marked(&leaving, &uid, self.peer(to)).await {
+        match self
+            .send_marked(&leaving, &uid, self.peer(to), bandwidth)
+            .await
+        {
             Ok(()) => {
                 self.let_go(&id, &file);
                 let took = started.elapsed().as_secs_f64();
@@ -232,14 +234,18 @@ impl<A: Adapters> Migrations<A> {
 
     /// Prepare, move, commit; on failure before the domain left, the
     /// target is told to abort.
-    async fn send_marked(&self, l: &Leaving, uid: &str, peer: Peer) -> Result<(), Failed> {
+    async fn send_marked(
+        &self,
+        l: &Leaving,
+        uid: &str,
+        peer: Peer,
+        bandwidth: Option<u64>,
+    ) -> Result<(), Failed> {
         let stay = |reason: String| Failed {
             reason,
             left: false,
         };
-        let mut control = tunnel::dial(&peer, &tunnel::header(uid, Channel::Control))
-            .await
-            .map_err(|e| stay(e.to_string()))?;
+        let mut control = dial_control(&peer, uid).await.map_err(stay)?;
         let mut vmi = l.vmi.clone();
         vmi.status = VmiStatus::default();
         let prepare = ToTarget::Prepare {
@@ -252,7 +258,7 @@ impl<A: Adapters> Migrations<A> {
             Ok(other) => return Err(stay(format!("the target answered {other:?}"))),
             Err(e) => return Err(stay(format!("preparing the target: {e}"))),
         }
-        let moved = self.move_domain(l, uid, &peer).await;
+        let moved = self.move_domain(l, uid, &peer, bandwidth).await;
         let left = match &moved {
             Ok(()) => true,
             // libvirt may fail after the switch-over (its confirm step):
@@ -267,14 +273,20 @@ impl<A: Adapters> Migrations<A> {
                 _ => Err(stay(reason)),
             };
         }
-        self.commit(&mut control, uid, &peer)
+        commit(Some(&mut control), uid, &peer)
             .await
             .map_err(|reason| Failed { reason, left: true })
     }
 
     /// The sockets the source's daemon and QEMU reach the target by, each
     /// carried to it; then libvirt's migration.
-    async fn move_domain(&self, l: &Leaving, uid: &str, peer: &Peer) -> Result<(), String> {
+    async fn move_domain(
+        &self,
+        l: &Leaving,
+        uid: &str,
+        peer: &Peer,
+        bandwidth: Option<u64>,
+    ) -> Result<(), String> {
         let dir = Beneath::open(&l.paths.runtime_dir)
             .and_then(|d| d.mkdir(DIR, 0o755, Some((0, 0))))
             .map_err(|e| format!("{}/{DIR}: {e}", l.paths.runtime_dir.display()))?;
@@ -302,7 +314,7 @@ impl<A: Adapters> Migrations<A> {
             disks_socket: seen.join(DISKS),
             copied_disks: l.copied.clone(),
             dest_xml: None,
-            bandwidth_mib: l.bandwidth_mib,
+            bandwidth_mib: bandwidth,
         };
         let r = self.ctl.move_domain(&l.dom, &to, self.setup.timeout).await;
         drop(forwards);
@@ -310,34 +322,6 @@ impl<A: Adapters> Migrations<A> {
             let _ = dir.remove(name);
         }
         r.map_err(|e| e.to_string())
-    }
-
-    /// Tells the target it owns the VM now, again on a new connection if
-    /// the first is lost, until it confirms or [`ANSWER`] passes.
-    async fn commit<S: AsyncRead + AsyncWrite + Unpin>(
-        &self,
-        control: &mut S,
-        uid: &str,
-        peer: &Peer,
-    ) -> Result<(), String> {
-        let mut last = match ask(control, &ToTarget::Commit, ANSWER).await {
-            Ok(ToSource::Committed) => return Ok(()),
-            Ok(other) => format!("the target answered {other:?}"),
-            Err(e) => e,
-        };
-        let deadline = Instant::now() + ANSWER;
-        while Instant::now() < deadline {
-            tokio::time::sleep(Duration::from_secs(1)).await;
-            match tunnel::dial(peer, &tunnel::header(uid, Channel::Control)).await {
-                Ok(mut c) => match ask(&mut c, &ToTarget::Commit, ANSWER).await {
-                    Ok(ToSource::Committed) => return Ok(()),
-                    Ok(other) => last = format!("the target answered {other:?}"),
-                    Err(e) => last = e,
-                },
-                Err(e) => last = e.to_string(),
-            }
-        }
-        Err(last)
     }
 
     /// The VM is the target's: its manifest goes (the loop then tears
@@ -389,24 +373,18 @@ impl<A: Adapters> Migrations<A> {
         let left = match here {
             Ok(true) => {
                 let reason = "the source kvirtd restarted midway";
-                let answer =
-                    match tunnel::dial(&peer, &tunnel::header(&uid, Channel::Control)).await {
-                        Ok(mut c) => abort(&mut c, reason).await,
-                        Err(e) => {
-                            warn!(migration = %uid, "telling the target: {e}");
-                            None
-                        }
-                    };
+                let answer = match dial_control(&peer, &uid).await {
+                    Ok(mut c) => abort(&mut c, reason).await,
+                    Err(e) => {
+                        warn!(migration = %uid, "telling the target: {e}");
+                        None
+                    }
+                };
                 answer == Some(ToSource::Committed)
             }
-            Ok(false) => match tunnel::dial(&peer, &tunnel::header(&uid, Channel::Control)).await {
-                Ok(mut c) => match self.commit(&mut c, &uid, &peer).await {
-                    Ok(()) => true,
-                    Err(e) => return warn!(migration = %uid, "the target did not confirm: {e}"),
-                },
-                Err(e) => {
-                    return warn!(migration = %uid, "the VM left for {}, which does not answer: {e}", mark.peer)
-                }
+            Ok(false) => match commit::<tunnel::ClientStream>(None, &uid, &peer).await {
+                Ok(()) => true,
+                Err(e) => return warn!(migration = %uid, "the target did not confirm: {e}"),
             },
             Err(e) => return warn!(migration = %uid, "recovering: {e}"),
         };
@@ -425,6 +403,43 @@ impl<A: Adapters> Migrations<A> {
             }
             self.wake(id);
         }
+    }
+}
+
+/// The migration's control channel to the target.
+async fn dial_control(peer: &Peer, uid: &str) -> Result<tunnel::ClientStream, String> {
+    tunnel::dial(peer, &tunnel::header(uid, Channel::Control))
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// Tells the target it owns the VM now: on `control` if given, then on
+/// new connections (the answer lost, or the source restarted), until it
+/// confirms or [`ANSWER`] passes.
+async fn commit<S: AsyncRead + AsyncWrite + Unpin>(
+    control: Option<&mut S>,
+    uid: &str,
+    peer: &Peer,
+) -> Result<(), String> {
+    if let Some(c) = control {
+        if let Ok(ToSource::Committed) = ask(c, &ToTarget::Commit, ANSWER).await {
+            return Ok(());
+        }
+    }
+    let deadline = Instant::now() + ANSWER;
+    loop {
+        let last = match dial_control(peer, uid).await {
+            Ok(mut c) => match ask(&mut c, &ToTarget::Commit, ANSWER).await {
+                Ok(ToSource::Committed) => return Ok(()),
+                Ok(other) => format!("the target answered {other:?}"),
+                Err(e) => e,
+            },
+            Err(e) => e,
+        };
+        if Instant::now() > deadline {
+            return Err(last);
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
     }
 }
 
@@ -539,7 +554,7 @@ impl<A: Adapters> Migrations<A> {
     /// Waits for the arrival's daemon (made by the loop's pass) to listen;
     /// then the migration's directory is made for its QEMU to listen in.
     async fn until_daemon_listens(&self, id: &str) -> Result<Route, String> {
-        let paths = self.ctl.vm_paths(id);
+        let paths = self.ctl.paths(id);
         let daemon = self.ctl.daemon_socket(id);
         let rel = daemon
             .strip_prefix(&paths.runtime_dir)
@@ -547,7 +562,7 @@ impl<A: Adapters> Migrations<A> {
             .to_owned();
         let deadline = Instant::now() + PREPARE;
         let owner = loop {
-            let owner = self.ctl.vm_owner(id);
+            let owner = self.ctl.owner(id);
             let listening = owner.and_then(|o| {
                 let (_, uid) = Beneath::open(&paths.runtime_dir)
                     .and_then(|d| d.socket(&rel))

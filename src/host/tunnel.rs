@@ -347,11 +347,11 @@ async fn carry(mut unix: UnixStream, peer: &Peer, hello: &str) -> Result<(), Tun
     Ok(())
 }
 
+/// The source's end of a tunnel connection.
+pub type ClientStream = tokio_rustls::client::TlsStream<TcpStream>;
+
 /// A TLS connection to `peer` that has sent `hello`.
-pub async fn dial(
-    peer: &Peer,
-    hello: &str,
-) -> Result<tokio_rustls::client::TlsStream<TcpStream>, TunnelError> {
+pub async fn dial(peer: &Peer, hello: &str) -> Result<ClientStream, TunnelError> {
     let connect = async {
         let tcp = TcpStream::connect(peer.address)
             .await

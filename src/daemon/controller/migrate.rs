@@ -26,8 +26,6 @@ pub struct Leaving {
     pub owner: Owner,
     /// The disks copied to the target, by target name.
     pub copied: Vec<String>,
-    /// The most the migration may use, MiB/s; `None`: as fast as it goes.
-    pub bandwidth_mib: Option<u64>,
 }
 
 impl<A: Adapters> Controller<A> {
@@ -55,7 +53,6 @@ impl<A: Adapters> Controller<A> {
             .unwrap_or_default();
         Ok(Leaving {
             copied: migration::copied_targets(&vmi.spec, &volume_status),
-            bandwidth_mib: None,
             dom: self.domain_ref(&id, None, &key.domain_name()),
             paths: self.paths(&id),
             key: key.clone(),
@@ -116,14 +113,6 @@ impl<A: Adapters> Controller<A> {
     /// Every mark there is, by VM id.
     pub fn marks(&self) -> Vec<(String, Mark)> {
         self.deps.marks.all()
-    }
-
-    pub fn vm_paths(&self, id: &str) -> VmPaths {
-        self.paths(id)
-    }
-
-    pub fn vm_owner(&self, id: &str) -> Option<Owner> {
-        self.owner(id)
     }
 
     /// Moves the leaving VM's domain (see [`LiveMigration::migrate`]).

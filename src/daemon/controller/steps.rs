@@ -190,7 +190,7 @@ impl<A: Adapters> Controller<A> {
     }
 
     /// The VM's own uid and gid, which everything of it is made for.
-    pub(super) fn owner(&self, id: &str) -> Option<Owner> {
+    pub fn owner(&self, id: &str) -> Option<Owner> {
         let uid = self.deps.users.uid_of(id)?;
         Some(Owner { uid, gid: uid })
     }
