@@ -289,6 +289,35 @@ async fn a_vm_that_left_drops_its_mark_once_its_vmi_is_gone_too() {
         .any(|c| c.starts_with("start-domain")));
 }
 
+/// One migration of a VM at a time: of two claims at once, one wins and
+/// the other is told why; once the mark goes, the VM may migrate again.
+#[tokio::test]
+async fn a_vm_takes_part_in_one_migration_at_a_time() {
+    let host = FakeHost::default();
+    let ctl = std::sync::Arc::new(controller(&host));
+    let claims: Vec<_> = [Migrating::Outgoing, Migrating::Incoming]
+        .into_iter()
+        .map(|role| {
+            let ctl = ctl.clone();
+            std::thread::spawn(move || ctl.claim_mark("default_vm1", &mark(role, None)))
+        })
+        .collect();
+    let results: Vec<_> = claims.into_iter().map(|t| t.join().unwrap()).collect();
+    assert_eq!(
+        results.iter().filter(|r| r.is_ok()).count(),
+        1,
+        "{results:?}"
+    );
+    let refused = results.iter().find_map(|r| r.clone().err()).unwrap();
+    assert!(refused.contains("another migration"), "{refused}");
+    assert!(ctl
+        .claim_mark("default_vm1", &mark(Migrating::Outgoing, None))
+        .is_err());
+    ctl.clear_mark("default_vm1").unwrap();
+    ctl.claim_mark("default_vm1", &mark(Migrating::Outgoing, None))
+        .unwrap();
+}
+
 /// A VM arriving: its mark holds the VMI (no source lists it yet), and
 /// everything is made but its domain, which the migration brings; the
 /// status stays the source's to write.

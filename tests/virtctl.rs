@@ -82,15 +82,34 @@ fn raw(
         .unwrap_or_default();
     a.ok(&format!(
         "out=$(mktemp) fifo=$(mktemp -u) && mkfifo $fifo
+         deframe() {{ perl -0777 -e '{DEFRAME}' <$out; }}
          timeout 40 socat -t 1 - OPENSSL:{addr},cafile=/etc/kvirt/pki/api-ca.crt,commonname=kvirt-api.kvirt.svc{cert} <$fifo >$out 2>/dev/null &
          pid=$!
          {{ printf '{method} {path} HTTP/1.1\\r\\nHost: kvirt-api.kvirt.svc\\r\\nContent-Length: 0\\r\\n{headers}\\r\\n'
-            for i in $(seq 300); do grep -aq -- '{until}' $out && break; kill -0 $pid 2>/dev/null || break; sleep 0.1; done
+            for i in $(seq 300); do deframe | grep -aq -- '{until}' && break; kill -0 $pid 2>/dev/null || break; sleep 0.1; done
          }} >$fifo
          wait $pid || true
-         cat -v $out"
+         deframe | cat -v"
     ))
 }
+
+/// The response as a client reads it: the head as it came, then, after a
+/// `101`, the payload of each WebSocket frame without the frame's header.
+/// The console's bytes come in as many frames as the guest's writes took
+/// (`KVIRT-GUEST-ALIV` in one, `E 3` in the next), so the raw stream need
+/// not hold a line whole. Server frames are never masked (RFC 6455 5.1).
+/// Perl without a single quote: it is put between the shell's.
+const DEFRAME: &str = r#"
+    local $/; my $s = <STDIN>; my $h = index($s, "\r\n\r\n");
+    if ($h < 0 || substr($s, 0, 12) ne "HTTP/1.1 101") { print $s; exit }
+    print substr($s, 0, $h + 4); my $p = $h + 4;
+    while ($p + 2 <= length $s) {
+        my $n = ord(substr($s, $p + 1, 1)) & 127; $p += 2;
+        if ($n == 126) { last if $p + 2 > length $s; $n = unpack("n", substr($s, $p, 2)); $p += 2 }
+        elsif ($n == 127) { last if $p + 8 > length $s; $n = unpack("Q>", substr($s, $p, 8)); $p += 8 }
+        print substr($s, $p, $n); $p += $n;
+    }
+"#;
 
 const ADMIN: &str = "X-Remote-User: kvirt-test-admin\\r\\nX-Remote-Group: system:masters\\r\\n";
 

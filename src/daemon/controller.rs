@@ -251,6 +251,8 @@ pub struct Controller<A: Adapters> {
     tokens: Mutex<HashMap<String, tokens::Due>>,
     /// Ids to pass again once the current passes end (dedicated CPUs freed).
     woken: Mutex<Vec<String>>,
+    /// Held while a migration mark is checked and set (see `claim_mark`).
+    marking: Mutex<()>,
 }
 
 /// What a VMI's loop shows of one id to the VirtualMachines above it.
@@ -376,6 +378,7 @@ impl<A: Adapters> Controller<A> {
             write_budget: Mutex::new(WriteBudget::new(Rate::PER_VM, Rate::PER_HOST)),
             tokens: Mutex::default(),
             woken: Mutex::default(),
+            marking: Mutex::default(),
         })
     }
 

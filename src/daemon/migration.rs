@@ -201,7 +201,9 @@ impl<A: Adapters> Migrations<A> {
             vmi: None,
         };
         // Kept first: from here a kvirtd restarted never starts it here again.
-        self.ctl.set_mark(&id, &mark).map_err(|e| e.to_string())?;
+        self.ctl
+            .claim_mark(&id, &mark)
+            .map_err(|e| format!("{key} stays here: {e}"))?;
         info!(migration = %uid, %to, "migrating");
         match self
             .send_marked(&leaving, &uid, self.peer(to), bandwidth)
@@ -533,8 +535,8 @@ impl<A: Adapters> Migrations<A> {
             peer: source.into(),
             vmi: Some(Box::new(vmi.clone())),
         };
-        if let Err(e) = self.ctl.set_mark(&id, &mark) {
-            return refuse(e.to_string());
+        if let Err(e) = self.ctl.claim_mark(&id, &mark) {
+            return refuse(format!("{key}: {e}"));
         }
         info!(migration = %uid, from = source, "preparing for an arriving VM");
         self.ctl.arrive(&key, vmi);

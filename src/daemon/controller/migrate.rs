@@ -62,21 +62,13 @@ impl<A: Adapters> Controller<A> {
     }
 
     /// Whether this host could run `vmi` as a migration's target: a VMI
-    /// of that name is not here already and it converts.
+    /// of that name is not here already and it converts (a mark here is
+    /// found by `claim_mark`).
     pub fn may_arrive(&self, vmi: &VirtualMachineInstance) -> Result<VmKey, String> {
         let key = vmi.key().map_err(|e| e.to_string())?;
         let id = key.id();
         if self.vmis().contains_key(&id) {
             return Err(format!("a VMI {key} is on this host already"));
-        }
-        if self
-            .deps
-            .marks
-            .get(&id)
-            .map_err(|e| e.to_string())?
-            .is_some()
-        {
-            return Err(format!("{key} takes part in another migration here"));
         }
         self.convert(vmi, &key, false, &self.settings.claims, None)
             .map_err(|e| format!("this host cannot run it: {e}"))?;
@@ -102,8 +94,19 @@ impl<A: Adapters> Controller<A> {
         self.deps.marks.get(id)
     }
 
-    pub fn set_mark(&self, id: &str, mark: &Mark) -> Result<(), MarkError> {
-        self.deps.marks.set(id, mark)
+    /// Keeps `mark` for `id` unless it has one: a VM takes part in one
+    /// migration at a time (two `kvirtctl migrate` of it at once, or an
+    /// arrival racing its own departure, find the other's mark).
+    pub fn claim_mark(&self, id: &str, mark: &Mark) -> Result<(), String> {
+        let _one = self.marking.lock().unwrap_or_else(|p| p.into_inner());
+        match self.deps.marks.get(id) {
+            Ok(None) => self.deps.marks.set(id, mark).map_err(|e| e.to_string()),
+            Ok(Some(other)) => Err(format!(
+                "it takes part in another migration here ({}, {:?})",
+                other.migration_uid, other.role
+            )),
+            Err(e) => Err(e.to_string()),
+        }
     }
 
     pub fn clear_mark(&self, id: &str) -> Result<(), MarkError> {
