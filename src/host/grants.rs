@@ -24,6 +24,19 @@ fn io(path: &Path, op: &'static str) -> impl FnOnce(std::io::Error) -> StorageEr
     move |source| StorageError::Io { path, op, source }
 }
 
+/// Every change of the records is a read, a change and a write: two VMs
+/// lent one file at once (a replica set's VMIs over one base image) would
+/// each write the file's record without the other's loan (and the second
+/// rename find the first's temporary file gone). kvirtd is the records'
+/// only writer: one change at a time in it is enough.
+static CHANGES: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+fn one_change() -> std::sync::MutexGuard<'static, ()> {
+    CHANGES
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// The grants directory (`/var/lib/kvirt/grants`).
 #[derive(Clone, Debug)]
 pub struct Grants {
@@ -82,6 +95,7 @@ impl Grants {
     ) -> Result<(), StorageError> {
         let meta = file.metadata().map_err(io(real, "stat"))?;
         let record = self.of_file(&meta);
+        let _one = one_change();
         let mut loans = match read_json::<Loans>(&record)? {
             Some(l) => l,
             None => Loans {
@@ -105,6 +119,7 @@ impl Grants {
     /// link or something else since, is skipped (its new self was never
     /// lent, and is not followed).
     pub fn give_back(&self, uid: u32) -> Result<(), StorageError> {
+        let _one = one_change();
         let by_uid = self.of_uid(uid);
         let lent: Vec<PathBuf> = read_json(&by_uid)?.unwrap_or_default();
         for path in lent {
@@ -362,6 +377,43 @@ mod tests {
                 .count(),
             0
         );
+    }
+
+    /// A replica set's VMIs start together over one base image: every
+    /// loan made at once is in the record and the ACL.
+    #[test]
+    fn loans_of_one_file_made_at_once_are_all_kept() {
+        let t = tempfile::tempdir().unwrap();
+        let disk = t.path().join("base.img");
+        std::fs::write(&disk, b"disk").unwrap();
+        let g = Grants::new(t.path().join("grants"));
+        let uids: Vec<u32> = (300_001..300_009).collect();
+        let lends: Vec<_> = uids
+            .iter()
+            .map(|&uid| {
+                let (g, disk) = (g.clone(), disk.clone());
+                std::thread::spawn(move || g.lend(&disk, uid, READ))
+            })
+            .collect();
+        for l in lends {
+            l.join().unwrap().unwrap();
+        }
+        let acl = read_acl(&std::fs::File::open(&disk).unwrap()).unwrap();
+        for &uid in &uids {
+            assert_eq!(acl.perm_of(uid), Some(READ), "{uid}: {acl:?}");
+        }
+        let gives: Vec<_> = uids
+            .iter()
+            .map(|&uid| {
+                let g = g.clone();
+                std::thread::spawn(move || g.give_back(uid))
+            })
+            .collect();
+        for b in gives {
+            b.join().unwrap().unwrap();
+        }
+        let acl = read_acl(&std::fs::File::open(&disk).unwrap()).unwrap();
+        assert!(acl.is_minimal(), "{acl:?}");
     }
 
     #[test]
