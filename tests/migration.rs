@@ -195,6 +195,105 @@ fn a_running_guest_moves_to_the_other_host_and_back_without_restarting() {
     a.ok("rm -f /srv/shared/mover.raw");
 }
 
+/// Writes `pattern` into the guest's disk of `volume` (its overlay) at
+/// `at` through `h`'s QEMU, as the guest would: HMP's `qemu-io` on the
+/// device the overlay is attached to, then a flush (qemu-io's own output
+/// goes to QEMU's log; only errors come back).
+fn guest_writes(h: &Host, vm: &str, volume: &str, pattern: &str, at: &str) {
+    let virsh = format!(
+        "virsh -c 'qemu:///session?socket=/run/kvirt/vms/default_{vm}/xdg/libvirt/virtqemud-sock' \
+           qemu-monitor-command --hmp default_{vm}"
+    );
+    let out = h.ok(&format!(
+        "dev=$({virsh} 'info block' | awk '/{volume}.overlay.qcow2/ {{f=1}} f && /Attached to:/ {{print $3; exit}}')
+         [ -n \"$dev\" ]
+         {virsh} \"qemu-io -d $dev \\\"write -P {pattern} {at} 64k\\\"\"
+         {virsh} \"qemu-io -d $dev flush\""
+    ));
+    assert!(out.trim().is_empty(), "{out}");
+}
+
+/// Whether the running VM's disk of `volume` on `h` holds `pattern` at
+/// `at`: its overlay read over its base, as the guest sees it.
+fn disk_holds(h: &Host, vm: &str, volume: &str, pattern: &str, at: &str) -> bool {
+    let out = h.sh(&format!(
+        "qemu-io -r -U -f qcow2 /var/lib/kvirt/vms/default_{vm}/disks/{volume}.overlay.qcow2 \
+           -c 'read -P {pattern} {at} 64k'"
+    ));
+    let said = String::from_utf8_lossy(&out.stdout);
+    out.status.success() && said.contains("read 65536/65536") && !said.contains("failed")
+}
+
+/// A containerDisk VM migrates with its disk copied: what was written to
+/// its overlay on one host is read back from the other's (pulled there
+/// from the same image), A to B and back, the guest never restarting.
+#[test]
+fn a_container_disk_vm_moves_with_its_overlay_copied_and_back() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = a.turn();
+    // The same image (the same digest) in each host's own registry.
+    let image = "127.0.0.1:5000/kvirt/guest:1";
+    a.start_registry("test-registry", 5000, None);
+    a.ok(&format!(
+        "qemu-img convert -O qcow2 /srv/guest/run.raw /tmp/guest.qcow2
+         kvirtctl push-disk {image} /tmp/guest.qcow2
+         rm -rf /srv/shared/registry && cp -a /var/lib/test-registry /srv/shared/registry"
+    ));
+    b.ok("rm -rf /var/lib/test-registry && cp -a /srv/shared/registry /var/lib/test-registry");
+    b.start_registry("test-registry", 5000, None);
+    a.ok("rm -rf /srv/shared/registry");
+    let manifest = support::with_boot_source(
+        &vmi_manifest(
+            "copied",
+            "",
+            "  networks: [{name: default, pod: {}}]\n",
+            "      interfaces: [{name: default, masquerade: {}, ports: [{port: 8080}]}]\n",
+        ),
+        &format!("containerDisk: {{image: '{image}'}}"),
+    );
+    a.put_manifest("copied", "", &manifest);
+    a.wait_phase("copied", "Running", BOOT);
+    let holds = |h: &Host, pattern: &str, at: &str| disk_holds(h, "copied", "boot", pattern, at);
+    // Written on A (the guest never reads its disk), read back on B.
+    guest_writes(&a, "copied", "boot", "0x5a", "40M");
+    assert!(holds(&a, "0x5a", "40M") && !holds(&a, "0xa5", "40M"));
+    move_and_check(&a, &b, "copied", "10.251.0.2:8444", "kvirt-mig-b");
+    assert!(holds(&b, "0x5a", "40M"), "the write made on A is on B");
+    guest_writes(&b, "copied", "boot", "0xa5", "44M");
+    move_and_check(&b, &a, "copied", "10.251.0.1:8444", "kvirt-mig-a");
+    assert!(holds(&a, "0x5a", "40M") && holds(&a, "0xa5", "44M"));
+    a.ok("rm /etc/kvirt/vmis.d/default_copied.json");
+    a.wait_gone("copied");
+
+    // A tag that names another image at the target by now: only the
+    // overlay would be copied, over other bytes. Refused; the VM stays.
+    let retagged = "127.0.0.1:5000/kvirt/guest:2";
+    a.ok(&format!("kvirtctl push-disk {retagged} /tmp/guest.qcow2"));
+    b.ok(&format!(
+        "qemu-img convert -O qcow2 /srv/guest/poweroff.raw /tmp/other.qcow2
+         kvirtctl push-disk {retagged} /tmp/other.qcow2"
+    ));
+    a.put_manifest(
+        "retagged",
+        "",
+        &support::with_boot_source(
+            &vmi_manifest("retagged", "", "", ""),
+            &format!("containerDisk: {{image: '{retagged}'}}"),
+        ),
+    );
+    a.wait_phase("retagged", "Running", BOOT);
+    let out = a.sh("kvirtctl migrate default/retagged --to 10.251.0.2:8444");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("lies over"), "{err}");
+    assert_eq!(a.phase("retagged").as_deref(), Some("Running"));
+    b.wait_gone("retagged");
+    b.ok(NO_MARKS);
+    a.ok(NO_MARKS);
+    a.remove_vm_and_wait_gone("retagged");
+    // B pulled the image once and let go of the VM's overlay.
+    b.ok("! ls /var/lib/kvirt/vms | grep -q copied");
+}
+
 /// A VM whose disk only its host reaches is refused with its condition's
 /// reason; it runs on where it was, and neither host keeps anything of
 /// the attempt.
@@ -297,12 +396,19 @@ fn the_source_kvirtd_killed_midway_leaves_the_guest_running_once() {
 /// The target kvirtd killed while the guest's memory is on its way: the
 /// tunnel goes with it, the migration fails, the VM runs on at the
 /// source, and the target, started again, tears down what it prepared.
+/// (Before that, a second migration of the VM while one runs is refused.)
 #[test]
 fn the_target_kvirtd_killed_midway_leaves_the_guest_at_the_source() {
     let Some((a, b)) = hosts() else { return };
     let _g = a.turn();
     shared_vm(&a, "dst-killed");
     start_slow_migration(&a, &b, "dst-killed", "10.251.0.2:8444");
+    let second = a.sh("kvirtctl migrate default/dst-killed --to 10.251.0.2:8444");
+    let err = String::from_utf8_lossy(&second.stderr);
+    assert!(
+        !second.status.success() && err.contains("another migration"),
+        "{err}"
+    );
     kill_kvirtd(&b);
     a.wait(
         "kvirtctl migrate to give up",

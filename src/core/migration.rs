@@ -152,6 +152,10 @@ pub enum ToTarget {
     Prepare {
         vmi: Box<VirtualMachineInstance>,
         source_node: String,
+        /// The base each copied overlay lies over at the source, by
+        /// volume (see [`same_bases`]).
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        bases: BTreeMap<String, String>,
     },
     /// libvirt finished: the target runs the VM, and owns it from now on.
     Commit,
@@ -285,6 +289,16 @@ fn disks(spec: &VmiSpec, storage: &SharedStorage) -> Result<bool, String> {
                 ));
             }
         }
+        // Only the overlay is copied: the target lays its own over the
+        // same base, which must then be the same bytes there.
+        if let Some(h) = v.ephemeral.as_ref().and_then(|e| e.host_disk.as_ref()) {
+            if !under_any(Path::new(&h.path), storage.roots) {
+                return Err(format!(
+                    "the base of ephemeral volume {:?} ({}) is not under a shared root",
+                    v.name, h.path
+                ));
+            }
+        }
         copies |= v.container_disk.is_some() || v.ephemeral.is_some() || v.empty_disk.is_some();
     }
     for c in pvc::claims_of(spec) {
@@ -367,6 +381,65 @@ pub fn copied_targets(spec: &VmiSpec, volume_status: &[serde_json::Value]) -> Ve
         .filter(|s| s["name"].as_str().is_some_and(|n| local.contains(n)))
         .filter_map(|s| s["target"].as_str().map(str::to_owned))
         .collect()
+}
+
+/// How much of a qcow2 overlay's start is read for its backing file's
+/// name (kvirt writes it right after the header).
+pub const QCOW2_HEAD: u64 = 64 << 10;
+
+/// The backing file a qcow2 image's header names (`None`: it has none),
+/// from the image's first bytes. An overlay is the VM's to write: the name
+/// is bounded, and only ever compared.
+pub fn qcow2_backing(head: &[u8]) -> Result<Option<String>, String> {
+    if head.len() < 20 || head[..4] != *b"QFI\xfb" {
+        return Err("not a qcow2 image".into());
+    }
+    let word = |at: usize, n: usize| {
+        head[at..at + n]
+            .iter()
+            .fold(0u64, |a, b| a << 8 | *b as u64)
+    };
+    let (offset, size) = (word(8, 8), word(16, 4));
+    if offset == 0 {
+        return Ok(None);
+    }
+    // qcow2 allows 1023 bytes of name.
+    let name = offset
+        .checked_add(size)
+        .filter(|&end| size <= 1023 && end <= head.len() as u64)
+        .map(|end| &head[offset as usize..end as usize])
+        .ok_or("its backing file's name is out of bounds")?;
+    String::from_utf8(name.to_vec())
+        .map(Some)
+        .map_err(|_| "its backing file's name is not UTF-8".into())
+}
+
+/// Whether the target's overlays lie over the bases the source's do: only
+/// what the guest wrote is copied (`NON_SHARED_INC`), so a containerDisk
+/// whose tag names another image by now, or another file at an
+/// ephemeral base's path, would leave the guest a disk of mixed bytes.
+/// The image cache keeps each image under its digest, so the same path
+/// is the same image.
+pub fn same_bases(
+    source: &BTreeMap<String, String>,
+    here: &BTreeMap<String, String>,
+) -> Result<(), String> {
+    for (volume, base) in source {
+        match here.get(volume) {
+            Some(b) if b == base => {}
+            Some(b) => {
+                return Err(format!(
+                    "volume {volume:?}: the VM's disk lies over {base} at the source, over {b} here"
+                ))
+            }
+            None => {
+                return Err(format!(
+                    "volume {volume:?}: the VM's disk lies over {base} at the source, over nothing here"
+                ))
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A new migration's uid: unique per VMI instance, source and moment.
@@ -563,6 +636,10 @@ mod tests {
                 "{name: a, dataVolume: {name: rwo}}",
                 "PVC \"rwo\" is not shared",
             ),
+            (
+                "{name: a, ephemeral: {hostDisk: {path: /var/lib/kvirt/images/a.img, type: Disk}}}",
+                "base of ephemeral volume \"a\"",
+            ),
         ];
         for (volume, why) in cases {
             let v = vmi(&format!(
@@ -635,6 +712,7 @@ mod tests {
         let prepare = ToTarget::Prepare {
             vmi: Box::new(vmi("{domain: {devices: {}}}")),
             source_node: "a".into(),
+            bases: BTreeMap::new(),
         };
         let line = serde_json::to_string(&prepare).unwrap();
         assert!(line.starts_with("{\"prepare\":{\"vmi\":"), "{line}");
@@ -714,5 +792,61 @@ mod tests {
             .contains("names \"e\""));
         let e = host("e", &[("disk", "ssd"), ("zone", "z1")]);
         assert_eq!(target_fits(&v, &m, &e, "a"), Ok(()));
+    }
+
+    /// A qcow2 header (version 3, 104 bytes) naming `backing` right
+    /// after it, as `qemu-img create -b` writes one.
+    fn qcow2(backing: &[u8]) -> Vec<u8> {
+        let mut h = vec![0u8; 104];
+        h[..4].copy_from_slice(b"QFI\xfb");
+        h[4..8].copy_from_slice(&3u32.to_be_bytes());
+        if !backing.is_empty() {
+            h[8..16].copy_from_slice(&104u64.to_be_bytes());
+            h[16..20].copy_from_slice(&(backing.len() as u32).to_be_bytes());
+        }
+        h.extend_from_slice(backing);
+        h.resize(512, 0);
+        h
+    }
+
+    #[test]
+    fn an_overlays_backing_file_is_read_from_its_header_within_bounds() {
+        let base = b"/var/cache/kvirt/images/repos/k/sha256:ab/disk/g.qcow2";
+        assert_eq!(
+            qcow2_backing(&qcow2(base)).unwrap().as_deref(),
+            Some(std::str::from_utf8(base).unwrap())
+        );
+        assert_eq!(qcow2_backing(&qcow2(b"")), Ok(None));
+        assert!(qcow2_backing(b"raw bytes of a raw disk")
+            .unwrap_err()
+            .contains("not a qcow2"));
+        // A header the guest rewrote: past the bytes read, too long, not text.
+        let mut far = qcow2(base);
+        far[8..16].copy_from_slice(&u64::MAX.to_be_bytes());
+        assert!(qcow2_backing(&far).unwrap_err().contains("out of bounds"));
+        let long = qcow2(&[b'a'; 1024]);
+        assert!(qcow2_backing(&long).unwrap_err().contains("out of bounds"));
+        assert!(qcow2_backing(&qcow2(&[0xff, 0xfe]))
+            .unwrap_err()
+            .contains("UTF-8"));
+    }
+
+    #[test]
+    fn a_copied_overlay_needs_the_same_base_at_the_target() {
+        let bases = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+            pairs
+                .iter()
+                .map(|(v, b)| (v.to_string(), b.to_string()))
+                .collect()
+        };
+        let source = bases(&[("boot", "/c/repos/k/sha256:aa/disk/g.qcow2")]);
+        assert_eq!(same_bases(&source, &source), Ok(()));
+        assert_eq!(same_bases(&BTreeMap::new(), &source), Ok(()));
+        let newer = bases(&[("boot", "/c/repos/k/sha256:bb/disk/g.qcow2")]);
+        let e = same_bases(&source, &newer).unwrap_err();
+        assert!(e.contains("\"boot\"") && e.contains("sha256:bb"), "{e}");
+        assert!(same_bases(&source, &BTreeMap::new())
+            .unwrap_err()
+            .contains("over nothing here"));
     }
 }

@@ -24,7 +24,7 @@ use crate::host::migrate::MigrateTo;
 use crate::host::tunnel::{self, Channel, ControlConn, Forward, Peer, Route, Routes};
 use crate::sources::manifest;
 use futures::future::BoxFuture;
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -174,15 +174,6 @@ impl<A: Adapters> Migrations<A> {
     ) -> Result<String, String> {
         let started = Instant::now();
         let leaving = self.ctl.leaving(key)?;
-        if !leaving.copied.is_empty() {
-            // libvirt's copy (NON_SHARED_INC into the target's overlay) is
-            // not proven on real hosts yet: refused rather than tried.
-            return Err(format!(
-                "its disks {} would be copied, which kvirt does not do yet: \
-                 only VMs whose disks are all on shared storage migrate",
-                leaving.copied.join(", ")
-            ));
-        }
         let vmi_uid = leaving.vmi.uid().unwrap_or_default().to_owned();
         let Some(dir) = &self.setup.manifests else {
             return Err("in a cluster, a VirtualMachineInstanceMigration moves a VMI".into());
@@ -253,6 +244,7 @@ impl<A: Adapters> Migrations<A> {
         let prepare = ToTarget::Prepare {
             vmi: Box::new(vmi),
             source_node: self.ctl.node_name().into(),
+            bases: l.bases.clone(),
         };
         match ask(&mut control, &prepare, PREPARE).await {
             Ok(ToSource::Ready) => {}
@@ -494,9 +486,11 @@ impl<A: Adapters> Migrations<A> {
                 }
             };
             let answer = match message {
-                ToTarget::Prepare { vmi, source_node } => {
-                    self.prepare(&uid, *vmi, &source_node).await
-                }
+                ToTarget::Prepare {
+                    vmi,
+                    source_node,
+                    bases,
+                } => self.prepare(&uid, *vmi, &source_node, &bases).await,
                 ToTarget::Commit => self.take_on(&uid),
                 ToTarget::Abort { reason } => self.call_off(&uid, &reason).await,
             };
@@ -513,7 +507,13 @@ impl<A: Adapters> Migrations<A> {
             .find(|(_, m)| m.migration_uid == uid && m.role == Migrating::Incoming)
     }
 
-    async fn prepare(&self, uid: &str, vmi: VirtualMachineInstance, source: &str) -> ToSource {
+    async fn prepare(
+        &self,
+        uid: &str,
+        vmi: VirtualMachineInstance,
+        source: &str,
+        bases: &BTreeMap<String, String>,
+    ) -> ToSource {
         let refuse = |reason: String| {
             warn!(migration = %uid, "refused: {reason}");
             ToSource::Refused { reason }
@@ -539,9 +539,15 @@ impl<A: Adapters> Migrations<A> {
             return refuse(format!("{key}: {e}"));
         }
         info!(migration = %uid, from = source, "preparing for an arriving VM");
+        let spec = vmi.spec.clone();
         self.ctl.arrive(&key, vmi);
         self.wake(&id);
-        match self.until_daemon_listens(&id).await {
+        let ready = self.until_daemon_listens(&id).await.and_then(|route| {
+            // The overlays are made (before the unit): over the same bases?
+            let here = self.ctl.overlay_bases(&id, &spec)?;
+            migration::same_bases(bases, &here).map(|()| route)
+        });
+        match ready {
             Ok(route) => {
                 self.routes.add(uid, route);
                 ToSource::Ready

@@ -9,11 +9,15 @@ use crate::core::key::VmKey;
 use crate::core::layout::VmPaths;
 use crate::core::migration::{self, Mark};
 use crate::core::plan::DomainState;
-use crate::core::vmi::VirtualMachineInstance;
+use crate::core::vmi::{VirtualMachineInstance, VmiSpec};
+use crate::host::beneath::Beneath;
 use crate::host::libvirt::{DomainRef, Hypervisor, LibvirtError};
 use crate::host::marks::{MarkError, MigrationMarks};
 use crate::host::migrate::{LiveMigration, MigrateTo};
 use crate::host::storage::Owner;
+use nix::fcntl::OFlag;
+use std::collections::BTreeMap;
+use std::io::Read;
 use std::time::Duration;
 
 /// A VM that may leave this host now, as the loop knows it.
@@ -26,6 +30,8 @@ pub struct Leaving {
     pub owner: Owner,
     /// The disks copied to the target, by target name.
     pub copied: Vec<String>,
+    /// The base each copied overlay lies over, by volume.
+    pub bases: BTreeMap<String, String>,
 }
 
 impl<A: Adapters> Controller<A> {
@@ -53,12 +59,44 @@ impl<A: Adapters> Controller<A> {
             .unwrap_or_default();
         Ok(Leaving {
             copied: migration::copied_targets(&vmi.spec, &volume_status),
+            bases: self.overlay_bases(&id, &vmi.spec)?,
             dom: self.domain_ref(&id, None, &key.domain_name()),
             paths: self.paths(&id),
             key: key.clone(),
             owner,
             vmi,
         })
+    }
+
+    /// The base each of the VM's overlays (containerDisk, ephemeral) lies
+    /// over here, by volume, from the overlays' headers: read beneath the
+    /// VM's directory, bounded (the overlay is the VM's to write).
+    pub fn overlay_bases(
+        &self,
+        id: &str,
+        spec: &VmiSpec,
+    ) -> Result<BTreeMap<String, String>, String> {
+        let paths = self.paths(id);
+        let dir = Beneath::open(&paths.state_dir)
+            .map_err(|e| format!("{}: {e}", paths.state_dir.display()))?;
+        let mut bases = BTreeMap::new();
+        for v in spec
+            .volumes
+            .iter()
+            .filter(|v| v.container_disk.is_some() || v.ephemeral.is_some())
+        {
+            let overlay = paths.overlay(&v.name);
+            let rel = overlay.strip_prefix(&paths.state_dir).unwrap_or(&overlay);
+            let why = |e: String| format!("the overlay of volume {:?}: {e}", v.name);
+            let mut head = Vec::new();
+            dir.file(rel, OFlag::O_RDONLY)
+                .and_then(|f| f.take(migration::QCOW2_HEAD).read_to_end(&mut head))
+                .map_err(|e| why(e.to_string()))?;
+            if let Some(base) = migration::qcow2_backing(&head).map_err(why)? {
+                bases.insert(v.name.clone(), base);
+            }
+        }
+        Ok(bases)
     }
 
     /// Whether this host could run `vmi` as a migration's target: a VMI
