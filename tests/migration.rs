@@ -147,7 +147,11 @@ fn move_and_check(from: &Host, to: &Host, vm: &str, addr: &str, node: &str) {
     from.wait_until("the guest counting", BOOT, || counts(from, vm).len() >= 2);
     let before = *counts(from, vm).last().unwrap();
     let out = from.ok(&format!("kvirtctl migrate default/{vm} --to {addr}"));
-    assert!(out.contains("moved to"), "{out}");
+    // The time and the guest's pause, as the benchmark reads them.
+    assert!(
+        out.contains("moved to") && out.contains(" s, the guest paused "),
+        "{out}"
+    );
     to.wait_phase(vm, "Running", BOOT);
     let st = to.status(vm);
     assert_eq!(st["status"]["nodeName"], node, "{st}");
@@ -195,17 +199,17 @@ fn a_running_guest_moves_to_the_other_host_and_back_without_restarting() {
     a.ok("rm -f /srv/shared/mover.raw");
 }
 
-/// Writes `pattern` into the guest's disk of `volume` (its overlay) at
-/// `at` through `h`'s QEMU, as the guest would: HMP's `qemu-io` on the
-/// device the overlay is attached to, then a flush (qemu-io's own output
-/// goes to QEMU's log; only errors come back).
-fn guest_writes(h: &Host, vm: &str, volume: &str, pattern: &str, at: &str) {
+/// Writes `pattern` into the guest's disk whose file is `disk` (in the
+/// VM's disks directory) at `at` through `h`'s QEMU, as the guest would:
+/// HMP's `qemu-io` on the device the file is attached to, then a flush
+/// (qemu-io's own output goes to QEMU's log; only errors come back).
+fn guest_writes(h: &Host, vm: &str, disk: &str, pattern: &str, at: &str) {
     let virsh = format!(
         "virsh -c 'qemu:///session?socket=/run/kvirt/vms/default_{vm}/xdg/libvirt/virtqemud-sock' \
            qemu-monitor-command --hmp default_{vm}"
     );
     let out = h.ok(&format!(
-        "dev=$({virsh} 'info block' | awk '/{volume}.overlay.qcow2/ {{f=1}} f && /Attached to:/ {{print $3; exit}}')
+        "dev=$({virsh} 'info block' | awk -v d='/{disk} ' 'index($0, d) {{f=1}} f && /Attached to:/ {{print $3; exit}}')
          [ -n \"$dev\" ]
          {virsh} \"qemu-io -d $dev \\\"write -P {pattern} {at} 64k\\\"\"
          {virsh} \"qemu-io -d $dev flush\""
@@ -213,20 +217,21 @@ fn guest_writes(h: &Host, vm: &str, volume: &str, pattern: &str, at: &str) {
     assert!(out.trim().is_empty(), "{out}");
 }
 
-/// Whether the running VM's disk of `volume` on `h` holds `pattern` at
-/// `at`: its overlay read over its base, as the guest sees it.
-fn disk_holds(h: &Host, vm: &str, volume: &str, pattern: &str, at: &str) -> bool {
+/// Whether the running VM's disk file `disk` on `h` holds `pattern` at
+/// `at`: read over its base, if any, as the guest sees it.
+fn disk_holds(h: &Host, vm: &str, disk: &str, pattern: &str, at: &str) -> bool {
     let out = h.sh(&format!(
-        "qemu-io -r -U -f qcow2 /var/lib/kvirt/vms/default_{vm}/disks/{volume}.overlay.qcow2 \
+        "qemu-io -r -U -f qcow2 /var/lib/kvirt/vms/default_{vm}/disks/{disk} \
            -c 'read -P {pattern} {at} 64k'"
     ));
     let said = String::from_utf8_lossy(&out.stdout);
     out.status.success() && said.contains("read 65536/65536") && !said.contains("failed")
 }
 
-/// A containerDisk VM migrates with its disk copied: what was written to
-/// its overlay on one host is read back from the other's (pulled there
-/// from the same image), A to B and back, the guest never restarting.
+/// A containerDisk VM with an emptyDisk migrates with both copied: what
+/// was written to its overlay and to its empty disk on one host is read
+/// back from the other's (the overlay over the image pulled there), A to
+/// B and back, the guest never restarting.
 #[test]
 fn a_container_disk_vm_moves_with_its_overlay_copied_and_back() {
     let Some((a, b)) = hosts() else { return };
@@ -247,21 +252,33 @@ fn a_container_disk_vm_moves_with_its_overlay_copied_and_back() {
             "copied",
             "",
             "  networks: [{name: default, pod: {}}]\n",
-            "      interfaces: [{name: default, masquerade: {}, ports: [{port: 8080}]}]\n",
+            "      - name: scratch\n        disk: {bus: virtio}\n      \
+             interfaces: [{name: default, masquerade: {}, ports: [{port: 8080}]}]\n",
         ),
         &format!("containerDisk: {{image: '{image}'}}"),
-    );
+    ) + "  - name: scratch\n    emptyDisk: {capacity: 64Mi}\n";
     a.put_manifest("copied", "", &manifest);
     a.wait_phase("copied", "Running", BOOT);
-    let holds = |h: &Host, pattern: &str, at: &str| disk_holds(h, "copied", "boot", pattern, at);
-    // Written on A (the guest never reads its disk), read back on B.
-    guest_writes(&a, "copied", "boot", "0x5a", "40M");
-    assert!(holds(&a, "0x5a", "40M") && !holds(&a, "0xa5", "40M"));
+    let (boot, scratch) = ("boot.overlay.qcow2", "scratch.qcow2");
+    let holds =
+        |h: &Host, disk: &str, pattern: &str, at: &str| disk_holds(h, "copied", disk, pattern, at);
+    // Written on A (the guest never reads its disks), read back on B.
+    guest_writes(&a, "copied", boot, "0x5a", "40M");
+    guest_writes(&a, "copied", scratch, "0x3c", "8M");
+    assert!(holds(&a, boot, "0x5a", "40M") && !holds(&a, boot, "0xa5", "40M"));
     move_and_check(&a, &b, "copied", "10.251.0.2:8444", "kvirt-mig-b");
-    assert!(holds(&b, "0x5a", "40M"), "the write made on A is on B");
-    guest_writes(&b, "copied", "boot", "0xa5", "44M");
+    assert!(
+        holds(&b, boot, "0x5a", "40M"),
+        "the overlay's write made on A is on B"
+    );
+    assert!(
+        holds(&b, scratch, "0x3c", "8M"),
+        "the empty disk's write made on A is on B"
+    );
+    guest_writes(&b, "copied", boot, "0xa5", "44M");
     move_and_check(&b, &a, "copied", "10.251.0.1:8444", "kvirt-mig-a");
-    assert!(holds(&a, "0x5a", "40M") && holds(&a, "0xa5", "44M"));
+    assert!(holds(&a, boot, "0x5a", "40M") && holds(&a, boot, "0xa5", "44M"));
+    assert!(holds(&a, scratch, "0x3c", "8M"));
     a.ok("rm /etc/kvirt/vmis.d/default_copied.json");
     a.wait_gone("copied");
 

@@ -171,8 +171,12 @@ pub enum ToSource {
     Ready,
     /// Not here, and why (nothing was left behind).
     Refused { reason: String },
-    /// The target runs the VM as its own.
-    Committed,
+    /// The target runs the VM as its own; the guest's pause at the
+    /// switch-over when its libvirt knows it.
+    Committed {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        downtime_ms: Option<u64>,
+    },
 }
 
 /// A migration this host takes part in, kept (atomically, root's alone)

@@ -418,6 +418,13 @@ impl crate::host::migrate::LiveMigration for FakeHost {
         Ok(None)
     }
 
+    async fn finished(
+        &self,
+        _d: &DomainRef,
+    ) -> Result<Option<crate::host::migrate::Progress>, LibvirtError> {
+        Ok(None)
+    }
+
     async fn abort(&self, d: &DomainRef) -> Result<(), LibvirtError> {
         self.call(format!("abort migration {}", d.name));
         Ok(())

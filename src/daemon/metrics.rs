@@ -66,6 +66,9 @@ pub struct Metrics {
     errors: Family<ReasonLabel, Counter>,
     adoptions: Family<ResultLabel, Counter>,
     deferred: Counter,
+    migrations: Family<ResultLabel, Counter>,
+    migration: Histogram,
+    downtime: Histogram,
 }
 
 impl Default for Metrics {
@@ -99,6 +102,25 @@ impl Default for Metrics {
             "Status writes held back by the per-VM or per-host write budget (their changes go out with a later write)",
             deferred.clone(),
         );
+        let migrations = Family::<ResultLabel, Counter>::default();
+        registry.register(
+            "migrations",
+            "Live migrations this host sent, by how they ended (succeeded: the VM runs at the target)",
+            migrations.clone(),
+        );
+        // An idle guest moves in about a second; a busy one in minutes.
+        let migration = Histogram::new([0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 1200.0]);
+        registry.register(
+            "migration_duration_seconds",
+            "Time a live migration this host sent took, from the request to the target's commit",
+            migration.clone(),
+        );
+        let downtime = Histogram::new([0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0]);
+        registry.register(
+            "migration_downtime_seconds",
+            "How long the guest was paused at a migration's switch-over, as the target's libvirt measured it",
+            downtime.clone(),
+        );
         Self {
             registry,
             vms,
@@ -106,6 +128,9 @@ impl Default for Metrics {
             errors,
             adoptions,
             deferred,
+            migrations,
+            migration,
+            downtime,
         }
     }
 }
@@ -144,6 +169,27 @@ impl Metrics {
                 result: a.as_str().into(),
             })
             .inc();
+    }
+
+    /// A migration this host sent ended: `Some` with its time and the
+    /// guest's pause (when the target knew it) if the VM left.
+    pub fn migration(&self, moved: Option<(Duration, Option<Duration>)>) {
+        let result = if moved.is_some() {
+            "succeeded"
+        } else {
+            "failed"
+        };
+        self.migrations
+            .get_or_create(&ResultLabel {
+                result: result.into(),
+            })
+            .inc();
+        if let Some((took, downtime)) = moved {
+            self.migration.observe(took.as_secs_f64());
+            if let Some(d) = downtime {
+                self.downtime.observe(d.as_secs_f64());
+            }
+        }
     }
 
     /// The OpenMetrics text exposition.
@@ -276,6 +322,28 @@ mod tests {
         // A phase that empties goes back to zero rather than vanishing.
         m.set_phases(&BTreeMap::new());
         assert!(m.encode().contains("kvirt_vms{phase=\"Running\"} 0"));
+    }
+
+    #[test]
+    fn migrations_count_by_result_with_their_time_and_the_guests_pause() {
+        let m = Metrics::default();
+        m.migration(Some((
+            Duration::from_millis(1300),
+            Some(Duration::from_millis(40)),
+        )));
+        m.migration(Some((Duration::from_secs(20), None)));
+        m.migration(None);
+        let text = m.encode();
+        for want in [
+            "kvirt_migrations_total{result=\"succeeded\"} 2",
+            "kvirt_migrations_total{result=\"failed\"} 1",
+            "kvirt_migration_duration_seconds_bucket{le=\"2.5\"} 1",
+            "kvirt_migration_duration_seconds_count 2",
+            "kvirt_migration_downtime_seconds_bucket{le=\"0.05\"} 1",
+            "kvirt_migration_downtime_seconds_count 1",
+        ] {
+            assert!(text.contains(want), "{want} missing from\n{text}");
+        }
     }
 
     #[tokio::test]

@@ -200,14 +200,23 @@ impl<A: Adapters> Migrations<A> {
             .send_marked(&leaving, &uid, self.peer(to), bandwidth)
             .await
         {
-            Ok(()) => {
+            Ok(downtime) => {
                 self.let_go(&id, &file);
-                let took = started.elapsed().as_secs_f64();
-                let m = format!("{key} moved to {to} in {took:.1} s (migration {uid})");
+                let took = started.elapsed();
+                self.ctl.metrics().migration(Some((took, downtime)));
+                let paused = downtime.map_or_else(
+                    || "the guest's pause not known".into(),
+                    |d| format!("the guest paused {} ms", d.as_millis()),
+                );
+                let m = format!(
+                    "{key} moved to {to} in {:.1} s, {paused} (migration {uid})",
+                    took.as_secs_f64()
+                );
                 info!("{m}");
                 Ok(m)
             }
             Err(Failed { reason, left }) => {
+                self.ctl.metrics().migration(None);
                 if left {
                     // It runs at the target, which did not answer the
                     // commit: the mark stays, and the next start commits.
@@ -226,14 +235,14 @@ impl<A: Adapters> Migrations<A> {
     }
 
     /// Prepare, move, commit; on failure before the domain left, the
-    /// target is told to abort.
+    /// target is told to abort. Moved: the guest's pause, if known.
     async fn send_marked(
         &self,
         l: &Leaving,
         uid: &str,
         peer: Peer,
         bandwidth: Option<u64>,
-    ) -> Result<(), Failed> {
+    ) -> Result<Option<Duration>, Failed> {
         let stay = |reason: String| Failed {
             reason,
             left: false,
@@ -263,7 +272,9 @@ impl<A: Adapters> Migrations<A> {
             let reason = moved.err().unwrap_or_default();
             return match abort(&mut control, &reason).await {
                 // Running there already: the target's word is final.
-                Some(ToSource::Committed) => Ok(()),
+                Some(ToSource::Committed { downtime_ms }) => {
+                    Ok(downtime_ms.map(Duration::from_millis))
+                }
                 _ => Err(stay(reason)),
             };
         }
@@ -374,10 +385,10 @@ impl<A: Adapters> Migrations<A> {
                         None
                     }
                 };
-                answer == Some(ToSource::Committed)
+                matches!(answer, Some(ToSource::Committed { .. }))
             }
             Ok(false) => match commit::<tunnel::ClientStream>(None, &uid, &peer).await {
-                Ok(()) => true,
+                Ok(_) => true,
                 Err(e) => return warn!(migration = %uid, "the target did not confirm: {e}"),
             },
             Err(e) => return warn!(migration = %uid, "recovering: {e}"),
@@ -409,22 +420,23 @@ async fn dial_control(peer: &Peer, uid: &str) -> Result<tunnel::ClientStream, St
 
 /// Tells the target it owns the VM now: on `control` if given, then on
 /// new connections (the answer lost, or the source restarted), until it
-/// confirms or [`ANSWER`] passes.
+/// confirms or [`ANSWER`] passes. Confirmed: the guest's pause, if known.
 async fn commit<S: AsyncRead + AsyncWrite + Unpin>(
     control: Option<&mut S>,
     uid: &str,
     peer: &Peer,
-) -> Result<(), String> {
+) -> Result<Option<Duration>, String> {
+    let paused = |ms: Option<u64>| ms.map(Duration::from_millis);
     if let Some(c) = control {
-        if let Ok(ToSource::Committed) = ask(c, &ToTarget::Commit, ANSWER).await {
-            return Ok(());
+        if let Ok(ToSource::Committed { downtime_ms }) = ask(c, &ToTarget::Commit, ANSWER).await {
+            return Ok(paused(downtime_ms));
         }
     }
     let deadline = Instant::now() + ANSWER;
     loop {
         let last = match dial_control(peer, uid).await {
             Ok(mut c) => match ask(&mut c, &ToTarget::Commit, ANSWER).await {
-                Ok(ToSource::Committed) => return Ok(()),
+                Ok(ToSource::Committed { downtime_ms }) => return Ok(paused(downtime_ms)),
                 Ok(other) => format!("the target answered {other:?}"),
                 Err(e) => e,
             },
@@ -444,6 +456,12 @@ async fn abort<S: AsyncRead + AsyncWrite + Unpin>(s: &mut S, reason: &str) -> Op
         reason: reason.into(),
     };
     ask(s, &message, ANSWER).await.ok()
+}
+
+/// The target's no to a source, said in its log too.
+fn refused(uid: &str, reason: String) -> ToSource {
+    warn!(migration = %uid, "refused: {reason}");
+    ToSource::Refused { reason }
 }
 
 /// A failed migration: why, and whether the domain left all the same.
@@ -491,7 +509,7 @@ impl<A: Adapters> Migrations<A> {
                     source_node,
                     bases,
                 } => self.prepare(&uid, *vmi, &source_node, &bases).await,
-                ToTarget::Commit => self.take_on(&uid),
+                ToTarget::Commit => self.take_on(&uid).await,
                 ToTarget::Abort { reason } => self.call_off(&uid, &reason).await,
             };
             if tunnel::write_message(&mut stream, &answer).await.is_err() {
@@ -514,10 +532,7 @@ impl<A: Adapters> Migrations<A> {
         source: &str,
         bases: &BTreeMap<String, String>,
     ) -> ToSource {
-        let refuse = |reason: String| {
-            warn!(migration = %uid, "refused: {reason}");
-            ToSource::Refused { reason }
-        };
+        let refuse = |reason: String| refused(uid, reason);
         if self.setup.manifests.is_none() {
             return refuse("this host's VMIs come from a cluster".into());
         }
@@ -525,9 +540,26 @@ impl<A: Adapters> Migrations<A> {
             Ok(k) => k,
             Err(e) => return refuse(e),
         };
+        let span = crate::host::journal::vm_span(&key.id(), Some(&key));
+        // Instrumented, not entered: a span entered across an await would
+        // name this VM in other tasks' lines on the same thread.
+        self.arrive(uid, key, vmi, source, bases)
+            .instrument(span)
+            .await
+    }
+
+    /// The arrival's mark kept, its VMI held for the loop, then ready once
+    /// the VM's daemon listens over the same bases.
+    async fn arrive(
+        &self,
+        uid: &str,
+        key: VmKey,
+        vmi: VirtualMachineInstance,
+        source: &str,
+        bases: &BTreeMap<String, String>,
+    ) -> ToSource {
+        let refuse = |reason: String| refused(uid, reason);
         let id = key.id();
-        let span = crate::host::journal::vm_span(&id, Some(&key));
-        let _in = span.enter();
         let mark = Mark {
             migration_uid: uid.into(),
             role: Migrating::Incoming,
@@ -605,7 +637,7 @@ impl<A: Adapters> Migrations<A> {
 
     /// The source says the VM runs here now: its manifest is written (so
     /// this host lists it as its own), then its mark goes.
-    fn take_on(&self, uid: &str) -> ToSource {
+    async fn take_on(&self, uid: &str) -> ToSource {
         let committed = |s: &Self| {
             s.committed
                 .lock()
@@ -614,7 +646,7 @@ impl<A: Adapters> Migrations<A> {
         };
         let Some((id, mark)) = self.arrival(uid) else {
             if committed(self) {
-                return ToSource::Committed;
+                return ToSource::Committed { downtime_ms: None };
             }
             return ToSource::Refused {
                 reason: format!("no migration {uid} arriving here"),
@@ -625,10 +657,16 @@ impl<A: Adapters> Migrations<A> {
                 reason: "the arrival's mark holds no VMI".into(),
             };
         };
+        // Read while the arrival is still marked (the answer carries it).
+        let downtime = match vmi.key() {
+            Ok(key) => self.ctl.arrival_downtime(&self.ctl.domain_of(&key)).await,
+            Err(_) => None,
+        };
+        let downtime_ms = downtime.map(|d| d.as_millis() as u64);
         let _in = crate::host::journal::vm_span(&id, None).entered();
         match manifest::write_arrived(dir, vmi) {
             Ok(file) => {
-                info!(migration = %uid, manifest = %file.display(), "the VM arrived: it runs here now")
+                info!(migration = %uid, manifest = %file.display(), ?downtime_ms, "the VM arrived: it runs here now")
             }
             Err(e) => {
                 warn!("{e}");
@@ -645,7 +683,7 @@ impl<A: Adapters> Migrations<A> {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .insert(uid.into());
         self.wake(&id);
-        ToSource::Committed
+        ToSource::Committed { downtime_ms }
     }
 
     /// The source asks to abort: granted unless the VM runs here already
@@ -653,7 +691,7 @@ impl<A: Adapters> Migrations<A> {
     /// then it is this host's, and the answer says so.
     async fn call_off(&self, uid: &str, reason: &str) -> ToSource {
         if self.arrival_state(uid).await == Some(DomainState::Running) {
-            return self.take_on(uid);
+            return self.take_on(uid).await;
         }
         self.drop_arrival(uid, reason);
         ToSource::Refused {
@@ -687,7 +725,7 @@ impl<A: Adapters> Migrations<A> {
             match self.arrival_state(&uid).await {
                 Some(DomainState::Running) => {
                     info!(migration = %uid, "the source went silent, and the VM runs here: it arrived");
-                    self.take_on(&uid);
+                    self.take_on(&uid).await;
                     return;
                 }
                 None if Instant::now() > grace => {

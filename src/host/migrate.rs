@@ -116,6 +116,12 @@ pub trait LiveMigration: Send + Sync + 'static {
         &self,
         d: &DomainRef,
     ) -> impl Future<Output = Result<Option<Progress>, LibvirtError>> + Send;
+    /// The job that last ended on the domain here; a migration's
+    /// statistics (its downtime among them) reach its target too.
+    fn finished(
+        &self,
+        d: &DomainRef,
+    ) -> impl Future<Output = Result<Option<Progress>, LibvirtError>> + Send;
     /// Aborts the running job (the domain keeps running here).
     fn abort(&self, d: &DomainRef) -> impl Future<Output = Result<(), LibvirtError>> + Send;
 }

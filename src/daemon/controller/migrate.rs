@@ -172,6 +172,18 @@ impl<A: Adapters> Controller<A> {
         self.deps.hypervisor.abort(dom).await
     }
 
+    /// The guest's pause at the switch-over of the migration that brought
+    /// the domain here, as its daemon measured it (`None`: not known).
+    pub async fn arrival_downtime(&self, dom: &DomainRef) -> Option<Duration> {
+        match self.deps.hypervisor.finished(dom).await {
+            Ok(job) => job?.downtime_ms.map(Duration::from_millis),
+            Err(e) => {
+                tracing::debug!("the arrival's job stats: {e}");
+                None
+            }
+        }
+    }
+
     /// The VMI of `id` the loop holds, with the status it reported.
     pub fn view_vmi(&self, id: &str) -> Option<VirtualMachineInstance> {
         self.vmis().get(id).cloned()

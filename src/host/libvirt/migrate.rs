@@ -52,7 +52,18 @@ impl LiveMigration for Libvirt {
             let Some(dom) = this.lookup(slot, d)?.1 else {
                 return Ok(None);
             };
-            job_progress(&dom).map_err(Libvirt::err(&d.id, "job stats"))
+            job_progress(&dom, 0).map_err(Libvirt::err(&d.id, "job stats"))
+        })
+        .await
+    }
+
+    async fn finished(&self, d: &DomainRef) -> Result<Option<Progress>, LibvirtError> {
+        self.blocking(d, "finished job", CALL_TIMEOUT, |this, slot, d| {
+            let Some(dom) = this.lookup(slot, d)?.1 else {
+                return Ok(None);
+            };
+            job_progress(&dom, sys::VIR_DOMAIN_JOB_STATS_COMPLETED)
+                .map_err(Libvirt::err(&d.id, "finished job stats"))
         })
         .await
     }
@@ -71,15 +82,17 @@ impl LiveMigration for Libvirt {
     }
 }
 
-/// The domain's running job, read through libvirt's own typed-parameter
-/// accessors: the virt crate's `get_job_stats` makes a `Vec` of libvirt's
-/// pointer, which is null when no job runs.
-fn job_progress(dom: &Domain) -> Result<Option<Progress>, virt::error::Error> {
+/// The domain's running job (`flags` 0) or the last one ended
+/// (`VIR_DOMAIN_JOB_STATS_COMPLETED`), read through libvirt's own
+/// typed-parameter accessors: the virt crate's `get_job_stats` makes a
+/// `Vec` of libvirt's pointer, which is null when no job runs.
+fn job_progress(dom: &Domain, flags: u32) -> Result<Option<Progress>, virt::error::Error> {
     let mut kind: libc::c_int = 0;
     let mut params: sys::virTypedParameterPtr = std::ptr::null_mut();
     let mut n: libc::c_int = 0;
     // SAFETY: out-pointers to locals; libvirt allocates `params`, freed below.
-    let ret = unsafe { sys::virDomainGetJobStats(dom.as_ptr(), &mut kind, &mut params, &mut n, 0) };
+    let ret =
+        unsafe { sys::virDomainGetJobStats(dom.as_ptr(), &mut kind, &mut params, &mut n, flags) };
     if ret < 0 {
         return Err(virt::error::Error::last_error());
     }
