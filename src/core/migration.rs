@@ -13,7 +13,7 @@ use crate::core::convert::Claims;
 use crate::core::plan::Migrating;
 use crate::core::pvc::{self, Backend, Pvc};
 use crate::core::scheduling::{self, HostFacts};
-use crate::core::vmi::{Condition, VirtualMachineInstance, VmiSpec};
+use crate::core::vmi::{Condition, VirtualMachineInstance, VmiSpec, Volume};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
@@ -303,7 +303,7 @@ fn disks(spec: &VmiSpec, storage: &SharedStorage) -> Result<bool, String> {
                 ));
             }
         }
-        copies |= v.container_disk.is_some() || v.ephemeral.is_some() || v.empty_disk.is_some();
+        copies |= is_copied(v);
     }
     for c in pvc::claims_of(spec) {
         if !storage.claims.contains(&c.claim) {
@@ -377,7 +377,7 @@ pub fn copied_targets(spec: &VmiSpec, volume_status: &[serde_json::Value]) -> Ve
     let local: BTreeSet<&str> = spec
         .volumes
         .iter()
-        .filter(|v| v.container_disk.is_some() || v.ephemeral.is_some() || v.empty_disk.is_some())
+        .filter(|v| is_copied(v))
         .map(|v| v.name.as_str())
         .collect();
     volume_status
@@ -385,6 +385,17 @@ pub fn copied_targets(spec: &VmiSpec, volume_status: &[serde_json::Value]) -> Ve
         .filter(|s| s["name"].as_str().is_some_and(|n| local.contains(n)))
         .filter_map(|s| s["target"].as_str().map(str::to_owned))
         .collect()
+}
+
+/// A volume whose disk kvirt makes over a base (a containerDisk's or an
+/// ephemeral volume's overlay): the base stays, only the overlay moves.
+pub fn has_overlay(v: &Volume) -> bool {
+    v.container_disk.is_some() || v.ephemeral.is_some()
+}
+
+/// A volume whose disk only this host has, copied by a migration.
+fn is_copied(v: &Volume) -> bool {
+    has_overlay(v) || v.empty_disk.is_some()
 }
 
 /// How much of a qcow2 overlay's start is read for its backing file's

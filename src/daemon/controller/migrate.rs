@@ -80,11 +80,7 @@ impl<A: Adapters> Controller<A> {
         let dir = Beneath::open(&paths.state_dir)
             .map_err(|e| format!("{}: {e}", paths.state_dir.display()))?;
         let mut bases = BTreeMap::new();
-        for v in spec
-            .volumes
-            .iter()
-            .filter(|v| v.container_disk.is_some() || v.ephemeral.is_some())
-        {
+        for v in spec.volumes.iter().filter(|v| migration::has_overlay(v)) {
             let overlay = paths.overlay(&v.name);
             let rel = overlay.strip_prefix(&paths.state_dir).unwrap_or(&overlay);
             let why = |e: String| format!("the overlay of volume {:?}: {e}", v.name);
