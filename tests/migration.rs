@@ -311,6 +311,47 @@ fn a_container_disk_vm_moves_with_its_overlay_copied_and_back() {
     b.ok("! ls /var/lib/kvirt/vms | grep -q copied");
 }
 
+/// A commit whose answer was lost, at a target that restarted since it
+/// took the VM on: the source, its mark and the VM's manifest kept (as
+/// such a loss leaves them), tries again on its own; the target knows
+/// the VM it runs by its VMI's uid and says so; the source lets go
+/// without a restart of its own, never starting the VM; it runs once.
+#[test]
+fn a_commit_whose_answer_was_lost_is_retried_until_the_source_lets_go() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = a.turn();
+    shared_vm(&a, "lost");
+    move_and_check(&a, &b, "lost", "10.251.0.2:8444", "kvirt-mig-b");
+    let manifest = b.ok("cat /etc/kvirt/vmis.d/default_lost.json");
+    let uid = b.status("lost")["metadata"]["uid"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    // B forgets what it committed; A is put back as the loss left it: the
+    // mark first (A never starts a VM it marked as leaving), then the
+    // manifest.
+    kill_kvirtd(&b);
+    a.ok(&format!(
+        "mkdir -p -m 700 /run/kvirt/migrations
+         printf '%s' '{{\"migrationUid\":\"answer-lost\",\"role\":\"outgoing\",\"vmiUid\":\"{uid}\",\"peer\":\"10.251.0.2:8444\"}}' \
+           >/run/kvirt/migrations/default_lost.json
+         chmod 600 /run/kvirt/migrations/default_lost.json
+         cat >/etc/kvirt/vmis.d/default_lost.json <<'EOF'
+{manifest}
+EOF"
+    ));
+    a.wait(
+        "A letting go: its manifest and mark gone",
+        Duration::from_secs(120),
+        &format!("[ ! -e /etc/kvirt/vmis.d/default_lost.json ] && {NO_MARKS}"),
+    );
+    a.ok("journalctl -u kvirtd -o cat | grep -q 'ended at the target'");
+    runs_exactly_once(&b, &a, "lost");
+    b.ok("rm /etc/kvirt/vmis.d/default_lost.json");
+    b.wait_gone("lost");
+    a.ok("rm -f /srv/shared/lost.raw");
+}
+
 /// A VM whose disk only its host reaches is refused with its condition's
 /// reason; it runs on where it was, and neither host keeps anything of
 /// the attempt.
@@ -332,6 +373,33 @@ fn a_vm_that_cannot_migrate_is_refused_and_runs_on() {
         "{NO_MARKS} && ! systemctl -q is-active kvirt-vm@default_stayer"
     ));
     a.remove_vm_and_wait_gone("stayer");
+}
+
+/// A VMI deleted while it migrates stops everywhere, as in KubeVirt: the
+/// source aborts the migration before it shuts the guest down (its
+/// daemon would not under a running job), the target, told, tears down
+/// what it prepared, and the migration ends failed; neither host starts
+/// the VM again or keeps anything of it.
+#[test]
+fn a_vm_deleted_while_it_migrates_stops_on_both_hosts() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = a.turn();
+    shared_vm(&a, "deleted");
+    start_slow_migration(&a, &b, "deleted", "10.251.0.2:8444");
+    a.ok("rm /etc/kvirt/vmis.d/deleted.yaml");
+    a.wait(
+        "kvirtctl migrate to end",
+        BOOT,
+        "! systemctl -q is-active kvirt-test-migrate",
+    );
+    a.ok("! journalctl -u kvirtd -o cat | grep -q 'default/deleted moved to'");
+    for h in [&a, &b] {
+        h.wait_gone("deleted");
+        h.wait("no mark left", Duration::from_secs(60), NO_MARKS);
+        h.ok("[ ! -e /etc/kvirt/vmis.d/default_deleted.json ]");
+    }
+    a.ok("journalctl -u kvirtd -o cat | grep -q 'its migration is aborted first'");
+    a.ok("rm -f /srv/shared/deleted.raw");
 }
 
 /// Starts `kvirtctl migrate` of `vm` from `from` to `addr` throttled to

@@ -158,7 +158,12 @@ pub enum ToTarget {
         bases: BTreeMap<String, String>,
     },
     /// libvirt finished: the target runs the VM, and owns it from now on.
-    Commit,
+    /// The VMI's uid lets a target that restarted since it took the VM on
+    /// recognise a commit repeated (its answer lost) by the VM it runs.
+    Commit {
+        #[serde(default)]
+        vmi_uid: String,
+    },
     /// Remove what was prepared; the VM stays at the source.
     Abort { reason: String },
 }
@@ -171,6 +176,10 @@ pub enum ToSource {
     Ready,
     /// Not here, and why (nothing was left behind).
     Refused { reason: String },
+    /// Answer to a commit: the VM does not run here (it ended during the
+    /// migration, or never came), and nothing of it is left here. The
+    /// source's copy is all there is.
+    NotHere { reason: String },
     /// The target runs the VM as its own; the guest's pause at the
     /// switch-over when its libvirt knows it.
     Committed {
@@ -350,6 +359,11 @@ pub fn may_leave(vmi: &VirtualMachineInstance) -> Result<(), String> {
         return Err("it is being deleted".into());
     }
     match vmi.status.phase {
+        // A paused guest would arrive paused, indistinguishable at the
+        // target from one still arriving: unpause it, or stop it.
+        Some(crate::core::vmi::Phase::Running) if is_paused(vmi) => {
+            return Err("it is paused".into());
+        }
         Some(crate::core::vmi::Phase::Running) => {}
         p => {
             let p = p.map_or("not started", |p| p.as_str());
@@ -366,6 +380,13 @@ pub fn may_leave(vmi: &VirtualMachineInstance) -> Result<(), String> {
         )),
         None => Err(format!("it has no {CONDITION} condition yet")),
     }
+}
+
+fn is_paused(vmi: &VirtualMachineInstance) -> bool {
+    vmi.status
+        .conditions
+        .iter()
+        .any(|c| c.type_ == crate::core::status::PAUSED && c.status == "True")
 }
 
 /// The disks a migration copies to the target (`migrate_disks`): the
@@ -527,6 +548,13 @@ mod tests {
             copies_disks: false,
         })];
         assert_eq!(may_leave(&v), Ok(()));
+        let mut paused = v.clone();
+        paused.status.conditions.push(Condition {
+            type_: crate::core::status::PAUSED.into(),
+            status: "True".into(),
+            ..Default::default()
+        });
+        assert!(may_leave(&paused).unwrap_err().contains("paused"));
         v.metadata.deletion_timestamp = serde_json::from_value("2026-12-05T00:00:00Z".into()).ok();
         assert!(v.metadata.deletion_timestamp.is_some());
         assert!(may_leave(&v).unwrap_err().contains("deleted"));
@@ -733,10 +761,12 @@ mod tests {
         assert!(line.starts_with("{\"prepare\":{\"vmi\":"), "{line}");
         assert!(!line.contains('\n'));
         assert_eq!(serde_json::from_str::<ToTarget>(&line).unwrap(), prepare);
-        assert_eq!(
-            serde_json::to_string(&ToTarget::Commit).unwrap(),
-            "\"commit\""
-        );
+        let commit = ToTarget::Commit {
+            vmi_uid: "u1".into(),
+        };
+        let line = serde_json::to_string(&commit).unwrap();
+        assert_eq!(line, "{\"commit\":{\"vmi_uid\":\"u1\"}}");
+        assert_eq!(serde_json::from_str::<ToTarget>(&line).unwrap(), commit);
         assert_eq!(
             serde_json::from_str::<ToSource>("{\"refused\":{\"reason\":\"full\"}}").unwrap(),
             ToSource::Refused {

@@ -58,6 +58,9 @@ const ANSWER: Duration = Duration::from_secs(30);
 /// How long an arrival whose source went silent waits for it, when no
 /// domain came.
 const SETTLE: Duration = Duration::from_secs(30);
+/// How often a departure left unfinished (its commit's answer lost, the
+/// target away) is tried again, as a restart would.
+const RETRY: Duration = Duration::from_secs(30);
 
 /// How kvirtd takes part in migrations.
 #[derive(Clone, Debug)]
@@ -97,6 +100,24 @@ pub struct Migrations<A: Adapters> {
     /// Arrivals committed since kvirtd started, by migration uid: a commit
     /// repeated (its answer lost) is answered again.
     committed: Mutex<HashSet<String>>,
+    /// The VMs being sent or recovered now, by id: their marks are theirs.
+    sending: Mutex<HashSet<String>>,
+}
+
+/// A VM being sent or recovered, for as long as this lives.
+struct Sending<'a> {
+    set: &'a Mutex<HashSet<String>>,
+    id: String,
+}
+
+impl Drop for Sending<'_> {
+    fn drop(&mut self) {
+        lock(self.set).remove(&self.id);
+    }
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 impl<A: Adapters> Migrations<A> {
@@ -115,6 +136,7 @@ impl<A: Adapters> Migrations<A> {
             client: identity.tunnel_client_config()?,
             setup: setup.clone(),
             committed: Mutex::default(),
+            sending: Mutex::default(),
         });
         if let Some(listen) = setup.listen {
             let listener = tokio::net::TcpListener::bind(listen)
@@ -135,6 +157,7 @@ impl<A: Adapters> Migrations<A> {
             info!(%listen, "serving the migration port");
         }
         tokio::spawn(this.clone().recover());
+        tokio::spawn(this.clone().retry_departures());
         Ok(this)
     }
 
@@ -190,6 +213,11 @@ impl<A: Adapters> Migrations<A> {
             vmi_uid,
             peer: to.to_string(),
             vmi: None,
+        };
+        let Some(_sending) = self.busy(&id) else {
+            return Err(format!(
+                "{key} stays here: it takes part in another migration here"
+            ));
         };
         // Kept first: from here a kvirtd restarted never starts it here again.
         self.ctl
@@ -278,9 +306,15 @@ impl<A: Adapters> Migrations<A> {
                 _ => Err(stay(reason)),
             };
         }
-        commit(Some(&mut control), uid, &peer)
+        let vmi_uid = l.vmi.uid().unwrap_or_default();
+        commit(Some(&mut control), uid, vmi_uid, &peer)
             .await
-            .map_err(|reason| Failed { reason, left: true })
+            .map_err(|e| match e {
+                // Gone here (its unit stopped midway) and not there: the
+                // loop finds it ended.
+                Unconfirmed::NotHere(r) => stay(format!("the VM ended before it arrived: {r}")),
+                Unconfirmed::Silent(reason) => Failed { reason, left: true },
+            })
     }
 
     /// The sockets the source's daemon and QEMU reach the target by, each
@@ -357,7 +391,34 @@ impl<A: Adapters> Migrations<A> {
         }
     }
 
+    /// Departures no send is finishing (its commit's answer was lost, or
+    /// the target was away) are finished as a restart would, now and then:
+    /// a source that let go late is better than one that holds a VM's
+    /// manifest until its next start.
+    async fn retry_departures(self: Arc<Self>) {
+        loop {
+            tokio::time::sleep(RETRY).await;
+            for (id, mark) in self.ctl.marks() {
+                if mark.role != Migrating::Outgoing {
+                    continue;
+                }
+                let span = crate::host::journal::vm_span(&id, None);
+                self.recover_outgoing(&id, mark).instrument(span).await;
+            }
+        }
+    }
+
+    /// Marks `id` as sent or recovered by the caller until the guard
+    /// drops; `None`: another send or recovery has it.
+    fn busy(&self, id: &str) -> Option<Sending<'_>> {
+        lock(&self.sending).insert(id.to_owned()).then(|| Sending {
+            set: &self.sending,
+            id: id.to_owned(),
+        })
+    }
+
     async fn recover_outgoing(&self, id: &str, mark: Mark) {
+        let Some(_busy) = self.busy(id) else { return };
         let Ok(peer) = mark.peer.parse::<SocketAddr>().map(|a| self.peer(a)) else {
             return warn!("migration mark of {id}: bad peer {:?}", mark.peer);
         };
@@ -387,14 +448,22 @@ impl<A: Adapters> Migrations<A> {
                 };
                 matches!(answer, Some(ToSource::Committed { .. }))
             }
-            Ok(false) => match commit::<tunnel::ClientStream>(None, &uid, &peer).await {
-                Ok(_) => true,
-                Err(e) => return warn!(migration = %uid, "the target did not confirm: {e}"),
-            },
+            Ok(false) => {
+                match commit::<tunnel::ClientStream>(None, &uid, &mark.vmi_uid, &peer).await {
+                    Ok(_) => true,
+                    Err(Unconfirmed::NotHere(r)) => {
+                        info!(migration = %uid, "the VM ended before it arrived: {r}");
+                        false
+                    }
+                    Err(Unconfirmed::Silent(e)) => {
+                        return warn!(migration = %uid, "the target did not confirm: {e}")
+                    }
+                }
+            }
             Err(e) => return warn!(migration = %uid, "recovering: {e}"),
         };
         if left {
-            info!(migration = %uid, "a migration the last kvirtd began ended at the target");
+            info!(migration = %uid, "a migration left unfinished ended at the target");
             if let Some(dir) = &self.setup.manifests {
                 match manifest::file_of_vmi(dir, &key, &mark.vmi_uid) {
                     Ok(file) => self.let_go(id, &file),
@@ -402,7 +471,7 @@ impl<A: Adapters> Migrations<A> {
                 }
             }
         } else {
-            info!(migration = %uid, "a migration the last kvirtd began did not end: the VM stays");
+            info!(migration = %uid, "a migration left unfinished did not end: the VM stays");
             if let Err(e) = self.ctl.clear_mark(id) {
                 warn!("{e}");
             }
@@ -420,30 +489,44 @@ async fn dial_control(peer: &Peer, uid: &str) -> Result<tunnel::ClientStream, St
 
 /// Tells the target it owns the VM now: on `control` if given, then on
 /// new connections (the answer lost, or the source restarted), until it
-/// confirms or [`ANSWER`] passes. Confirmed: the guest's pause, if known.
+/// confirms, says the VM is not there, or [`ANSWER`] passes. Confirmed:
+/// the guest's pause, if known.
 async fn commit<S: AsyncRead + AsyncWrite + Unpin>(
     control: Option<&mut S>,
     uid: &str,
+    vmi_uid: &str,
     peer: &Peer,
-) -> Result<Option<Duration>, String> {
-    let paused = |ms: Option<u64>| ms.map(Duration::from_millis);
+) -> Result<Option<Duration>, Unconfirmed> {
+    let message = ToTarget::Commit {
+        vmi_uid: vmi_uid.into(),
+    };
+    let decided = |answer: &Result<ToSource, String>| match answer {
+        Ok(ToSource::Committed { downtime_ms }) => Some(Ok(downtime_ms.map(Duration::from_millis))),
+        Ok(ToSource::NotHere { reason }) => Some(Err(Unconfirmed::NotHere(reason.clone()))),
+        _ => None,
+    };
     if let Some(c) = control {
-        if let Ok(ToSource::Committed { downtime_ms }) = ask(c, &ToTarget::Commit, ANSWER).await {
-            return Ok(paused(downtime_ms));
+        if let Some(d) = decided(&ask(c, &message, ANSWER).await) {
+            return d;
         }
     }
     let deadline = Instant::now() + ANSWER;
     loop {
         let last = match dial_control(peer, uid).await {
-            Ok(mut c) => match ask(&mut c, &ToTarget::Commit, ANSWER).await {
-                Ok(ToSource::Committed { downtime_ms }) => return Ok(paused(downtime_ms)),
-                Ok(other) => format!("the target answered {other:?}"),
-                Err(e) => e,
-            },
+            Ok(mut c) => {
+                let answer = ask(&mut c, &message, ANSWER).await;
+                if let Some(d) = decided(&answer) {
+                    return d;
+                }
+                match answer {
+                    Ok(other) => format!("the target answered {other:?}"),
+                    Err(e) => e,
+                }
+            }
             Err(e) => e,
         };
         if Instant::now() > deadline {
-            return Err(last);
+            return Err(Unconfirmed::Silent(last));
         }
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
@@ -468,6 +551,14 @@ fn refused(uid: &str, reason: String) -> ToSource {
 struct Failed {
     reason: String,
     left: bool,
+}
+
+/// A commit the target did not confirm.
+enum Unconfirmed {
+    /// The target answered that the VM does not run there.
+    NotHere(String),
+    /// No answer, or another one: the target may run the VM.
+    Silent(String),
 }
 
 async fn ask<S: AsyncRead + AsyncWrite + Unpin>(
@@ -509,7 +600,7 @@ impl<A: Adapters> Migrations<A> {
                     source_node,
                     bases,
                 } => self.prepare(&uid, *vmi, &source_node, &bases).await,
-                ToTarget::Commit => self.take_on(&uid).await,
+                ToTarget::Commit { vmi_uid } => self.take_on(&uid, &vmi_uid).await,
                 ToTarget::Abort { reason } => self.call_off(&uid, &reason).await,
             };
             if tunnel::write_message(&mut stream, &answer).await.is_err() {
@@ -637,21 +728,25 @@ impl<A: Adapters> Migrations<A> {
 
     /// The source says the VM runs here now: its manifest is written (so
     /// this host lists it as its own), then its mark goes.
-    async fn take_on(&self, uid: &str) -> ToSource {
-        let committed = |s: &Self| {
-            s.committed
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .contains(uid)
-        };
+    async fn take_on(&self, uid: &str, vmi_uid: &str) -> ToSource {
+        let committed = |s: &Self| lock(&s.committed).contains(uid);
         let Some((id, mark)) = self.arrival(uid) else {
-            if committed(self) {
+            if committed(self) || self.runs_here(vmi_uid).await {
                 return ToSource::Committed { downtime_ms: None };
             }
-            return ToSource::Refused {
-                reason: format!("no migration {uid} arriving here"),
+            return ToSource::NotHere {
+                reason: format!("no migration {uid} arriving here, nor the VM running"),
             };
         };
+        // libvirt resumes the guest here only at the switch-over: a domain
+        // not running (or gone) means the source's ended before it.
+        if self.arrival_state(uid).await != Some(DomainState::Running) {
+            let reason = "the VM's domain does not run here";
+            self.drop_arrival(uid, reason);
+            return ToSource::NotHere {
+                reason: reason.into(),
+            };
+        }
         let (Some(vmi), Some(dir)) = (&mark.vmi, &self.setup.manifests) else {
             return ToSource::Refused {
                 reason: "the arrival's mark holds no VMI".into(),
@@ -678,12 +773,26 @@ impl<A: Adapters> Migrations<A> {
             warn!("{e}");
         }
         self.routes.remove(uid);
-        self.committed
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(uid.into());
+        lock(&self.committed).insert(uid.into());
         self.wake(&id);
         ToSource::Committed { downtime_ms }
+    }
+
+    /// Whether the VMI of `vmi_uid` is this host's and runs here, with no
+    /// migration of it under way: a commit repeated after this kvirtd
+    /// restarted (its `committed` gone with it) finds the VM it took on.
+    async fn runs_here(&self, vmi_uid: &str) -> bool {
+        if vmi_uid.is_empty() {
+            return false;
+        }
+        let Some(key) = self.ctl.vmi_key_of_uid(vmi_uid) else {
+            return false;
+        };
+        if !matches!(self.ctl.mark(&key.id()), Ok(None)) {
+            return false;
+        }
+        let state = self.ctl.domain_state(&self.ctl.domain_of(&key)).await;
+        matches!(state, Ok(Some(DomainState::Running)))
     }
 
     /// The source asks to abort: granted unless the VM runs here already
@@ -691,7 +800,7 @@ impl<A: Adapters> Migrations<A> {
     /// then it is this host's, and the answer says so.
     async fn call_off(&self, uid: &str, reason: &str) -> ToSource {
         if self.arrival_state(uid).await == Some(DomainState::Running) {
-            return self.take_on(uid).await;
+            return self.take_on(uid, "").await;
         }
         self.drop_arrival(uid, reason);
         ToSource::Refused {
@@ -725,7 +834,7 @@ impl<A: Adapters> Migrations<A> {
             match self.arrival_state(&uid).await {
                 Some(DomainState::Running) => {
                     info!(migration = %uid, "the source went silent, and the VM runs here: it arrived");
-                    self.take_on(&uid).await;
+                    self.take_on(&uid, "").await;
                     return;
                 }
                 None if Instant::now() > grace => {

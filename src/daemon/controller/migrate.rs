@@ -4,17 +4,18 @@
 //! `daemon::migration`'s; the loop's passes do everything else (an
 //! arrival's unit, namespace, network and daemon; a departure's teardown).
 
-use super::{Adapters, Controller};
-use crate::core::key::VmKey;
+use super::{Adapters, Controller, ControllerError};
+use crate::core::key::{self, VmKey};
 use crate::core::layout::VmPaths;
 use crate::core::migration::{self, Mark};
-use crate::core::plan::DomainState;
+use crate::core::plan::{DomainState, UnitActivity};
 use crate::core::vmi::{VirtualMachineInstance, VmiSpec};
 use crate::host::beneath::Beneath;
 use crate::host::libvirt::{DomainRef, Hypervisor, LibvirtError};
 use crate::host::marks::{MarkError, MigrationMarks};
 use crate::host::migrate::{LiveMigration, MigrateTo};
 use crate::host::storage::Owner;
+use crate::host::systemd::Units;
 use nix::fcntl::OFlag;
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -180,6 +181,14 @@ impl<A: Adapters> Controller<A> {
         }
     }
 
+    /// The key of the VMI of `uid` this host holds, if it holds one.
+    pub fn vmi_key_of_uid(&self, uid: &str) -> Option<VmKey> {
+        self.vmis()
+            .values()
+            .find(|v| v.uid() == Some(uid))
+            .and_then(|v| v.key().ok())
+    }
+
     /// The VMI of `id` the loop holds, with the status it reported.
     pub fn view_vmi(&self, id: &str) -> Option<VirtualMachineInstance> {
         self.vmis().get(id).cloned()
@@ -195,9 +204,27 @@ impl<A: Adapters> Controller<A> {
         self.paths(id).libvirt_socket(self.settings.daemon)
     }
 
-    /// Whether the domain is still defined in the VM's daemon here.
-    pub async fn domain_here(&self, dom: &DomainRef) -> Result<bool, LibvirtError> {
-        Ok(self.domain_state(dom).await?.is_some())
+    /// Whether the domain is still defined in the VM's daemon here. The
+    /// domain lives only in its unit's daemon: with the unit gone or
+    /// stopped (the source's teardown after the switch-over, before a
+    /// restart), it is not here, and there is no daemon to ask.
+    pub async fn domain_here(&self, dom: &DomainRef) -> Result<bool, ControllerError> {
+        let unit = key::unit_name_of(&dom.id);
+        let running = match self.deps.units.get(&unit).await {
+            Ok(Some(u)) => matches!(u.activity, UnitActivity::Active | UnitActivity::Activating),
+            Ok(None) => false,
+            Err(source) => {
+                let id = dom.id.clone();
+                return Err(ControllerError::Systemd { id, source });
+            }
+        };
+        if !running {
+            return Ok(false);
+        }
+        let state = self.domain_state(dom).await;
+        Ok(state
+            .map_err(|source| ControllerError::Libvirt { source })?
+            .is_some())
     }
 
     /// The domain's state in the VM's daemon here; `None`: not there.

@@ -6,7 +6,7 @@ use super::{Adapters, Controller, ControllerError};
 use crate::core::convert::{Backing, Converted, DiskPrep};
 use crate::core::identity;
 use crate::core::key::{self, VmKey};
-use crate::core::plan::{self, DomainState, Observed, Step};
+use crate::core::plan::{self, DomainState, Migrating, Observed, Step};
 use crate::core::unit::{self, UnitInput};
 use crate::core::vmi::VirtualMachineInstance;
 use crate::host::bridging::{Attached, VmMeta};
@@ -430,7 +430,25 @@ impl<A: Adapters> Controller<A> {
             );
         }
         let deadline = self.grace_deadline(c.id, grace);
-        self.shutdown(&self.step_domain(c), deadline).await
+        let dom = self.step_domain(c);
+        self.call_off_departure(c.id, &dom).await;
+        self.shutdown(&dom, deadline).await
+    }
+
+    /// A VM stopped while it leaves (its VMI deleted midway): its
+    /// migration job is aborted first, as its daemon would not shut the
+    /// guest down under it; the send then finds the VM here and tells the
+    /// target to let go.
+    async fn call_off_departure(&self, id: &str, dom: &DomainRef) {
+        let leaving = matches!(self.mark(id), Ok(Some(m)) if m.role == Migrating::Outgoing);
+        if !leaving {
+            return;
+        }
+        info!("the VM is stopped while it leaves: its migration is aborted first");
+        if let Err(e) = self.abort_job(dom).await {
+            warn!("aborting the migration: {e}");
+        }
+        self.until_no_job(dom, Duration::from_secs(30)).await;
     }
 
     /// ACPI power button, re-sent, until the guest is off or the grace
