@@ -122,11 +122,16 @@ fn counts(h: &Host, vm: &str) -> Vec<u64> {
 
 /// A masquerade VM whose disk is on the shared storage, running on `h`.
 fn shared_vm(h: &Host, vm: &str) {
+    shared_vm_with(h, vm, "");
+}
+
+/// [`shared_vm`] with `spec_extra` lines in its spec.
+fn shared_vm_with(h: &Host, vm: &str, spec_extra: &str) {
     h.ok(&format!("cp /srv/guest/run.raw /srv/shared/{vm}.raw"));
     let manifest = vmi_manifest(
         vm,
         "",
-        "  networks: [{name: default, pod: {}}]\n",
+        &format!("  networks: [{{name: default, pod: {{}}}}]\n{spec_extra}"),
         "      interfaces: [{name: default, masquerade: {}, ports: [{port: 8080}]}]\n",
     )
     .replace(
@@ -153,8 +158,24 @@ fn move_and_check(from: &Host, to: &Host, vm: &str, addr: &str, node: &str) {
         "{out}"
     );
     to.wait_phase(vm, "Running", BOOT);
+    to.wait_until("the VMI's migrationState completed", BOOT, || {
+        to.try_status(vm)
+            .is_ok_and(|s| s["status"]["migrationState"]["completed"] == true)
+    });
     let st = to.status(vm);
     assert_eq!(st["status"]["nodeName"], node, "{st}");
+    let ms = &st["status"]["migrationState"];
+    assert!(
+        ms["targetNode"] == node
+            && ms["sourceNode"]
+                .as_str()
+                .is_some_and(|s| s != node && !s.is_empty())
+            && ms["failed"] == false
+            && ms["mode"] == "PreCopy"
+            && ms["migrationUid"].as_str().is_some_and(|u| !u.is_empty())
+            && ms["startTimestamp"].as_str() <= ms["endTimestamp"].as_str(),
+        "{ms}"
+    );
     to.ok(&format!(
         "grep -q '\"uid\"' /etc/kvirt/vmis.d/default_{vm}.json"
     ));
@@ -402,6 +423,70 @@ fn a_vm_deleted_while_it_migrates_stops_on_both_hosts() {
     a.ok("rm -f /srv/shared/deleted.raw");
 }
 
+/// `kvirtctl drain` of a host with three VMs: the two whose
+/// evictionStrategy lets them migrate (`LiveMigrate`,
+/// `LiveMigrateIfPossible`) move to the other host live, the
+/// VirtualMachine whose strategy is `None` is stopped; the host ends empty and cordoned (across a restart): a
+/// migration to it is refused until `kvirtctl uncordon`.
+#[test]
+fn kvirtctl_drain_moves_what_may_migrate_and_stops_the_rest() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = a.turn();
+    shared_vm_with(&a, "dr-live", "  evictionStrategy: LiveMigrate\n");
+    shared_vm_with(
+        &a,
+        "dr-maybe",
+        "  evictionStrategy: LiveMigrateIfPossible\n",
+    );
+    a.put_manifest(
+        "dr-vm",
+        "run",
+        &support::vm_manifest("dr-vm", "Always", "  evictionStrategy: None\n"),
+    );
+    for vm in ["dr-live", "dr-maybe", "dr-vm"] {
+        a.wait_phase(vm, "Running", BOOT);
+    }
+    for vm in ["dr-live", "dr-maybe"] {
+        a.wait_until("the guest counting", BOOT, || counts(&a, vm).len() >= 2);
+    }
+    let out = a.ok("kvirtctl drain --to 10.251.0.2:8444");
+    assert!(
+        out.matches(" moved to 10.251.0.2:8444").count() == 2
+            && out.contains("VirtualMachine default/dr-vm stopped")
+            && out.contains("drained: no VM runs here"),
+        "{out}"
+    );
+    for vm in ["dr-live", "dr-maybe"] {
+        b.wait_phase(vm, "Running", BOOT);
+        a.wait_gone(vm);
+    }
+    a.wait_gone("dr-vm");
+    a.ok("test -f /etc/kvirt/vmis.d/dr-vm.yaml && test -f /var/lib/kvirt/cordoned");
+    // Cordoned, across a restart: nothing arrives.
+    kill_kvirtd(&a);
+    let refused = b.sh("kvirtctl migrate default/dr-live --to 10.251.0.1:8444");
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && err.contains("cordoned"),
+        "{err}"
+    );
+    b.ok(&format!(
+        "systemctl -q is-active kvirt-vm@default_dr-live && {NO_MARKS}"
+    ));
+    a.ok(&format!(
+        "{NO_MARKS} && ! systemctl -q is-active kvirt-vm@default_dr-live"
+    ));
+    assert!(a.ok("kvirtctl uncordon").contains("uncordoned"));
+    a.ok("test ! -e /var/lib/kvirt/cordoned");
+    move_and_check(&b, &a, "dr-live", "10.251.0.1:8444", "kvirt-mig-a");
+    a.ok("rm /etc/kvirt/vmis.d/default_dr-live.json");
+    a.wait_gone("dr-live");
+    b.ok("rm /etc/kvirt/vmis.d/default_dr-maybe.json");
+    b.wait_gone("dr-maybe");
+    a.remove_vm_and_wait_gone("dr-vm");
+    a.ok("rm -f /srv/shared/dr-live.raw /srv/shared/dr-maybe.raw");
+}
+
 /// Starts `kvirtctl migrate` of `vm` from `from` to `addr` throttled to
 /// 1 MiB/s, in a unit of its own (it outlives this call), and waits until
 /// the guest's memory is on its way: the target's QEMU listens for it.
@@ -502,6 +587,12 @@ fn the_target_kvirtd_killed_midway_leaves_the_guest_at_the_source() {
     );
     runs_exactly_once(&a, &b, "dst-killed");
     a.ok("test -f /etc/kvirt/vmis.d/dst-killed.yaml");
+    a.wait_until("the VMI's migrationState failed", BOOT, || {
+        a.try_status("dst-killed").is_ok_and(|s| {
+            let ms = &s["status"]["migrationState"];
+            ms["failed"] == true && ms["completed"] == false && ms["failureReason"].is_string()
+        })
+    });
     a.remove_vm_and_wait_gone("dst-killed");
     a.ok("rm -f /srv/shared/dst-killed.raw");
 }

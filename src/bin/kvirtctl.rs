@@ -109,6 +109,21 @@ enum Command {
         #[arg(long)]
         bandwidth: Option<u64>,
     },
+    /// Empty this host for maintenance: cordon it (no VM arrives), then
+    /// live-migrate each VMI whose evictionStrategy is LiveMigrate or
+    /// LiveMigrateIfPossible to the kvirtd at --to, stop the
+    /// VirtualMachines of the others as their strategy says, and name what
+    /// stays. Fails unless the host ends empty.
+    Drain {
+        /// The target kvirtd's migration port, ADDRESS:PORT
+        #[arg(long)]
+        to: String,
+        /// The most each migration may use, in MiB/s
+        #[arg(long)]
+        bandwidth: Option<u64>,
+    },
+    /// Lift `drain`'s cordon: VMs may arrive here again.
+    Uncordon,
     /// Attach to a VM's serial console (detach with Ctrl-]).
     Console {
         /// NAMESPACE/NAME
@@ -202,6 +217,22 @@ fn main() -> Result<()> {
                 to: Some(to),
                 bandwidth,
                 ..asks("migrate", vm)
+            },
+        ),
+        Command::Drain { to, bandwidth } => control(
+            &config()?.layout(),
+            &Request {
+                action: "drain".into(),
+                to: Some(to),
+                bandwidth,
+                ..Default::default()
+            },
+        ),
+        Command::Uncordon => control(
+            &config()?.layout(),
+            &Request {
+                action: "uncordon".into(),
+                ..Default::default()
             },
         ),
         Command::Domxml {

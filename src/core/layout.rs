@@ -147,6 +147,12 @@ impl HostLayout {
         self.runtime_dir.join("migrations")
     }
 
+    /// Present while the host is cordoned (`kvirtctl drain`, until
+    /// `kvirtctl uncordon`): kept across restarts and reboots.
+    pub fn cordon_file(&self) -> PathBuf {
+        self.state_dir.join("cordoned")
+    }
+
     /// Which address each VM has.
     pub fn leases_file(&self) -> PathBuf {
         self.state_dir.join("network").join("leases.json")

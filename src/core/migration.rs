@@ -188,6 +188,37 @@ pub enum ToSource {
     },
 }
 
+/// The status key [`MigrationState`] lives under.
+pub const STATE_FIELD: &str = "migrationState";
+
+impl MigrationState {
+    pub fn started(uid: &str, source_node: &str, now: &str) -> Self {
+        MigrationState {
+            migration_uid: uid.into(),
+            source_node: source_node.into(),
+            start_timestamp: Some(now.into()),
+            mode: Some("PreCopy".into()),
+            ..Default::default()
+        }
+    }
+
+    /// Ended: `Ok` the VM runs at the target, `Err` why it stayed.
+    pub fn ended(mut self, now: &str, result: Result<(), &str>) -> Self {
+        self.end_timestamp = Some(now.into());
+        match result {
+            Ok(()) => self.completed = true,
+            Err(reason) => {
+                self.failed = true;
+                self.failure_reason = Some(reason.chars().take(FIELD_MAX).collect());
+            }
+        }
+        self
+    }
+}
+
+/// Bound on a reason kept in a status field.
+const FIELD_MAX: usize = 1024;
+
 /// A migration this host takes part in, kept (atomically, root's alone)
 /// from before it starts until it ends: a kvirtd restarted meanwhile must
 /// know a VM is leaving (never start it here again: the source daemon
@@ -748,6 +779,23 @@ mod tests {
         let s = SharedStorage::new(&roots, &claims);
         assert_eq!(s.claims, ["nfs".to_string(), "san".to_string()].into());
         assert_eq!(s.roots, [PathBuf::from("/srv/shared")]);
+    }
+
+    #[test]
+    fn the_migration_state_has_kubevirts_field_names_and_ends_one_way() {
+        let s = MigrationState::started("m1", "a", "2026-12-05T10:00:00Z");
+        let mut at_b = s.clone();
+        at_b.target_node = "b".into();
+        let done = serde_json::to_value(at_b.ended("2026-12-05T10:00:02Z", Ok(()))).unwrap();
+        assert_eq!(
+            done,
+            serde_json::json!({"migrationUid": "m1", "sourceNode": "a", "targetNode": "b",
+                "startTimestamp": "2026-12-05T10:00:00Z", "endTimestamp": "2026-12-05T10:00:02Z",
+                "completed": true, "failed": false, "abortRequested": false, "mode": "PreCopy"})
+        );
+        let failed = s.ended("2026-12-05T10:00:09Z", Err(&"x".repeat(5000)));
+        assert!(failed.failed && !failed.completed);
+        assert_eq!(failed.failure_reason.unwrap().len(), FIELD_MAX);
     }
 
     #[test]

@@ -15,6 +15,7 @@ pub mod cpuset;
 pub mod defaults;
 pub mod dhcp;
 pub mod dhcp6;
+pub mod drain;
 pub mod efivars;
 pub mod guestinfo;
 pub mod identity;

@@ -3,6 +3,7 @@
 
 use crate::core::convert::{Claims, HostDiskRoots, Limits};
 use crate::core::cpuset::CpuSet;
+use crate::core::drain::Strategy;
 use crate::core::identity::IdRange;
 use crate::core::image::ImageLimits;
 use crate::core::quantity::parse_bytes;
@@ -61,6 +62,10 @@ pub struct MigrationConfig {
     /// The longest a migration may run before it is aborted (the VM stays
     /// on the source): KubeVirt's `completionTimeoutPerGiB` for an 8 GiB VM.
     pub timeout_seconds: u64,
+    /// What `kvirtctl drain` does with a VMI that names no
+    /// `evictionStrategy` (KubeVirt's cluster-wide default): `None`,
+    /// `LiveMigrate`, `LiveMigrateIfPossible` or `External`.
+    pub eviction_strategy: Strategy,
 }
 
 impl Default for MigrationConfig {
@@ -68,6 +73,7 @@ impl Default for MigrationConfig {
         Self {
             listen: String::new(),
             timeout_seconds: 1200,
+            eviction_strategy: Strategy::None,
         }
     }
 }
@@ -838,6 +844,23 @@ fn merge(base: &mut toml::Table, over: toml::Table) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_drains_default_strategy_is_one_of_kubevirts() {
+        let c = Config::parse("", Path::new("x")).unwrap();
+        assert_eq!(c.migration.eviction_strategy, Strategy::None);
+        let text = "[migration]\neviction_strategy = \"LiveMigrateIfPossible\"";
+        let c = Config::parse(text, Path::new("x")).unwrap();
+        assert_eq!(
+            c.migration.eviction_strategy,
+            Strategy::LiveMigrateIfPossible
+        );
+        let bad = Config::parse(
+            "[migration]\neviction_strategy = \"Migrate\"",
+            Path::new("x"),
+        );
+        assert!(bad.unwrap_err().to_string().contains("Migrate"));
+    }
 
     #[test]
     fn empty_file_is_all_defaults() {

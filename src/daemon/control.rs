@@ -1,6 +1,7 @@
 //! kvirtd's control socket: `kvirtctl start|stop|restart` of standalone
 //! VirtualMachines, `pause|unpause|soft-reboot` of running VMIs, `migrate`
-//! of a standalone VMI to another kvirtd. One JSON request line, one JSON
+//! of a standalone VMI to another kvirtd, `drain` and `uncordon` of the
+//! host. One JSON request line, one JSON
 //! answer line. Only root,
 //! or the members of a configured group, may connect: the socket's mode
 //! says so and each peer's credentials are checked again.
@@ -8,6 +9,7 @@
 use crate::core::key::VmKey;
 use crate::core::vm::Verb;
 use crate::daemon::controller::{VmiAction, VmiView};
+use crate::daemon::drain;
 use crate::daemon::migration::Migrate;
 use crate::daemon::vms::Input;
 use serde::{Deserialize, Serialize};
@@ -32,9 +34,11 @@ pub const MIGRATE_DEADLINE: Duration = Duration::from_secs(3600);
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct Request {
     /// `start`, `stop`, `restart` (a VirtualMachine), `pause`, `unpause`
-    /// or `soft-reboot` (its VMI, or a VMI).
+    /// or `soft-reboot` (its VMI, or a VMI), `migrate` (a VMI); `drain`
+    /// or `uncordon` (the host).
     pub action: String,
-    /// NAMESPACE/NAME
+    /// NAMESPACE/NAME; empty for the host's actions.
+    #[serde(default)]
     pub vm: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grace: Option<u64>,
@@ -192,9 +196,19 @@ async fn one(stream: UnixStream, group: Option<u32>, ctx: Ctx) {
 }
 
 async fn answer(line: &str, ctx: &Ctx) -> Answer {
-    let parsed = serde_json::from_str::<Request>(line.trim())
-        .map_err(|e| format!("bad request: {e}"))
-        .and_then(|r| r.parse());
+    let request = match serde_json::from_str::<Request>(line.trim()) {
+        Ok(r) => r,
+        Err(e) => {
+            return Answer {
+                ok: false,
+                message: format!("bad request: {e}"),
+            }
+        }
+    };
+    if let Some(a) = host_answer(&request, ctx).await {
+        return a;
+    }
+    let parsed = request.parse();
     let done = |r: Result<String, String>| match r {
         Ok(message) => Answer { ok: true, message },
         Err(message) => Answer { ok: false, message },
@@ -208,11 +222,7 @@ async fn answer(line: &str, ctx: &Ctx) -> Answer {
         Ok((key, Command::Migrate { to, bandwidth })) => {
             return done(match &ctx.migrate {
                 Some(m) => m.migrate(key, to, bandwidth).await,
-                None => Err(
-                    "this kvirtd migrates no VMs: standalone kvirtds with kvirt's \
-                             identity ([api] cert, key, ca) do; in a cluster, not yet"
-                        .into(),
-                ),
+                None => Err(NO_MIGRATIONS.into()),
             })
         }
         Err(message) => return Answer { ok: false, message },
@@ -248,6 +258,44 @@ async fn answer(line: &str, ctx: &Ctx) -> Answer {
     }
 }
 
+/// `drain` and `uncordon`, of the host rather than a VM; `None`: not one.
+async fn host_answer(r: &Request, ctx: &Ctx) -> Option<Answer> {
+    if !matches!(r.action.as_str(), "drain" | "uncordon") {
+        return None;
+    }
+    let Some(m) = &ctx.migrate else {
+        return Some(Answer {
+            ok: false,
+            message: NO_MIGRATIONS.into(),
+        });
+    };
+    let result = if r.action == "uncordon" {
+        m.cordon(false).map(|()| Answer {
+            ok: true,
+            message: "uncordoned: this host takes VMs arriving again".into(),
+        })
+    } else {
+        async {
+            let to =
+                r.to.as_deref()
+                    .ok_or("drain: --to ADDRESS:PORT is missing")?;
+            let to = to
+                .parse()
+                .map_err(|e| format!("--to {to:?}: not ADDRESS:PORT: {e}"))?;
+            let d = drain::drain(m.as_ref(), &ctx.to, to, r.bandwidth).await?;
+            Ok(Answer {
+                ok: d.empty,
+                message: d.lines.join("\n"),
+            })
+        }
+        .await
+    };
+    Some(result.unwrap_or_else(|message: String| Answer { ok: false, message }))
+}
+
+const NO_MIGRATIONS: &str = "this kvirtd migrates no VMs: standalone kvirtds with kvirt's \
+                             identity ([api] cert, key, ca) do; in a cluster, not yet";
+
 /// Whether process `pid` has `gid` among its supplementary groups.
 fn in_group(pid: Option<i32>, gid: u32) -> bool {
     let Some(pid) = pid else { return false };
@@ -264,7 +312,7 @@ fn in_group(pid: Option<i32>, gid: u32) -> bool {
 pub fn call(path: &Path, req: &Request) -> std::io::Result<Answer> {
     use std::io::{BufRead, Write};
     let mut s = std::os::unix::net::UnixStream::connect(path)?;
-    let wait = if req.action == "migrate" {
+    let wait = if matches!(req.action.as_str(), "migrate" | "drain") {
         MIGRATE_DEADLINE
     } else {
         DEADLINE

@@ -12,13 +12,14 @@
 //! it left, so commit; still here: abort), and neither host ever starts
 //! the VM a second time.
 
+use crate::core::drain::{self, Strategy};
 use crate::core::key::VmKey;
-use crate::core::migration::{self, Mark, ToSource, ToTarget};
+use crate::core::migration::{self, Mark, MigrationState, ToSource, ToTarget};
 use crate::core::plan::{DomainState, Migrating};
 use crate::core::trigger::Trigger;
 use crate::core::vmi::{VirtualMachineInstance, VmiStatus};
 use crate::daemon::api::tls::{Identity, TlsError, SERVICE_NAME};
-use crate::daemon::controller::{Adapters, Controller, Leaving};
+use crate::daemon::controller::{now_rfc3339, Adapters, Controller, Leaving};
 use crate::host::beneath::Beneath;
 use crate::host::migrate::MigrateTo;
 use crate::host::tunnel::{self, Channel, ControlConn, Forward, Peer, Route, Routes};
@@ -76,6 +77,10 @@ pub struct Setup {
     pub manifests: Option<PathBuf>,
     /// The longest a migration may run before it is aborted.
     pub timeout: Duration,
+    /// Present while the host is cordoned: it takes no VM arriving.
+    pub cordon_file: PathBuf,
+    /// A drain's strategy for a VMI that names none.
+    pub eviction_strategy: Strategy,
 }
 
 /// What kvirtctl's `migrate` asks of kvirtd.
@@ -88,6 +93,13 @@ pub trait Migrate: Send + Sync + 'static {
         to: SocketAddr,
         bandwidth: Option<u64>,
     ) -> BoxFuture<'_, Result<String, String>>;
+    /// Cordons the host (`true`: it takes no VM arriving, kept across
+    /// restarts) or lifts it.
+    fn cordon(&self, on: bool) -> Result<(), String>;
+    /// What a drain does with each VM that runs here now.
+    fn drain_plan(&self) -> Vec<(VmKey, drain::Action)>;
+    /// The VMs not ended here.
+    fn still_here(&self) -> Vec<VmKey>;
 }
 
 /// Migrations, both ways, of one kvirtd.
@@ -184,6 +196,61 @@ impl<A: Adapters> Migrate for Migrations<A> {
         let span = crate::host::journal::vm_span(&key.id(), Some(&key));
         Box::pin(async move { self.send(&key, to, bandwidth).await }.instrument(span))
     }
+
+    fn cordon(&self, on: bool) -> Result<(), String> {
+        let file = &self.setup.cordon_file;
+        let r = if on {
+            let tmp = file.with_extension("tmp");
+            std::fs::write(&tmp, format!("{}\n", now_rfc3339()))
+                .and_then(|()| std::fs::rename(&tmp, file))
+        } else {
+            match std::fs::remove_file(file) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                r => r,
+            }
+        };
+        r.map_err(|e| format!("{}: {e}", file.display()))?;
+        info!(
+            cordoned = on,
+            "{}",
+            if on { "cordoned" } else { "uncordoned" }
+        );
+        Ok(())
+    }
+
+    fn drain_plan(&self) -> Vec<(VmKey, drain::Action)> {
+        let default = self.setup.eviction_strategy;
+        self.ctl
+            .live_vmis()
+            .iter()
+            .filter_map(|vmi| {
+                let key = vmi.key().ok()?;
+                let vm = owning_vm(vmi);
+                let c = drain::Candidate {
+                    strategy: Strategy::of(vmi, default),
+                    may_leave: migration::may_leave(vmi),
+                    vm: vm.as_ref(),
+                };
+                Some((key, drain::decide(&c)))
+            })
+            .collect()
+    }
+
+    fn still_here(&self) -> Vec<VmKey> {
+        let vmis = self.ctl.live_vmis();
+        vmis.iter().filter_map(|v| v.key().ok()).collect()
+    }
+}
+
+/// The VirtualMachine that owns `vmi`, if one does.
+fn owning_vm(vmi: &VirtualMachineInstance) -> Option<VmKey> {
+    let owner = vmi
+        .metadata
+        .owner_references
+        .as_ref()?
+        .iter()
+        .find(|o| o.kind == "VirtualMachine")?;
+    VmKey::new(vmi.key().ok()?.namespace(), &owner.name).ok()
 }
 
 // ---- the source ----
@@ -224,6 +291,9 @@ impl<A: Adapters> Migrations<A> {
             .claim_mark(&id, &mark)
             .map_err(|e| format!("{key} stays here: {e}"))?;
         info!(migration = %uid, %to, "migrating");
+        let mut state = MigrationState::started(&uid, self.ctl.node_name(), &now_rfc3339());
+        state.target_node_address = to.to_string();
+        self.ctl.set_migration_state(&id, &state);
         match self
             .send_marked(&leaving, &uid, self.peer(to), bandwidth)
             .await
@@ -252,6 +322,8 @@ impl<A: Adapters> Migrations<A> {
                         "{key} left for {to}, but the target did not confirm: {reason}"
                     ));
                 }
+                let failed = state.ended(&now_rfc3339(), Err(&reason));
+                self.ctl.set_migration_state(&id, &failed);
                 if let Err(e) = self.ctl.clear_mark(&id) {
                     warn!("{e}");
                 }
@@ -627,6 +699,9 @@ impl<A: Adapters> Migrations<A> {
         if self.setup.manifests.is_none() {
             return refuse("this host's VMIs come from a cluster".into());
         }
+        if self.setup.cordon_file.exists() {
+            return refuse("this host is cordoned (kvirtctl uncordon lifts it)".into());
+        }
         let key = match self.ctl.may_arrive(&vmi) {
             Ok(k) => k,
             Err(e) => return refuse(e),
@@ -664,6 +739,9 @@ impl<A: Adapters> Migrations<A> {
         info!(migration = %uid, from = source, "preparing for an arriving VM");
         let spec = vmi.spec.clone();
         self.ctl.arrive(&key, vmi);
+        let mut state = MigrationState::started(uid, source, &now_rfc3339());
+        state.target_node = self.ctl.node_name().into();
+        self.ctl.set_migration_state(&id, &state);
         self.wake(&id);
         let ready = self.until_daemon_listens(&id).await.and_then(|route| {
             // The overlays are made (before the unit): over the same bases?
@@ -767,6 +845,10 @@ impl<A: Adapters> Migrations<A> {
                 warn!("{e}");
                 return ToSource::Refused { reason: e };
             }
+        }
+        if let Some(state) = self.ctl.migration_state(&id) {
+            self.ctl
+                .set_migration_state(&id, &state.ended(&now_rfc3339(), Ok(())));
         }
         if let Err(e) = self.ctl.clear_mark(&id) {
             // Its manifest holds it; the mark left only waits for a restart.

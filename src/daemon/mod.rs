@@ -7,6 +7,7 @@ pub mod api;
 pub mod config;
 pub mod control;
 pub mod controller;
+pub mod drain;
 pub mod fake;
 pub mod man;
 pub mod metrics;

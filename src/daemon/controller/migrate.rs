@@ -7,7 +7,7 @@
 use super::{Adapters, Controller, ControllerError};
 use crate::core::key::{self, VmKey};
 use crate::core::layout::VmPaths;
-use crate::core::migration::{self, Mark};
+use crate::core::migration::{self, Mark, MigrationState};
 use crate::core::plan::{DomainState, UnitActivity};
 use crate::core::vmi::{VirtualMachineInstance, VmiSpec};
 use crate::host::beneath::Beneath;
@@ -94,6 +94,33 @@ impl<A: Adapters> Controller<A> {
             }
         }
         Ok(bases)
+    }
+
+    /// The VMI's `status.migrationState`, if it has one.
+    pub fn migration_state(&self, id: &str) -> Option<MigrationState> {
+        let v = self
+            .vmis()
+            .get(id)?
+            .status
+            .extra
+            .get(migration::STATE_FIELD)?
+            .clone();
+        serde_json::from_value(v).ok()
+    }
+
+    /// Sets the VMI's `status.migrationState`; its next pass writes it out.
+    pub fn set_migration_state(&self, id: &str, state: &MigrationState) {
+        let Ok(value) = serde_json::to_value(state) else {
+            return;
+        };
+        match self.vmis().get_mut(id) {
+            Some(vmi) => vmi
+                .status
+                .extra
+                .insert(migration::STATE_FIELD.into(), value),
+            None => return,
+        };
+        self.unsaved().insert(id.into());
     }
 
     /// Whether this host could run `vmi` as a migration's target: a VMI
@@ -192,6 +219,18 @@ impl<A: Adapters> Controller<A> {
     /// The VMI of `id` the loop holds, with the status it reported.
     pub fn view_vmi(&self, id: &str) -> Option<VirtualMachineInstance> {
         self.vmis().get(id).cloned()
+    }
+
+    /// Every VMI the loop holds whose VM has not ended.
+    pub fn live_vmis(&self) -> Vec<VirtualMachineInstance> {
+        let mut v: Vec<_> = self
+            .vmis()
+            .values()
+            .filter(|v| !v.status.phase.is_some_and(|p| p.is_final()))
+            .cloned()
+            .collect();
+        v.sort_by_key(|v| v.key().map(|k| k.id()).unwrap_or_default());
+        v
     }
 
     /// The VM's domain in its own daemon.
