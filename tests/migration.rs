@@ -476,8 +476,18 @@ fn kvirtctl_drain_moves_what_may_migrate_and_stops_the_rest() {
     a.ok(&format!(
         "{NO_MARKS} && ! systemctl -q is-active kvirt-vm@default_dr-live"
     ));
+    a.wait(
+        "systemctl status kvirtd saying so",
+        Duration::from_secs(30),
+        "systemctl show -P StatusText kvirtd | grep -q 'cordoned (kvirtctl uncordon)'",
+    );
     assert!(a.ok("kvirtctl uncordon").contains("uncordoned"));
     a.ok("test ! -e /var/lib/kvirt/cordoned");
+    a.wait(
+        "the status line without the cordon",
+        Duration::from_secs(30),
+        "! systemctl show -P StatusText kvirtd | grep -q cordoned",
+    );
     move_and_check(&b, &a, "dr-live", "10.251.0.1:8444", "kvirt-mig-a");
     a.ok("rm /etc/kvirt/vmis.d/default_dr-live.json");
     a.wait_gone("dr-live");

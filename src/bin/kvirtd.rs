@@ -422,7 +422,6 @@ async fn run(config: Config) -> Result<()> {
             ca: a.ca.clone(),
             manifests,
             timeout: Duration::from_secs(config.migration.timeout_seconds),
-            cordon_file: HostLayout::default().cordon_file(),
             eviction_strategy: config.migration.eviction_strategy,
         }
     };

@@ -77,8 +77,6 @@ pub struct Setup {
     pub manifests: Option<PathBuf>,
     /// The longest a migration may run before it is aborted.
     pub timeout: Duration,
-    /// Present while the host is cordoned: it takes no VM arriving.
-    pub cordon_file: PathBuf,
     /// A drain's strategy for a VMI that names none.
     pub eviction_strategy: Strategy,
 }
@@ -198,24 +196,7 @@ impl<A: Adapters> Migrate for Migrations<A> {
     }
 
     fn cordon(&self, on: bool) -> Result<(), String> {
-        let file = &self.setup.cordon_file;
-        let r = if on {
-            let tmp = file.with_extension("tmp");
-            std::fs::write(&tmp, format!("{}\n", now_rfc3339()))
-                .and_then(|()| std::fs::rename(&tmp, file))
-        } else {
-            match std::fs::remove_file(file) {
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-                r => r,
-            }
-        };
-        r.map_err(|e| format!("{}: {e}", file.display()))?;
-        info!(
-            cordoned = on,
-            "{}",
-            if on { "cordoned" } else { "uncordoned" }
-        );
-        Ok(())
+        self.ctl.set_cordoned(on)
     }
 
     fn drain_plan(&self) -> Vec<(VmKey, drain::Action)> {
@@ -699,7 +680,7 @@ impl<A: Adapters> Migrations<A> {
         if self.setup.manifests.is_none() {
             return refuse("this host's VMIs come from a cluster".into());
         }
-        if self.setup.cordon_file.exists() {
+        if self.ctl.cordoned() {
             return refuse("this host is cordoned (kvirtctl uncordon lifts it)".into());
         }
         let key = match self.ctl.may_arrive(&vmi) {

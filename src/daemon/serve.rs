@@ -78,7 +78,7 @@ pub async fn serve<A: Adapters>(
     if tokio::time::timeout(ADOPTION_WAIT, adopted).await.is_err() {
         info!("ready before every VM's first pass ended: the rest finish in the loop");
     }
-    let status = status_line(&ctl.phase_counts());
+    let status = status_line(&ctl.phase_counts(), ctl.cordoned());
     let _ = sd_notify::notify(&[
         sd_notify::NotifyState::Ready,
         sd_notify::NotifyState::Status(&status),
@@ -153,7 +153,7 @@ pub async fn serve<A: Adapters>(
     tokio::spawn(keepalive(
         sd_notify::watchdog_enabled(),
         move || a.heartbeat(),
-        move || c.phase_counts(),
+        move || status_line(&c.phase_counts(), c.cordoned()),
         tx.clone(),
         |state| {
             let _ = sd_notify::notify(std::slice::from_ref(state));
@@ -182,7 +182,7 @@ pub async fn serve<A: Adapters>(
 async fn keepalive(
     watchdog: Option<Duration>,
     answered: impl Fn() -> u64,
-    counts: impl Fn() -> BTreeMap<String, usize>,
+    status: impl Fn() -> String,
     tx: UnboundedSender<Trigger>,
     notify: impl Fn(&sd_notify::NotifyState),
 ) {
@@ -199,7 +199,7 @@ async fn keepalive(
         }
         sent += 1;
         let _ = tx.send(Trigger::Heartbeat(sent));
-        let status = status_line(&counts());
+        let status = status();
         if status != last {
             notify(&sd_notify::NotifyState::Status(&status));
             last = status;
@@ -207,14 +207,20 @@ async fn keepalive(
     }
 }
 
-/// `STATUS=` as `systemctl status kvirtd` shows it: VM counts per phase.
-fn status_line(counts: &BTreeMap<String, usize>) -> String {
+/// `STATUS=` as `systemctl status kvirtd` shows it: VM counts per phase,
+/// and the cordon a drain left.
+fn status_line(counts: &BTreeMap<String, usize>, cordoned: bool) -> String {
     let total: usize = counts.values().sum();
     let parts: Vec<String> = counts.iter().map(|(p, n)| format!("{n} {p}")).collect();
-    if parts.is_empty() {
+    let line = if parts.is_empty() {
         "0 VMs".to_string()
     } else {
         format!("{total} VMs: {}", parts.join(", "))
+    };
+    if cordoned {
+        format!("{line}; cordoned (kvirtctl uncordon)")
+    } else {
+        line
     }
 }
 
@@ -244,7 +250,7 @@ mod tests {
         tokio::spawn(keepalive(
             Some(Duration::from_secs(8)),
             move || a.load(Ordering::SeqCst),
-            || BTreeMap::from([("Running".to_string(), 2)]),
+            || "2 VMs: 2 Running".to_string(),
             tx,
             move |state| s.lock().unwrap().push(state.to_string()),
         ));
@@ -268,8 +274,12 @@ mod tests {
 
     #[test]
     fn status_counts_vms_per_phase() {
-        assert_eq!(status_line(&BTreeMap::new()), "0 VMs");
+        assert_eq!(status_line(&BTreeMap::new(), false), "0 VMs");
         let counts = BTreeMap::from([("Running".to_string(), 2), ("Scheduled".to_string(), 1)]);
-        assert_eq!(status_line(&counts), "3 VMs: 2 Running, 1 Scheduled");
+        assert_eq!(status_line(&counts, false), "3 VMs: 2 Running, 1 Scheduled");
+        assert_eq!(
+            status_line(&counts, true),
+            "3 VMs: 2 Running, 1 Scheduled; cordoned (kvirtctl uncordon)"
+        );
     }
 }

@@ -111,10 +111,12 @@ pub struct Host {
 pub struct Turn<'a> {
     host: &'a Host,
     _serial: std::sync::MutexGuard<'static, ()>,
+    since: Instant,
 }
 
 impl Drop for Turn<'_> {
     fn drop(&mut self) {
+        record_time(self.since.elapsed());
         if !std::thread::panicking() {
             return;
         }
@@ -135,6 +137,23 @@ impl Drop for Turn<'_> {
     }
 }
 
+/// How long a test held its host, appended to `$KVIRT_TEST_TIMES` (one
+/// `seconds<TAB>test` line; `tests/run-all` prints the slowest): where the
+/// suite's time goes, measured rather than guessed.
+fn record_time(took: Duration) {
+    let Some(path) = std::env::var_os("KVIRT_TEST_TIMES") else {
+        return;
+    };
+    let name = std::thread::current().name().unwrap_or("?").to_owned();
+    let line = format!("{:.1}\t{name}\n", took.as_secs_f64());
+    let file = std::fs::OpenOptions::new()
+        .append(true)
+        .create(true)
+        .open(path);
+    // One short write per line: lines of tests on other threads never mix.
+    let _ = file.and_then(|mut f| std::io::Write::write_all(&mut f, line.as_bytes()));
+}
+
 impl Host {
     /// This test's turn: tests sharing a host and its kvirtd run one at a
     /// time, and a failed one leaves nothing behind.
@@ -142,6 +161,7 @@ impl Host {
         Turn {
             host: self,
             _serial: serial(),
+            since: Instant::now(),
         }
     }
 

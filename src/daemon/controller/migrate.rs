@@ -221,6 +221,34 @@ impl<A: Adapters> Controller<A> {
         self.vmis().get(id).cloned()
     }
 
+    /// Whether the host is cordoned (`kvirtctl drain`): no VM arrives.
+    pub fn cordoned(&self) -> bool {
+        self.settings.layout.cordon_file().exists()
+    }
+
+    /// Cordons the host, or lifts it: a file, so that it outlives kvirtd
+    /// and a reboot (written whole under another name, then renamed).
+    pub fn set_cordoned(&self, on: bool) -> Result<(), String> {
+        let file = self.settings.layout.cordon_file();
+        let r = if on {
+            let tmp = file.with_extension("tmp");
+            std::fs::write(&tmp, format!("{}\n", super::now_rfc3339()))
+                .and_then(|()| std::fs::rename(&tmp, &file))
+        } else {
+            match std::fs::remove_file(&file) {
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                r => r,
+            }
+        };
+        r.map_err(|e| format!("{}: {e}", file.display()))?;
+        tracing::info!(
+            cordoned = on,
+            "{}",
+            if on { "cordoned" } else { "uncordoned" }
+        );
+        Ok(())
+    }
+
     /// Every VMI the loop holds whose VM has not ended.
     pub fn live_vmis(&self) -> Vec<VirtualMachineInstance> {
         let mut v: Vec<_> = self
