@@ -45,11 +45,34 @@ fn the_hosts_have_networks_of_their_own_and_share_only_link_and_storage() {
 /// A's kvirtd identity (its own certificate of the pair's CA) is what B's
 /// migration port lets in over the link; a client without one, or with a
 /// certificate of another CA, is refused at the handshake and gets no byte.
+/// A certificate renewed on B's disk is what B serves from the next
+/// connection, its kvirtd not restarted.
 #[test]
 fn a_hosts_migration_port_lets_in_its_peers_identity_only() {
-    let Some((a, _b)) = hosts() else { return };
+    let Some((a, b)) = hosts() else { return };
     let _g = a.turn();
     a.ok("rm -rf /var/tmp/other-pki && kvirtd --make-api-pki /var/tmp/other-pki >/dev/null");
+    support::assert_migration_port_lets_in_only(
+        &a,
+        "10.251.0.2:8444",
+        "/etc/kvirt/pki",
+        "/var/tmp/other-pki",
+    );
+    let pid = b.ok("systemctl show -P MainPID kvirtd");
+    let fingerprint = "openssl x509 -noout -fingerprint -sha256";
+    let served = || {
+        a.ok(&format!(
+            "timeout 30 openssl s_client -connect 10.251.0.2:8444 \
+               -cert /etc/kvirt/pki/api.crt -key /etc/kvirt/pki/api.key </dev/null 2>/dev/null \
+             | {fingerprint}"
+        ))
+    };
+    let before = served();
+    b.ok("kvirtd --make-api-pki /etc/kvirt/pki >/dev/null");
+    let renewed = b.ok(&format!("{fingerprint} -in /etc/kvirt/pki/api.crt"));
+    assert_ne!(before, renewed);
+    assert_eq!(served(), renewed, "B serves its renewed certificate");
+    assert_eq!(b.ok("systemctl show -P MainPID kvirtd"), pid);
     support::assert_migration_port_lets_in_only(
         &a,
         "10.251.0.2:8444",
@@ -426,8 +449,9 @@ fn a_vm_deleted_while_it_migrates_stops_on_both_hosts() {
 /// `kvirtctl drain` of a host with three VMs: the two whose
 /// evictionStrategy lets them migrate (`LiveMigrate`,
 /// `LiveMigrateIfPossible`) move to the other host live, the
-/// VirtualMachine whose strategy is `None` is stopped; the host ends empty and cordoned (across a restart): a
-/// migration to it is refused until `kvirtctl uncordon`.
+/// VirtualMachine whose strategy is `None` is stopped; the host ends
+/// empty and cordoned (across a restart): a migration to it is refused
+/// until `kvirtctl uncordon`.
 #[test]
 fn kvirtctl_drain_moves_what_may_migrate_and_stops_the_rest() {
     let Some((a, b)) = hosts() else { return };

@@ -29,6 +29,13 @@ pub async fn drain(
     to: SocketAddr,
     bandwidth: Option<u64>,
 ) -> Result<Drained, String> {
+    if !m.standalone() {
+        return Err(
+            "in a cluster, a host is drained through the API server (kubectl cordon, \
+                    VirtualMachineInstanceMigrations): not yet supported by kvirt"
+                .into(),
+        );
+    }
     m.cordon(true)?;
     let mut lines = vec!["cordoned: this host takes no VM arriving".to_owned()];
     let mut kept = Vec::new();
@@ -92,5 +99,149 @@ async fn until_only(m: &dyn Migrate, kept: &[VmKey]) -> Vec<VmKey> {
             return here;
         }
         tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use futures::future::BoxFuture;
+    use std::sync::Mutex;
+
+    /// A host with VMs `plan`ned; `migrate` fails for the names in `stuck`;
+    /// a VM stopped or moved leaves `here`. Records what was asked.
+    #[derive(Default)]
+    struct Host {
+        plan: Vec<(VmKey, Action)>,
+        stuck: Vec<String>,
+        here: Mutex<Vec<VmKey>>,
+        asked: Mutex<Vec<String>>,
+        cluster: bool,
+    }
+
+    impl Migrate for Host {
+        fn migrate(
+            &self,
+            key: VmKey,
+            to: SocketAddr,
+            _: Option<u64>,
+        ) -> BoxFuture<'_, Result<String, String>> {
+            self.asked.lock().unwrap().push(format!("migrate {key}"));
+            let stuck = self.stuck.contains(&key.name().to_owned());
+            if !stuck {
+                self.here.lock().unwrap().retain(|k| k != &key);
+            }
+            Box::pin(async move {
+                match stuck {
+                    true => Err("the target refused".into()),
+                    false => Ok(format!("{key} moved to {to}")),
+                }
+            })
+        }
+        fn cordon(&self, on: bool) -> Result<(), String> {
+            self.asked.lock().unwrap().push(format!("cordon {on}"));
+            Ok(())
+        }
+        fn drain_plan(&self) -> Vec<(VmKey, Action)> {
+            self.plan.clone()
+        }
+        fn still_here(&self) -> Vec<VmKey> {
+            self.here.lock().unwrap().clone()
+        }
+        fn standalone(&self) -> bool {
+            !self.cluster
+        }
+    }
+
+    fn key(name: &str) -> VmKey {
+        VmKey::new("default", name).unwrap()
+    }
+
+    /// The VM loop's part: each stop is answered, and its VMI leaves.
+    fn vm_loop(host: std::sync::Arc<Host>) -> UnboundedSender<Input> {
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Some(Input::Command { key, verb, reply }) = rx.recv().await {
+                assert_eq!(verb, Verb::Stop { grace: None });
+                host.asked.lock().unwrap().push(format!("stop {key}"));
+                host.here
+                    .lock()
+                    .unwrap()
+                    .retain(|k| k.name() != "vmi-of-vm");
+                let _ = reply.send(Ok("stopping".into()));
+            }
+        });
+        tx
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_drain_cordons_first_then_moves_stops_and_names_what_stays() {
+        let host = std::sync::Arc::new(Host {
+            plan: vec![
+                (key("a"), Action::Migrate),
+                (key("vmi-of-vm"), Action::StopVm(key("vm"))),
+                (key("b"), Action::Migrate),
+            ],
+            here: Mutex::new(vec![key("a"), key("b"), key("vmi-of-vm")]),
+            ..Default::default()
+        });
+        let to = "10.0.0.2:8444".parse().unwrap();
+        let d = drain(host.as_ref(), &vm_loop(host.clone()), to, None)
+            .await
+            .unwrap();
+        assert!(d.empty, "{:?}", d.lines);
+        assert_eq!(
+            *host.asked.lock().unwrap(),
+            [
+                "cordon true",
+                "migrate default/a",
+                "stop default/vm",
+                "migrate default/b"
+            ]
+        );
+        assert_eq!(d.lines.last().unwrap(), "drained: no VM runs here");
+
+        // One that does not move, one that must stay: named, not empty.
+        let host = std::sync::Arc::new(Host {
+            plan: vec![
+                (key("a"), Action::Migrate),
+                (key("c"), Action::Stays("evictionStrategy External".into())),
+            ],
+            stuck: vec!["a".into()],
+            here: Mutex::new(vec![key("a"), key("c")]),
+            ..Default::default()
+        });
+        let d = drain(host.as_ref(), &vm_loop(host.clone()), to, None)
+            .await
+            .unwrap();
+        assert!(!d.empty);
+        assert!(d
+            .lines
+            .iter()
+            .any(|l| l == "default/a stays: the target refused"));
+        assert!(d
+            .lines
+            .iter()
+            .any(|l| l.contains("default/c stays: evictionStrategy External")));
+        assert!(d
+            .lines
+            .last()
+            .unwrap()
+            .contains("default/a, default/c still here"));
+    }
+
+    #[tokio::test]
+    async fn a_cluster_host_is_not_drained_here_and_not_cordoned() {
+        let host = std::sync::Arc::new(Host {
+            cluster: true,
+            ..Default::default()
+        });
+        let to = "10.0.0.2:8444".parse().unwrap();
+        let e = drain(host.as_ref(), &vm_loop(host.clone()), to, None)
+            .await
+            .err()
+            .unwrap();
+        assert!(e.contains("in a cluster"), "{e}");
+        assert!(host.asked.lock().unwrap().is_empty());
     }
 }

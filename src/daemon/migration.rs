@@ -18,6 +18,7 @@ use crate::core::migration::{self, Mark, MigrationState, ToSource, ToTarget};
 use crate::core::plan::{DomainState, Migrating};
 use crate::core::trigger::Trigger;
 use crate::core::vmi::{VirtualMachineInstance, VmiStatus};
+use crate::daemon::api::reload::Reloading;
 use crate::daemon::api::tls::{Identity, TlsError, SERVICE_NAME};
 use crate::daemon::controller::{now_rfc3339, Adapters, Controller, Leaving};
 use crate::host::beneath::Beneath;
@@ -98,6 +99,9 @@ pub trait Migrate: Send + Sync + 'static {
     fn drain_plan(&self) -> Vec<(VmKey, drain::Action)>;
     /// The VMs not ended here.
     fn still_here(&self) -> Vec<VmKey>;
+    /// Whether this host's VMIs are its manifests (standalone), which it
+    /// may move and stop itself; in a cluster they are the API server's.
+    fn standalone(&self) -> bool;
 }
 
 /// Migrations, both ways, of one kvirtd.
@@ -105,7 +109,7 @@ pub struct Migrations<A: Adapters> {
     ctl: Arc<Controller<A>>,
     triggers: UnboundedSender<Trigger>,
     routes: Routes,
-    client: Arc<rustls::ClientConfig>,
+    client: Reloading<Arc<rustls::ClientConfig>>,
     setup: Setup,
     /// Arrivals committed since kvirtd started, by migration uid: a commit
     /// repeated (its answer lost) is answered again.
@@ -138,12 +142,16 @@ impl<A: Adapters> Migrations<A> {
         ctl: Arc<Controller<A>>,
         triggers: UnboundedSender<Trigger>,
     ) -> Result<Arc<Self>, MigrationPortError> {
-        let identity = Identity::load(&setup.cert, &setup.key, &setup.ca)?;
+        // Read again whenever the files change: a renewed certificate or
+        // a new CA serves the next connection, both ways.
+        let files = || (setup.cert.clone(), setup.key.clone(), setup.ca.clone());
+        let (cert, key, ca) = files();
+        let client = Reloading::new(cert, key, ca, Identity::tunnel_client_config)?;
         let this = Arc::new(Self {
             ctl,
             triggers,
             routes: Routes::default(),
-            client: identity.tunnel_client_config()?,
+            client,
             setup: setup.clone(),
             committed: Mutex::default(),
             sending: Mutex::default(),
@@ -156,8 +164,10 @@ impl<A: Adapters> Migrations<A> {
                     source,
                 })?;
             let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<ControlConn>();
-            let tls = identity.tunnel_server_config()?;
-            tokio::spawn(tunnel::serve(listener, tls, this.routes.clone(), Some(tx)));
+            let (cert, key, ca) = files();
+            let tls = Reloading::new(cert, key, ca, Identity::tunnel_server_config)?;
+            let routes = this.routes.clone();
+            tokio::spawn(tunnel::serve(listener, move || tls.get(), routes, Some(tx)));
             let me = this.clone();
             tokio::spawn(async move {
                 while let Some((uid, stream)) = rx.recv().await {
@@ -175,7 +185,7 @@ impl<A: Adapters> Migrations<A> {
         Peer {
             address,
             name: rustls::pki_types::ServerName::try_from(SERVICE_NAME).expect("a DNS name"),
-            tls: self.client.clone(),
+            tls: self.client.get(),
         }
     }
 
@@ -215,6 +225,10 @@ impl<A: Adapters> Migrate for Migrations<A> {
                 Some((key, drain::decide(&c)))
             })
             .collect()
+    }
+
+    fn standalone(&self) -> bool {
+        self.setup.manifests.is_some()
     }
 
     fn still_here(&self) -> Vec<VmKey> {

@@ -183,11 +183,10 @@ pub type ControlStream = tokio_rustls::server::TlsStream<TcpStream>;
 /// control connections go to `control` (none: refused).
 pub async fn serve(
     listener: TcpListener,
-    tls: Arc<rustls::ServerConfig>,
+    tls: impl Fn() -> Arc<rustls::ServerConfig>,
     routes: Routes,
     control: Option<tokio::sync::mpsc::UnboundedSender<ControlConn>>,
 ) {
-    let acceptor = TlsAcceptor::from(tls);
     let permits = Arc::new(tokio::sync::Semaphore::new(MAX_HANDSHAKES));
     loop {
         let (tcp, peer) = match listener.accept().await {
@@ -201,7 +200,9 @@ pub async fn serve(
         let Ok(permit) = permits.clone().acquire_owned().await else {
             return;
         };
-        let (acceptor, routes, control) = (acceptor.clone(), routes.clone(), control.clone());
+        // Asked per connection: a renewed certificate serves the next one.
+        let acceptor = TlsAcceptor::from(tls());
+        let (routes, control) = (routes.clone(), control.clone());
         tokio::spawn(async move {
             let hello = tokio::time::timeout(HELLO_TIMEOUT, accept(acceptor, tcp, &routes));
             let joined = match hello.await {

@@ -9,6 +9,7 @@ pub mod cluster;
 pub mod forward;
 pub mod local;
 pub mod pki;
+pub mod reload;
 pub mod run;
 pub mod stream;
 pub mod tls;

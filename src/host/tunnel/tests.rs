@@ -98,7 +98,8 @@ async fn target(ca: &Ca) -> Target {
     );
     let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = tcp.local_addr().unwrap();
-    tokio::spawn(serve(tcp, server_config(ca), routes.clone(), None));
+    let config = server_config(ca);
+    tokio::spawn(serve(tcp, move || config.clone(), routes.clone(), None));
     Target {
         dir: dir.path().into(),
         _dir: dir,
@@ -278,7 +279,13 @@ async fn a_control_connection_reaches_the_daemon_and_its_messages_are_bounded() 
     let tcp = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let address = tcp.local_addr().unwrap();
     let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-    tokio::spawn(serve(tcp, server_config(&ca), Routes::default(), Some(tx)));
+    let config = server_config(&ca);
+    tokio::spawn(serve(
+        tcp,
+        move || config.clone(),
+        Routes::default(),
+        Some(tx),
+    ));
     let peer = Peer {
         address,
         name: ServerName::try_from(NAME).unwrap(),
