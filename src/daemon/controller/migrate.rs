@@ -227,13 +227,12 @@ impl<A: Adapters> Controller<A> {
     }
 
     /// Cordons the host, or lifts it: a file, so that it outlives kvirtd
-    /// and a reboot (written whole under another name, then renamed).
+    /// and a reboot (replaced whole, synced, never through a link).
     pub fn set_cordoned(&self, on: bool) -> Result<(), String> {
         let file = self.settings.layout.cordon_file();
         let r = if on {
-            let tmp = file.with_extension("tmp");
-            std::fs::write(&tmp, format!("{}\n", super::now_rfc3339()))
-                .and_then(|()| std::fs::rename(&tmp, &file))
+            let since = format!("{}\n", super::now_rfc3339());
+            crate::host::commit::replace_private(&file, since.as_bytes())
         } else {
             match std::fs::remove_file(&file) {
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
