@@ -1833,8 +1833,9 @@ spec:
     kubectl(&a, "delete pv k-block --timeout=60s");
 }
 
-/// A NetworkAttachmentDefinition on the bridge `kvtred` both hosts share
-/// (they share a network namespace), its host-local addresses from
+/// A NetworkAttachmentDefinition on the bridge `kvtred`, which each host
+/// has on its link `red0` (as nodes have a bridge on a NIC of a network
+/// they share), its host-local addresses from
 /// `10.78.0.<first>` on: host-local leases are each host's own, as on any
 /// cluster's nodes, so each host's VMs get a range of their own.
 fn red_nad(name: &str, first: u8) -> String {
@@ -1869,6 +1870,12 @@ fn secondary_networks_are_the_clusters_network_attachment_definitions() {
     let _g = serial();
     disk(&[&a], "k-red-a", "run");
     disk(&[&b], "k-red-b", "run");
+    for h in [&a, &b] {
+        h.ok(
+            "{ ip link show kvtred >/dev/null 2>&1 || ip link add kvtred type bridge; } &&
+             ip link set red0 master kvtred && ip link set kvtred up",
+        );
+    }
     // A VMI whose network does not exist yet waits, and says why.
     apply(&a, &red_vmi("k-red-a", "node-a", "red-a", "true"));
     wait_vmi(
@@ -1942,5 +1949,232 @@ fn secondary_networks_are_the_clusters_network_attachment_definitions() {
         h.ok("! ls /var/lib/cni/networks/red-a /var/lib/cni/networks/red-b 2>/dev/null | grep -q '^10\\.'");
     }
     kubectl(&a, "delete network-attachment-definitions red-a red-b");
-    a.ok("ip link del kvtred");
+    for h in [&a, &b] {
+        h.ok("ip link del kvtred");
+    }
+}
+
+/// A masquerade VMI for `node` whose disk is on the storage both hosts
+/// share (a shared root: it may migrate).
+fn shared_vmi(name: &str, node: &str) -> String {
+    support::vmi_manifest(
+        name,
+        &format!("kubevirt.io/nodeName: {node}"),
+        "  networks: [{name: default, pod: {}}]\n",
+        "      interfaces: [{name: default, masquerade: {}, ports: [{port: 8080}]}]\n",
+    )
+    .replace(
+        &format!("/var/lib/kvirt/images/{name}.raw"),
+        &format!("/srv/shared/{name}.raw"),
+    )
+}
+
+fn migration_yaml(name: &str, vmi: &str, annotations: &str) -> String {
+    format!(
+        "apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstanceMigration
+metadata: {{name: {name}, namespace: default, annotations: {{{annotations}}}}}
+spec: {{vmiName: {vmi}}}
+"
+    )
+}
+
+fn vmim_field(h: &Host, name: &str, jsonpath: &str) -> String {
+    kubectl(h, &format!("get vmim {name} -o jsonpath='{{{jsonpath}}}'"))
+}
+
+/// Creates migration `name` of `vm` and waits for it to succeed; checks
+/// what KubeVirt's clients read (the VMI's node, the labels, the
+/// migration's state) and that the guest counts on at `to`, never
+/// restarting, answering through its pod address there, and nothing of it
+/// is left at `from`.
+fn migrate_and_check(a: &Host, from: &Host, to: &Host, name: &str, vm: &str, annotations: &str) {
+    from.wait_until("the guest counting", BOOT, || {
+        from.guest_counts(vm).len() >= 2
+    });
+    let before = *from.guest_counts(vm).last().unwrap();
+    let (from_node, to_node) = (node_of(from), node_of(to));
+    apply(a, &migration_yaml(name, vm, annotations));
+    a.wait(
+        &format!("vmim/{name} Succeeded"),
+        BOOT,
+        &format!("[ \"$(kubectl get vmim {name} -o jsonpath='{{.status.phase}}')\" = Succeeded ]"),
+    );
+    assert_eq!(
+        vmim_field(a, name, ".metadata.labels.kubevirt\\.io/vmi-name"),
+        vm
+    );
+    let state: serde_json::Value =
+        serde_json::from_str(&vmim_field(a, name, ".status.migrationState")).unwrap();
+    assert!(
+        state["completed"] == true
+            && state["failed"] == false
+            && state["sourceNode"] == from_node.as_str()
+            && state["targetNode"] == to_node.as_str()
+            && state["migrationUid"] == vmim_field(a, name, ".metadata.uid").as_str(),
+        "{state}"
+    );
+    wait_vmi(a, vm, ".status.nodeName", &to_node, WAIT);
+    wait_vmi(
+        a,
+        vm,
+        ".metadata.labels.kubevirt\\.io/nodeName",
+        &to_node,
+        WAIT,
+    );
+    wait_vmi(a, vm, ".status.migrationState.completed", "true", WAIT);
+    assert_eq!(
+        kubectl(a, &format!("get vmi {vm} -o jsonpath='{{.metadata.labels.kubevirt\\.io/migrationTargetNodeName}}'")),
+        ""
+    );
+    wait_vmi(a, vm, ".status.phase", "Running", WAIT);
+    to.assert_counts_on(vm, before);
+    // The pod address is the target's now (its subnet), and answers there.
+    let subnet = if to_node == "node-b" {
+        "10.214.0."
+    } else {
+        "10.213.0."
+    };
+    a.wait(
+        "the VMI's pod address on the target",
+        WAIT,
+        &format!("kubectl get vmi {vm} -o jsonpath='{{.status.interfaces[0].ipAddress}}' | grep -q '^{subnet}'"),
+    );
+    let ip = kubectl(
+        a,
+        &format!("get vmi {vm} -o jsonpath='{{.status.interfaces[0].ipAddress}}'"),
+    );
+    to.wait(
+        "the guest answering through the target",
+        WAIT,
+        &format!("busybox wget -q -O- -T 5 http://{ip}:8080/ | grep -q 'KVIRT-HELLO 8080'"),
+    );
+    from.wait_until("nothing of the VM left on the source", WAIT, || {
+        host_clean(from, vm)
+    });
+    for h in [from, to] {
+        h.ok("[ -z \"$(ls /run/kvirt/migrations)\" ]");
+    }
+}
+
+/// Creates migration `name` of `vm`, waits for it to fail, and returns why.
+fn fails(a: &Host, name: &str, vm: &str, annotations: &str) -> String {
+    apply(a, &migration_yaml(name, vm, annotations));
+    a.wait(
+        &format!("vmim/{name} Failed"),
+        WAIT,
+        &format!("[ \"$(kubectl get vmim {name} -o jsonpath='{{.status.phase}}')\" = Failed ]"),
+    );
+    vmim_field(a, name, ".status.migrationState.failureReason")
+}
+
+fn node_of(h: &Host) -> String {
+    h.ok("sed -n 's/^node_name = \"\\(.*\\)\"/\\1/p' /etc/kvirt/kvirtd.toml.d/50-test.toml")
+}
+
+/// `VirtualMachineInstanceMigration`s through the API server, as kubectl
+/// and KubeVirt's clients make them: one moves a running VMI from A to the
+/// host the scheduler's rules choose (B, announced on its Lease), another
+/// back to the host kvirt's annotation names, live; one naming no host
+/// that could take it fails with the reason and the VM runs on, as does a
+/// VMI whose disk is A's own.
+#[test]
+fn migration_objects_move_a_running_vmi_between_nodes_live() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = serial();
+    // B announces where it takes migrations, for its peers to choose it.
+    let announced = kubectl(
+        &a,
+        "get lease -n kube-node-lease kvirt-node-b -o jsonpath='{.metadata.annotations.kvirt\\.io/host}'",
+    );
+    assert!(
+        announced.contains("\"migration\":\"10.250.0.2:8444\""),
+        "{announced}"
+    );
+    a.ok("cp /srv/guest/run.raw /srv/shared/k-mover.raw");
+    apply(&a, &shared_vmi("k-mover", "node-a"));
+    wait_vmi(&a, "k-mover", ".status.phase", "Running", BOOT);
+    wait_vmi(
+        &a,
+        "k-mover",
+        ".status.conditions[?(@.type==\"LiveMigratable\")].status",
+        "True",
+        WAIT,
+    );
+    migrate_and_check(&a, &a, &b, "k-mover-1", "k-mover", "");
+    migrate_and_check(
+        &a,
+        &b,
+        &a,
+        "k-mover-2",
+        "k-mover",
+        "kvirt.io/target-node: node-a",
+    );
+    // Deleting the object while its migration runs (throttled, so that
+    // it is caught midway) cancels it: the VM stays on A, B keeps nothing.
+    a.ok("printf '[migration]\\nbandwidth_per_migration_mib = 1\\n' >/etc/kvirt/kvirtd.toml.d/70-slow.toml
+          systemctl restart kvirtd");
+    let before = *a.guest_counts("k-mover").last().unwrap();
+    apply(&a, &migration_yaml("k-mover-c", "k-mover", ""));
+    b.wait(
+        "the target's QEMU listening for the guest's memory",
+        BOOT,
+        "[ -S /run/kvirt/vms/default_k-mover/migration/memory.sock ]",
+    );
+    let uid = vmim_field(&a, "k-mover-c", ".metadata.uid");
+    kubectl(&a, "delete vmim k-mover-c");
+    wait_vmi(
+        &a,
+        "k-mover",
+        ".status.migrationState.migrationUid",
+        &uid,
+        WAIT,
+    );
+    wait_vmi(&a, "k-mover", ".status.migrationState.failed", "true", WAIT);
+    b.wait_until("nothing of the VM left on B", WAIT, || {
+        host_clean(&b, "k-mover")
+    });
+    a.ok("rm /etc/kvirt/kvirtd.toml.d/70-slow.toml && systemctl restart kvirtd");
+    assert_eq!(
+        kubectl(&a, "get vmi k-mover -o jsonpath='{.status.nodeName}'"),
+        "node-a"
+    );
+    a.wait_until("the guest counting on at A", WAIT, || {
+        a.guest_counts("k-mover")
+            .last()
+            .is_some_and(|n| *n > before + 1)
+    });
+    let after = a.guest_counts("k-mover");
+    assert!(
+        after.windows(2).all(|w| w[1] == w[0] + 1),
+        "the guest never restarted: {after:?}"
+    );
+    // No host that could take it: Failed, with why; the VM runs on.
+    let reason = fails(&a, "k-mover-3", "k-mover", "kvirt.io/target-node: node-x");
+    assert!(reason.contains("no live kvirt host node-x"), "{reason}");
+    // A VMI whose disk is A's own cannot move: refused, it runs on.
+    disk(&[&a], "k-local", "run");
+    apply(&a, &vmi_yaml("k-local", "kubevirt.io/nodeName: node-a", ""));
+    wait_vmi(&a, "k-local", ".status.phase", "Running", BOOT);
+    let reason = fails(&a, "k-local-1", "k-local", "");
+    assert!(reason.contains("DisksNotLiveMigratable"), "{reason}");
+    for vm in ["k-mover", "k-local"] {
+        assert_eq!(
+            kubectl(
+                &a,
+                &format!("get vmi {vm} -o jsonpath='{{.status.nodeName}}'")
+            ),
+            "node-a"
+        );
+        wait_vmi(&a, vm, ".status.phase", "Running", WAIT);
+    }
+    kubectl(&a, "delete vmim k-mover-1 k-mover-2 k-mover-3 k-local-1");
+    delete(&a, "k-mover");
+    delete(&a, "k-local");
+    for h in [&a, &b] {
+        for vm in ["k-mover", "k-local"] {
+            h.wait_until("the VM gone", WAIT, || host_clean(h, vm));
+        }
+    }
+    a.ok("rm -f /srv/shared/k-mover.raw");
 }

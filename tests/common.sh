@@ -80,8 +80,31 @@ kvirt_testhost() {
   echo "$pid"
 }
 
-# The bridge on this machine that joins the migration pair's hosts.
+# The bridges on this machine that join the migration pair's hosts and
+# the cluster's.
 KVIRT_PAIR_BRIDGE=kvth-mig
+KVIRT_K8S_BRIDGE=${KVIRT_K8S_BRIDGE:-kvth-k8s}
+# The cluster's second link, unaddressed: secondary networks' bridges on it.
+KVIRT_RED_BRIDGE=${KVIRT_RED_BRIDGE:-kvth-red}
+
+# kvirt_link BRIDGE LINK NET PID...: joins test hosts (by PID 1) as
+# machines on one switch: BRIDGE on this machine, a link named LINK in each
+# host's network namespace, addressed NET.1, NET.2, ... (/24) in order, or
+# not at all if NET is "-".
+kvirt_link() {
+  local bridge=$1 link=$2 net=$3 i=0 pid; shift 3
+  ip link del "$bridge" 2>/dev/null || true
+  ip link add "$bridge" type bridge && ip link set "$bridge" up || return
+  for pid in "$@"; do
+    i=$((i + 1))
+    ip link add "$bridge-$i" type veth peer name "$bridge-$i-in" &&
+      ip link set "$bridge-$i" master "$bridge" up &&
+      ip link set "$bridge-$i-in" netns "$pid" &&
+      nsenter -t "$pid" -n ip link set "$bridge-$i-in" name "$link" &&
+      { [[ $net == - ]] || nsenter -t "$pid" -n ip addr add "$net.$i/24" dev "$link"; } &&
+      nsenter -t "$pid" -n ip link set "$link" up || return
+  done
+}
 
 # Two standalone test hosts for migration, as two machines would be: each
 # in its own network namespace, joined by a bridge on this machine (the
@@ -90,23 +113,12 @@ KVIRT_PAIR_BRIDGE=kvth-mig
 # a hostDisk root and shared root), one kvirt CA with a certificate of
 # each host's own, and the migration port on that link. Echoes "PID_A PID_B".
 kvirt_testhost_pair() {
-  local a=$1 b=$2 shared pa pb i host pid
+  local a=$1 b=$2 shared pa pb i host
   shared=$TH_STATE/shared-$a-$b
   rm -rf "$shared" && mkdir -p "$shared" || return
   pa=$(KVIRT_TH_BIND="$shared:/srv/shared" kvirt_testhost "$a") || return
   pb=$(KVIRT_TH_BIND="$shared:/srv/shared" kvirt_testhost "$b") || return
-  ip link del "$KVIRT_PAIR_BRIDGE" 2>/dev/null || true
-  ip link add "$KVIRT_PAIR_BRIDGE" type bridge && ip link set "$KVIRT_PAIR_BRIDGE" up || return
-  i=0
-  for pid in "$pa" "$pb"; do
-    i=$((i + 1))
-    ip link add "kvthm-$i" type veth peer name "kvthm-$i-in" &&
-      ip link set "kvthm-$i" master "$KVIRT_PAIR_BRIDGE" up &&
-      ip link set "kvthm-$i-in" netns "$pid" &&
-      nsenter -t "$pid" -n ip link set "kvthm-$i-in" name mig0 &&
-      nsenter -t "$pid" -n ip addr add "10.251.0.$i/24" dev mig0 &&
-      nsenter -t "$pid" -n ip link set mig0 up || return
-  done
+  kvirt_link "$KVIRT_PAIR_BRIDGE" mig0 10.251.0 "$pa" "$pb" || return
   th_sh "$a" 'kvirtd --make-api-pki /etc/kvirt/pki >/dev/null && cp /etc/kvirt/pki/api-ca.crt /etc/kvirt/pki/api-ca.key /share/' || return
   for f in api-ca.crt api-ca.key; do
     th_copy_in "$b" "$(th_share "$a")/$f" "/etc/kvirt/pki/$f" || return
@@ -134,10 +146,14 @@ systemctl restart kvirtd" || return
   echo "$pa $pb"
 }
 
-# A cluster of two test hosts: A runs etcd and kube-apiserver plus kvirtd as
-# node-a; B shares A's network namespace (so reaches the API server on
-# loopback) and runs kvirtd as node-b. Both claim unassigned VMIs of zone z1,
-# each with its own least-privilege identity. Echoes "PID_A PID_B".
+# A cluster of two test hosts, as two machines would be: each in its own
+# network namespace, joined by a bridge on this machine (A is 10.250.0.1,
+# B 10.250.0.2: each host's address, where its kvirtd serves the API server
+# and its peers), and by a second one with no address (red0, for secondary
+# networks' bridges). A runs etcd and kube-apiserver (on loopback and that
+# link) plus kvirtd as node-a; B runs kvirtd as node-b and reaches the API
+# server over the link. Both claim unassigned VMIs of zone z1, each with its
+# own least-privilege identity. Echoes "PID_A PID_B".
 kvirt_k8s_cluster() {
   local a=$1 b=$2 guest vq k8s pa pb
   # shellcheck source=testhost/k8s.sh
@@ -148,13 +164,16 @@ kvirt_k8s_cluster() {
   # A loop device on A for the block claims' test, where the kernel has them.
   local loop="" binds=""
   if loop=$(th_loop "$a"); then binds="$loop:$loop"; fi
-  pa=$(TH_BIND="$binds" TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud $k8s" th_boot "$a") || return
+  # Storage both hosts reach at one path (a shared root: VMs on it migrate).
+  local shared=$TH_STATE/shared-$a-$b
+  rm -rf "$shared" && mkdir -p "$shared" || return
+  pa=$(TH_BIND="$binds $shared:/srv/shared" TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud $k8s" th_boot "$a") || return
   [[ -z $loop ]] || echo "$loop" >"$TH_STATE/$a/share/claim-loop"
-  th_k8s_up "$a" >&2 || return
-  # The hosts' addresses, as a node's would be: the API server reaches each
-  # kvirtd's API port there (Endpoints may not name loopback addresses).
-  # (On lo: a dummy link needs a kernel module nspawn cannot load.)
-  th_sh "$a" 'ip addr add 10.250.0.1/32 dev lo && ip addr add 10.250.0.2/32 dev lo' || return
+  pb=$(TH_BIND="$shared:/srv/shared" TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud $k8s" th_boot "$b") || return
+  kvirt_link "$KVIRT_K8S_BRIDGE" node0 10.250.0 "$pa" "$pb" || return
+  kvirt_link "$KVIRT_RED_BRIDGE" red0 - "$pa" "$pb" || return
+  TH_K8S_ADDRESS=10.250.0.1 th_k8s_up "$a" >&2 || return
+  local server=https://10.250.0.1:6443
   th_copy_in "$a" "$top/packaging/kubernetes/crd.yaml" /etc/kvirt/manifests/crd.yaml || return
   th_copy_in "$a" "$top/packaging/kubernetes/network-attachment-definition-crd.yaml" \
     /etc/kvirt/manifests/nad-crd.yaml || return
@@ -172,24 +191,20 @@ kvirt_k8s_cluster() {
     crd/network-attachment-definitions.k8s.cni.cncf.io >&2 || return
   # A user with no rights of its own (tests bind roles to it).
   th_k8s_kubeconfig "$a" kvirt-viewer >/dev/null || return
-  pb=$(TH_NETNS_OF=$a TH_BIND_RO="$guest:/srv/guest $vq:/usr/sbin/virtqemud $k8s" th_boot "$b") || return
-  # nspawn mounts /proc/sys/net read-only in a container without a network
-  # of its own; kvirtd sets forwarding inside each VM's namespace through it.
-  th_sh "$b" 'mount --bind /proc/sys/net /proc/sys/net && mount -o remount,bind,rw /proc/sys/net' || return
-  local host node kc subnet api_listen
+  sed "s#server: https://127.0.0.1:6443#server: $server#" "$(th_share "$a")/admin.kubeconfig" \
+    >"$TH_STATE/admin-link.kubeconfig" || return
+  local host node kc subnet api_listen address
   for host in "$a" "$b"; do
     node=node-${host##*-}
-    # Both hosts share one network namespace: give each its own VM subnet.
-    subnet=10.213.0.0/24 api_listen=10.250.0.1:8443
-    [[ $node == node-b ]] && subnet=10.214.0.0/24 api_listen=10.250.0.2:8443
-    kc=$(th_k8s_kubeconfig "$a" "system:kvirt:$node" kvirt:nodes) || return
+    # Each host's VMs have a subnet of their own, so that a guest's pod
+    # address says which host it is on.
+    subnet=10.213.0.0/24 address=10.250.0.1
+    [[ $node == node-b ]] && subnet=10.214.0.0/24 address=10.250.0.2
+    api_listen=$address:8443
+    kc=$(TH_K8S_SERVER=$server th_k8s_kubeconfig "$a" "system:kvirt:$node" kvirt:nodes) || return
     th_copy_in "$host" "$(th_share "$a")/kubeconfigs/$(basename "$kc")" /etc/kvirt/kubeconfig || return
     # Both hosts need the admin kubeconfig for the tests' kubectl.
-    th_copy_in "$host" "$(th_share "$a")/admin.kubeconfig" /root/.kube/config || return
-    if [[ $node == node-b ]]; then
-      # One network namespace, one metrics port each.
-      th_sh "$host" 'mkdir -p /etc/kvirt/kvirtd.toml.d && printf "[metrics]\nlisten = \"127.0.0.1:9478\"\n" >/etc/kvirt/kvirtd.toml.d/40-metrics.toml' || return
-    fi
+    th_copy_in "$host" "$TH_STATE/admin-link.kubeconfig" /root/.kube/config || return
     bash "$top/tests/testhost/install-kvirt.sh" "$host" "$KVIRT_DEB" >&2 || return
     # subresources.kubevirt.io: one CA and serving certificate made on A (as
     # the README says for a small cluster), copied to B; registered once.
@@ -220,10 +235,13 @@ efi_vars_check_seconds = 2
 subnet = \"$subnet\"
 [api]
 listen = \"$api_listen\"
+[migration]
+listen = \"$address:8444\"
 [storage]
 local_registries = [\"127.0.0.1:5001\"]
+shared_roots = [\"/srv/shared\"]
 [storage.host_disk_roots_by_namespace]
-default = [\"/var/lib/kvirt/images\"]
+default = [\"/var/lib/kvirt/images\", \"/srv/shared\"]
 EOF
 systemctl restart kvirtd" >&2 || {
       th_sh "$host" "journalctl -u kvirtd --no-pager -n 30" >&2 || true

@@ -214,6 +214,7 @@ fn mark(role: Migrating, vmi: Option<VirtualMachineInstance>) -> Mark {
         vmi_uid: "u1".into(),
         peer: "10.251.0.2:8444".into(),
         vmi: vmi.map(Box::new),
+        committed: false,
     }
 }
 

@@ -132,17 +132,6 @@ fn a_vm_on_shared_storage_could_migrate_and_one_on_local_storage_could_not() {
 /// True on a host that keeps no migration mark.
 const NO_MARKS: &str = "[ -z \"$(ls /run/kvirt/migrations)\" ]";
 
-/// The guest's counter (`KVIRT-GUEST-ALIVE <n>`, one each 2 s) in its
-/// serial log on host `h`; empty without a log.
-fn counts(h: &Host, vm: &str) -> Vec<u64> {
-    h.ok(&format!(
-        "grep -ao 'KVIRT-GUEST-ALIVE [0-9]*' /run/kvirt/vms/default_{vm}/console.log 2>/dev/null | cut -d' ' -f2 || true"
-    ))
-    .split_whitespace()
-    .map(|n| n.parse().unwrap())
-    .collect()
-}
-
 /// A masquerade VM whose disk is on the shared storage, running on `h`.
 fn shared_vm(h: &Host, vm: &str) {
     shared_vm_with(h, vm, "");
@@ -172,8 +161,10 @@ fn shared_vm_with(h: &Host, vm: &str, spec_extra: &str) {
 /// the source keeps nothing of it (unit, namespace, lease, rules,
 /// manifest, mark).
 fn move_and_check(from: &Host, to: &Host, vm: &str, addr: &str, node: &str) {
-    from.wait_until("the guest counting", BOOT, || counts(from, vm).len() >= 2);
-    let before = *counts(from, vm).last().unwrap();
+    from.wait_until("the guest counting", BOOT, || {
+        from.guest_counts(vm).len() >= 2
+    });
+    let before = *from.guest_counts(vm).last().unwrap();
     let out = from.ok(&format!("kvirtctl migrate default/{vm} --to {addr}"));
     // The time and the guest's pause, as the benchmark reads them.
     assert!(
@@ -202,17 +193,7 @@ fn move_and_check(from: &Host, to: &Host, vm: &str, addr: &str, node: &str) {
     to.ok(&format!(
         "grep -q '\"uid\"' /etc/kvirt/vmis.d/default_{vm}.json"
     ));
-    to.wait_until("the guest counting on the target", BOOT, || {
-        counts(to, vm).len() >= 2
-    });
-    let after = counts(to, vm);
-    assert!(
-        after[0] > before && after.windows(2).all(|w| w[1] == w[0] + 1),
-        "the counter goes on from {before}, never restarting: {after:?}"
-    );
-    to.ok(&format!(
-        "! grep -q KVIRT-GUEST-READY /run/kvirt/vms/default_{vm}/console.log"
-    ));
+    to.assert_counts_on(vm, before);
     let ip = st["status"]["interfaces"][0]["ipAddress"]
         .as_str()
         .unwrap_or_else(|| panic!("no pod address on the target: {st}"))
@@ -471,7 +452,7 @@ fn kvirtctl_drain_moves_what_may_migrate_and_stops_the_rest() {
         a.wait_phase(vm, "Running", BOOT);
     }
     for vm in ["dr-live", "dr-maybe"] {
-        a.wait_until("the guest counting", BOOT, || counts(&a, vm).len() >= 2);
+        a.wait_until("the guest counting", BOOT, || a.guest_counts(vm).len() >= 2);
     }
     let out = a.ok("kvirtctl drain --to 10.251.0.2:8444");
     assert!(
@@ -561,9 +542,9 @@ fn runs_exactly_once(on: &Host, off: &Host, vm: &str) {
     for h in [on, off] {
         h.wait("no migration mark left", BOOT, NO_MARKS);
     }
-    let before = counts(on, vm).last().copied().unwrap_or(0);
+    let before = on.guest_counts(vm).last().copied().unwrap_or(0);
     on.wait_until("the guest counting on", BOOT, || {
-        counts(on, vm).last().is_some_and(|&c| c > before)
+        on.guest_counts(vm).last().is_some_and(|&c| c > before)
     });
     let boots = on.ok(&format!(
         "grep -ac KVIRT-GUEST-READY /run/kvirt/vms/default_{vm}/console.log || true"

@@ -498,3 +498,81 @@ fn a_host_that_stops_is_not_ready_and_one_gone_loses_its_address() {
         "kubectl -n kvirt get endpointslice kvirt-api-node-b",
     );
 }
+
+/// `virtctl migrate` asks kvirt's API for a migration of a running VMI,
+/// as of KubeVirt's: a `VirtualMachineInstanceMigration` named as virt-api
+/// names them, labelled with its VMI; `virtctl migrate-cancel` finds it by
+/// that label and deletes it midway (throttled, so that it is caught), and
+/// the VMI stays on A; the next one moves it to B.
+#[test]
+fn virtctl_migrate_moves_a_running_vmi_through_a_migration_object() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = serial();
+    api_available(&a);
+    a.ok("cp /srv/guest/run.raw /srv/shared/v-mig.raw");
+    let yaml = support::vmi_manifest("v-mig", "kubevirt.io/nodeName: node-a", "", "")
+        .replace("/var/lib/kvirt/images/v-mig.raw", "/srv/shared/v-mig.raw");
+    a.ok(&format!("kubectl apply -f - <<'VMI'\n{yaml}VMI"));
+    a.ok("kubectl wait vmi/v-mig --for=jsonpath='{.status.phase}'=Running --timeout=90s");
+    wait_condition(&a, "v-mig", "LiveMigratable", "True");
+    let objects = || a.ok("kubectl get vmim -l kubevirt.io/vmi-name=v-mig -o name");
+    a.ok("printf '[migration]\\nbandwidth_per_migration_mib = 1\\n' >/etc/kvirt/kvirtd.toml.d/70-slow.toml
+          systemctl restart kvirtd");
+    let out = a.ok("virtctl migrate v-mig 2>&1");
+    assert!(out.contains("v-mig was scheduled to migrate"), "{out}");
+    let first = objects();
+    assert!(
+        first.starts_with("virtualmachineinstancemigration.kubevirt.io/kubevirt-migrate-vm-"),
+        "{first}"
+    );
+    b.wait(
+        "the target's QEMU listening for the guest's memory",
+        WAIT,
+        "[ -S /run/kvirt/vms/default_v-mig/migration/memory.sock ]",
+    );
+    a.ok("virtctl migrate-cancel v-mig");
+    a.wait(
+        "the migration object gone",
+        WAIT,
+        &format!("! kubectl get {first}"),
+    );
+    a.ok("kubectl wait vmi/v-mig --for=jsonpath='{.status.migrationState.failed}'=true --timeout=60s");
+    b.wait(
+        "nothing of the VM on B",
+        WAIT,
+        "[ ! -e /run/kvirt/vms/default_v-mig ] && ! systemctl -q is-active kvirt-vm@default_v-mig",
+    );
+    assert_eq!(
+        a.ok("kubectl get vmi v-mig -o jsonpath='{.status.nodeName}'"),
+        "node-a"
+    );
+    a.ok("rm /etc/kvirt/kvirtd.toml.d/70-slow.toml && systemctl restart kvirtd");
+    // Unthrottled, the next one moves it.
+    a.ok("virtctl migrate v-mig");
+    let name = objects();
+    a.ok(&format!(
+        "kubectl wait {name} --for=jsonpath='{{.status.phase}}'=Succeeded --timeout=120s"
+    ));
+    a.ok("kubectl wait vmi/v-mig --for=jsonpath='{.status.nodeName}'=node-b --timeout=60s");
+    b.wait(
+        "the guest counting on B",
+        WAIT,
+        "grep -q KVIRT-GUEST-ALIVE /run/kvirt/vms/default_v-mig/console.log",
+    );
+    // Nothing left to cancel: virtctl says so.
+    assert!(!a.sh("virtctl migrate-cancel v-mig 2>&1").status.success());
+    // No such VM: nothing is made.
+    let out = a.sh("virtctl migrate v-none 2>&1");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        !out.status.success() && said.contains("not found"),
+        "{said}"
+    );
+    assert_eq!(
+        a.ok("kubectl get vmim -l kubevirt.io/vmi-name=v-none -o name"),
+        ""
+    );
+    a.ok(&format!("kubectl delete {name}"));
+    delete_vmi(&a, "v-mig");
+    a.ok("rm -f /srv/shared/v-mig.raw");
+}

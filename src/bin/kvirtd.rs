@@ -5,6 +5,7 @@ use anyhow::{bail, Context, Result};
 use clap::Parser;
 use kvirt::core::convert::DomainType;
 use kvirt::core::layout::{HostLayout, LEGACY_STATUS};
+use kvirt::core::peers::Announcement;
 use kvirt::core::trigger::Trigger;
 use kvirt::daemon::api::run::ApiSettings;
 use kvirt::daemon::config::{Config, Emulation, SourceKind, DEFAULT_PATH};
@@ -407,7 +408,7 @@ async fn run(config: Config) -> Result<()> {
     });
 
     // Other kvirtds' way in for migrations, and this one's way out.
-    let migrations = |manifests: Option<PathBuf>| {
+    let migrations = |handover: Arc<dyn kvirt::sources::Handover>| {
         let a = &config.api;
         let listen = config
             .migration
@@ -420,9 +421,10 @@ async fn run(config: Config) -> Result<()> {
             cert: a.cert.clone(),
             key: a.key.clone(),
             ca: a.ca.clone(),
-            manifests,
+            handover,
             timeout: Duration::from_secs(config.migration.timeout_seconds),
             eviction_strategy: config.migration.eviction_strategy,
+            bandwidth: Some(config.migration.bandwidth_per_migration_mib).filter(|b| *b > 0),
         }
     };
 
@@ -564,7 +566,9 @@ async fn run(config: Config) -> Result<()> {
                 list: None::<fn() -> _>,
                 resync,
                 efi_vars_check: None,
-                migrations: Some(migrations(Some(config.source.directory.clone()))),
+                migrations: Some(migrations(Arc::new(manifest::ManifestHandover {
+                    dir: config.source.directory.clone(),
+                }))),
                 stop: None,
             };
             let deps = host.deps(status, LogRecorder);
@@ -581,10 +585,21 @@ async fn run(config: Config) -> Result<()> {
                 cluster::vms::run(client.clone());
                 cluster::replicas::run(client.clone());
             }
+            // The Lease announces the host to its peers: what it offers
+            // VMIs, its migration port, its cordon.
+            let facts = config.host_facts();
+            let migration_port = config
+                .migration
+                .listen_address()
+                .ok()
+                .flatten()
+                .map(|a| a.to_string());
+            let cordon = settings.layout.cordon_file();
             tokio::spawn(cluster::lease::heartbeat(
                 client.clone(),
                 node.clone(),
                 Duration::from_secs(k.lease_seconds),
+                move || Announcement::of(&facts, migration_port.clone(), cordon.exists()),
             ));
             let claim = k.claim.then(|| (client.clone(), config.host_facts()));
             let control_path = settings.layout.control_socket();
@@ -599,11 +614,23 @@ async fn run(config: Config) -> Result<()> {
             let (api_client, api_node, api_layout) =
                 (client.clone(), node.clone(), settings.layout.clone());
             let api_running = running_api.clone();
+            let (vmim_client, vmim_node) = (client.clone(), node.clone());
             let ready = move |_tx: UnboundedSender<Trigger>,
                               view: Arc<dyn VmiView>,
-                              _migrate: Option<Arc<dyn Migrate>>| {
+                              migrate: Option<Arc<dyn Migrate>>| {
                 if let Some((client, host)) = claim {
                     cluster::source::claim_unassigned(client, host);
+                }
+                if let Some(m) = migrate {
+                    let objects = cluster::migrations::KubeMigrations {
+                        client: vmim_client,
+                    };
+                    tokio::spawn(kvirt::daemon::vmim::run(
+                        objects,
+                        vmim_node,
+                        view.clone(),
+                        m,
+                    ));
                 }
                 if let Some(api) = api {
                     let v = view.clone();
@@ -642,6 +669,7 @@ async fn run(config: Config) -> Result<()> {
                     audiences: k.service_account_token_audiences.clone(),
                 },
             };
+            let handover_client = client.clone();
             let events = cluster::events::KubeEvents::new(client, &node);
             let sources = Sources {
                 initial,
@@ -649,9 +677,10 @@ async fn run(config: Config) -> Result<()> {
                 list: Some(list),
                 resync,
                 efi_vars_check: Some(Duration::from_secs(k.efi_vars_check_seconds.max(1))),
-                // In a cluster the port is served, and an arrival refused
-                // until migration objects are acted on.
-                migrations: Some(migrations(None)),
+                // In a cluster, migration objects move VMIs (`daemon::vmim`).
+                migrations: Some(migrations(Arc::new(cluster::migrations::KubeHandover {
+                    client: handover_client,
+                }))),
                 stop: Some(Box::new(move || {
                     Box::pin(async move {
                         if let Some(r) = running_api.lock().await.take() {

@@ -76,11 +76,72 @@ pub fn check(from: Option<MigrationPhase>, to: MigrationPhase) -> Result<(), Tra
     }
 }
 
+/// What the host holding a migration object's VMI does with the object.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum ObjectAction {
+    /// Not this host's to act on, or being acted on already.
+    Ignore,
+    /// Move the VMI.
+    Start,
+    /// Write the object's final phase (and why it failed).
+    Finish(MigrationPhase, Option<String>),
+}
+
+/// Decides for the object `m` on host `here`, which holds `vmi` (pure).
+/// The VMI's `migrationState`, written by the migration's source, tells
+/// how a migration this host no longer runs ended: after a kvirtd
+/// restart, or on the target once the VMI was handed to it.
+pub fn object_action(
+    m: &Migration,
+    vmi: &VirtualMachineInstance,
+    here: &str,
+    running_here: bool,
+) -> ObjectAction {
+    use crate::core::vmi::{Phase, NODE_LABEL};
+    let labelled = vmi.metadata.labels.as_ref().and_then(|l| l.get(NODE_LABEL));
+    let uid = m.metadata.uid.as_deref().unwrap_or_default();
+    if m.status.phase.is_some_and(MigrationPhase::is_final)
+        || labelled.map(String::as_str) != Some(here)
+        || running_here
+        || uid.is_empty()
+    {
+        return ObjectAction::Ignore;
+    }
+    let state: Option<MigrationState> = vmi
+        .status
+        .extra
+        .get(STATE_FIELD)
+        .and_then(|v| serde_json::from_value(v.clone()).ok());
+    match state.filter(|s| s.migration_uid == uid) {
+        Some(s) if s.completed => ObjectAction::Finish(MigrationPhase::Succeeded, None),
+        Some(s) if s.failed => ObjectAction::Finish(MigrationPhase::Failed, s.failure_reason),
+        // Started by a kvirtd that restarted since: its recovery ends it.
+        Some(_) => ObjectAction::Ignore,
+        None if m.metadata.deletion_timestamp.is_some() => ObjectAction::Ignore,
+        None if vmi.metadata.deletion_timestamp.is_some() => ObjectAction::Finish(
+            MigrationPhase::Failed,
+            Some("the VMI is being deleted".into()),
+        ),
+        None if vmi.status.phase != Some(Phase::Running) => ObjectAction::Finish(
+            MigrationPhase::Failed,
+            Some(format!(
+                "the VMI is not running (phase {:?})",
+                vmi.status.phase.unwrap_or(Phase::Pending)
+            )),
+        ),
+        None => ObjectAction::Start,
+    }
+}
+
 /// `kubevirt.io/v1` `VirtualMachineInstanceMigration`, the fields kvirt reads
 /// and writes; the rest is kept as it came.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Migration {
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub api_version: String,
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub kind: String,
     #[serde(default)]
     pub metadata: ObjectMeta,
     #[serde(default)]
@@ -237,6 +298,11 @@ pub struct Mark {
     /// the migration commits.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub vmi: Option<Box<VirtualMachineInstance>>,
+    /// Arriving in a cluster: the source's commit is in, and the mark holds
+    /// the VMI until the API server lists it as this host's (the source
+    /// hands it over after the commit).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub committed: bool,
 }
 
 impl Mark {
@@ -561,6 +627,58 @@ mod tests {
             roots: Box::leak(vec![PathBuf::from("/srv/shared")].into_boxed_slice()),
             claims: ["rwx".to_string()].into(),
         }
+    }
+
+    #[test]
+    fn the_host_holding_the_vmi_starts_a_migration_and_settles_one_that_ended() {
+        use crate::core::vmi::{Phase, NODE_LABEL};
+        let mut v = vmi("{domain: {devices: {}}}");
+        v.metadata.labels = Some([(NODE_LABEL.to_string(), "node-a".to_string())].into());
+        v.status.phase = Some(Phase::Running);
+        let mut m = Migration::default();
+        m.metadata.uid = Some("m1".into());
+        m.spec.vmi_name = "a".into();
+        assert_eq!(object_action(&m, &v, "node-a", false), ObjectAction::Start);
+        // Another host's VMI (or an arrival held here), or one running here.
+        assert_eq!(object_action(&m, &v, "node-b", false), ObjectAction::Ignore);
+        assert_eq!(object_action(&m, &v, "node-a", true), ObjectAction::Ignore);
+        // The VMI says how it ended: completed (on the host it was handed
+        // to), failed, or started by a kvirtd whose recovery ends it.
+        let started = MigrationState::started("m1", "node-a", "t0");
+        let put = |v: &mut VirtualMachineInstance, s: &MigrationState| {
+            v.status
+                .extra
+                .insert(STATE_FIELD.into(), serde_json::to_value(s).unwrap());
+        };
+        let mut w = v.clone();
+        put(&mut w, &started);
+        assert_eq!(object_action(&m, &w, "node-a", false), ObjectAction::Ignore);
+        put(&mut w, &started.clone().ended("t1", Err("no")));
+        assert_eq!(
+            object_action(&m, &w, "node-a", false),
+            ObjectAction::Finish(Failed, Some("no".into()))
+        );
+        put(&mut w, &started.clone().ended("t1", Ok(())));
+        w.metadata.labels = Some([(NODE_LABEL.to_string(), "node-b".to_string())].into());
+        assert_eq!(
+            object_action(&m, &w, "node-b", false),
+            ObjectAction::Finish(Succeeded, None)
+        );
+        // An earlier migration's state says nothing of this one.
+        put(
+            &mut v,
+            &MigrationState::started("m0", "node-a", "t0").ended("t1", Ok(())),
+        );
+        assert_eq!(object_action(&m, &v, "node-a", false), ObjectAction::Start);
+        // Final objects stay as they are; a VMI not running fails it.
+        m.status.phase = Some(Succeeded);
+        assert_eq!(object_action(&m, &v, "node-a", false), ObjectAction::Ignore);
+        m.status.phase = None;
+        v.status.phase = Some(Phase::Scheduled);
+        assert!(matches!(
+            object_action(&m, &v, "node-a", false),
+            ObjectAction::Finish(Failed, Some(r)) if r.contains("not running")
+        ));
     }
 
     #[test]

@@ -28,6 +28,7 @@ pub mod layout;
 pub mod migration;
 pub mod nft;
 pub mod objects;
+pub mod peers;
 pub mod phase;
 pub mod plan;
 pub mod pool;

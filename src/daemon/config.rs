@@ -66,6 +66,10 @@ pub struct MigrationConfig {
     /// `evictionStrategy` (KubeVirt's cluster-wide default): `None`,
     /// `LiveMigrate`, `LiveMigrateIfPossible` or `External`.
     pub eviction_strategy: Strategy,
+    /// At most this many MiB/s for each migration a
+    /// VirtualMachineInstanceMigration asks for (KubeVirt's
+    /// `bandwidthPerMigration`); 0: unlimited.
+    pub bandwidth_per_migration_mib: u64,
 }
 
 impl Default for MigrationConfig {
@@ -74,6 +78,7 @@ impl Default for MigrationConfig {
             listen: String::new(),
             timeout_seconds: 1200,
             eviction_strategy: Strategy::None,
+            bandwidth_per_migration_mib: 0,
         }
     }
 }

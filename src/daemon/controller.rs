@@ -253,6 +253,9 @@ pub struct Controller<A: Adapters> {
     woken: Mutex<Vec<String>>,
     /// Held while a migration mark is checked and set (see `claim_mark`).
     marking: Mutex<()>,
+    /// VMIs handed to another host by a migration: their status is that
+    /// host's to write, even while a source still lists them here.
+    handed_over: Mutex<HashSet<String>>,
 }
 
 /// What a VMI's loop shows of one id to the VirtualMachines above it.
@@ -379,6 +382,7 @@ impl<A: Adapters> Controller<A> {
             tokens: Mutex::default(),
             woken: Mutex::default(),
             marking: Mutex::default(),
+            handed_over: Mutex::default(),
         })
     }
 
@@ -434,17 +438,29 @@ impl<A: Adapters> Controller<A> {
     /// from the status store after a restart) when the UID matches.
     pub async fn set_vmis(&self, mut new: BTreeMap<VmKey, VirtualMachineInstance>) -> Vec<String> {
         // A VMI arriving by migration is listed by no source of this host
-        // until the migration commits: its mark holds it meanwhile.
+        // until the migration commits (in a cluster, until the source hands
+        // it over): its mark holds it meanwhile.
+        let mut arrived = Vec::new();
         for (id, mark) in self.deps.marks.all() {
-            if let (Migrating::Incoming, Some(vmi)) = (mark.role, mark.vmi) {
+            if let (Migrating::Incoming, Some(vmi)) = (mark.role, &mark.vmi) {
                 match vmi.key() {
                     Ok(key) if key.id() == id => {
-                        new.entry(key).or_insert(*vmi);
+                        let listed = new.get(&key).is_some_and(|v| mark.holds_for(v));
+                        if mark.committed && listed {
+                            self.arrived(&id);
+                            arrived.push(id);
+                        } else {
+                            new.entry(key).or_insert_with(|| (**vmi).clone());
+                        }
                     }
                     _ => warn!("migration mark {id}: its VMI is not of that id"),
                 }
             }
         }
+        self.handed_over
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .retain(|id| new.keys().any(|k| &k.id() == id));
         let mut incoming = HashMap::new();
         for (key, mut vmi) in new {
             let id = key.id();
@@ -486,7 +502,10 @@ impl<A: Adapters> Controller<A> {
             unwanted.entry(id.clone()).or_insert(now);
         }
         *vmis = incoming;
+        // An arrival now this host's: its pass writes its status.
+        changed.extend(arrived);
         changed.sort();
+        changed.dedup();
         changed
     }
 

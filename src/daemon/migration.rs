@@ -14,7 +14,7 @@
 
 use crate::core::drain::{self, Strategy};
 use crate::core::key::VmKey;
-use crate::core::migration::{self, Mark, MigrationState, ToSource, ToTarget};
+use crate::core::migration::{self, Mark, MigrationPhase, MigrationState, ToSource, ToTarget};
 use crate::core::plan::{DomainState, Migrating};
 use crate::core::trigger::Trigger;
 use crate::core::vmi::{VirtualMachineInstance, VmiStatus};
@@ -24,11 +24,11 @@ use crate::daemon::controller::{now_rfc3339, Adapters, Controller, Leaving};
 use crate::host::beneath::Beneath;
 use crate::host::migrate::MigrateTo;
 use crate::host::tunnel::{self, Channel, ControlConn, Forward, Peer, Route, Routes};
-use crate::sources::manifest;
+use crate::sources::Handover;
 use futures::future::BoxFuture;
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncWrite};
@@ -65,7 +65,7 @@ const SETTLE: Duration = Duration::from_secs(30);
 const RETRY: Duration = Duration::from_secs(30);
 
 /// How kvirtd takes part in migrations.
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Setup {
     /// The migration port; `None`: this host takes no migrations (it may
     /// still send VMs away).
@@ -73,13 +73,16 @@ pub struct Setup {
     pub cert: PathBuf,
     pub key: PathBuf,
     pub ca: PathBuf,
-    /// Standalone: the manifests directory a VMI's manifest leaves and
-    /// arrives in. `None` (in a cluster): no standalone migration.
-    pub manifests: Option<PathBuf>,
+    /// Where a VMI's ownership lives (its manifest, or its node in the
+    /// API server), handed over when its VM moves.
+    pub handover: Arc<dyn Handover>,
     /// The longest a migration may run before it is aborted.
     pub timeout: Duration,
     /// A drain's strategy for a VMI that names none.
     pub eviction_strategy: Strategy,
+    /// At most this many MiB/s per migration object's migration
+    /// (KubeVirt's `bandwidthPerMigration`); `None`: unlimited.
+    pub bandwidth: Option<u64>,
 }
 
 /// What kvirtctl's `migrate` asks of kvirtd.
@@ -102,6 +105,30 @@ pub trait Migrate: Send + Sync + 'static {
     /// Whether this host's VMIs are its manifests (standalone), which it
     /// may move and stop itself; in a cluster they are the API server's.
     fn standalone(&self) -> bool;
+    /// Moves the VM `key` for a cluster's migration object (see
+    /// [`Object`]) to the kvirtd whose migration port is `to`.
+    fn migrate_object(
+        &self,
+        _key: VmKey,
+        _to: SocketAddr,
+        _object: Object,
+    ) -> BoxFuture<'_, Result<String, String>> {
+        Box::pin(async { Err("this host takes no migration objects".to_string()) })
+    }
+    /// Aborts the migration of `key` under way, if any: the VM stays.
+    fn cancel(&self, _key: &VmKey) -> BoxFuture<'_, Result<(), String>> {
+        Box::pin(async { Err("this host cancels no migrations".to_string()) })
+    }
+}
+
+/// A cluster's `VirtualMachineInstanceMigration`, as its migration runs.
+pub struct Object {
+    /// Its uid: the migration's, on both hosts.
+    pub uid: String,
+    /// The host it goes to.
+    pub node: String,
+    /// Each phase the migration reaches, as it reaches it.
+    pub progress: UnboundedSender<MigrationPhase>,
 }
 
 /// Migrations, both ways, of one kvirtd.
@@ -115,12 +142,13 @@ pub struct Migrations<A: Adapters> {
     /// repeated (its answer lost) is answered again.
     committed: Mutex<HashSet<String>>,
     /// The VMs being sent or recovered now, by id: their marks are theirs.
-    sending: Mutex<HashSet<String>>,
+    /// `true`: the send is cancelled (its migration object deleted).
+    sending: Mutex<HashMap<String, bool>>,
 }
 
 /// A VM being sent or recovered, for as long as this lives.
 struct Sending<'a> {
-    set: &'a Mutex<HashSet<String>>,
+    set: &'a Mutex<HashMap<String, bool>>,
     id: String,
 }
 
@@ -202,7 +230,32 @@ impl<A: Adapters> Migrate for Migrations<A> {
         bandwidth: Option<u64>,
     ) -> BoxFuture<'_, Result<String, String>> {
         let span = crate::host::journal::vm_span(&key.id(), Some(&key));
-        Box::pin(async move { self.send(&key, to, bandwidth).await }.instrument(span))
+        Box::pin(async move { self.send(&key, to, bandwidth, None).await }.instrument(span))
+    }
+
+    fn migrate_object(
+        &self,
+        key: VmKey,
+        to: SocketAddr,
+        object: Object,
+    ) -> BoxFuture<'_, Result<String, String>> {
+        let span = crate::host::journal::vm_span(&key.id(), Some(&key));
+        let bandwidth = self.setup.bandwidth;
+        Box::pin(async move { self.send(&key, to, bandwidth, Some(object)).await }.instrument(span))
+    }
+
+    fn cancel(&self, key: &VmKey) -> BoxFuture<'_, Result<(), String>> {
+        let id = key.id();
+        let dom = self.ctl.domain_of(key);
+        Box::pin(async move {
+            match lock(&self.sending).get_mut(&id) {
+                Some(cancelled) => *cancelled = true,
+                None => return Err(format!("no migration of {id} runs here")),
+            }
+            // Moving already: its job aborted, the domain stays. Before
+            // that, the send sees the cancel before it moves the domain.
+            self.ctl.abort_job(&dom).await.map_err(|e| e.to_string())
+        })
     }
 
     fn cordon(&self, on: bool) -> Result<(), String> {
@@ -228,7 +281,7 @@ impl<A: Adapters> Migrate for Migrations<A> {
     }
 
     fn standalone(&self) -> bool {
-        self.setup.manifests.is_some()
+        self.setup.handover.standalone()
     }
 
     fn still_here(&self) -> Vec<VmKey> {
@@ -256,18 +309,30 @@ impl<A: Adapters> Migrations<A> {
         key: &VmKey,
         to: SocketAddr,
         bandwidth: Option<u64>,
+        object: Option<Object>,
     ) -> Result<String, String> {
         let started = Instant::now();
         let leaving = self.ctl.leaving(key)?;
         let vmi_uid = leaving.vmi.uid().unwrap_or_default().to_owned();
-        let Some(dir) = &self.setup.manifests else {
+        let handover = &self.setup.handover;
+        if object.is_none() && !handover.standalone() {
             return Err("in a cluster, a VirtualMachineInstanceMigration moves a VMI".into());
+        }
+        handover.may_let_go(key, &vmi_uid)?;
+        let uid = match &object {
+            Some(o) => o.uid.clone(),
+            None => {
+                let nanos = std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos());
+                migration::new_uid(&vmi_uid, self.ctl.node_name(), nanos)
+            }
         };
-        let file = manifest::file_of_vmi(dir, key, &vmi_uid)?;
-        let nanos = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos());
-        let uid = migration::new_uid(&vmi_uid, self.ctl.node_name(), nanos);
+        let progress = |phase| {
+            if let Some(o) = &object {
+                let _ = o.progress.send(phase);
+            }
+        };
         let id = key.id();
         let mark = Mark {
             migration_uid: uid.clone(),
@@ -275,6 +340,7 @@ impl<A: Adapters> Migrations<A> {
             vmi_uid,
             peer: to.to_string(),
             vmi: None,
+            committed: false,
         };
         let Some(_sending) = self.busy(&id) else {
             return Err(format!(
@@ -288,13 +354,22 @@ impl<A: Adapters> Migrations<A> {
         info!(migration = %uid, %to, "migrating");
         let mut state = MigrationState::started(&uid, self.ctl.node_name(), &now_rfc3339());
         state.target_node_address = to.to_string();
+        if let Some(o) = &object {
+            state.target_node.clone_from(&o.node);
+        }
         self.ctl.set_migration_state(&id, &state);
         match self
-            .send_marked(&leaving, &uid, self.peer(to), bandwidth)
+            .send_marked(&leaving, &uid, self.peer(to), bandwidth, &progress)
             .await
         {
             Ok(downtime) => {
-                self.let_go(&id, &file);
+                progress(MigrationPhase::Succeeded);
+                let done = state.ended(&now_rfc3339(), Ok(()));
+                if let Err(e) = self.let_go(&id, &leaving.vmi, &done).await {
+                    // It runs at the target: the mark stays, and the
+                    // retry hands it over.
+                    return Err(format!("{key} left for {to}, but {e}"));
+                }
                 let took = started.elapsed();
                 self.ctl.metrics().migration(Some((took, downtime)));
                 let paused = downtime.map_or_else(
@@ -337,11 +412,13 @@ impl<A: Adapters> Migrations<A> {
         uid: &str,
         peer: Peer,
         bandwidth: Option<u64>,
+        progress: &(dyn Fn(MigrationPhase) + Sync),
     ) -> Result<Option<Duration>, Failed> {
         let stay = |reason: String| Failed {
             reason,
             left: false,
         };
+        progress(MigrationPhase::PreparingTarget);
         let mut control = dial_control(&peer, uid).await.map_err(stay)?;
         let mut vmi = l.vmi.clone();
         vmi.status = VmiStatus::default();
@@ -356,6 +433,13 @@ impl<A: Adapters> Migrations<A> {
             Ok(other) => return Err(stay(format!("the target answered {other:?}"))),
             Err(e) => return Err(stay(format!("preparing the target: {e}"))),
         }
+        progress(MigrationPhase::TargetReady);
+        if self.cancelled(&l.key.id()) {
+            let reason = "cancelled: its migration object was deleted".to_string();
+            abort(&mut control, &reason).await;
+            return Err(stay(reason));
+        }
+        progress(MigrationPhase::Running);
         let moved = self.move_domain(l, uid, &peer, bandwidth).await;
         let left = match &moved {
             Ok(()) => true,
@@ -430,15 +514,22 @@ impl<A: Adapters> Migrations<A> {
         r.map_err(|e| e.to_string())
     }
 
-    /// The VM is the target's: its manifest goes (the loop then tears
-    /// down what is left here, and clears the mark once nothing is).
-    fn let_go(&self, id: &str, file: &Path) {
-        match std::fs::remove_file(file) {
-            Ok(()) => info!(manifest = %file.display(), "the VM's manifest moved with it"),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => warn!("removing {}: {e}", file.display()),
+    /// The VM is the target's: its VMI goes to it (the loop then tears
+    /// down what is left here, and clears the mark once nothing is). Its
+    /// status is no longer this host's to write.
+    async fn let_go(
+        &self,
+        id: &str,
+        vmi: &VirtualMachineInstance,
+        state: &MigrationState,
+    ) -> Result<(), String> {
+        self.ctl.hand_over(id);
+        let r = self.setup.handover.let_go(vmi, state).await;
+        if r.is_err() {
+            self.ctl.keep(id);
         }
         self.wake(id);
+        r
     }
 
     /// What a previous kvirtd left midway. As the source: the domain gone
@@ -478,10 +569,20 @@ impl<A: Adapters> Migrations<A> {
     /// Marks `id` as sent or recovered by the caller until the guard
     /// drops; `None`: another send or recovery has it.
     fn busy(&self, id: &str) -> Option<Sending<'_>> {
-        lock(&self.sending).insert(id.to_owned()).then(|| Sending {
+        let mut sending = lock(&self.sending);
+        if sending.contains_key(id) {
+            return None;
+        }
+        sending.insert(id.to_owned(), false);
+        Some(Sending {
             set: &self.sending,
             id: id.to_owned(),
         })
+    }
+
+    /// Whether the send of `id` was cancelled.
+    fn cancelled(&self, id: &str) -> bool {
+        lock(&self.sending).get(id).copied().unwrap_or(false)
     }
 
     async fn recover_outgoing(&self, id: &str, mark: Mark) {
@@ -531,11 +632,17 @@ impl<A: Adapters> Migrations<A> {
         };
         if left {
             info!(migration = %uid, "a migration left unfinished ended at the target");
-            if let Some(dir) = &self.setup.manifests {
-                match manifest::file_of_vmi(dir, &key, &mark.vmi_uid) {
-                    Ok(file) => self.let_go(id, &file),
-                    Err(e) => warn!("{e}"),
-                }
+            let Some(vmi) = self.ctl.view_vmi(id) else {
+                return self.wake(id);
+            };
+            let state = self.ctl.migration_state(id).unwrap_or_else(|| {
+                MigrationState::started(&uid, self.ctl.node_name(), &now_rfc3339())
+            });
+            if let Err(e) = self
+                .let_go(id, &vmi, &state.ended(&now_rfc3339(), Ok(())))
+                .await
+            {
+                warn!(migration = %uid, "{e}");
             }
         } else {
             info!(migration = %uid, "a migration left unfinished did not end: the VM stays");
@@ -691,9 +798,6 @@ impl<A: Adapters> Migrations<A> {
         bases: &BTreeMap<String, String>,
     ) -> ToSource {
         let refuse = |reason: String| refused(uid, reason);
-        if self.setup.manifests.is_none() {
-            return refuse("this host's VMIs come from a cluster".into());
-        }
         if self.ctl.cordoned() {
             return refuse("this host is cordoned (kvirtctl uncordon lifts it)".into());
         }
@@ -727,6 +831,7 @@ impl<A: Adapters> Migrations<A> {
             vmi_uid: vmi.uid().unwrap_or_default().into(),
             peer: source.into(),
             vmi: Some(Box::new(vmi.clone())),
+            committed: false,
         };
         if let Err(e) = self.ctl.claim_mark(&id, &mark) {
             return refuse(format!("{key}: {e}"));
@@ -799,8 +904,9 @@ impl<A: Adapters> Migrations<A> {
         })
     }
 
-    /// The source says the VM runs here now: its manifest is written (so
-    /// this host lists it as its own), then its mark goes.
+    /// The source says the VM runs here now: its VMI is taken on (its
+    /// manifest written, so this host lists it as its own; in a cluster,
+    /// held by its mark until the source's handover lists it here).
     async fn take_on(&self, uid: &str, vmi_uid: &str) -> ToSource {
         let committed = |s: &Self| lock(&s.committed).contains(uid);
         let Some((id, mark)) = self.arrival(uid) else {
@@ -811,6 +917,10 @@ impl<A: Adapters> Migrations<A> {
                 reason: format!("no migration {uid} arriving here, nor the VM running"),
             };
         };
+        if mark.committed {
+            // A commit repeated (its answer lost): taken on already.
+            return ToSource::Committed { downtime_ms: None };
+        }
         // libvirt resumes the guest here only at the switch-over: a domain
         // not running (or gone) means the source's ended before it.
         if self.arrival_state(uid).await != Some(DomainState::Running) {
@@ -820,7 +930,7 @@ impl<A: Adapters> Migrations<A> {
                 reason: reason.into(),
             };
         }
-        let (Some(vmi), Some(dir)) = (&mark.vmi, &self.setup.manifests) else {
+        let Some(vmi) = &mark.vmi else {
             return ToSource::Refused {
                 reason: "the arrival's mark holds no VMI".into(),
             };
@@ -832,22 +942,33 @@ impl<A: Adapters> Migrations<A> {
         };
         let downtime_ms = downtime.map(|d| d.as_millis() as u64);
         let _in = crate::host::journal::vm_span(&id, None).entered();
-        match manifest::write_arrived(dir, vmi) {
-            Ok(file) => {
-                info!(migration = %uid, manifest = %file.display(), ?downtime_ms, "the VM arrived: it runs here now")
+        match self.setup.handover.take_on(vmi) {
+            Ok(true) => {
+                info!(migration = %uid, ?downtime_ms, "the VM arrived: it runs here now");
+                if let Some(state) = self.ctl.migration_state(&id) {
+                    self.ctl
+                        .set_migration_state(&id, &state.ended(&now_rfc3339(), Ok(())));
+                }
+                if let Err(e) = self.ctl.clear_mark(&id) {
+                    // Its manifest holds it; the mark left only waits for a restart.
+                    warn!("{e}");
+                }
+            }
+            Ok(false) => {
+                info!(migration = %uid, ?downtime_ms, "the VM arrived: it runs here, held until the source hands its VMI over");
+                let mut held = mark.clone();
+                held.committed = true;
+                if let Err(e) = self.ctl.replace_mark(&id, &held) {
+                    warn!("{e}");
+                    return ToSource::Refused {
+                        reason: format!("keeping the arrival: {e}"),
+                    };
+                }
             }
             Err(e) => {
                 warn!("{e}");
                 return ToSource::Refused { reason: e };
             }
-        }
-        if let Some(state) = self.ctl.migration_state(&id) {
-            self.ctl
-                .set_migration_state(&id, &state.ended(&now_rfc3339(), Ok(())));
-        }
-        if let Err(e) = self.ctl.clear_mark(&id) {
-            // Its manifest holds it; the mark left only waits for a restart.
-            warn!("{e}");
         }
         self.routes.remove(uid);
         lock(&self.committed).insert(uid.into());

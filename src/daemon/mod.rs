@@ -13,4 +13,5 @@ pub mod man;
 pub mod metrics;
 pub mod migration;
 pub mod serve;
+pub mod vmim;
 pub mod vms;

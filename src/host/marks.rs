@@ -145,6 +145,7 @@ mod tests {
             vmi_uid: "u1".into(),
             peer: "10.251.0.2:8444".into(),
             vmi: None,
+            committed: false,
         }
     }
 

@@ -354,6 +354,47 @@ pub fn file_of_vmi(dir: &Path, key: &VmKey, uid: &str) -> Result<PathBuf, String
     ))
 }
 
+/// A standalone host's VMIs are its manifests: a migration moves the
+/// manifest with the VM (written at the target, then removed here).
+pub struct ManifestHandover {
+    pub dir: PathBuf,
+}
+
+impl super::Handover for ManifestHandover {
+    fn standalone(&self) -> bool {
+        true
+    }
+
+    fn may_let_go(&self, key: &VmKey, vmi_uid: &str) -> Result<(), String> {
+        file_of_vmi(&self.dir, key, vmi_uid).map(|_| ())
+    }
+
+    fn let_go<'a>(
+        &'a self,
+        vmi: &'a VirtualMachineInstance,
+        _state: &'a crate::core::migration::MigrationState,
+    ) -> futures::future::BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            let key = vmi.key().map_err(|e| e.to_string())?;
+            let file = file_of_vmi(&self.dir, &key, vmi.uid().unwrap_or_default())?;
+            match std::fs::remove_file(&file) {
+                Ok(()) => {
+                    tracing::info!(manifest = %file.display(), "the VM's manifest moved with it");
+                    Ok(())
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                Err(e) => Err(format!("removing {}: {e}", file.display())),
+            }
+        })
+    }
+
+    fn take_on(&self, vmi: &VirtualMachineInstance) -> Result<bool, String> {
+        let file = write_arrived(&self.dir, vmi)?;
+        tracing::info!(manifest = %file.display(), "the VM's manifest written");
+        Ok(true)
+    }
+}
+
 /// Writes the manifest of a VMI that arrived by migration, whole (a new
 /// file, then a rename): its UID and creation time kept, so the host runs
 /// it as the same instance. Returns the file.

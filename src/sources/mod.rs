@@ -9,6 +9,7 @@ pub mod cluster;
 pub mod manifest;
 
 use crate::core::key::VmKey;
+use crate::core::migration::MigrationState;
 use crate::core::objects::{ObjectData, ObjectRef};
 use crate::core::pvc::{DataVolume, User};
 use crate::core::quota::{Claim, Hard};
@@ -58,6 +59,29 @@ pub enum SourceError {
         name: String,
         message: String,
     },
+}
+
+/// Where a VMI's ownership lives, as a live migration hands it from host
+/// to host: a manifest file (standalone), or the VMI's node in the API
+/// server (a cluster).
+pub trait Handover: Send + Sync + 'static {
+    /// Whether this host's VMIs are its manifests, which it may move and
+    /// stop itself.
+    fn standalone(&self) -> bool;
+    /// Whether the VMI of `key` (instance `vmi_uid`) could be let go: asked
+    /// before a migration starts.
+    fn may_let_go(&self, key: &VmKey, vmi_uid: &str) -> Result<(), String>;
+    /// Source: the VM runs at `state.target_node` now (its commit is
+    /// confirmed): its VMI becomes that host's, `state` recorded on it.
+    fn let_go<'a>(
+        &'a self,
+        vmi: &'a VirtualMachineInstance,
+        state: &'a MigrationState,
+    ) -> futures::future::BoxFuture<'a, Result<(), String>>;
+    /// Target: the VM arrived. `Ok(true)`: the VMI is this host's now;
+    /// `Ok(false)`: it is once a source of this host lists it (the source
+    /// hands it over).
+    fn take_on(&self, vmi: &VirtualMachineInstance) -> Result<bool, String>;
 }
 
 /// The write side of a VMI source: the status kvirtd owns, and the hold

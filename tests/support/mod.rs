@@ -271,6 +271,33 @@ impl Host {
         st["status"]["phase"].as_str().map(str::to_owned)
     }
 
+    /// The guest's counter (`KVIRT-GUEST-ALIVE <n>`, one each 2 s) in its
+    /// serial log here; empty without a log.
+    pub fn guest_counts(&self, vm: &str) -> Vec<u64> {
+        self.ok(&format!(
+            "grep -ao 'KVIRT-GUEST-ALIVE [0-9]*' /run/kvirt/vms/default_{vm}/console.log 2>/dev/null | cut -d' ' -f2 || true"
+        ))
+        .split_whitespace()
+        .map(|n| n.parse().unwrap())
+        .collect()
+    }
+
+    /// The guest, moved here live, counts on from `before` (its last count
+    /// at the other host): the same boot, never restarted.
+    pub fn assert_counts_on(&self, vm: &str, before: u64) {
+        self.wait_until("the guest counting on here", BOOT, || {
+            self.guest_counts(vm).len() >= 2
+        });
+        let after = self.guest_counts(vm);
+        assert!(
+            after[0] > before && after.windows(2).all(|w| w[1] == w[0] + 1),
+            "the counter goes on from {before}, never restarting: {after:?}"
+        );
+        self.ok(&format!(
+            "! grep -q KVIRT-GUEST-READY /run/kvirt/vms/default_{vm}/console.log"
+        ));
+    }
+
     pub fn wait_phase(&self, vm: &str, phase: &str, timeout: Duration) {
         self.wait_until(&format!("{vm} phase {phase}"), timeout, || {
             self.phase(vm).as_deref() == Some(phase)

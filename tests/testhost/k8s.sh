@@ -401,13 +401,16 @@ th_k8s_binds() {
 TH_K8S_SERVER=https://127.0.0.1:6443
 TH_K8S_SERVICE_CIDR=${TH_K8S_SERVICE_CIDR:-10.96.0.0/12}
 TH_K8S_READY_TIMEOUT=${TH_K8S_READY_TIMEOUT:-90}
+# An address of the host's own network (a link to other hosts) that the API
+# server also serves on, and its certificate names; empty: loopback only.
+TH_K8S_ADDRESS=${TH_K8S_ADDRESS:-}
 
-# Run inside the host (bash -euc, args: SERVER SERVICE_IP). Certificates: ECDSA P-256
+# Run inside the host (bash -euc, args: SERVER SERVICE_IP [ADDRESS]). Certificates: ECDSA P-256
 # for TLS (X.509 v3, SANs, EKUs: rustls/webpki is strict), RSA 2048 for service
 # account tokens. Idempotent: keeps an existing PKI.
 th__k8s_pki_script() {
   cat <<'SH'
-server=$1 svc_ip=$2
+server=$1 svc_ip=$2 address=${3:-}
 pki=/etc/kvirt/pki
 install -d -m 0755 /etc/kvirt /etc/kvirt/kubeconfigs
 install -d -m 0700 "$pki" "$pki/users"
@@ -428,7 +431,7 @@ if [[ ! -s ca.crt ]]; then
     rm -f "$1.csr" "$1.ext"
   }
   sign apiserver "/CN=kube-apiserver" \
-    "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1,IP:::1,IP:$svc_ip,DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n"
+    "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth\nsubjectAltName=IP:127.0.0.1,IP:::1,IP:$svc_ip${address:+,IP:$address},DNS:localhost,DNS:kubernetes,DNS:kubernetes.default,DNS:kubernetes.default.svc,DNS:kubernetes.default.svc.cluster.local\n"
   sign admin "/O=system:masters/CN=kubernetes-admin" \
     "basicConstraints=critical,CA:FALSE\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth\n"
   openssl genpkey -algorithm RSA -pkeyopt rsa_keygen_bits:2048 -out sa.key 2>/dev/null
@@ -480,6 +483,9 @@ SH
 }
 
 th__k8s_units() {
+  # Loopback, or every address when it also serves on a link (one flag).
+  local bind=127.0.0.1
+  [[ -z $TH_K8S_ADDRESS ]] || bind=0.0.0.0
   cat <<EOT
 ### etcd.service
 [Unit]
@@ -505,7 +511,7 @@ After=etcd.service
 [Service]
 ExecStart=/usr/local/bin/kube-apiserver \\
   --etcd-servers=http://127.0.0.1:2379 \\
-  --bind-address=127.0.0.1 --advertise-address=127.0.0.1 --secure-port=6443 \\
+  --bind-address=$bind --advertise-address=127.0.0.1 --secure-port=6443 \\
   --tls-cert-file=/etc/kvirt/pki/apiserver.crt --tls-private-key-file=/etc/kvirt/pki/apiserver.key \\
   --client-ca-file=/etc/kvirt/pki/ca.crt \\
   --authorization-mode=Node,RBAC \\
@@ -599,7 +605,7 @@ th_k8s_up() {
     th_copy_in "$name" "$src" "/usr/local/bin/$f" || return
   done
   t=$(th__now)
-  th_exec "$name" /bin/bash -euc "$(th__k8s_pki_script)" pki "$TH_K8S_SERVER" "$(th__k8s_service_ip)" ||
+  th_exec "$name" /bin/bash -euc "$(th__k8s_pki_script)" pki "$TH_K8S_SERVER" "$(th__k8s_service_ip)" "$TH_K8S_ADDRESS" ||
     { th_die "test host $name: creating the PKI failed"; return; }
   th_log "test host $name: PKI and admin kubeconfig in $(th__since "$t")"
   local units; units=$(mktemp -d)

@@ -19,11 +19,12 @@ const VMI_ACTIONS: [VmiAction; 8] = [
     VmiAction::UserList,
     VmiAction::FilesystemList,
 ];
-const VM_ACTIONS: [VmAction; 4] = [
+const VM_ACTIONS: [VmAction; 5] = [
     VmAction::Start,
     VmAction::Stop,
     VmAction::Restart,
     VmAction::ExpandSpec,
+    VmAction::Migrate,
 ];
 
 /// `GET /apis/subresources.kubevirt.io`
@@ -104,10 +105,12 @@ mod tests {
             "virtualmachineinstances/pause",
             "virtualmachines/start",
             "virtualmachines/expand-spec",
+            "virtualmachines/migrate",
         ] {
             assert!(names.contains(&want), "{want} in {names:?}");
         }
-        assert!(!names.iter().any(|n| n.ends_with("/migrate")));
+        // Not served: not listed.
+        assert!(!names.iter().any(|n| n.ends_with("/addvolume")));
         assert_eq!(group()["preferredVersion"]["version"], "v1");
         assert_eq!(
             version("0.1.0", "linux/x86_64")["gitVersion"],

@@ -26,6 +26,8 @@ pub enum VmAction {
     /// `GET expand-spec`: the VM with its instancetype and preference
     /// applied.
     ExpandSpec,
+    /// `PUT migrate`: a `VirtualMachineInstanceMigration` of the VM's VMI.
+    Migrate,
 }
 
 /// What a VirtualMachineInstance's subresource asks.
@@ -76,6 +78,7 @@ impl VmAction {
             VmAction::Stop => "stop",
             VmAction::Restart => "restart",
             VmAction::ExpandSpec => "expand-spec",
+            VmAction::Migrate => "migrate",
         }
     }
 }
@@ -231,6 +234,7 @@ fn vm_action(s: &str) -> Option<VmAction> {
         "stop" => VmAction::Stop,
         "restart" => VmAction::Restart,
         "expand-spec" => VmAction::ExpandSpec,
+        "migrate" => VmAction::Migrate,
         _ => return None,
     })
 }

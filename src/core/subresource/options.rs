@@ -18,18 +18,50 @@ struct Options {
     dry_run: Vec<String>,
 }
 
+/// KubeVirt's MigrateOptions: what `virtctl migrate` sends.
+#[derive(Debug, Default, Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct MigrateOptions {
+    #[serde(default)]
+    dry_run: Vec<String>,
+    #[serde(default)]
+    added_node_selector: std::collections::BTreeMap<String, String>,
+}
+
+/// The `addedNodeSelector` a `migrate` body asks for; `None` for a dry run.
+pub fn migrate(
+    body: &[u8],
+) -> Result<Option<std::collections::BTreeMap<String, String>>, ApiError> {
+    let o: MigrateOptions = parse(body)?;
+    check_dry_run(&o.dry_run)?;
+    Ok(o.dry_run.is_empty().then_some(o.added_node_selector))
+}
+
+/// A request's body as virt-api reads it: empty is the defaults.
+fn parse<T: Default + serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    if body.iter().all(u8::is_ascii_whitespace) {
+        return Ok(T::default());
+    }
+    serde_json::from_slice(body).map_err(|e| {
+        ApiError::bad_request(format!(
+            "Can not unmarshal Request body to struct, error: {e}"
+        ))
+    })
+}
+
+fn check_dry_run(dry_run: &[String]) -> Result<(), ApiError> {
+    if dry_run.iter().any(|d| d != "All") {
+        return Err(ApiError::bad_request(format!(
+            "dryRun {dry_run:?}: only All is valid"
+        )));
+    }
+    Ok(())
+}
+
 /// What a VM subresource's body asks; `None` for a dry run (checked, not
 /// done). Options kvirt cannot honour are refused.
 pub fn verb(action: VmAction, body: &[u8]) -> Result<Option<Verb>, ApiError> {
-    let o: Options = if body.iter().all(u8::is_ascii_whitespace) {
-        Options::default()
-    } else {
-        serde_json::from_slice(body).map_err(|e| {
-            ApiError::bad_request(format!(
-                "Can not unmarshal Request body to struct, error: {e}"
-            ))
-        })?
-    };
+    let o: Options = parse(body)?;
     let grace = |g: Option<i64>| -> Result<Option<u64>, ApiError> {
         g.map(|g| {
             u64::try_from(g)
@@ -58,14 +90,14 @@ pub fn verb(action: VmAction, body: &[u8]) -> Result<Option<Verb>, ApiError> {
                 ))
             }
         },
-        VmAction::ExpandSpec => return Err(ApiError::bad_request("expand-spec takes no options")),
+        VmAction::ExpandSpec | VmAction::Migrate => {
+            return Err(ApiError::bad_request(format!(
+                "{} takes no run options",
+                action.name()
+            )))
+        }
     };
-    if o.dry_run.iter().any(|d| d != "All") {
-        return Err(ApiError::bad_request(format!(
-            "dryRun {:?}: only All is valid",
-            o.dry_run
-        )));
-    }
+    check_dry_run(&o.dry_run)?;
     Ok((o.dry_run.is_empty()).then_some(verb))
 }
 
@@ -86,6 +118,13 @@ mod tests {
             verb(VmAction::Stop, br#"{"gracePeriod":0}"#).unwrap(),
             Some(Verb::Stop { grace: Some(0) })
         );
+        let selector = migrate(br#"{"addedNodeSelector":{"zone":"z2"}}"#)
+            .unwrap()
+            .unwrap();
+        assert_eq!(selector.get("zone").map(String::as_str), Some("z2"));
+        assert_eq!(migrate(b"").unwrap(), Some(Default::default()));
+        assert_eq!(migrate(br#"{"dryRun":["All"]}"#).unwrap(), None);
+        assert!(migrate(br#"{"dryRun":["Some"]}"#).is_err());
         let restart = |force| Some(Verb::Restart { force });
         assert_eq!(verb(VmAction::Restart, b"{}").unwrap(), restart(false));
         assert_eq!(

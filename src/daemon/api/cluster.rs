@@ -8,7 +8,7 @@ use crate::core::subresource::requestheader::User;
 use crate::core::subresource::{Access, ApiError};
 use crate::core::vm::Verb;
 use crate::core::vmi::{VirtualMachineInstance, NODE_LABEL};
-use crate::sources::cluster::{aggregation, instancetypes, vms};
+use crate::sources::cluster::{aggregation, instancetypes, migrations, vms};
 use kube::api::Api;
 use std::net::SocketAddr;
 
@@ -87,6 +87,36 @@ impl Cluster for KubeCluster {
                 Ok(None) => Err(ApiError::not_found("virtualmachine", key.name())),
                 Err(e) => Err(ApiError::internal(e)),
             }
+        })
+    }
+
+    fn migrate<'a>(
+        &'a self,
+        key: &'a VmKey,
+        added_node_selector: std::collections::BTreeMap<String, String>,
+    ) -> BoxFuture<'a, Result<String, ApiError>> {
+        Box::pin(async move {
+            let api: Api<VirtualMachineInstance> =
+                Api::namespaced(self.client.clone(), key.namespace());
+            let Some(vmi) = api.get_opt(key.name()).await.map_err(kube_error)? else {
+                return Err(ApiError::not_found("virtualmachine", key.name()));
+            };
+            if vmi.status.phase != Some(crate::core::vmi::Phase::Running) {
+                // virt-api's answer for a VM without a running VMI.
+                return Err(ApiError::conflict_on(
+                    "virtualmachine",
+                    key.name(),
+                    "VM is not running",
+                ));
+            }
+            let objects = migrations::KubeMigrations {
+                client: self.client.clone(),
+            };
+            objects
+                .create(key, added_node_selector)
+                .await
+                .map(|name| format!("migration {name} made"))
+                .map_err(kube_error)
         })
     }
 

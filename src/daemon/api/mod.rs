@@ -61,6 +61,15 @@ pub trait Cluster: Send + Sync + 'static {
         key: &'a VmKey,
     ) -> BoxFuture<'a, Result<serde_json::Value, ApiError>>;
     fn peer<'a>(&'a self, node: &'a str) -> BoxFuture<'a, Result<Option<SocketAddr>, String>>;
+    /// `virtctl migrate`: a `VirtualMachineInstanceMigration` of the VM's
+    /// running VMI, made as virt-api makes it; says which.
+    fn migrate<'a>(
+        &'a self,
+        _key: &'a VmKey,
+        _added_node_selector: std::collections::BTreeMap<String, String>,
+    ) -> BoxFuture<'a, Result<String, ApiError>> {
+        Box::pin(async { Err(ApiError::internal("migration objects are not made here")) })
+    }
 }
 
 /// The front proxy's trust, as the API server last published it.
@@ -300,6 +309,16 @@ impl Api {
             return Ok(json(StatusCode::OK, &spec));
         }
         let body = read_body(req).await?;
+        if action == VmAction::Migrate {
+            match options::migrate(&body)? {
+                Some(added) => {
+                    let message = self.cluster.migrate(key, added).await?;
+                    info!(vm = %key, "{message}");
+                }
+                None => info!(vm = %key, action = action.name(), "dry run"),
+            }
+            return Ok(respond(StatusCode::ACCEPTED, vec![]));
+        }
         match options::verb(action, &body)? {
             Some(verb) => {
                 let message = self.cluster.vm_request(key, verb).await?;

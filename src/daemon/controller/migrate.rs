@@ -175,6 +175,54 @@ impl<A: Adapters> Controller<A> {
         self.deps.marks.clear(id)
     }
 
+    /// Keeps `mark` in place of the one `id` has (its own, changed).
+    pub fn replace_mark(&self, id: &str, mark: &Mark) -> Result<(), MarkError> {
+        self.deps.marks.set(id, mark)
+    }
+
+    /// A committed arrival that a source of this host now lists: the VMI
+    /// is this host's, its mark goes, and its status is written afresh
+    /// (the source's last one named the source).
+    pub(super) fn arrived(&self, id: &str) {
+        match self.deps.marks.clear(id) {
+            Ok(()) => tracing::info!(vm = id, "the arrived VM's VMI is this host's now"),
+            Err(e) => tracing::warn!("{e}"),
+        }
+        // Its state as the source ended it, not as it began here.
+        match self.migration_state(id) {
+            Some(s) if s.end_timestamp.is_none() => {
+                self.set_migration_state(id, &s.ended(&super::now_rfc3339(), Ok(())));
+            }
+            _ => {
+                self.unsaved().insert(id.into());
+            }
+        }
+    }
+
+    /// The VM of `id` left for another host, whose VMI it becomes: this
+    /// host no longer writes its status.
+    pub fn hand_over(&self, id: &str) {
+        self.handed_over().insert(id.into());
+    }
+
+    /// The handover of `id` failed: its status is this host's again.
+    pub fn keep(&self, id: &str) {
+        self.handed_over().remove(id);
+    }
+
+    /// Whether `id`'s status is another host's to write: handed over, or
+    /// an arrival not yet this host's.
+    pub(super) fn not_ours(&self, id: &str) -> bool {
+        if self.handed_over().contains(id) {
+            return true;
+        }
+        matches!(self.deps.marks.get(id), Ok(Some(m)) if m.role == crate::core::plan::Migrating::Incoming)
+    }
+
+    fn handed_over(&self) -> std::sync::MutexGuard<'_, std::collections::HashSet<String>> {
+        self.handed_over.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     /// Every mark there is, by VM id.
     pub fn marks(&self) -> Vec<(String, Mark)> {
         self.deps.marks.all()

@@ -138,7 +138,7 @@ impl<A: Adapters> Controller<A> {
                 }
             }
         }
-        if !self.unsaved().contains(&id) {
+        if !self.unsaved().contains(&id) || self.not_ours(&id) {
             return Ok(None);
         }
         let Some(vmi) = current else {

@@ -3,11 +3,43 @@
 //! a merge patch of the fields kvirtd owns (KubeVirt's VMI CRD has no status
 //! subresource); Events, a finalizer and a Lease as a node agent keeps them.
 
+/// `kube::Resource` for one of kvirt's own object types (KubeVirt's
+/// kinds, namespaced, no dynamic type).
+macro_rules! resource {
+    ($t:ty, $kind:expr, $group:expr, $version:expr, $plural:expr) => {
+        impl kube::Resource for $t {
+            type DynamicType = ();
+            type Scope = k8s_openapi::NamespaceResourceScope;
+            fn kind(_: &()) -> std::borrow::Cow<'_, str> {
+                $kind.into()
+            }
+            fn group(_: &()) -> std::borrow::Cow<'_, str> {
+                $group.into()
+            }
+            fn version(_: &()) -> std::borrow::Cow<'_, str> {
+                $version.into()
+            }
+            fn plural(_: &()) -> std::borrow::Cow<'_, str> {
+                $plural.into()
+            }
+            fn meta(&self) -> &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                &self.metadata
+            }
+            fn meta_mut(
+                &mut self,
+            ) -> &mut k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta {
+                &mut self.metadata
+            }
+        }
+    };
+}
+
 pub mod aggregation;
 pub mod claims;
 pub mod events;
 pub mod instancetypes;
 pub mod lease;
+pub mod migrations;
 pub mod replicas;
 pub mod source;
 pub mod status;
@@ -15,8 +47,6 @@ pub mod subresources;
 pub mod vms;
 
 use crate::core::vmi::VirtualMachineInstance;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
-use std::borrow::Cow;
 use std::path::Path;
 
 pub use crate::core::vmi::NODE_LABEL;
@@ -92,29 +122,13 @@ pub(crate) fn api_error(
     }
 }
 
-impl kube::Resource for VirtualMachineInstance {
-    type DynamicType = ();
-    type Scope = k8s_openapi::NamespaceResourceScope;
-
-    fn kind(_: &()) -> Cow<'_, str> {
-        "VirtualMachineInstance".into()
-    }
-    fn group(_: &()) -> Cow<'_, str> {
-        "kubevirt.io".into()
-    }
-    fn version(_: &()) -> Cow<'_, str> {
-        "v1".into()
-    }
-    fn plural(_: &()) -> Cow<'_, str> {
-        "virtualmachineinstances".into()
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
+resource!(
+    VirtualMachineInstance,
+    "VirtualMachineInstance",
+    "kubevirt.io",
+    "v1",
+    "virtualmachineinstances"
+);
 
 /// A client from a kubeconfig file (kvirtd is a host daemon, not a pod),
 /// and the CA the API server's certificate is checked against, as PEM: a

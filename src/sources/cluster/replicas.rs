@@ -21,7 +21,6 @@ use kube::Resource;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::{json, Value};
-use std::borrow::Cow;
 use std::collections::BTreeSet;
 use std::fmt::Debug;
 use std::sync::Arc;
@@ -125,33 +124,6 @@ impl Owner for ReplicaSet {
             .iter()
             .any(|c| c.type_ == "Ready" && c.status == "True")
     }
-}
-
-macro_rules! resource {
-    ($t:ty, $kind:expr, $group:expr, $version:expr, $plural:expr) => {
-        impl kube::Resource for $t {
-            type DynamicType = ();
-            type Scope = k8s_openapi::NamespaceResourceScope;
-            fn kind(_: &()) -> Cow<'_, str> {
-                $kind.into()
-            }
-            fn group(_: &()) -> Cow<'_, str> {
-                $group.into()
-            }
-            fn version(_: &()) -> Cow<'_, str> {
-                $version.into()
-            }
-            fn plural(_: &()) -> Cow<'_, str> {
-                $plural.into()
-            }
-            fn meta(&self) -> &ObjectMeta {
-                &self.metadata
-            }
-            fn meta_mut(&mut self) -> &mut ObjectMeta {
-                &mut self.metadata
-            }
-        }
-    };
 }
 
 resource!(

@@ -25,6 +25,7 @@ const OWNED: &[&str] = &[
     "machine",
     "guestOSInfo",
     "volumeStatus",
+    "migrationState",
 ];
 
 /// The merge patch that writes kvirtd's part of the status (pure). It
@@ -394,7 +395,7 @@ mod tests {
     #[test]
     fn the_patch_carries_only_owned_fields() {
         let mut vmi = VirtualMachineInstance::from_yaml(
-            "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata: {name: a}\nspec: {domain: {devices: {}}}\nstatus: {migrationState: {x: 1}}\n",
+            "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata: {name: a}\nspec: {domain: {devices: {}}}\nstatus: {activePods: {x: 1}}\n",
         )
         .unwrap();
         vmi.status.phase = Some(Phase::Running);
@@ -402,7 +403,7 @@ mod tests {
         let p = status_patch(&vmi);
         assert_eq!(p["status"]["phase"], "Running");
         assert_eq!(p["status"]["nodeName"], "n1");
-        assert!(p["status"].get("migrationState").is_none(), "{p}");
+        assert!(p["status"].get("activePods").is_none(), "{p}");
         assert!(p.get("spec").is_none() && p.get("metadata").is_none());
         vmi.metadata.uid = Some("u-1".into());
         assert_eq!(status_patch(&vmi)["metadata"], json!({"uid": "u-1"}));

@@ -21,7 +21,6 @@ use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams, Preconditions
 use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::runtime::{watcher, WatchStreamExt};
 use serde_json::{json, Value};
-use std::borrow::Cow;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
@@ -31,29 +30,13 @@ use tracing::{info, warn, Instrument};
 /// others, has no garbage collector to follow ownerReferences).
 pub const VM_FINALIZER: &str = "kvirt.io/virtualmachine";
 
-impl kube::Resource for VirtualMachine {
-    type DynamicType = ();
-    type Scope = k8s_openapi::NamespaceResourceScope;
-
-    fn kind(_: &()) -> Cow<'_, str> {
-        "VirtualMachine".into()
-    }
-    fn group(_: &()) -> Cow<'_, str> {
-        "kubevirt.io".into()
-    }
-    fn version(_: &()) -> Cow<'_, str> {
-        "v1".into()
-    }
-    fn plural(_: &()) -> Cow<'_, str> {
-        "virtualmachines".into()
-    }
-    fn meta(&self) -> &ObjectMeta {
-        &self.metadata
-    }
-    fn meta_mut(&mut self) -> &mut ObjectMeta {
-        &mut self.metadata
-    }
-}
+resource!(
+    VirtualMachine,
+    "VirtualMachine",
+    "kubevirt.io",
+    "v1",
+    "virtualmachines"
+);
 
 fn err(key: &VmKey, op: &'static str) -> impl FnOnce(kube::Error) -> ClusterError {
     super::api_error(format!("VirtualMachine {key}"), op)

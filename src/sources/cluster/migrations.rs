@@ -1,0 +1,193 @@
+//! `VirtualMachineInstanceMigration`s through the API server: watched by
+//! every host, each acted on by the host that runs its VMI (see
+//! `daemon::vmim`); and the handover of a migrated VMI to its new host, the
+//! one write that moves it (its node label, which each host's watch
+//! selects by, and `status.nodeName`).
+
+use super::NODE_LABEL;
+use crate::core::migration::{
+    Migration, MigrationPhase, MigrationState, TARGET_NODE_LABEL, VMI_NAME_LABEL,
+};
+use crate::core::vmi::VirtualMachineInstance;
+use crate::sources::Handover;
+use futures::future::BoxFuture;
+use kube::api::{Api, Patch, PatchParams};
+use serde_json::{json, Value};
+
+resource!(
+    Migration,
+    "VirtualMachineInstanceMigration",
+    "kubevirt.io",
+    "v1",
+    "virtualmachineinstancemigrations"
+);
+
+/// The merge patch that hands a migrated VMI to `state.target_node`
+/// (pure): its node label and `status.nodeName` moved, the migration's
+/// target label gone, `status.migrationState` as it ended. It names the
+/// VMI's uid: never another instance of the name.
+pub fn handover_patch(vmi: &VirtualMachineInstance, state: &MigrationState) -> Value {
+    let mut patch = json!({
+        "metadata": {
+            "labels": { NODE_LABEL: state.target_node, TARGET_NODE_LABEL: null },
+        },
+        "status": {
+            "nodeName": state.target_node,
+            "migrationState": state,
+        },
+    });
+    if let Some(uid) = vmi.metadata.uid.as_deref() {
+        patch["metadata"]["uid"] = uid.into();
+    }
+    patch
+}
+
+/// A cluster's VMIs are the API server's: the source hands the VMI over
+/// once the target confirmed; the target holds it until its watch lists it.
+pub struct KubeHandover {
+    pub client: kube::Client,
+}
+
+impl Handover for KubeHandover {
+    fn standalone(&self) -> bool {
+        false
+    }
+
+    fn may_let_go(&self, _key: &crate::core::key::VmKey, _vmi_uid: &str) -> Result<(), String> {
+        Ok(())
+    }
+
+    fn let_go<'a>(
+        &'a self,
+        vmi: &'a VirtualMachineInstance,
+        state: &'a MigrationState,
+    ) -> BoxFuture<'a, Result<(), String>> {
+        Box::pin(async move {
+            let key = vmi.key().map_err(|e| e.to_string())?;
+            let api: Api<VirtualMachineInstance> =
+                Api::namespaced(self.client.clone(), key.namespace());
+            let patch = handover_patch(vmi, state);
+            api.patch(key.name(), &PatchParams::default(), &Patch::Merge(&patch))
+                .await
+                .map(|_| ())
+                .map_err(|e| format!("handing VMI {key} to {}: {e}", state.target_node))
+        })
+    }
+
+    fn take_on(&self, _vmi: &VirtualMachineInstance) -> Result<bool, String> {
+        Ok(false)
+    }
+}
+
+/// The migration objects, for the host that acts on them.
+#[derive(Clone)]
+pub struct KubeMigrations {
+    pub client: kube::Client,
+}
+
+impl KubeMigrations {
+    fn api(&self, m: &Migration) -> Api<Migration> {
+        let ns = m.metadata.namespace.as_deref().unwrap_or("default");
+        Api::namespaced(self.client.clone(), ns)
+    }
+
+    /// Every migration object of the cluster, as it changes.
+    pub fn all(&self) -> Api<Migration> {
+        Api::all(self.client.clone())
+    }
+
+    /// Writes the migration's phase (and `migrationState`, labels) by merge
+    /// patch, guarded by its uid.
+    pub async fn report(&self, m: &Migration, patch: &Value) -> Result<(), String> {
+        let name = m.metadata.name.as_deref().unwrap_or_default();
+        let mut patch = patch.clone();
+        if let Some(uid) = m.metadata.uid.as_deref() {
+            patch["metadata"]["uid"] = uid.into();
+        }
+        self.api(m)
+            .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+            .map(|_| ())
+            .map_err(|e| format!("writing migration {name}: {e}"))
+    }
+
+    /// A migration of the VMI `key`, as virt-api makes one for `virtctl
+    /// migrate`; its name.
+    pub async fn create(
+        &self,
+        key: &crate::core::key::VmKey,
+        added_node_selector: std::collections::BTreeMap<String, String>,
+    ) -> Result<String, kube::Error> {
+        let api: Api<Migration> = Api::namespaced(self.client.clone(), key.namespace());
+        let mut m = Migration::default();
+        m.metadata.generate_name = Some("kubevirt-migrate-vm-".into());
+        m.metadata.namespace = Some(key.namespace().into());
+        m.metadata.labels = Some([(VMI_NAME_LABEL.to_string(), key.name().to_string())].into());
+        m.spec.vmi_name = key.name().into();
+        m.spec.added_node_selector = added_node_selector;
+        m.api_version = "kubevirt.io/v1".into();
+        m.kind = "VirtualMachineInstanceMigration".into();
+        let made = api.create(&kube::api::PostParams::default(), &m).await?;
+        Ok(made.metadata.name.unwrap_or_default())
+    }
+
+    /// The kvirt hosts whose Leases are current.
+    pub async fn peers(&self) -> Result<Vec<crate::core::peers::Peer>, String> {
+        super::lease::peers(&self.client)
+            .await
+            .map_err(|e| format!("listing kvirt hosts' leases: {e}"))
+    }
+}
+
+/// A migration's phase patch (pure): the phase, the state when known, and
+/// the labels virtctl and UIs find it by.
+pub fn phase_patch(vmi_name: &str, phase: MigrationPhase, state: Option<&MigrationState>) -> Value {
+    let mut patch = json!({
+        "metadata": { "labels": { VMI_NAME_LABEL: vmi_name } },
+        "status": { "phase": phase },
+    });
+    if let Some(s) = state {
+        patch["status"]["migrationState"] = json!(s);
+        if !s.target_node.is_empty() {
+            patch["metadata"]["labels"][TARGET_NODE_LABEL] = s.target_node.clone().into();
+        }
+    }
+    patch
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_handover_moves_the_node_and_names_the_instance() {
+        let vmi: VirtualMachineInstance = serde_json::from_value(json!({
+            "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
+            "metadata": {"name": "v", "namespace": "default", "uid": "u1",
+                         "labels": {NODE_LABEL: "node-a"}},
+        }))
+        .unwrap();
+        let mut state = MigrationState::started("m1", "node-a", "2026-01-01T00:00:00Z");
+        state.target_node = "node-b".into();
+        let state = state.ended("2026-01-01T00:00:05Z", Ok(()));
+        let p = handover_patch(&vmi, &state);
+        assert_eq!(p["metadata"]["labels"][NODE_LABEL], "node-b");
+        assert!(p["metadata"]["labels"][TARGET_NODE_LABEL].is_null());
+        assert_eq!(p["metadata"]["uid"], "u1");
+        assert_eq!(p["status"]["nodeName"], "node-b");
+        assert_eq!(p["status"]["migrationState"]["completed"], true);
+        assert_eq!(p["status"]["migrationState"]["sourceNode"], "node-a");
+    }
+
+    #[test]
+    fn a_phase_patch_labels_the_migration_for_virtctl() {
+        let p = phase_patch("v", MigrationPhase::Scheduling, None);
+        assert_eq!(p["metadata"]["labels"][VMI_NAME_LABEL], "v");
+        assert_eq!(p["status"]["phase"], "Scheduling");
+        let mut s = MigrationState::started("m1", "node-a", "2026-01-01T00:00:00Z");
+        s.target_node = "node-b".into();
+        let p = phase_patch("v", MigrationPhase::Scheduled, Some(&s));
+        assert_eq!(p["metadata"]["labels"][TARGET_NODE_LABEL], "node-b");
+        assert_eq!(p["status"]["migrationState"]["targetNode"], "node-b");
+    }
+}
