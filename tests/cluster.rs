@@ -2178,3 +2178,166 @@ fn migration_objects_move_a_running_vmi_between_nodes_live() {
     }
     a.ok("rm -f /srv/shared/k-mover.raw");
 }
+
+/// `lease` (a host's Lease) announces its host cordoned, or not.
+fn announced_cordoned(a: &Host, node: &str, cordoned: bool) {
+    let not = if cordoned { "" } else { "!" };
+    a.wait(
+        &format!("{node}'s Lease announcing cordoned={cordoned}"),
+        WAIT,
+        &format!(
+            "{not} kubectl get lease -n kube-node-lease kvirt-{node} \
+               -o jsonpath='{{.metadata.annotations.kvirt\\.io/host}}' | grep -q '\"cordoned\":true'"
+        ),
+    );
+}
+
+/// `manifest` with its hostDisk on the storage both hosts share.
+fn on_shared(manifest: &str, name: &str) -> String {
+    manifest.replace(
+        &format!("/var/lib/kvirt/images/{name}.raw"),
+        &format!("/srv/shared/{name}.raw"),
+    )
+}
+
+/// `kvirtctl drain` of a cluster host with three VMs, as KubeVirt
+/// evacuates a node: a VirtualMachine's VMI (`LiveMigrate`) and a VMI of
+/// its own (`LiveMigrateIfPossible`) move to the other host by migration
+/// objects named and annotated as KubeVirt's evacuation names them, live
+/// (the VirtualMachine follows its VMI there); the VirtualMachine whose
+/// strategy is `None` is stopped as `virtctl stop` stops it. Progress
+/// comes line by line; the host ends empty and cordoned: it claims no VMI
+/// and no migration chooses it, until `kvirtctl uncordon`.
+#[test]
+fn kvirtctl_drain_empties_a_cluster_host_through_migration_objects() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = serial();
+    // B cordoned (an empty host drains at once) while the VMs are made:
+    // A alone claims them.
+    let out = b.ok("kvirtctl drain");
+    assert!(out.contains("drained: no VM runs here"), "{out}");
+    announced_cordoned(&a, "node-b", true);
+    a.ok(
+        "cp /srv/guest/run.raw /srv/shared/d-vm.raw && cp /srv/guest/run.raw /srv/shared/d-vmi.raw",
+    );
+    disk(&[&a], "d-stop", "run");
+    let z1 = "  nodeSelector: {zone: z1}\n";
+    let vm = support::vm_manifest(
+        "d-vm",
+        "Always",
+        &format!("{z1}  evictionStrategy: LiveMigrate\n"),
+    );
+    apply(&a, &on_shared(&vm, "d-vm"));
+    let vmi = support::vmi_manifest(
+        "d-vmi",
+        "kubevirt.io/nodeName: node-a",
+        "  evictionStrategy: LiveMigrateIfPossible\n",
+        "",
+    );
+    apply(&a, &on_shared(&vmi, "d-vmi"));
+    apply(
+        &a,
+        &support::vm_manifest(
+            "d-stop",
+            "Always",
+            &format!("{z1}  evictionStrategy: None\n"),
+        ),
+    );
+    for vm in ["d-vm", "d-vmi", "d-stop"] {
+        wait_vmi(&a, vm, ".status.phase", "Running", BOOT);
+        wait_vmi(&a, vm, ".status.nodeName", "node-a", WAIT);
+    }
+    assert!(b.ok("kvirtctl uncordon").contains("uncordoned"));
+    announced_cordoned(&a, "node-b", false);
+    let vm_uid = vm_field(&a, "d-vm", "{.metadata.uid}");
+    let vmi_uid = kubectl(&a, "get vmi d-vm -o jsonpath='{.metadata.uid}'");
+    let mut before = Vec::new();
+    for vm in ["d-vm", "d-vmi"] {
+        a.wait_until("the guest counting", BOOT, || a.guest_counts(vm).len() >= 2);
+        before.push(*a.guest_counts(vm).last().unwrap());
+    }
+    let out = a.ok("kvirtctl drain");
+    assert!(
+        out.starts_with("cordoned: this host takes no VM arriving\n")
+            && out.contains("default/d-vm: migrating\n")
+            && out
+                .matches(" moved to node-b (migration kubevirt-evacuation-")
+                .count()
+                == 2
+            && out.contains(
+                "its VirtualMachine default/d-stop stopped (virtctl start d-stop -n default"
+            )
+            && out.trim_end().ends_with("drained: no VM runs here"),
+        "{out}"
+    );
+    // The objects KubeVirt's evacuation makes, Succeeded.
+    for vm in ["d-vm", "d-vmi"] {
+        let field = |path: &str| {
+            kubectl(
+                &a,
+                &format!(
+                    "get vmim -l kubevirt.io/vmi-name={vm} -o jsonpath='{{.items[0].{path}}}'"
+                ),
+            )
+        };
+        assert_eq!(
+            field("metadata.annotations.kubevirt\\.io/evacuationMigration"),
+            "node-a"
+        );
+        assert_eq!(field("status.phase"), "Succeeded");
+        assert!(field("metadata.name").starts_with("kubevirt-evacuation-"));
+        wait_vmi(&a, vm, ".status.nodeName", "node-b", WAIT);
+    }
+    for (vm, before) in ["d-vm", "d-vmi"].into_iter().zip(before) {
+        b.assert_counts_on(vm, before);
+    }
+    // The VirtualMachine follows its VMI (the same one, live) to B.
+    assert_eq!(
+        kubectl(&a, "get vmi d-vm -o jsonpath='{.metadata.uid}'"),
+        vmi_uid
+    );
+    a.wait(
+        "kubectl get vm shows d-vm Running and Ready",
+        WAIT,
+        "kubectl get vm d-vm --no-headers | grep -Eq 'Running +True'",
+    );
+    assert_eq!(vm_field(&a, "d-vm", "{.metadata.uid}"), vm_uid);
+    // d-stop stopped as virtctl stops it: Halted, its VMI gone.
+    assert_eq!(vm_field(&a, "d-stop", "{.spec.runStrategy}"), "Halted");
+    a.wait(
+        "d-stop's VMI gone",
+        WAIT,
+        "! kubectl get vmi d-stop 2>/dev/null",
+    );
+    for vm in ["d-vm", "d-vmi", "d-stop"] {
+        a.wait_until("nothing of the VM left on A", WAIT, || host_clean(&a, vm));
+    }
+    // Cordoned: no migration chooses A (kvirtctl migrate, in a cluster,
+    // makes the object and waits for it), until kvirtctl uncordon.
+    announced_cordoned(&a, "node-a", true);
+    let refused = b.sh("kvirtctl migrate default/d-vmi");
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && err.contains("node-a: cordoned"),
+        "{err}"
+    );
+    wait_vmi(&a, "d-vmi", ".status.phase", "Running", WAIT);
+    assert!(a.ok("kvirtctl uncordon").contains("uncordoned"));
+    announced_cordoned(&a, "node-a", false);
+    let back = b.ok("kvirtctl migrate default/d-vmi");
+    assert!(
+        back.contains("default/d-vmi moved to node-a (migration kubevirt-migrate-vm-"),
+        "{back}"
+    );
+    wait_vmi(&a, "d-vmi", ".status.nodeName", "node-a", WAIT);
+    kubectl(&a, "delete vmim -l kubevirt.io/vmi-name=d-vm");
+    kubectl(&a, "delete vmim -l kubevirt.io/vmi-name=d-vmi");
+    kubectl(&a, "delete vm d-vm d-stop --wait=false");
+    delete(&a, "d-vmi");
+    for h in [&a, &b] {
+        for vm in ["d-vm", "d-vmi", "d-stop"] {
+            h.wait_until("the VM gone", WAIT, || host_clean(h, vm));
+        }
+    }
+    a.ok("rm -f /srv/shared/d-vm.raw /srv/shared/d-vmi.raw");
+}

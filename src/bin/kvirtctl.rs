@@ -95,15 +95,17 @@ enum Command {
         /// NAMESPACE/NAME of a VMI or a VirtualMachine
         vm: String,
     },
-    /// Live-migrate a running standalone VMI to another kvirt host: its
-    /// guest goes on there, and its manifest moves with it.
+    /// Live-migrate a running VMI to another kvirt host: its guest goes on
+    /// there. Standalone, to the kvirtd at --to (its manifest moves with
+    /// it); in a cluster, by a VirtualMachineInstanceMigration.
     Migrate {
         /// NAMESPACE/NAME of a VMI
         vm: String,
         /// The target kvirtd's migration port (its `migration.listen`),
-        /// ADDRESS:PORT
+        /// ADDRESS:PORT; in a cluster, left out: the VMI's scheduling
+        /// rules choose among the kvirt hosts (a migration object is made)
         #[arg(long)]
-        to: String,
+        to: Option<String>,
         /// The most the migration may use, in MiB/s (KubeVirt's
         /// `bandwidthPerMigration`); without it, as fast as it goes
         #[arg(long)]
@@ -111,13 +113,14 @@ enum Command {
     },
     /// Empty this host for maintenance: cordon it (no VM arrives), then
     /// live-migrate each VMI whose evictionStrategy is LiveMigrate or
-    /// LiveMigrateIfPossible to the kvirtd at --to, stop the
+    /// LiveMigrateIfPossible to the kvirtd at --to (in a cluster, by a
+    /// migration object each, to the hosts their rules choose), stop the
     /// VirtualMachines of the others as their strategy says, and name what
-    /// stays. Fails unless the host ends empty.
+    /// stays, each line as it happens. Fails unless the host ends empty.
     Drain {
-        /// The target kvirtd's migration port, ADDRESS:PORT
+        /// The target kvirtd's migration port, ADDRESS:PORT (standalone)
         #[arg(long)]
-        to: String,
+        to: Option<String>,
         /// The most each migration may use, in MiB/s
         #[arg(long)]
         bandwidth: Option<u64>,
@@ -214,7 +217,7 @@ fn main() -> Result<()> {
         Command::Migrate { vm, to, bandwidth } => control(
             &config()?.layout(),
             &Request {
-                to: Some(to),
+                to,
                 bandwidth,
                 ..asks("migrate", vm)
             },
@@ -223,7 +226,7 @@ fn main() -> Result<()> {
             &config()?.layout(),
             &Request {
                 action: "drain".into(),
-                to: Some(to),
+                to,
                 bandwidth,
                 ..Default::default()
             },
@@ -555,7 +558,11 @@ fn api_console(kubeconfig: Option<&Path>, vm: &str) -> Result<()> {
 /// One request to kvirtd's control socket; its refusal is an error.
 fn control(layout: &HostLayout, req: &Request) -> Result<()> {
     let path = layout.control_socket();
-    let answer = kvirt::daemon::control::call(&path, req)
+    let show = &mut |line: &str| {
+        println!("{line}");
+        let _ = std::io::Write::flush(&mut std::io::stdout());
+    };
+    let answer = kvirt::daemon::control::call_with(&path, req, show)
         .with_context(|| format!("asking kvirtd at {}", path.display()))?;
     if !answer.ok {
         bail!("{}", answer.message);

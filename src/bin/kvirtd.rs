@@ -556,7 +556,13 @@ async fn run(config: Config) -> Result<()> {
                     },
                     resync,
                 )?;
-                serve_control(&control_path, control_group, in_tx, view.clone(), migrate);
+                let ctx = control::Ctx {
+                    to: in_tx,
+                    view: view.clone(),
+                    migrate,
+                    evict: None,
+                };
+                serve_control(&control_path, control_group, ctx);
                 tokio::spawn(vms.run(view, in_rx, tx));
                 Ok(())
             };
@@ -602,6 +608,7 @@ async fn run(config: Config) -> Result<()> {
                 move || Announcement::of(&facts, migration_port.clone(), cordon.exists()),
             ));
             let claim = k.claim.then(|| (client.clone(), config.host_facts()));
+            let claim_cordon = settings.layout.cordon_file();
             let control_path = settings.layout.control_socket();
             let control_group = config.control.gid().map_err(anyhow::Error::msg)?;
             // virtctl's API is never a reason not to run VMs.
@@ -619,12 +626,20 @@ async fn run(config: Config) -> Result<()> {
                               view: Arc<dyn VmiView>,
                               migrate: Option<Arc<dyn Migrate>>| {
                 if let Some((client, host)) = claim {
-                    cluster::source::claim_unassigned(client, host);
+                    cluster::source::claim_unassigned(client, host, move || claim_cordon.exists());
                 }
-                if let Some(m) = migrate {
-                    let objects = cluster::migrations::KubeMigrations {
-                        client: vmim_client,
-                    };
+                let objects = cluster::migrations::KubeMigrations {
+                    client: vmim_client,
+                };
+                // A drain moves VMs by migration objects, as virtctl's do.
+                let evict = migrate.as_ref().map(|_| {
+                    Arc::new(kvirt::daemon::evacuate::Evacuation {
+                        objects: objects.clone(),
+                        node: vmim_node.clone(),
+                        within: control::MIGRATE_DEADLINE,
+                    }) as Arc<dyn kvirt::daemon::drain::Evict>
+                });
+                if let Some(m) = migrate.clone() {
                     tokio::spawn(kvirt::daemon::vmim::run(
                         objects,
                         vmim_node,
@@ -657,7 +672,13 @@ async fn run(config: Config) -> Result<()> {
                             .into()));
                     }
                 });
-                serve_control(&control_path, control_group, in_tx, view, None);
+                let ctx = control::Ctx {
+                    to: in_tx,
+                    view,
+                    migrate,
+                    evict,
+                };
+                serve_control(&control_path, control_group, ctx);
                 Ok(())
             };
             let list = move || cluster::source::snapshot(&store);
@@ -749,16 +770,10 @@ fn route_to_api_server(kubeconfig: &Path) -> Result<std::net::IpAddr> {
 }
 
 /// kvirtd's control socket; without it kvirtd still runs every VM.
-fn serve_control(
-    path: &Path,
-    group: Option<u32>,
-    to: UnboundedSender<VmInput>,
-    view: Arc<dyn VmiView>,
-    migrate: Option<Arc<dyn Migrate>>,
-) {
+fn serve_control(path: &Path, group: Option<u32>, ctx: control::Ctx) {
     match control::bind(path, group) {
         Ok(l) => {
-            tokio::spawn(control::serve(l, group, to, view, migrate));
+            tokio::spawn(control::serve(l, group, ctx));
         }
         Err(e) => error!(
             "control socket {}: {e}; kvirtctl start, stop, restart, pause, unpause and \

@@ -54,11 +54,15 @@ pub enum Action {
 }
 
 /// One VMI as the drain sees it. `may_leave`: whether it may migrate now
-/// (`Err`: why not); `vm`: the VirtualMachine that owns it, if one does.
+/// (`Err`: why not); `vm`: the VirtualMachine that owns it, if one does;
+/// `cluster`: whether its host's VMIs are the API server's (a
+/// VirtualMachine's VMI then moves, its VirtualMachine finding it by name
+/// wherever it runs) rather than the host's manifests.
 pub struct Candidate<'a> {
     pub strategy: Result<Strategy, String>,
     pub may_leave: Result<(), String>,
     pub vm: Option<&'a VmKey>,
+    pub cluster: bool,
 }
 
 pub fn decide(c: &Candidate) -> Action {
@@ -66,16 +70,22 @@ pub fn decide(c: &Candidate) -> Action {
         Ok(s) => *s,
         Err(e) => return Action::Stays(e.clone()),
     };
-    // A VirtualMachine's VMI does not migrate yet: its VirtualMachine's
-    // manifest would have to move with it.
+    // A standalone VirtualMachine's VMI does not migrate yet: its
+    // VirtualMachine's manifest would have to move with it.
     let movable = match (c.vm, &c.may_leave) {
-        (Some(_), _) => Err("a VirtualMachine's VMI does not migrate yet".to_owned()),
-        (None, r) => r.clone(),
+        (Some(_), _) if !c.cluster => {
+            Err("a standalone VirtualMachine's VMI does not migrate yet".to_owned())
+        }
+        (_, r) => r.clone(),
+    };
+    let removed_by = match c.cluster {
+        true => "deleting it (kubectl delete vmi)",
+        false => "removing its manifest",
     };
     let stop = |why: &str| match c.vm {
         Some(vm) => Action::StopVm(vm.clone()),
         None => Action::Stays(format!(
-            "{why}, and a VMI of its own is stopped only by removing its manifest"
+            "{why}, and a VMI of its own is stopped only by {removed_by}"
         )),
     };
     match (strategy, movable) {
@@ -121,6 +131,7 @@ mod tests {
             strategy: Ok(s),
             may_leave,
             vm,
+            cluster: false,
         };
         use Strategy::{External, LiveMigrate, LiveMigrateIfPossible};
         assert_eq!(
@@ -162,7 +173,31 @@ mod tests {
             strategy: Err("evictionStrategy \"x\"".into()),
             may_leave: Ok(()),
             vm: Option::None,
+            cluster: false,
         };
         assert!(matches!(decide(&bad), Action::Stays(_)));
+    }
+
+    #[test]
+    fn in_a_cluster_a_virtual_machines_vmi_migrates_and_a_vmi_of_its_own_is_deleted_by_its_owner() {
+        let vm = VmKey::new("ns", "vm").unwrap();
+        let c = |s, vm| Candidate {
+            strategy: Ok(s),
+            may_leave: Ok(()),
+            vm,
+            cluster: true,
+        };
+        assert_eq!(
+            decide(&c(Strategy::LiveMigrate, Some(&vm))),
+            Action::Migrate
+        );
+        assert_eq!(
+            decide(&c(Strategy::None, Some(&vm))),
+            Action::StopVm(vm.clone())
+        );
+        let Action::Stays(why) = decide(&c(Strategy::None, Option::None)) else {
+            panic!()
+        };
+        assert!(why.contains("kubectl delete vmi"), "{why}");
     }
 }

@@ -27,6 +27,9 @@ pub const REASON_DISKS: &str = "DisksNotLiveMigratable";
 pub const VMI_NAME_LABEL: &str = "kubevirt.io/vmi-name";
 /// The label, on the migration and the VMI, naming the target node.
 pub const TARGET_NODE_LABEL: &str = "kubevirt.io/migrationTargetNodeName";
+/// KubeVirt's annotation on a migration a drain made, naming the node
+/// being emptied.
+pub const EVACUATION_ANNOTATION: &str = "kubevirt.io/evacuationMigration";
 /// kvirt's annotation on a migration naming the one host that may take it.
 pub const TARGET_ANNOTATION: &str = "kvirt.io/target-node";
 

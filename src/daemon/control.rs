@@ -1,15 +1,15 @@
 //! kvirtd's control socket: `kvirtctl start|stop|restart` of standalone
 //! VirtualMachines, `pause|unpause|soft-reboot` of running VMIs, `migrate`
-//! of a standalone VMI to another kvirtd, `drain` and `uncordon` of the
-//! host. One JSON request line, one JSON
-//! answer line. Only root,
+//! of a VMI to another kvirtd, `drain` and `uncordon` of the host. One
+//! JSON request line; its answer is one JSON line, after the lines of a
+//! drain's progress (each `{"progress": ...}`). Only root,
 //! or the members of a configured group, may connect: the socket's mode
 //! says so and each peer's credentials are checked again.
 
 use crate::core::key::VmKey;
 use crate::core::vm::Verb;
 use crate::daemon::controller::{VmiAction, VmiView};
-use crate::daemon::drain;
+use crate::daemon::drain::{self, Evict};
 use crate::daemon::migration::Migrate;
 use crate::daemon::vms::Input;
 use serde::{Deserialize, Serialize};
@@ -47,7 +47,8 @@ pub struct Request {
     pub paused: bool,
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub force: bool,
-    /// `migrate --to`: the target kvirtd's migration port (ADDRESS:PORT).
+    /// `migrate --to`: the target kvirtd's migration port (ADDRESS:PORT);
+    /// in a cluster, none (the host is chosen by the VMI's rules).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub to: Option<String>,
     /// `migrate --bandwidth`: the most the migration may use, MiB/s.
@@ -62,13 +63,20 @@ pub struct Answer {
     pub message: String,
 }
 
+/// A line of a drain's progress, sent before its answer.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Progress {
+    progress: String,
+}
+
 /// What a request asks, and of whom.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Command {
     Vm(Verb),
     Vmi(VmiAction),
     Migrate {
-        to: std::net::SocketAddr,
+        to: Option<std::net::SocketAddr>,
         bandwidth: Option<u64>,
     },
 }
@@ -89,22 +97,23 @@ impl Request {
             "pause" => Command::Vmi(VmiAction::Pause),
             "unpause" => Command::Vmi(VmiAction::Unpause),
             "soft-reboot" => Command::Vmi(VmiAction::SoftReboot),
-            "migrate" => {
-                let to = self
-                    .to
-                    .as_deref()
-                    .ok_or("migrate: --to ADDRESS:PORT is missing")?;
-                Command::Migrate {
-                    to: to
-                        .parse()
-                        .map_err(|e| format!("--to {to:?}: not ADDRESS:PORT: {e}"))?,
-                    bandwidth: self.bandwidth,
-                }
-            }
+            "migrate" => Command::Migrate {
+                to: target(self.to.as_deref())?,
+                bandwidth: self.bandwidth,
+            },
             other => return Err(format!("unknown action {other:?}")),
         };
         Ok((key, command))
     }
+}
+
+/// `--to ADDRESS:PORT`, if given.
+fn target(to: Option<&str>) -> Result<Option<std::net::SocketAddr>, String> {
+    to.map(|to| {
+        to.parse()
+            .map_err(|e| format!("--to {to:?}: not ADDRESS:PORT: {e}"))
+    })
+    .transpose()
 }
 
 /// Binds the socket with its mode already set (made under a temporary
@@ -126,13 +135,7 @@ pub fn bind(path: &Path, group: Option<u32>) -> std::io::Result<UnixListener> {
 }
 
 /// Serves requests until the VM loop goes away, one task per connection.
-pub async fn serve(
-    listener: UnixListener,
-    group: Option<u32>,
-    to: UnboundedSender<Input>,
-    view: Arc<dyn VmiView>,
-    migrate: Option<Arc<dyn Migrate>>,
-) {
+pub async fn serve(listener: UnixListener, group: Option<u32>, ctx: Ctx) {
     loop {
         let stream = match listener.accept().await {
             Ok((s, _)) => s,
@@ -142,12 +145,11 @@ pub async fn serve(
                 continue;
             }
         };
-        if to.is_closed() {
+        if ctx.to.is_closed() {
             return;
         }
-        let (to, view, migrate) = (to.clone(), view.clone(), migrate.clone());
+        let ctx = ctx.clone();
         tokio::spawn(async move {
-            let ctx = Ctx { to, view, migrate };
             if let Err(e) = tokio::time::timeout(MIGRATE_DEADLINE, one(stream, group, ctx)).await {
                 warn!("control socket: a client took too long: {e}");
             }
@@ -156,10 +158,16 @@ pub async fn serve(
 }
 
 /// What the requests act on.
-struct Ctx {
-    to: UnboundedSender<Input>,
-    view: Arc<dyn VmiView>,
-    migrate: Option<Arc<dyn Migrate>>,
+#[derive(Clone)]
+pub struct Ctx {
+    /// The VM loop (a VirtualMachine's start, stop, restart).
+    pub to: UnboundedSender<Input>,
+    pub view: Arc<dyn VmiView>,
+    /// This host's migrations, if it takes part in any.
+    pub migrate: Option<Arc<dyn Migrate>>,
+    /// In a cluster, how a VM is moved and stopped through the API server
+    /// (a standalone host does it itself).
+    pub evict: Option<Arc<dyn Evict>>,
 }
 
 async fn one(stream: UnixStream, group: Option<u32>, ctx: Ctx) {
@@ -168,34 +176,52 @@ async fn one(stream: UnixStream, group: Option<u32>, ctx: Ctx) {
         .map(|c| c.uid() == 0 || group.is_some_and(|g| c.gid() == g || in_group(c.pid(), g)))
         .unwrap_or(false);
     let (read, mut write) = stream.into_split();
-    let answer = if !allowed {
-        Answer {
+    if !allowed {
+        let refused = Answer {
             ok: false,
             message:
                 "permission denied: only root or the control group may use kvirtd's control socket"
                     .into(),
-        }
-    } else {
-        let mut line = String::new();
-        let mut reader = BufReader::new(tokio::io::AsyncReadExt::take(read, MAX_REQUEST));
-        match tokio::time::timeout(DEADLINE, reader.read_line(&mut line)).await {
-            Ok(Ok(_)) => answer(&line, &ctx).await,
-            Ok(Err(e)) => Answer {
-                ok: false,
-                message: format!("reading the request: {e}"),
-            },
-            Err(_) => Answer {
-                ok: false,
-                message: "no request line within 10 s".into(),
-            },
+        };
+        return send(&mut write, &refused).await;
+    }
+    let mut line = String::new();
+    let mut reader = BufReader::new(tokio::io::AsyncReadExt::take(read, MAX_REQUEST));
+    let message = match tokio::time::timeout(DEADLINE, reader.read_line(&mut line)).await {
+        Ok(Ok(_)) => None,
+        Ok(Err(e)) => Some(format!("reading the request: {e}")),
+        Err(_) => Some("no request line within 10 s".into()),
+    };
+    if let Some(message) = message {
+        return send(&mut write, &Answer { ok: false, message }).await;
+    }
+    // A drain's lines go out as they come, its answer after them.
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+    let report = move |progress: String| {
+        let _ = tx.send(Progress { progress });
+    };
+    let work = answer(&line, &ctx, &report);
+    let mut work = std::pin::pin!(work);
+    let done = loop {
+        tokio::select! {
+            a = &mut work => break a,
+            Some(p) = rx.recv() => send(&mut write, &p).await,
         }
     };
-    let mut out = serde_json::to_vec(&answer).expect("an answer serializes");
+    while let Ok(p) = rx.try_recv() {
+        send(&mut write, &p).await;
+    }
+    send(&mut write, &done).await;
+}
+
+/// One JSON line to the client; a client gone is not kvirtd's problem.
+async fn send(write: &mut tokio::net::unix::OwnedWriteHalf, line: &impl Serialize) {
+    let mut out = serde_json::to_vec(line).expect("an answer serializes");
     out.push(b'\n');
     let _ = write.write_all(&out).await;
 }
 
-async fn answer(line: &str, ctx: &Ctx) -> Answer {
+async fn answer(line: &str, ctx: &Ctx, report: &(dyn Fn(String) + Sync)) -> Answer {
     let request = match serde_json::from_str::<Request>(line.trim()) {
         Ok(r) => r,
         Err(e) => {
@@ -205,7 +231,7 @@ async fn answer(line: &str, ctx: &Ctx) -> Answer {
             }
         }
     };
-    if let Some(a) = host_answer(&request, ctx).await {
+    if let Some(a) = host_answer(&request, ctx, report).await {
         return a;
     }
     let parsed = request.parse();
@@ -220,10 +246,7 @@ async fn answer(line: &str, ctx: &Ctx) -> Answer {
             return done(r.unwrap_or_else(|_| Err("no answer within 10 s".into())));
         }
         Ok((key, Command::Migrate { to, bandwidth })) => {
-            return done(match &ctx.migrate {
-                Some(m) => m.migrate(key, to, bandwidth).await,
-                None => Err(NO_MIGRATIONS.into()),
-            })
+            return done(migrate(ctx, key, to, bandwidth).await);
         }
         Err(message) => return Answer { ok: false, message },
     };
@@ -258,8 +281,47 @@ async fn answer(line: &str, ctx: &Ctx) -> Answer {
     }
 }
 
+/// `kvirtctl migrate`: standalone, to the kvirtd at `to`; in a cluster,
+/// by a migration object, to the host the VMI's rules choose.
+async fn migrate(
+    ctx: &Ctx,
+    key: VmKey,
+    to: Option<std::net::SocketAddr>,
+    bandwidth: Option<u64>,
+) -> Result<String, String> {
+    let m = ctx.migrate.as_ref().ok_or(NO_MIGRATIONS)?;
+    if m.standalone() {
+        let to = to.ok_or("migrate: --to ADDRESS:PORT is missing")?;
+        return m.migrate(key, to, bandwidth).await;
+    }
+    cluster_evict(ctx, to, bandwidth)?.migrate(key).await
+}
+
+/// A cluster host's way of moving VMs: by migration objects, whose target
+/// the VMI's rules choose and whose bandwidth is the configured one, so a
+/// `--to` or `--bandwidth` is refused rather than ignored.
+fn cluster_evict(
+    ctx: &Ctx,
+    to: Option<std::net::SocketAddr>,
+    bandwidth: Option<u64>,
+) -> Result<&dyn Evict, String> {
+    if to.is_some() {
+        return Err(
+            "--to: in a cluster the target is the kvirt host the VMI's scheduling \
+                    rules choose (or its kvirt.io/target-node annotation's); leave --to out"
+                .into(),
+        );
+    }
+    if bandwidth.is_some() {
+        return Err("--bandwidth: in a cluster each migration's bandwidth is \
+                    [migration] bandwidth_per_migration_mib"
+            .into());
+    }
+    ctx.evict.as_deref().ok_or_else(|| NO_MIGRATIONS.into())
+}
+
 /// `drain` and `uncordon`, of the host rather than a VM; `None`: not one.
-async fn host_answer(r: &Request, ctx: &Ctx) -> Option<Answer> {
+async fn host_answer(r: &Request, ctx: &Ctx, report: &(dyn Fn(String) + Sync)) -> Option<Answer> {
     if !matches!(r.action.as_str(), "drain" | "uncordon") {
         return None;
     }
@@ -276,16 +338,22 @@ async fn host_answer(r: &Request, ctx: &Ctx) -> Option<Answer> {
         })
     } else {
         async {
-            let to =
-                r.to.as_deref()
-                    .ok_or("drain: --to ADDRESS:PORT is missing")?;
-            let to = to
-                .parse()
-                .map_err(|e| format!("--to {to:?}: not ADDRESS:PORT: {e}"))?;
-            let d = drain::drain(m.as_ref(), &ctx.to, to, r.bandwidth).await?;
+            let to = target(r.to.as_deref())?;
+            let d = if m.standalone() {
+                let direct = drain::Direct {
+                    migrate: m.as_ref(),
+                    vms: &ctx.to,
+                    to: to.ok_or("drain: --to ADDRESS:PORT is missing")?,
+                    bandwidth: r.bandwidth,
+                };
+                drain::drain(m.as_ref(), &direct, report).await?
+            } else {
+                let evict = cluster_evict(ctx, to, r.bandwidth)?;
+                drain::drain(m.as_ref(), evict, report).await?
+            };
             Ok(Answer {
                 ok: d.empty,
-                message: d.lines.join("\n"),
+                message: d.summary,
             })
         }
         .await
@@ -293,8 +361,8 @@ async fn host_answer(r: &Request, ctx: &Ctx) -> Option<Answer> {
     Some(result.unwrap_or_else(|message: String| Answer { ok: false, message }))
 }
 
-const NO_MIGRATIONS: &str = "this kvirtd migrates no VMs: standalone kvirtds with kvirt's \
-                             identity ([api] cert, key, ca) do; in a cluster, not yet";
+const NO_MIGRATIONS: &str = "this kvirtd migrates no VMs: kvirtds with kvirt's identity \
+                             ([api] cert, key, ca) and a [migration] section do";
 
 /// Whether process `pid` has `gid` among its supplementary groups.
 fn in_group(pid: Option<i32>, gid: u32) -> bool {
@@ -310,6 +378,16 @@ fn in_group(pid: Option<i32>, gid: u32) -> bool {
 
 /// The client side (kvirtctl): one request, its answer.
 pub fn call(path: &Path, req: &Request) -> std::io::Result<Answer> {
+    call_with(path, req, &mut |_| {})
+}
+
+/// [`call`], with each line of a drain's progress given to `progress` as
+/// it comes.
+pub fn call_with(
+    path: &Path,
+    req: &Request,
+    progress: &mut dyn FnMut(&str),
+) -> std::io::Result<Answer> {
     use std::io::{BufRead, Write};
     let mut s = std::os::unix::net::UnixStream::connect(path)?;
     let wait = if matches!(req.action.as_str(), "migrate" | "drain") {
@@ -326,9 +404,20 @@ pub fn call(path: &Path, req: &Request) -> std::io::Result<Answer> {
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => {}
         r => r?,
     }
-    let mut answer = String::new();
-    std::io::BufReader::new(std::io::Read::take(s, MAX_REQUEST * 4)).read_line(&mut answer)?;
-    serde_json::from_str(&answer).map_err(std::io::Error::other)
+    let mut reader = std::io::BufReader::new(s);
+    loop {
+        let mut line = String::new();
+        std::io::Read::take(&mut reader, MAX_REQUEST * 4).read_line(&mut line)?;
+        if line.is_empty() {
+            return Err(std::io::Error::other(
+                "kvirtd closed the socket without an answer",
+            ));
+        }
+        match serde_json::from_str::<Progress>(&line) {
+            Ok(p) => progress(&p.progress),
+            Err(_) => return serde_json::from_str(&line).map_err(std::io::Error::other),
+        }
+    }
 }
 
 #[cfg(test)]
@@ -406,7 +495,13 @@ mod tests {
         let mode = std::fs::metadata(&path).unwrap().permissions().mode();
         assert_eq!(mode & 0o777, 0o600);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        tokio::spawn(serve(listener, None, tx, Arc::new(NoVmis), None));
+        let ctx = Ctx {
+            to: tx,
+            view: Arc::new(NoVmis),
+            migrate: None,
+            evict: None,
+        };
+        tokio::spawn(serve(listener, None, ctx));
         // The VM loop's part: every request answered "done".
         tokio::spawn(async move {
             while let Some(Input::Command { reply, .. }) = rx.recv().await {
@@ -448,6 +543,103 @@ mod tests {
         assert!(out.contains("ANSWER ok=false permission denied"), "{out}");
     }
 
+    /// A cluster host with one VMI, moved by its migration object.
+    #[derive(Default)]
+    struct ClusterHost {
+        here: std::sync::Mutex<Vec<VmKey>>,
+    }
+
+    impl Migrate for ClusterHost {
+        fn migrate(
+            &self,
+            _: VmKey,
+            _: std::net::SocketAddr,
+            _: Option<u64>,
+        ) -> futures::future::BoxFuture<'_, Result<String, String>> {
+            unreachable!("a cluster host moves VMs by migration objects")
+        }
+        fn cordon(&self, _: bool) -> Result<(), String> {
+            Ok(())
+        }
+        fn drain_plan(&self) -> Vec<(VmKey, crate::core::drain::Action)> {
+            let a = VmKey::new("default", "a").unwrap();
+            vec![(a, crate::core::drain::Action::Migrate)]
+        }
+        fn still_here(&self) -> Vec<VmKey> {
+            self.here.lock().unwrap().clone()
+        }
+        fn standalone(&self) -> bool {
+            false
+        }
+    }
+
+    impl Evict for ClusterHost {
+        fn migrate(&self, key: VmKey) -> futures::future::BoxFuture<'_, Result<String, String>> {
+            self.here.lock().unwrap().clear();
+            Box::pin(async move { Ok(format!("{key} moved to node-b")) })
+        }
+        fn stop(&self, _: VmKey) -> futures::future::BoxFuture<'_, Result<String, String>> {
+            unreachable!("nothing to stop")
+        }
+    }
+
+    #[tokio::test]
+    async fn a_drains_progress_comes_line_by_line_before_its_answer() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("control.sock");
+        let listener = bind(&path, None).unwrap();
+        let host = Arc::new(ClusterHost::default());
+        host.here
+            .lock()
+            .unwrap()
+            .push(VmKey::new("default", "a").unwrap());
+        // The VM loop, there (kvirtd running) though never asked.
+        let (to, _vms) = tokio::sync::mpsc::unbounded_channel();
+        let ctx = Ctx {
+            to,
+            view: Arc::new(NoVmis),
+            migrate: Some(host.clone()),
+            evict: Some(host),
+        };
+        tokio::spawn(serve(listener, None, ctx));
+        let ask = |req: Request| {
+            let p = path.clone();
+            tokio::task::spawn_blocking(move || {
+                let mut lines = Vec::new();
+                let a = call_with(&p, &req, &mut |l| lines.push(l.to_owned())).unwrap();
+                (lines, a)
+            })
+        };
+        let drain = Request {
+            action: "drain".into(),
+            ..Default::default()
+        };
+        let (lines, answer) = ask(drain.clone()).await.unwrap();
+        assert_eq!(
+            lines,
+            [
+                "cordoned: this host takes no VM arriving",
+                "default/a: migrating",
+                "default/a moved to node-b"
+            ]
+        );
+        assert!(answer.ok, "{answer:?}");
+        assert_eq!(answer.message, "drained: no VM runs here");
+        // A target or bandwidth a cluster does not take is refused.
+        let to = Request {
+            to: Some("10.0.0.2:8444".into()),
+            ..drain.clone()
+        };
+        let (lines, answer) = ask(to).await.unwrap();
+        assert!(lines.is_empty() && !answer.ok && answer.message.starts_with("--to:"));
+        let slow = Request {
+            bandwidth: Some(1),
+            ..drain
+        };
+        let (_, answer) = ask(slow).await.unwrap();
+        assert!(!answer.ok && answer.message.starts_with("--bandwidth:"));
+    }
+
     struct NoVmis;
 
     impl VmiView for NoVmis {
@@ -478,11 +670,18 @@ mod tests {
         assert_eq!(
             m(Some("10.0.0.2:8444")).parse().unwrap().1,
             Command::Migrate {
-                to: "10.0.0.2:8444".parse().unwrap(),
+                to: Some("10.0.0.2:8444".parse().unwrap()),
                 bandwidth: Some(8)
             }
         );
-        assert!(m(None).parse().unwrap_err().contains("--to"));
+        // In a cluster the VMI's rules choose; standalone refuses it later.
+        assert_eq!(
+            m(None).parse().unwrap().1,
+            Command::Migrate {
+                to: None,
+                bandwidth: Some(8)
+            }
+        );
         let bad = m(Some("host-b")).parse().unwrap_err();
         assert!(bad.contains("ADDRESS:PORT"), "{bad}");
     }

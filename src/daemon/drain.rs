@@ -1,12 +1,15 @@
 //! `kvirtctl drain`: the host cordoned, then each VM moved, stopped or
 //! kept as its eviction strategy says ([`crate::core::drain`]), one at a
-//! time, until nothing runs here but what must stay.
+//! time, until nothing runs here but what must stay. How a VM is moved or
+//! stopped is [`Evict`]'s: a standalone host does it itself ([`Direct`]),
+//! a cluster's through the API server (`daemon::evacuate`).
 
 use crate::core::drain::Action;
 use crate::core::key::VmKey;
 use crate::core::vm::Verb;
 use crate::daemon::migration::Migrate;
 use crate::daemon::vms::Input;
+use futures::future::BoxFuture;
 use std::net::SocketAddr;
 use std::time::Duration;
 use tokio::sync::mpsc::UnboundedSender;
@@ -17,40 +20,63 @@ use tracing::info;
 /// meanwhile (KubeVirt's default is 30 s), and their teardown.
 const STOPPED_WITHIN: Duration = Duration::from_secs(180);
 
-/// What each VM came to, one line each, and whether the host is empty.
+/// How a drain moves a VM away and stops a VirtualMachine.
+pub trait Evict: Send + Sync {
+    /// Moves the VMI `key` to another host; the answer says where.
+    fn migrate(&self, key: VmKey) -> BoxFuture<'_, Result<String, String>>;
+    /// Stops the VirtualMachine `vm`, as `kvirtctl stop` (or `virtctl
+    /// stop`) does.
+    fn stop(&self, vm: VmKey) -> BoxFuture<'_, Result<String, String>>;
+}
+
+/// A standalone host's drain: each VM to the kvirtd at `to`, each
+/// VirtualMachine stopped by this host's VM loop.
+pub struct Direct<'a> {
+    pub migrate: &'a dyn Migrate,
+    pub vms: &'a UnboundedSender<Input>,
+    pub to: SocketAddr,
+    pub bandwidth: Option<u64>,
+}
+
+impl Evict for Direct<'_> {
+    fn migrate(&self, key: VmKey) -> BoxFuture<'_, Result<String, String>> {
+        self.migrate.migrate(key, self.to, self.bandwidth)
+    }
+
+    fn stop(&self, vm: VmKey) -> BoxFuture<'_, Result<String, String>> {
+        Box::pin(async move { stop(self.vms, &vm).await })
+    }
+}
+
+/// Whether the host ended empty, and the line that says so.
 pub struct Drained {
-    pub lines: Vec<String>,
+    pub summary: String,
     pub empty: bool,
 }
 
+/// Drains the host; `report` gets each line as it happens (what each VM
+/// came to), for the caller to show while the drain goes on.
 pub async fn drain(
     m: &dyn Migrate,
-    vms: &UnboundedSender<Input>,
-    to: SocketAddr,
-    bandwidth: Option<u64>,
+    evict: &dyn Evict,
+    report: &(dyn Fn(String) + Sync),
 ) -> Result<Drained, String> {
-    if !m.standalone() {
-        return Err(
-            "in a cluster, a host is drained through the API server (kubectl cordon, \
-                    VirtualMachineInstanceMigrations): not yet supported by kvirt"
-                .into(),
-        );
-    }
     m.cordon(true)?;
-    let mut lines = vec!["cordoned: this host takes no VM arriving".to_owned()];
+    report("cordoned: this host takes no VM arriving".to_owned());
     let mut kept = Vec::new();
     for (key, action) in m.drain_plan() {
         let line = match action {
-            Action::Migrate => match m.migrate(key.clone(), to, bandwidth).await {
-                Ok(message) => message,
-                Err(e) => {
+            Action::Migrate => {
+                report(format!("{key}: migrating"));
+                evict.migrate(key.clone()).await.unwrap_or_else(|e| {
                     kept.push(key.clone());
                     format!("{key} stays: {e}")
-                }
-            },
-            Action::StopVm(vm) => match stop(vms, &vm).await {
+                })
+            }
+            Action::StopVm(vm) => match evict.stop(vm.clone()).await {
                 Ok(_) => format!(
-                    "{key}: its VirtualMachine {vm} stopped (kvirtctl start {vm} starts it again)"
+                    "{key}: its VirtualMachine {vm} stopped ({})",
+                    start_again(m, &vm)
                 ),
                 Err(e) => {
                     kept.push(key.clone());
@@ -63,17 +89,29 @@ pub async fn drain(
             }
         };
         info!("drain: {line}");
-        lines.push(line);
+        report(line);
     }
     let left = until_only(m, &kept).await;
     let empty = left.is_empty();
-    if empty {
-        lines.push("drained: no VM runs here".into());
+    let summary = if empty {
+        "drained: no VM runs here".to_owned()
     } else {
         let names: Vec<String> = left.iter().map(VmKey::to_string).collect();
-        lines.push(format!("not drained: {} still here", names.join(", ")));
+        format!("not drained: {} still here", names.join(", "))
+    };
+    Ok(Drained { summary, empty })
+}
+
+/// How a user starts the VirtualMachine `vm` again.
+fn start_again(m: &dyn Migrate, vm: &VmKey) -> String {
+    match m.standalone() {
+        true => format!("kvirtctl start {vm} starts it again"),
+        false => format!(
+            "virtctl start {} -n {} starts it again",
+            vm.name(),
+            vm.namespace()
+        ),
     }
-    Ok(Drained { lines, empty })
 }
 
 /// Asks the VM loop to stop the VirtualMachine `vm`, as `kvirtctl stop`.
@@ -174,6 +212,24 @@ mod tests {
         tx
     }
 
+    /// Drains `host` to `to` through its own migrations and VM loop; the
+    /// lines reported, the summary last.
+    async fn drained(host: std::sync::Arc<Host>) -> (Vec<String>, bool) {
+        let vms = vm_loop(host.clone());
+        let direct = Direct {
+            migrate: host.as_ref(),
+            vms: &vms,
+            to: "10.0.0.2:8444".parse().unwrap(),
+            bandwidth: None,
+        };
+        let lines = Mutex::new(Vec::new());
+        let report = |l: String| lines.lock().unwrap().push(l);
+        let d = drain(host.as_ref(), &direct, &report).await.unwrap();
+        let mut lines = lines.into_inner().unwrap();
+        lines.push(d.summary);
+        (lines, d.empty)
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_drain_cordons_first_then_moves_stops_and_names_what_stays() {
         let host = std::sync::Arc::new(Host {
@@ -185,11 +241,8 @@ mod tests {
             here: Mutex::new(vec![key("a"), key("b"), key("vmi-of-vm")]),
             ..Default::default()
         });
-        let to = "10.0.0.2:8444".parse().unwrap();
-        let d = drain(host.as_ref(), &vm_loop(host.clone()), to, None)
-            .await
-            .unwrap();
-        assert!(d.empty, "{:?}", d.lines);
+        let (lines, empty) = drained(host.clone()).await;
+        assert!(empty, "{lines:?}");
         assert_eq!(
             *host.asked.lock().unwrap(),
             [
@@ -199,7 +252,14 @@ mod tests {
                 "migrate default/b"
             ]
         );
-        assert_eq!(d.lines.last().unwrap(), "drained: no VM runs here");
+        // Each VM's line as it happens: before a migration, and after.
+        assert_eq!(lines[1], "default/a: migrating");
+        assert_eq!(lines[2], "default/a moved to 10.0.0.2:8444");
+        assert!(
+            lines[3].contains("default/vm stopped (kvirtctl start default/vm"),
+            "{lines:?}"
+        );
+        assert_eq!(lines.last().unwrap(), "drained: no VM runs here");
 
         // One that does not move, one that must stay: named, not empty.
         let host = std::sync::Arc::new(Host {
@@ -211,37 +271,63 @@ mod tests {
             here: Mutex::new(vec![key("a"), key("c")]),
             ..Default::default()
         });
-        let d = drain(host.as_ref(), &vm_loop(host.clone()), to, None)
-            .await
-            .unwrap();
-        assert!(!d.empty);
-        assert!(d
-            .lines
+        let (lines, empty) = drained(host).await;
+        assert!(!empty);
+        assert!(lines
             .iter()
             .any(|l| l == "default/a stays: the target refused"));
-        assert!(d
-            .lines
+        assert!(lines
             .iter()
             .any(|l| l.contains("default/c stays: evictionStrategy External")));
-        assert!(d
-            .lines
+        assert!(lines
             .last()
             .unwrap()
             .contains("default/a, default/c still here"));
     }
 
-    #[tokio::test]
-    async fn a_cluster_host_is_not_drained_here_and_not_cordoned() {
-        let host = std::sync::Arc::new(Host {
+    /// A cluster's way of moving and stopping, recorded.
+    struct Objects<'a>(&'a Host);
+
+    impl Evict for Objects<'_> {
+        fn migrate(&self, key: VmKey) -> BoxFuture<'_, Result<String, String>> {
+            self.0.asked.lock().unwrap().push(format!("vmim {key}"));
+            self.0.here.lock().unwrap().retain(|k| k != &key);
+            Box::pin(async move { Ok(format!("{key} moved to node-b")) })
+        }
+        fn stop(&self, vm: VmKey) -> BoxFuture<'_, Result<String, String>> {
+            self.0.asked.lock().unwrap().push(format!("halt {vm}"));
+            self.0
+                .here
+                .lock()
+                .unwrap()
+                .retain(|k| k.name() != "vmi-of-vm");
+            Box::pin(async { Ok("stopping".into()) })
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_cluster_host_is_drained_through_its_evict_and_names_virtctl() {
+        let host = Host {
+            plan: vec![
+                (key("a"), Action::Migrate),
+                (key("vmi-of-vm"), Action::StopVm(key("vm"))),
+            ],
+            here: Mutex::new(vec![key("a"), key("vmi-of-vm")]),
             cluster: true,
             ..Default::default()
-        });
-        let to = "10.0.0.2:8444".parse().unwrap();
-        let e = drain(host.as_ref(), &vm_loop(host.clone()), to, None)
-            .await
-            .err()
-            .unwrap();
-        assert!(e.contains("in a cluster"), "{e}");
-        assert!(host.asked.lock().unwrap().is_empty());
+        };
+        let lines = Mutex::new(Vec::new());
+        let report = |l: String| lines.lock().unwrap().push(l);
+        let d = drain(&host, &Objects(&host), &report).await.unwrap();
+        assert!(d.empty);
+        assert_eq!(
+            *host.asked.lock().unwrap(),
+            ["cordon true", "vmim default/a", "halt default/vm"]
+        );
+        let lines = lines.into_inner().unwrap();
+        assert!(
+            lines[3].ends_with("(virtctl start vm -n default starts it again)"),
+            "{lines:?}"
+        );
     }
 }

@@ -274,6 +274,7 @@ impl<A: Adapters> Migrate for Migrations<A> {
                     strategy: Strategy::of(vmi, default),
                     may_leave: migration::may_leave(vmi),
                     vm: vm.as_ref(),
+                    cluster: !self.standalone(),
                 };
                 Some((key, drain::decide(&c)))
             })

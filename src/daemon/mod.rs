@@ -8,6 +8,7 @@ pub mod config;
 pub mod control;
 pub mod controller;
 pub mod drain;
+pub mod evacuate;
 pub mod fake;
 pub mod man;
 pub mod metrics;

@@ -113,7 +113,7 @@ impl Cluster for KubeCluster {
                 client: self.client.clone(),
             };
             objects
-                .create(key, added_node_selector)
+                .create(key, added_node_selector, None)
                 .await
                 .map(|name| format!("migration {name} made"))
                 .map_err(kube_error)

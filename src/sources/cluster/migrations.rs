@@ -6,7 +6,8 @@
 
 use super::NODE_LABEL;
 use crate::core::migration::{
-    Migration, MigrationPhase, MigrationState, TARGET_NODE_LABEL, VMI_NAME_LABEL,
+    Migration, MigrationPhase, MigrationState, EVACUATION_ANNOTATION, TARGET_NODE_LABEL,
+    VMI_NAME_LABEL,
 };
 use crate::core::vmi::VirtualMachineInstance;
 use crate::sources::Handover;
@@ -112,15 +113,25 @@ impl KubeMigrations {
     }
 
     /// A migration of the VMI `key`, as virt-api makes one for `virtctl
-    /// migrate`; its name.
+    /// migrate`, or (`evacuating` a node) as KubeVirt's evacuation
+    /// controller does for a drain; its name.
     pub async fn create(
         &self,
         key: &crate::core::key::VmKey,
         added_node_selector: std::collections::BTreeMap<String, String>,
+        evacuating: Option<&str>,
     ) -> Result<String, kube::Error> {
         let api: Api<Migration> = Api::namespaced(self.client.clone(), key.namespace());
         let mut m = Migration::default();
-        m.metadata.generate_name = Some("kubevirt-migrate-vm-".into());
+        let prefix = match evacuating {
+            Some(node) => {
+                let why = [(EVACUATION_ANNOTATION.to_string(), node.to_string())];
+                m.metadata.annotations = Some(why.into());
+                "kubevirt-evacuation-"
+            }
+            None => "kubevirt-migrate-vm-",
+        };
+        m.metadata.generate_name = Some(prefix.into());
         m.metadata.namespace = Some(key.namespace().into());
         m.metadata.labels = Some([(VMI_NAME_LABEL.to_string(), key.name().to_string())].into());
         m.spec.vmi_name = key.name().into();
@@ -129,6 +140,14 @@ impl KubeMigrations {
         m.kind = "VirtualMachineInstanceMigration".into();
         let made = api.create(&kube::api::PostParams::default(), &m).await?;
         Ok(made.metadata.name.unwrap_or_default())
+    }
+
+    /// The migration object `name` of `namespace`, if there is one.
+    pub async fn get(&self, namespace: &str, name: &str) -> Result<Option<Migration>, String> {
+        let api: Api<Migration> = Api::namespaced(self.client.clone(), namespace);
+        api.get_opt(name)
+            .await
+            .map_err(|e| format!("reading migration {namespace}/{name}: {e}"))
     }
 
     /// The kvirt hosts whose Leases are current.

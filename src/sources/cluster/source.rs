@@ -119,8 +119,13 @@ pub async fn claim(
 }
 
 /// Watches unassigned VMIs and claims those whose nodeSelector this host
-/// satisfies; a claimed VMI then arrives through [`watch_node`].
-pub fn claim_unassigned(client: kube::Client, host: HostFacts) {
+/// satisfies, unless it is `cordoned` then; a claimed VMI then arrives
+/// through [`watch_node`].
+pub fn claim_unassigned(
+    client: kube::Client,
+    host: HostFacts,
+    cordoned: impl Fn() -> bool + Send + 'static,
+) {
     let api: Api<VirtualMachineInstance> = Api::all(client.clone());
     let cfg = watcher::Config::default().labels(&format!("!{NODE_LABEL}"));
     tokio::spawn(async move {
@@ -135,6 +140,12 @@ pub fn claim_unassigned(client: kube::Client, host: HostFacts) {
                 }
             };
             let key = vmi.key().map_or_else(|_| "?".into(), |k| k.to_string());
+            // A cordoned host (kvirtctl drain) takes no new VMs, as a
+            // cordoned Node.
+            if cordoned() {
+                info!(vm = %key, "not claimed: this host is cordoned");
+                continue;
+            }
             match claimable(&vmi, &host) {
                 Ok(true) => {}
                 Ok(false) => continue,
