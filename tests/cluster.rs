@@ -2004,6 +2004,20 @@ fn migrate_and_check(a: &Host, from: &Host, to: &Host, name: &str, vm: &str, ann
         vmim_field(a, name, ".metadata.labels.kubevirt\\.io/vmi-name"),
         vm
     );
+    // How it went, on the object: the time and the guest's pause.
+    let progress = ".status.conditions[?(@.type==\"kvirt.io/Progress\")]";
+    a.wait(
+        "the migration's outcome on its object",
+        WAIT,
+        &format!(
+            "kubectl get vmim {name} -o jsonpath='{{{progress}.reason}}' | grep -qx Succeeded"
+        ),
+    );
+    let said = vmim_field(a, name, &format!("{progress}.message"));
+    assert!(
+        said.contains(" moved to ") && said.contains("pause"),
+        "{said}"
+    );
     let state: serde_json::Value =
         serde_json::from_str(&vmim_field(a, name, ".status.migrationState")).unwrap();
     assert!(
@@ -2121,6 +2135,17 @@ fn migration_objects_move_a_running_vmi_between_nodes_live() {
         BOOT,
         "[ -S /run/kvirt/vms/default_k-mover/migration/memory.sock ]",
     );
+    // Its figures while it runs: on the object, and in A's metrics.
+    a.wait(
+        "the migration's figures on its object",
+        WAIT,
+        "kubectl get vmim k-mover-c -o jsonpath='{.status.conditions[?(@.type==\"kvirt.io/Progress\")].message}' | grep -q 'MiB remaining'",
+    );
+    a.wait(
+        "the migration's figures in A's metrics",
+        WAIT,
+        "busybox wget -q -O - http://127.0.0.1:9477/metrics | grep -q 'kvirt_migration_data_remaining_bytes{namespace=\"default\",name=\"k-mover\"}'",
+    );
     let uid = vmim_field(&a, "k-mover-c", ".metadata.uid");
     kubectl(&a, "delete vmim k-mover-c");
     wait_vmi(
@@ -2212,6 +2237,16 @@ fn on_shared(manifest: &str, name: &str) -> String {
 fn kvirtctl_drain_empties_a_cluster_host_through_migration_objects() {
     let Some((a, b)) = hosts() else { return };
     let _g = serial();
+    // What a failed earlier run may have left goes first.
+    a.ok("kvirtctl uncordon
+          kubectl delete vm d-vm d-stop --ignore-not-found --wait=false
+          kubectl delete vmi d-vmi --ignore-not-found --wait=false
+          kubectl delete vmim -l 'kubevirt.io/vmi-name in (d-vm,d-vmi)' --ignore-not-found");
+    a.wait(
+        "no d- VMI left",
+        WAIT,
+        "! kubectl get vmi d-vm d-vmi d-stop 2>/dev/null | grep -q d-",
+    );
     // B cordoned (an empty host drains at once) while the VMs are made:
     // A alone claims them.
     let out = b.ok("kvirtctl drain");

@@ -32,6 +32,7 @@ pub mod peers;
 pub mod phase;
 pub mod plan;
 pub mod pool;
+pub mod progress;
 pub mod pullsecret;
 pub mod pvc;
 pub mod quantity;

@@ -294,7 +294,7 @@ async fn migrate(
         let to = to.ok_or("migrate: --to ADDRESS:PORT is missing")?;
         return m.migrate(key, to, bandwidth).await;
     }
-    cluster_evict(ctx, to, bandwidth)?.migrate(key).await
+    cluster_evict(ctx, to, bandwidth)?.migrate(key, false).await
 }
 
 /// A cluster host's way of moving VMs: by migration objects, whose target
@@ -574,7 +574,12 @@ mod tests {
     }
 
     impl Evict for ClusterHost {
-        fn migrate(&self, key: VmKey) -> futures::future::BoxFuture<'_, Result<String, String>> {
+        fn migrate(
+            &self,
+            key: VmKey,
+            evacuation: bool,
+        ) -> futures::future::BoxFuture<'_, Result<String, String>> {
+            assert!(evacuation, "a drain's migrations are evacuations");
             self.here.lock().unwrap().clear();
             Box::pin(async move { Ok(format!("{key} moved to node-b")) })
         }

@@ -23,7 +23,9 @@ const STOPPED_WITHIN: Duration = Duration::from_secs(180);
 /// How a drain moves a VM away and stops a VirtualMachine.
 pub trait Evict: Send + Sync {
     /// Moves the VMI `key` to another host; the answer says where.
-    fn migrate(&self, key: VmKey) -> BoxFuture<'_, Result<String, String>>;
+    /// `evacuation`: for a drain (in a cluster its migration object says
+    /// so, as KubeVirt's evacuation marks its own), else a user's.
+    fn migrate(&self, key: VmKey, evacuation: bool) -> BoxFuture<'_, Result<String, String>>;
     /// Stops the VirtualMachine `vm`, as `kvirtctl stop` (or `virtctl
     /// stop`) does.
     fn stop(&self, vm: VmKey) -> BoxFuture<'_, Result<String, String>>;
@@ -39,7 +41,7 @@ pub struct Direct<'a> {
 }
 
 impl Evict for Direct<'_> {
-    fn migrate(&self, key: VmKey) -> BoxFuture<'_, Result<String, String>> {
+    fn migrate(&self, key: VmKey, _: bool) -> BoxFuture<'_, Result<String, String>> {
         self.migrate.migrate(key, self.to, self.bandwidth)
     }
 
@@ -68,7 +70,7 @@ pub async fn drain(
         let line = match action {
             Action::Migrate => {
                 report(format!("{key}: migrating"));
-                evict.migrate(key.clone()).await.unwrap_or_else(|e| {
+                evict.migrate(key.clone(), true).await.unwrap_or_else(|e| {
                     kept.push(key.clone());
                     format!("{key} stays: {e}")
                 })
@@ -289,7 +291,8 @@ mod tests {
     struct Objects<'a>(&'a Host);
 
     impl Evict for Objects<'_> {
-        fn migrate(&self, key: VmKey) -> BoxFuture<'_, Result<String, String>> {
+        fn migrate(&self, key: VmKey, evacuation: bool) -> BoxFuture<'_, Result<String, String>> {
+            assert!(evacuation);
             self.0.asked.lock().unwrap().push(format!("vmim {key}"));
             self.0.here.lock().unwrap().retain(|k| k != &key);
             Box::pin(async move { Ok(format!("{key} moved to node-b")) })

@@ -3,7 +3,9 @@
 //! controller makes one (`kubevirt-evacuation-`, annotated with the node),
 //! which this host then acts on like any other (`daemon::vmim`); each
 //! VirtualMachine to stop stopped as `virtctl stop` does, through the API
-//! server, so its VM controller (any kvirtd) sees it.
+//! server, so its VM controller (any kvirtd) sees it. `kvirtctl migrate`
+//! in a cluster makes its object the same way, as a user's (as `virtctl
+//! migrate` does).
 
 use crate::core::key::VmKey;
 use crate::core::migration::MigrationPhase;
@@ -27,11 +29,12 @@ pub struct Evacuation {
 }
 
 impl Evict for Evacuation {
-    fn migrate(&self, key: VmKey) -> BoxFuture<'_, Result<String, String>> {
+    fn migrate(&self, key: VmKey, evacuation: bool) -> BoxFuture<'_, Result<String, String>> {
         Box::pin(async move {
+            let evacuating = evacuation.then_some(self.node.as_str());
             let name = self
                 .objects
-                .create(&key, BTreeMap::new(), Some(&self.node))
+                .create(&key, BTreeMap::new(), evacuating)
                 .await
                 .map_err(|e| format!("making its migration: {e}"))?;
             self.ended(&key, &name).await

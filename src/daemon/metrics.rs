@@ -38,6 +38,48 @@ struct ResultLabel {
     result: String,
 }
 
+/// A VM, by its VMI's namespace and name.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct VmLabel {
+    namespace: String,
+    name: String,
+}
+
+/// The figures of the migrations this host sends now, per VM (as
+/// KubeVirt's `kubevirt_vmi_migration_data_*` metrics).
+#[derive(Default)]
+struct Moving {
+    total: Family<VmLabel, Gauge>,
+    processed: Family<VmLabel, Gauge>,
+    remaining: Family<VmLabel, Gauge>,
+    iterations: Family<VmLabel, Gauge>,
+}
+
+impl Moving {
+    fn register(&self, registry: &mut Registry) {
+        registry.register(
+            "migration_data_total_bytes",
+            "Guest memory and disks a running migration moves",
+            self.total.clone(),
+        );
+        registry.register(
+            "migration_data_processed_bytes",
+            "What a running migration has sent so far",
+            self.processed.clone(),
+        );
+        registry.register(
+            "migration_data_remaining_bytes",
+            "What a running migration has still to send",
+            self.remaining.clone(),
+        );
+        registry.register(
+            "migration_iterations",
+            "Passes over guest memory a running migration has made",
+            self.iterations.clone(),
+        );
+    }
+}
+
 /// What kvirtd found of a VM when it started.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Adoption {
@@ -69,6 +111,7 @@ pub struct Metrics {
     migrations: Family<ResultLabel, Counter>,
     migration: Histogram,
     downtime: Histogram,
+    moving: Moving,
 }
 
 impl Default for Metrics {
@@ -121,6 +164,8 @@ impl Default for Metrics {
             "How long the guest was paused at a migration's switch-over, as the target's libvirt measured it",
             downtime.clone(),
         );
+        let moving = Moving::default();
+        moving.register(&mut registry);
         Self {
             registry,
             vms,
@@ -131,6 +176,7 @@ impl Default for Metrics {
             migrations,
             migration,
             downtime,
+            moving,
         }
     }
 }
@@ -189,6 +235,37 @@ impl Metrics {
             if let Some(d) = downtime {
                 self.downtime.observe(d.as_secs_f64());
             }
+        }
+    }
+
+    /// The figures of `vm`'s migration running now; `None`: it ended, its
+    /// series go.
+    pub fn migrating(
+        &self,
+        vm: &crate::core::key::VmKey,
+        p: Option<&crate::host::migrate::Progress>,
+    ) {
+        let label = VmLabel {
+            namespace: vm.namespace().into(),
+            name: vm.name().into(),
+        };
+        let m = &self.moving;
+        let families = [&m.total, &m.processed, &m.remaining, &m.iterations];
+        let Some(p) = p else {
+            for f in families {
+                f.remove(&label);
+            }
+            return;
+        };
+        let values = [
+            p.data_total,
+            p.data_processed,
+            p.data_remaining,
+            p.iterations,
+        ];
+        for (f, v) in families.into_iter().zip(values) {
+            f.get_or_create(&label)
+                .set(i64::try_from(v).unwrap_or(i64::MAX));
         }
     }
 
@@ -344,6 +421,31 @@ mod tests {
         ] {
             assert!(text.contains(want), "{want} missing from\n{text}");
         }
+    }
+
+    #[test]
+    fn a_running_migrations_figures_are_series_of_its_vm_until_it_ends() {
+        let m = Metrics::default();
+        let vm = crate::core::key::VmKey::new("ns", "a").unwrap();
+        let p = crate::host::migrate::Progress {
+            data_total: 1000,
+            data_processed: 700,
+            data_remaining: 300,
+            iterations: 2,
+            ..Default::default()
+        };
+        m.migrating(&vm, Some(&p));
+        let text = m.encode();
+        for want in [
+            "kvirt_migration_data_total_bytes{namespace=\"ns\",name=\"a\"} 1000",
+            "kvirt_migration_data_processed_bytes{namespace=\"ns\",name=\"a\"} 700",
+            "kvirt_migration_data_remaining_bytes{namespace=\"ns\",name=\"a\"} 300",
+            "kvirt_migration_iterations{namespace=\"ns\",name=\"a\"} 2",
+        ] {
+            assert!(text.contains(want), "{want} missing from\n{text}");
+        }
+        m.migrating(&vm, None);
+        assert!(!m.encode().contains("name=\"a\""));
     }
 
     #[tokio::test]

@@ -22,7 +22,7 @@ use crate::daemon::api::reload::Reloading;
 use crate::daemon::api::tls::{Identity, TlsError, SERVICE_NAME};
 use crate::daemon::controller::{now_rfc3339, Adapters, Controller, Leaving};
 use crate::host::beneath::Beneath;
-use crate::host::migrate::MigrateTo;
+use crate::host::migrate::{MigrateTo, Progress};
 use crate::host::tunnel::{self, Channel, ControlConn, Forward, Peer, Route, Routes};
 use crate::sources::Handover;
 use futures::future::BoxFuture;
@@ -60,6 +60,9 @@ const ANSWER: Duration = Duration::from_secs(30);
 /// How long an arrival whose source went silent waits for it, when no
 /// domain came.
 const SETTLE: Duration = Duration::from_secs(30);
+/// How often a running migration's figures are read (for its object's
+/// status and the metrics).
+const FIGURES: Duration = Duration::from_secs(2);
 /// How often a departure left unfinished (its commit's answer lost, the
 /// target away) is tried again, as a restart would.
 const RETRY: Duration = Duration::from_secs(30);
@@ -127,8 +130,16 @@ pub struct Object {
     pub uid: String,
     /// The host it goes to.
     pub node: String,
-    /// Each phase the migration reaches, as it reaches it.
-    pub progress: UnboundedSender<MigrationPhase>,
+    /// Each phase the migration reaches, as it reaches it, and its
+    /// figures while it moves the guest.
+    pub progress: UnboundedSender<Step>,
+}
+
+/// What a migration object's migration tells as it runs.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Step {
+    Phase(MigrationPhase),
+    Figures(Progress),
 }
 
 /// Migrations, both ways, of one kvirtd.
@@ -329,9 +340,9 @@ impl<A: Adapters> Migrations<A> {
                 migration::new_uid(&vmi_uid, self.ctl.node_name(), nanos)
             }
         };
-        let progress = |phase| {
+        let progress = |step| {
             if let Some(o) = &object {
-                let _ = o.progress.send(phase);
+                let _ = o.progress.send(step);
             }
         };
         let id = key.id();
@@ -364,7 +375,7 @@ impl<A: Adapters> Migrations<A> {
             .await
         {
             Ok(downtime) => {
-                progress(MigrationPhase::Succeeded);
+                progress(Step::Phase(MigrationPhase::Succeeded));
                 let done = state.ended(&now_rfc3339(), Ok(()));
                 if let Err(e) = self.let_go(&id, &leaving.vmi, &done).await {
                     // It runs at the target: the mark stays, and the
@@ -413,13 +424,13 @@ impl<A: Adapters> Migrations<A> {
         uid: &str,
         peer: Peer,
         bandwidth: Option<u64>,
-        progress: &(dyn Fn(MigrationPhase) + Sync),
+        progress: &(dyn Fn(Step) + Sync),
     ) -> Result<Option<Duration>, Failed> {
         let stay = |reason: String| Failed {
             reason,
             left: false,
         };
-        progress(MigrationPhase::PreparingTarget);
+        progress(Step::Phase(MigrationPhase::PreparingTarget));
         let mut control = dial_control(&peer, uid).await.map_err(stay)?;
         let mut vmi = l.vmi.clone();
         vmi.status = VmiStatus::default();
@@ -434,14 +445,19 @@ impl<A: Adapters> Migrations<A> {
             Ok(other) => return Err(stay(format!("the target answered {other:?}"))),
             Err(e) => return Err(stay(format!("preparing the target: {e}"))),
         }
-        progress(MigrationPhase::TargetReady);
+        progress(Step::Phase(MigrationPhase::TargetReady));
         if self.cancelled(&l.key.id()) {
             let reason = "cancelled: its migration object was deleted".to_string();
             abort(&mut control, &reason).await;
             return Err(stay(reason));
         }
-        progress(MigrationPhase::Running);
-        let moved = self.move_domain(l, uid, &peer, bandwidth).await;
+        progress(Step::Phase(MigrationPhase::Running));
+        let figures = |p: Progress| {
+            self.ctl.metrics().migrating(&l.key, Some(&p));
+            progress(Step::Figures(p));
+        };
+        let moved = self.move_domain(l, uid, &peer, bandwidth, &figures).await;
+        self.ctl.metrics().migrating(&l.key, None);
         let left = match &moved {
             Ok(()) => true,
             // libvirt may fail after the switch-over (its confirm step):
@@ -477,6 +493,7 @@ impl<A: Adapters> Migrations<A> {
         uid: &str,
         peer: &Peer,
         bandwidth: Option<u64>,
+        figures: &(dyn Fn(Progress) + Sync),
     ) -> Result<(), String> {
         let dir = Beneath::open(&l.paths.runtime_dir)
             .and_then(|d| d.mkdir(DIR, 0o755, Some((0, 0))))
@@ -507,12 +524,35 @@ impl<A: Adapters> Migrations<A> {
             dest_xml: None,
             bandwidth_mib: bandwidth,
         };
-        let r = self.ctl.move_domain(&l.dom, &to, self.setup.timeout).await;
+        let moving = self.ctl.move_domain(&l.dom, &to, self.setup.timeout);
+        let r = self.watching(moving, l, figures).await;
         drop(forwards);
         for name in [DAEMON, MEMORY, DISKS] {
             let _ = dir.remove(name);
         }
         r.map_err(|e| e.to_string())
+    }
+
+    /// Runs `moving`, giving the job's figures to `figures` every
+    /// [`FIGURES`] meanwhile.
+    async fn watching<T>(
+        &self,
+        moving: impl std::future::Future<Output = T>,
+        l: &Leaving,
+        figures: &(dyn Fn(Progress) + Sync),
+    ) -> T {
+        let mut moving = std::pin::pin!(moving);
+        let mut tick = tokio::time::interval(FIGURES);
+        loop {
+            tokio::select! {
+                r = &mut moving => return r,
+                _ = tick.tick() => {
+                    if let Some(p) = self.ctl.job_progress(&l.dom).await {
+                        figures(p);
+                    }
+                }
+            }
+        }
     }
 
     /// The VM is the target's: its VMI goes to it (the loop then tears

@@ -11,8 +11,9 @@ use crate::core::migration::{
     object_action, Migration, MigrationPhase, MigrationState, ObjectAction,
 };
 use crate::core::peers;
+use crate::core::progress;
 use crate::daemon::controller::{now_rfc3339, VmiView};
-use crate::daemon::migration::{Migrate, Object};
+use crate::daemon::migration::{Migrate, Object, Step};
 use crate::sources::cluster::migrations::{phase_patch, KubeMigrations};
 use futures::StreamExt;
 use kube::runtime::watcher;
@@ -25,6 +26,8 @@ use tracing::{info, warn, Instrument};
 /// How often objects not final are looked at again: a migration a
 /// restarted kvirtd's recovery ended shows on its VMI, not its object.
 const SETTLE: Duration = Duration::from_secs(10);
+/// The most often a running migration's figures are written to its object.
+const FIGURES_EVERY: Duration = Duration::from_secs(5);
 
 struct Runner {
     objects: KubeMigrations,
@@ -173,32 +176,15 @@ impl Runner {
         state.target_node.clone_from(&node);
         state.target_node_address = addr.to_string();
         self.write(m, MigrationPhase::Scheduled, Some(&state)).await;
-        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let object = Object {
             uid: uid.clone(),
             node,
             progress: tx,
         };
         let moving = self.migrate.migrate_object(key.clone(), addr, object);
-        let mut moving = std::pin::pin!(moving);
-        // The last phase the migration reached: `Succeeded` once the target
-        // confirmed, even if handing the VMI over is still to be retried.
-        let mut reached = MigrationPhase::Scheduled;
-        let result = loop {
-            tokio::select! {
-                r = &mut moving => break r,
-                Some(phase) = rx.recv() => {
-                    reached = phase;
-                    if !phase.is_final() {
-                        self.write(m, phase, Some(&state)).await;
-                    }
-                }
-            }
-        };
-        while let Ok(phase) = rx.try_recv() {
-            reached = phase;
-        }
-        let (phase, end) = match result {
+        let (result, reached) = self.follow(m, &state, moving, rx).await;
+        let (phase, end) = match &result {
             Ok(said) => {
                 info!(migration = %name, "{said}");
                 (MigrationPhase::Succeeded, Ok(()))
@@ -206,14 +192,69 @@ impl Runner {
             Err(_) if reached == MigrationPhase::Succeeded => (MigrationPhase::Succeeded, Ok(())),
             Err(reason) => {
                 warn!(migration = %name, "{reason}");
-                (MigrationPhase::Failed, Err(reason))
+                (MigrationPhase::Failed, Err(reason.as_str()))
             }
         };
-        let ended = state.ended(
-            &now_rfc3339(),
-            end.as_ref().map_err(String::as_str).copied(),
-        );
+        let ended = state.ended(&now_rfc3339(), end);
         self.write(m, phase, Some(&ended)).await;
+        let said = match &result {
+            Ok(said) | Err(said) => said,
+        };
+        let reason = if phase == MigrationPhase::Succeeded {
+            "Succeeded"
+        } else {
+            "Failed"
+        };
+        self.note(m, reason, said).await;
+    }
+
+    /// Runs `moving`, writing each phase it reaches and, at most every
+    /// [`FIGURES_EVERY`], its figures; how it ended, and the last phase it
+    /// reached (`Succeeded` once the target confirmed, even if handing the
+    /// VMI over is still to be retried).
+    async fn follow(
+        &self,
+        m: &Migration,
+        state: &MigrationState,
+        moving: impl std::future::Future<Output = Result<String, String>>,
+        mut rx: tokio::sync::mpsc::UnboundedReceiver<Step>,
+    ) -> (Result<String, String>, MigrationPhase) {
+        let mut moving = std::pin::pin!(moving);
+        let mut reached = MigrationPhase::Scheduled;
+        let mut noted: Option<tokio::time::Instant> = None;
+        let result = loop {
+            tokio::select! {
+                r = &mut moving => break r,
+                Some(step) = rx.recv() => match step {
+                    Step::Phase(phase) => {
+                        reached = phase;
+                        if !phase.is_final() {
+                            self.write(m, phase, Some(state)).await;
+                        }
+                    }
+                    Step::Figures(p) => {
+                        if noted.is_none_or(|t| t.elapsed() >= FIGURES_EVERY) {
+                            noted = Some(tokio::time::Instant::now());
+                            self.note(m, "Running", &p.line()).await;
+                        }
+                    }
+                },
+            }
+        };
+        while let Ok(step) = rx.try_recv() {
+            if let Step::Phase(phase) = step {
+                reached = phase;
+            }
+        }
+        (result, reached)
+    }
+
+    /// The object's progress condition: its figures, or how it ended.
+    async fn note(&self, m: &Migration, reason: &str, message: &str) {
+        let patch = progress::condition_patch(reason, message, &now_rfc3339());
+        if let Err(e) = self.objects.report(m, &patch).await {
+            warn!("{e}");
+        }
     }
 
     /// The object of a running migration was deleted: the VM stays.

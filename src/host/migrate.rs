@@ -85,19 +85,7 @@ impl MigrateTo {
     }
 }
 
-/// A running migration job, as the source daemon reports it.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct Progress {
-    pub data_total: u64,
-    pub data_processed: u64,
-    pub data_remaining: u64,
-    /// Passes over guest memory so far (each after the first resends what
-    /// the guest dirtied).
-    pub iterations: u64,
-    /// The guest's pause at the switch-over, once known.
-    pub downtime_ms: Option<u64>,
-    pub elapsed_ms: u64,
-}
+pub use crate::core::progress::Progress;
 
 /// The source's side of a migration, one VM's daemon at a time.
 pub trait LiveMigration: Send + Sync + 'static {

@@ -346,6 +346,12 @@ impl<A: Adapters> Controller<A> {
         Ok(self.deps.hypervisor.observe(dom).await?.map(|o| o.state))
     }
 
+    /// The figures of the domain's job (a migration) running now, if one
+    /// does and its daemon answers.
+    pub async fn job_progress(&self, dom: &DomainRef) -> Option<crate::host::migrate::Progress> {
+        self.deps.hypervisor.progress(dom).await.ok().flatten()
+    }
+
     /// Waits (at most `wait`) for the domain's job to end: a migration
     /// asked to abort ends with the domain here, or past its switch-over
     /// with the domain gone.
