@@ -2177,6 +2177,9 @@ fn migration_objects_move_a_running_vmi_between_nodes_live() {
     // No host that could take it: Failed, with why; the VM runs on.
     let reason = fails(&a, "k-mover-3", "k-mover", "kvirt.io/target-node: node-x");
     assert!(reason.contains("no live kvirt host node-x"), "{reason}");
+    // A VMI that runs nowhere: no host takes the object up; it fails.
+    let reason = fails(&a, "k-none-1", "k-none", "");
+    assert_eq!(reason, "the VMI default/k-none does not exist");
     // A VMI whose disk is A's own cannot move: refused, it runs on.
     disk(&[&a], "k-local", "run");
     apply(&a, &vmi_yaml("k-local", "kubevirt.io/nodeName: node-a", ""));
@@ -2193,7 +2196,10 @@ fn migration_objects_move_a_running_vmi_between_nodes_live() {
         );
         wait_vmi(&a, vm, ".status.phase", "Running", WAIT);
     }
-    kubectl(&a, "delete vmim k-mover-1 k-mover-2 k-mover-3 k-local-1");
+    kubectl(
+        &a,
+        "delete vmim k-mover-1 k-mover-2 k-mover-3 k-local-1 k-none-1",
+    );
     delete(&a, "k-mover");
     delete(&a, "k-local");
     for h in [&a, &b] {

@@ -136,6 +136,24 @@ pub fn object_action(
     }
 }
 
+/// Why the object of a migration no host took up fails (pure): its VMI
+/// does not exist, or runs on no host (KubeVirt refuses such an object at
+/// admission). `None`: its VMI is some host's, which decides.
+pub fn runs_nowhere(key: &str, vmi: Option<&VirtualMachineInstance>) -> Option<String> {
+    use crate::core::vmi::NODE_LABEL;
+    let Some(vmi) = vmi else {
+        return Some(format!("the VMI {key} does not exist"));
+    };
+    let labels = vmi.metadata.labels.as_ref();
+    if labels.is_some_and(|l| l.contains_key(NODE_LABEL)) {
+        return None;
+    }
+    let phase = vmi.status.phase.unwrap_or(crate::core::vmi::Phase::Pending);
+    Some(format!(
+        "the VMI {key} runs on no host (phase {phase:?}): only a running VMI migrates"
+    ))
+}
+
 /// `kubevirt.io/v1` `VirtualMachineInstanceMigration`, the fields kvirt reads
 /// and writes; the rest is kept as it came.
 #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize)]
@@ -1062,5 +1080,24 @@ mod tests {
         assert!(same_bases(&source, &BTreeMap::new())
             .unwrap_err()
             .contains("over nothing here"));
+    }
+
+    #[test]
+    fn an_object_whose_vmi_runs_nowhere_fails_and_one_whose_vmi_is_a_hosts_is_left_to_it() {
+        let vmi = |labels: &str| {
+            VirtualMachineInstance::from_yaml(&format!(
+                "apiVersion: kubevirt.io/v1\nkind: VirtualMachineInstance\nmetadata: {{name: a, namespace: ns, labels: {{{labels}}}}}\nspec: {{domain: {{devices: {{}}}}}}\n"
+            ))
+            .unwrap()
+        };
+        let gone = runs_nowhere("ns/a", None).unwrap();
+        assert_eq!(gone, "the VMI ns/a does not exist");
+        let pending = runs_nowhere("ns/a", Some(&vmi(""))).unwrap();
+        assert!(
+            pending.contains("runs on no host (phase Pending)"),
+            "{pending}"
+        );
+        let placed = vmi("kubevirt.io/nodeName: node-a");
+        assert_eq!(runs_nowhere("ns/a", Some(&placed)), None);
     }
 }

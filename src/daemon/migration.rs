@@ -370,12 +370,30 @@ impl<A: Adapters> Migrations<A> {
             state.target_node.clone_from(&o.node);
         }
         self.ctl.set_migration_state(&id, &state);
-        match self
+        let sent = self
             .send_marked(&leaving, &uid, self.peer(to), bandwidth, &progress)
-            .await
-        {
+            .await;
+        if sent.is_ok() {
+            progress(Step::Phase(MigrationPhase::Succeeded));
+        }
+        self.sent(key, to, &leaving, state, started, sent).await
+    }
+
+    /// How a migration sent ended: the VM handed over to the target (its
+    /// time and pause counted), or kept here with its state saying why.
+    async fn sent(
+        &self,
+        key: &VmKey,
+        to: SocketAddr,
+        leaving: &Leaving,
+        state: MigrationState,
+        started: Instant,
+        sent: Result<Option<Duration>, Failed>,
+    ) -> Result<String, String> {
+        let id = key.id();
+        let uid = state.migration_uid.clone();
+        match sent {
             Ok(downtime) => {
-                progress(Step::Phase(MigrationPhase::Succeeded));
                 let done = state.ended(&now_rfc3339(), Ok(()));
                 if let Err(e) = self.let_go(&id, &leaving.vmi, &done).await {
                     // It runs at the target: the mark stays, and the

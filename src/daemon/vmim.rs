@@ -8,7 +8,7 @@
 
 use crate::core::key::VmKey;
 use crate::core::migration::{
-    object_action, Migration, MigrationPhase, MigrationState, ObjectAction,
+    object_action, runs_nowhere, Migration, MigrationPhase, MigrationState, ObjectAction,
 };
 use crate::core::peers;
 use crate::core::progress;
@@ -26,6 +26,9 @@ use tracing::{info, warn, Instrument};
 /// How often objects not final are looked at again: a migration a
 /// restarted kvirtd's recovery ended shows on its VMI, not its object.
 const SETTLE: Duration = Duration::from_secs(10);
+/// How long an object no host took up waits before its VMI is looked up
+/// (a VMI just made may be claimed meanwhile).
+const UNCLAIMED_AFTER: Duration = Duration::from_secs(10);
 /// The most often a running migration's figures are written to its object.
 const FIGURES_EVERY: Duration = Duration::from_secs(5);
 
@@ -36,6 +39,9 @@ struct Runner {
     migrate: Arc<dyn Migrate>,
     /// The migrations this host runs now: object uid → its VM.
     running: Mutex<HashMap<String, VmKey>>,
+    /// Objects no host has taken up (no phase, their VMI not here): uid →
+    /// when this host first saw them so.
+    unclaimed: Mutex<HashMap<String, tokio::time::Instant>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -55,6 +61,7 @@ pub async fn run(
         view,
         migrate,
         running: Mutex::default(),
+        unclaimed: Mutex::default(),
     });
     // The objects not final, by uid: looked at again on a period.
     let mut open: BTreeMap<String, Migration> = BTreeMap::new();
@@ -76,6 +83,7 @@ pub async fn run(
                 Some(Ok(watcher::Event::Delete(m))) => {
                     let uid = m.metadata.uid.clone().unwrap_or_default();
                     open.remove(&uid);
+                    lock(&runner.unclaimed).remove(&uid);
                     runner.cancel(&uid).await;
                 }
                 Some(Ok(_)) => {}
@@ -104,8 +112,14 @@ impl Runner {
             return;
         };
         let (Some(vmi), _) = self.view.view(&key.id()) else {
+            if m.status.phase.is_none() {
+                self.unclaimed(m, key);
+            } else {
+                lock(&self.unclaimed).remove(&uid);
+            }
             return;
         };
+        lock(&self.unclaimed).remove(&uid);
         let running = lock(&self.running).contains_key(&uid);
         match object_action(m, &vmi, &self.node, running) {
             ObjectAction::Ignore => {}
@@ -255,6 +269,38 @@ impl Runner {
         if let Err(e) = self.objects.report(m, &patch).await {
             warn!("{e}");
         }
+    }
+
+    /// An object no host took up: after [`UNCLAIMED_AFTER`], failed with
+    /// why if its VMI runs nowhere. Every host may decide so; the object's
+    /// resourceVersion lets one write.
+    fn unclaimed(self: &Arc<Self>, m: &Migration, key: VmKey) {
+        let uid = m.metadata.uid.clone().unwrap_or_default();
+        let now = tokio::time::Instant::now();
+        let first = *lock(&self.unclaimed).entry(uid.clone()).or_insert(now);
+        if now.duration_since(first) < UNCLAIMED_AFTER {
+            return;
+        }
+        let me = self.clone();
+        let m = m.clone();
+        tokio::spawn(async move {
+            let vmi = match me.objects.vmi(&key).await {
+                Ok(v) => v,
+                Err(e) => return warn!("{e}"),
+            };
+            let Some(reason) = runs_nowhere(&key.to_string(), vmi.as_ref()) else {
+                return;
+            };
+            let at = now_rfc3339();
+            let state = MigrationState::started(&uid, "", &at).ended(&at, Err(&reason));
+            let patch = phase_patch(&m.spec.vmi_name, MigrationPhase::Failed, Some(&state));
+            match me.objects.report_if_unchanged(&m, &patch).await {
+                Ok(true) => info!(vm = %key, "migration object failed: {reason}"),
+                Ok(false) => {}
+                Err(e) => warn!("{e}"),
+            }
+            lock(&me.unclaimed).remove(&uid);
+        });
     }
 
     /// The object of a running migration was deleted: the VM stays.

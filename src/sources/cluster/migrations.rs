@@ -142,6 +142,33 @@ impl KubeMigrations {
         Ok(made.metadata.name.unwrap_or_default())
     }
 
+    /// Writes `patch` (as [`Self::report`]) only if `m` is still as it was
+    /// read (its resourceVersion): of several hosts deciding alike, one
+    /// writes. `Ok(false)`: another write came first.
+    pub async fn report_if_unchanged(&self, m: &Migration, patch: &Value) -> Result<bool, String> {
+        let mut patch = patch.clone();
+        if let Some(v) = m.metadata.resource_version.as_deref() {
+            patch["metadata"]["resourceVersion"] = v.into();
+        }
+        match self.report(m, &patch).await {
+            Ok(()) => Ok(true),
+            Err(e) if e.contains("409") || e.contains("the object has been modified") => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// The VMI `key`, if it exists.
+    pub async fn vmi(
+        &self,
+        key: &crate::core::key::VmKey,
+    ) -> Result<Option<VirtualMachineInstance>, String> {
+        let api: Api<VirtualMachineInstance> =
+            Api::namespaced(self.client.clone(), key.namespace());
+        api.get_opt(key.name())
+            .await
+            .map_err(|e| format!("reading VMI {key}: {e}"))
+    }
+
     /// The migration object `name` of `namespace`, if there is one.
     pub async fn get(&self, namespace: &str, name: &str) -> Result<Option<Migration>, String> {
         let api: Api<Migration> = Api::namespaced(self.client.clone(), namespace);
