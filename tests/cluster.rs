@@ -2210,6 +2210,69 @@ fn migration_objects_move_a_running_vmi_between_nodes_live() {
     a.ok("rm -f /srv/shared/k-mover.raw");
 }
 
+/// kill -9 of either kvirtd while a migration object's migration runs
+/// (throttled to 1 MiB/s, so caught midway): the target's first, then the
+/// source's (whose restart finds the job, aborts it and says so on the
+/// VMI). Each time the object ends `Failed`, the VM runs on at A exactly
+/// once (the guest never restarted), and B keeps nothing of it.
+#[test]
+fn a_kvirtd_killed_midway_fails_the_migration_object_and_the_vm_runs_once() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = serial();
+    a.ok("cp /srv/guest/run.raw /srv/shared/k-kill.raw");
+    apply(&a, &shared_vmi("k-kill", "node-a"));
+    wait_vmi(&a, "k-kill", ".status.phase", "Running", BOOT);
+    a.ok("printf '[migration]\\nbandwidth_per_migration_mib = 1\\n' >/etc/kvirt/kvirtd.toml.d/70-slow.toml
+          systemctl restart kvirtd");
+    for (n, killed) in [(1, &b), (2, &a)] {
+        a.wait_until("the guest counting", BOOT, || {
+            a.guest_counts("k-kill").len() >= 2
+        });
+        let before = *a.guest_counts("k-kill").last().unwrap();
+        let name = format!("k-kill-{n}");
+        apply(&a, &migration_yaml(&name, "k-kill", ""));
+        b.wait(
+            "the target's QEMU listening for the guest's memory",
+            BOOT,
+            "[ -S /run/kvirt/vms/default_k-kill/migration/memory.sock ]",
+        );
+        let pid = killed.ok("systemctl show -P MainPID kvirtd");
+        killed.ok("systemctl kill -s KILL kvirtd");
+        killed.wait_new_kvirtd("SIGKILL", "MainPID", &pid);
+        a.wait(
+            &format!("vmim/{name} Failed"),
+            BOOT,
+            &format!("[ \"$(kubectl get vmim {name} -o jsonpath='{{.status.phase}}')\" = Failed ]"),
+        );
+        wait_vmi(&a, "k-kill", ".status.migrationState.failed", "true", WAIT);
+        b.wait_until("nothing of the VM left on B", BOOT, || {
+            host_clean(&b, "k-kill")
+        });
+        assert_eq!(
+            kubectl(&a, "get vmi k-kill -o jsonpath='{.status.nodeName}'"),
+            "node-a"
+        );
+        wait_vmi(&a, "k-kill", ".status.phase", "Running", WAIT);
+        a.wait_until("the guest counting on at A", WAIT, || {
+            a.guest_counts("k-kill")
+                .last()
+                .is_some_and(|n| *n > before + 1)
+        });
+        let after = a.guest_counts("k-kill");
+        assert!(
+            after.windows(2).all(|w| w[1] == w[0] + 1),
+            "the guest never restarted: {after:?}"
+        );
+    }
+    a.ok("rm /etc/kvirt/kvirtd.toml.d/70-slow.toml && systemctl restart kvirtd");
+    kubectl(&a, "delete vmim k-kill-1 k-kill-2");
+    delete(&a, "k-kill");
+    for h in [&a, &b] {
+        h.wait_until("the VM gone", WAIT, || host_clean(h, "k-kill"));
+    }
+    a.ok("rm -f /srv/shared/k-kill.raw");
+}
+
 /// `lease` (a host's Lease) announces its host cordoned, or not.
 fn announced_cordoned(a: &Host, node: &str, cordoned: bool) {
     let not = if cordoned { "" } else { "!" };

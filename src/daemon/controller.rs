@@ -457,10 +457,11 @@ impl<A: Adapters> Controller<A> {
                 }
             }
         }
+        let listed: HashSet<String> = new.keys().map(VmKey::id).collect();
         self.handed_over
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .retain(|id| new.keys().any(|k| &k.id() == id));
+            .retain(|id| listed.contains(id));
         let mut incoming = HashMap::new();
         for (key, mut vmi) in new {
             let id = key.id();

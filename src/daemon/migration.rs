@@ -705,6 +705,14 @@ impl<A: Adapters> Migrations<A> {
             }
         } else {
             info!(migration = %uid, "a migration left unfinished did not end: the VM stays");
+            // Its state says so, for its migration object (if any) to end.
+            let state = self.ctl.migration_state(id);
+            let state = state.filter(|s| s.migration_uid == uid).unwrap_or_else(|| {
+                MigrationState::started(&uid, self.ctl.node_name(), &now_rfc3339())
+            });
+            let reason = "the source kvirtd restarted midway";
+            self.ctl
+                .set_migration_state(id, &state.ended(&now_rfc3339(), Err(reason)));
             if let Err(e) = self.ctl.clear_mark(id) {
                 warn!("{e}");
             }
