@@ -2245,6 +2245,11 @@ fn a_kvirtd_killed_midway_fails_the_migration_object_and_the_vm_runs_once() {
             &format!("[ \"$(kubectl get vmim {name} -o jsonpath='{{.status.phase}}')\" = Failed ]"),
         );
         wait_vmi(&a, "k-kill", ".status.migrationState.failed", "true", WAIT);
+        if n == 2 {
+            // The restarted source found the job, aborted it, and said so.
+            let why = vmim_field(&a, &name, ".status.migrationState.failureReason");
+            assert_eq!(why, "the source kvirtd restarted midway");
+        }
         b.wait_until("nothing of the VM left on B", BOOT, || {
             host_clean(&b, "k-kill")
         });

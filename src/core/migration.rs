@@ -90,26 +90,37 @@ pub enum ObjectAction {
     Finish(MigrationPhase, Option<String>),
 }
 
+/// The host deciding on a migration object, and what it knows of it.
+pub struct Here<'a> {
+    pub node: &'a str,
+    /// This kvirtd runs the object's migration now.
+    pub running: bool,
+    /// The VM bears a mark of a migration away from here (a kvirtd before
+    /// this one began one; its recovery ends it).
+    pub departing: bool,
+}
+
 /// Decides for the object `m` on host `here`, which holds `vmi` (pure).
 /// The VMI's `migrationState`, written by the migration's source, tells
 /// how a migration this host no longer runs ended: after a kvirtd
 /// restart, or on the target once the VMI was handed to it.
-pub fn object_action(
-    m: &Migration,
-    vmi: &VirtualMachineInstance,
-    here: &str,
-    running_here: bool,
-) -> ObjectAction {
+pub fn object_action(m: &Migration, vmi: &VirtualMachineInstance, here: &Here) -> ObjectAction {
     use crate::core::vmi::{Phase, NODE_LABEL};
     let labelled = vmi.metadata.labels.as_ref().and_then(|l| l.get(NODE_LABEL));
     let uid = m.metadata.uid.as_deref().unwrap_or_default();
     if m.status.phase.is_some_and(MigrationPhase::is_final)
-        || labelled.map(String::as_str) != Some(here)
-        || running_here
+        || labelled.map(String::as_str) != Some(here.node)
+        || here.running
         || uid.is_empty()
     {
         return ObjectAction::Ignore;
     }
+    // Past Scheduling, an earlier kvirtd here began it (the host running
+    // the VMI is the one that acts): never begun again.
+    let begun = m
+        .status
+        .phase
+        .is_some_and(|p| p >= MigrationPhase::Scheduled);
     let state: Option<MigrationState> = vmi
         .status
         .extra
@@ -120,6 +131,11 @@ pub fn object_action(
         Some(s) if s.failed => ObjectAction::Finish(MigrationPhase::Failed, s.failure_reason),
         // Started by a kvirtd that restarted since: its recovery ends it.
         Some(_) => ObjectAction::Ignore,
+        None if begun && here.departing => ObjectAction::Ignore,
+        None if begun => ObjectAction::Finish(
+            MigrationPhase::Failed,
+            Some("the source kvirtd restarted before the guest began to move".into()),
+        ),
         None if m.metadata.deletion_timestamp.is_some() => ObjectAction::Ignore,
         None if vmi.metadata.deletion_timestamp.is_some() => ObjectAction::Finish(
             MigrationPhase::Failed,
@@ -659,10 +675,24 @@ mod tests {
         let mut m = Migration::default();
         m.metadata.uid = Some("m1".into());
         m.spec.vmi_name = "a".into();
-        assert_eq!(object_action(&m, &v, "node-a", false), ObjectAction::Start);
+        let at = |node, running| Here {
+            node,
+            running,
+            departing: false,
+        };
+        assert_eq!(
+            object_action(&m, &v, &at("node-a", false)),
+            ObjectAction::Start
+        );
         // Another host's VMI (or an arrival held here), or one running here.
-        assert_eq!(object_action(&m, &v, "node-b", false), ObjectAction::Ignore);
-        assert_eq!(object_action(&m, &v, "node-a", true), ObjectAction::Ignore);
+        assert_eq!(
+            object_action(&m, &v, &at("node-b", false)),
+            ObjectAction::Ignore
+        );
+        assert_eq!(
+            object_action(&m, &v, &at("node-a", true)),
+            ObjectAction::Ignore
+        );
         // The VMI says how it ended: completed (on the host it was handed
         // to), failed, or started by a kvirtd whose recovery ends it.
         let started = MigrationState::started("m1", "node-a", "t0");
@@ -673,16 +703,19 @@ mod tests {
         };
         let mut w = v.clone();
         put(&mut w, &started);
-        assert_eq!(object_action(&m, &w, "node-a", false), ObjectAction::Ignore);
+        assert_eq!(
+            object_action(&m, &w, &at("node-a", false)),
+            ObjectAction::Ignore
+        );
         put(&mut w, &started.clone().ended("t1", Err("no")));
         assert_eq!(
-            object_action(&m, &w, "node-a", false),
+            object_action(&m, &w, &at("node-a", false)),
             ObjectAction::Finish(Failed, Some("no".into()))
         );
         put(&mut w, &started.clone().ended("t1", Ok(())));
         w.metadata.labels = Some([(NODE_LABEL.to_string(), "node-b".to_string())].into());
         assert_eq!(
-            object_action(&m, &w, "node-b", false),
+            object_action(&m, &w, &at("node-b", false)),
             ObjectAction::Finish(Succeeded, None)
         );
         // An earlier migration's state says nothing of this one.
@@ -690,16 +723,41 @@ mod tests {
             &mut v,
             &MigrationState::started("m0", "node-a", "t0").ended("t1", Ok(())),
         );
-        assert_eq!(object_action(&m, &v, "node-a", false), ObjectAction::Start);
+        assert_eq!(
+            object_action(&m, &v, &at("node-a", false)),
+            ObjectAction::Start
+        );
         // Final objects stay as they are; a VMI not running fails it.
         m.status.phase = Some(Succeeded);
-        assert_eq!(object_action(&m, &v, "node-a", false), ObjectAction::Ignore);
+        assert_eq!(
+            object_action(&m, &v, &at("node-a", false)),
+            ObjectAction::Ignore
+        );
         m.status.phase = None;
         v.status.phase = Some(Phase::Scheduled);
         assert!(matches!(
-            object_action(&m, &v, "node-a", false),
+            object_action(&m, &v, &at("node-a", false)),
             ObjectAction::Finish(Failed, Some(r)) if r.contains("not running")
         ));
+        // Begun by a kvirtd before this one, its state not yet written:
+        // its recovery ends it, or (no mark: it never began) it fails.
+        v.status.phase = Some(Phase::Running);
+        m.status.phase = Some(PreparingTarget);
+        let marked = Here {
+            departing: true,
+            ..at("node-a", false)
+        };
+        assert_eq!(object_action(&m, &v, &marked), ObjectAction::Ignore);
+        assert!(matches!(
+            object_action(&m, &v, &at("node-a", false)),
+            ObjectAction::Finish(Failed, Some(r)) if r.contains("restarted")
+        ));
+        // Still choosing its target when that kvirtd stopped: begun anew.
+        m.status.phase = Some(Scheduling);
+        assert_eq!(
+            object_action(&m, &v, &at("node-a", false)),
+            ObjectAction::Start
+        );
     }
 
     #[test]

@@ -122,6 +122,11 @@ pub trait Migrate: Send + Sync + 'static {
     fn cancel(&self, _key: &VmKey) -> BoxFuture<'_, Result<(), String>> {
         Box::pin(async { Err("this host cancels no migrations".to_string()) })
     }
+    /// Whether `key` bears a mark of a migration away from here (one a
+    /// kvirtd began, which its recovery ends).
+    fn departing(&self, _key: &VmKey) -> bool {
+        false
+    }
 }
 
 /// A cluster's `VirtualMachineInstanceMigration`, as its migration runs.
@@ -273,6 +278,14 @@ impl<A: Adapters> Migrate for Migrations<A> {
         self.ctl.set_cordoned(on)
     }
 
+    fn departing(&self, key: &VmKey) -> bool {
+        let id = key.id();
+        self.ctl
+            .marks()
+            .iter()
+            .any(|(i, m)| *i == id && m.role == Migrating::Outgoing)
+    }
+
     fn drain_plan(&self) -> Vec<(VmKey, drain::Action)> {
         let default = self.setup.eviction_strategy;
         self.ctl
@@ -370,6 +383,8 @@ impl<A: Adapters> Migrations<A> {
             state.target_node.clone_from(&o.node);
         }
         self.ctl.set_migration_state(&id, &state);
+        // Shown while it runs (and read by a kvirtd restarted meanwhile).
+        self.wake(&id);
         let sent = self
             .send_marked(&leaving, &uid, self.peer(to), bandwidth, &progress)
             .await;

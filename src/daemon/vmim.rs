@@ -8,7 +8,7 @@
 
 use crate::core::key::VmKey;
 use crate::core::migration::{
-    object_action, runs_nowhere, Migration, MigrationPhase, MigrationState, ObjectAction,
+    object_action, runs_nowhere, Here, Migration, MigrationPhase, MigrationState, ObjectAction,
 };
 use crate::core::peers;
 use crate::core::progress;
@@ -120,8 +120,16 @@ impl Runner {
             return;
         };
         lock(&self.unclaimed).remove(&uid);
-        let running = lock(&self.running).contains_key(&uid);
-        match object_action(m, &vmi, &self.node, running) {
+        let begun = m
+            .status
+            .phase
+            .is_some_and(|p| p >= MigrationPhase::Scheduled);
+        let here = Here {
+            node: &self.node,
+            running: lock(&self.running).contains_key(&uid),
+            departing: begun && self.migrate.departing(&key),
+        };
+        match object_action(m, &vmi, &here) {
             ObjectAction::Ignore => {}
             ObjectAction::Finish(phase, reason) => {
                 let me = self.clone();
