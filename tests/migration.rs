@@ -502,6 +502,54 @@ fn kvirtctl_drain_moves_what_may_migrate_and_stops_the_rest() {
     a.ok("rm -f /srv/shared/dr-live.raw /srv/shared/dr-maybe.raw");
 }
 
+/// A migration that does not end in time is aborted
+/// (`migration.timeout_seconds`): once for a guest too slow to move in it
+/// (1 MiB/s), once with the hosts' link cut midway (nothing moves; the
+/// source's timer ends it; the link back, the target tears down what it
+/// prepared). Each time the VM runs on at the source exactly once, its
+/// `migrationState` says it failed, and the target keeps nothing.
+#[test]
+fn a_migration_that_does_not_end_in_time_or_loses_its_link_fails_and_the_vm_stays() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = a.turn();
+    shared_vm(&a, "late");
+    a.ok(
+        "printf '[migration]\\ntimeout_seconds = 8\\n' >/etc/kvirt/kvirtd.toml.d/70-short.toml
+          systemctl restart kvirtd",
+    );
+    a.wait_phase("late", "Running", BOOT);
+    let slow = a.sh("kvirtctl migrate default/late --to 10.251.0.2:8444 --bandwidth 1");
+    let err = String::from_utf8_lossy(&slow.stderr);
+    assert!(
+        !slow.status.success() && err.contains("default/late stays here"),
+        "{err}"
+    );
+    runs_exactly_once(&a, &b, "late");
+    let failed = |a: &Host| {
+        a.wait_until("the VMI's migrationState failed", BOOT, || {
+            a.try_status("late").is_ok_and(|s| {
+                let ms = &s["status"]["migrationState"];
+                ms["failed"] == true && ms["completed"] == false
+            })
+        })
+    };
+    failed(&a);
+    // The link cut while the guest's memory is on its way.
+    start_slow_migration(&a, &b, "late", "10.251.0.2:8444");
+    b.ok("ip link set mig0 down");
+    a.wait(
+        "kvirtctl migrate to give up",
+        BOOT,
+        "! systemctl -q is-active kvirt-test-migrate",
+    );
+    b.ok("ip link set mig0 up");
+    runs_exactly_once(&a, &b, "late");
+    failed(&a);
+    a.ok("rm /etc/kvirt/kvirtd.toml.d/70-short.toml && systemctl restart kvirtd");
+    a.remove_vm_and_wait_gone("late");
+    a.ok("rm -f /srv/shared/late.raw");
+}
+
 /// Starts `kvirtctl migrate` of `vm` from `from` to `addr` throttled to
 /// 1 MiB/s, in a unit of its own (it outlives this call), and waits until
 /// the guest's memory is on its way: the target's QEMU listens for it.

@@ -282,6 +282,21 @@ impl Host {
         .collect()
     }
 
+    /// The guest, which stayed here, counts on past `before`, never
+    /// having restarted.
+    pub fn assert_counts_on_here(&self, vm: &str, before: u64) {
+        self.wait_until("the guest counting on here", BOOT, || {
+            self.guest_counts(vm)
+                .last()
+                .is_some_and(|n| *n > before + 1)
+        });
+        let after = self.guest_counts(vm);
+        assert!(
+            after.windows(2).all(|w| w[1] == w[0] + 1),
+            "the guest never restarted: {after:?}"
+        );
+    }
+
     /// The guest, moved here live, counts on from `before` (its last count
     /// at the other host): the same boot, never restarted.
     pub fn assert_counts_on(&self, vm: &str, before: u64) {
