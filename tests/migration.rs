@@ -521,7 +521,9 @@ fn a_migration_that_does_not_end_in_time_or_loses_its_link_fails_and_the_vm_stay
     let slow = a.sh("kvirtctl migrate default/late --to 10.251.0.2:8444 --bandwidth 1");
     let err = String::from_utf8_lossy(&slow.stderr);
     assert!(
-        !slow.status.success() && err.contains("default/late stays here"),
+        !slow.status.success()
+            && err.contains("default/late stays here")
+            && err.contains("the migration did not end within 8 s"),
         "{err}"
     );
     runs_exactly_once(&a, &b, "late");

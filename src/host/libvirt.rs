@@ -36,6 +36,17 @@ pub enum LibvirtError {
         op: &'static str,
         timeout: std::time::Duration,
     },
+    /// A migration ran past its time (`migration.timeout_seconds`) and was
+    /// aborted: the daemon answers, the guest did not move in time.
+    #[error(
+        "VM {id}: the migration did not end within {} s (migration.timeout_seconds): \
+         aborted, the guest runs on here",
+        timeout.as_secs()
+    )]
+    MigrationTimedOut {
+        id: String,
+        timeout: std::time::Duration,
+    },
 }
 
 impl LibvirtError {

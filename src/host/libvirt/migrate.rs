@@ -38,9 +38,8 @@ impl LiveMigration for Libvirt {
                 if let Err(e) = self.abort(d).await {
                     tracing::warn!("aborting a migration that took too long: {e}");
                 }
-                Err(LibvirtError::Unresponsive {
+                Err(LibvirtError::MigrationTimedOut {
                     id: d.id.clone(),
-                    op: "migrate",
                     timeout,
                 })
             }
