@@ -2305,7 +2305,7 @@ fn kvirtctl_drain_empties_a_cluster_host_through_migration_objects() {
     );
     // B cordoned (an empty host drains at once) while the VMs are made:
     // A alone claims them.
-    let out = b.ok("kvirtctl drain");
+    let out = b.ok("kvirtctl drain node-b");
     assert!(out.contains("drained: no VM runs here"), "{out}");
     announced_cordoned(&a, "node-b", true);
     a.ok(
@@ -2347,7 +2347,14 @@ fn kvirtctl_drain_empties_a_cluster_host_through_migration_objects() {
         a.wait_until("the guest counting", BOOT, || a.guest_counts(vm).len() >= 2);
         before.push(*a.guest_counts(vm).last().unwrap());
     }
-    let out = a.ok("kvirtctl drain");
+    // Named as kubectl drain names a node: the wrong host's is refused.
+    let wrong = a.sh("kvirtctl drain node-b");
+    let err = String::from_utf8_lossy(&wrong.stderr);
+    assert!(
+        !wrong.status.success() && err.contains("the kvirtd of node-a, not of node-b"),
+        "{err}"
+    );
+    let out = a.ok("kvirtctl drain node-a");
     assert!(
         out.starts_with("cordoned: this host takes no VM arriving\n")
             && out.contains("default/d-vm: migrating\n")
@@ -2413,7 +2420,7 @@ fn kvirtctl_drain_empties_a_cluster_host_through_migration_objects() {
         "{err}"
     );
     wait_vmi(&a, "d-vmi", ".status.phase", "Running", WAIT);
-    assert!(a.ok("kvirtctl uncordon").contains("uncordoned"));
+    assert!(a.ok("kvirtctl uncordon node-a").contains("uncordoned"));
     announced_cordoned(&a, "node-a", false);
     let back = b.ok("kvirtctl migrate default/d-vmi");
     assert!(

@@ -118,6 +118,9 @@ enum Command {
     /// VirtualMachines of the others as their strategy says, and name what
     /// stays, each line as it happens. Fails unless the host ends empty.
     Drain {
+        /// This host's node name (as kubectl drain names one): a drain run
+        /// on another host by mistake is refused
+        node: Option<String>,
         /// The target kvirtd's migration port, ADDRESS:PORT (standalone)
         #[arg(long)]
         to: Option<String>,
@@ -126,7 +129,10 @@ enum Command {
         bandwidth: Option<u64>,
     },
     /// Lift `drain`'s cordon: VMs may arrive here again.
-    Uncordon,
+    Uncordon {
+        /// This host's node name, checked as drain's
+        node: Option<String>,
+    },
     /// Attach to a VM's serial console (detach with Ctrl-]).
     Console {
         /// NAMESPACE/NAME
@@ -222,19 +228,25 @@ fn main() -> Result<()> {
                 ..asks("migrate", vm)
             },
         ),
-        Command::Drain { to, bandwidth } => control(
+        Command::Drain {
+            node,
+            to,
+            bandwidth,
+        } => control(
             &config()?.layout(),
             &Request {
                 action: "drain".into(),
+                node,
                 to,
                 bandwidth,
                 ..Default::default()
             },
         ),
-        Command::Uncordon => control(
+        Command::Uncordon { node } => control(
             &config()?.layout(),
             &Request {
                 action: "uncordon".into(),
+                node,
                 ..Default::default()
             },
         ),

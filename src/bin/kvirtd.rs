@@ -542,6 +542,7 @@ async fn run(config: Config) -> Result<()> {
             let initial = vms.take(scan);
             let control_path = settings.layout.control_socket();
             let control_group = config.control.gid().map_err(anyhow::Error::msg)?;
+            let control_node = settings.node_name.clone();
             let networks_of = status.clone();
             let ready = move |tx: UnboundedSender<Trigger>,
                               view: Arc<dyn VmiView>,
@@ -557,6 +558,7 @@ async fn run(config: Config) -> Result<()> {
                     resync,
                 )?;
                 let ctx = control::Ctx {
+                    node: control_node,
                     to: in_tx,
                     view: view.clone(),
                     migrate,
@@ -622,6 +624,7 @@ async fn run(config: Config) -> Result<()> {
                 (client.clone(), node.clone(), settings.layout.clone());
             let api_running = running_api.clone();
             let (vmim_client, vmim_node) = (client.clone(), node.clone());
+            let control_node = node.clone();
             let ready = move |_tx: UnboundedSender<Trigger>,
                               view: Arc<dyn VmiView>,
                               migrate: Option<Arc<dyn Migrate>>| {
@@ -673,6 +676,7 @@ async fn run(config: Config) -> Result<()> {
                     }
                 });
                 let ctx = control::Ctx {
+                    node: control_node,
                     to: in_tx,
                     view,
                     migrate,

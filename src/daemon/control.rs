@@ -51,6 +51,10 @@ pub struct Request {
     /// in a cluster, none (the host is chosen by the VMI's rules).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub to: Option<String>,
+    /// `drain NODE`, `uncordon NODE`: the host meant, checked against
+    /// this one's node name (a drain of the wrong host refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node: Option<String>,
     /// `migrate --bandwidth`: the most the migration may use, MiB/s.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bandwidth: Option<u64>,
@@ -160,6 +164,8 @@ pub async fn serve(listener: UnixListener, group: Option<u32>, ctx: Ctx) {
 /// What the requests act on.
 #[derive(Clone)]
 pub struct Ctx {
+    /// This host's node name.
+    pub node: String,
     /// The VM loop (a VirtualMachine's start, stop, restart).
     pub to: UnboundedSender<Input>,
     pub view: Arc<dyn VmiView>,
@@ -324,6 +330,15 @@ fn cluster_evict(
 async fn host_answer(r: &Request, ctx: &Ctx, report: &(dyn Fn(String) + Sync)) -> Option<Answer> {
     if !matches!(r.action.as_str(), "drain" | "uncordon") {
         return None;
+    }
+    if let Some(node) = r.node.as_ref().filter(|n| **n != ctx.node) {
+        return Some(Answer {
+            ok: false,
+            message: format!(
+                "this is the kvirtd of {}, not of {node}: run kvirtctl {} on {node}",
+                ctx.node, r.action
+            ),
+        });
     }
     let Some(m) = &ctx.migrate else {
         return Some(Answer {
@@ -496,6 +511,7 @@ mod tests {
         assert_eq!(mode & 0o777, 0o600);
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let ctx = Ctx {
+            node: "node-a".into(),
             to: tx,
             view: Arc::new(NoVmis),
             migrate: None,
@@ -601,6 +617,7 @@ mod tests {
         // The VM loop, there (kvirtd running) though never asked.
         let (to, _vms) = tokio::sync::mpsc::unbounded_channel();
         let ctx = Ctx {
+            node: "node-a".into(),
             to,
             view: Arc::new(NoVmis),
             migrate: Some(host.clone()),
@@ -619,7 +636,19 @@ mod tests {
             action: "drain".into(),
             ..Default::default()
         };
-        let (lines, answer) = ask(drain.clone()).await.unwrap();
+        // Another host named: refused before anything is cordoned.
+        let elsewhere = Request {
+            node: Some("node-b".into()),
+            ..drain.clone()
+        };
+        let (lines, answer) = ask(elsewhere).await.unwrap();
+        assert!(lines.is_empty() && !answer.ok, "{answer:?}");
+        assert!(answer.message.contains("kvirtd of node-a, not of node-b"));
+        let here = Request {
+            node: Some("node-a".into()),
+            ..drain.clone()
+        };
+        let (lines, answer) = ask(here).await.unwrap();
         assert_eq!(
             lines,
             [
