@@ -279,11 +279,11 @@ impl<A: Adapters> Migrate for Migrations<A> {
     }
 
     fn departing(&self, key: &VmKey) -> bool {
-        let id = key.id();
-        self.ctl
-            .marks()
-            .iter()
-            .any(|(i, m)| *i == id && m.role == Migrating::Outgoing)
+        // A mark that cannot be read is taken as one: recovery decides.
+        match self.ctl.mark(&key.id()) {
+            Ok(m) => m.is_some_and(|m| m.role == Migrating::Outgoing),
+            Err(_) => true,
+        }
     }
 
     fn drain_plan(&self) -> Vec<(VmKey, drain::Action)> {

@@ -100,8 +100,15 @@ impl KubeMigrations {
     /// Writes the migration's phase (and `migrationState`, labels) by merge
     /// patch, guarded by its uid.
     pub async fn report(&self, m: &Migration, patch: &Value) -> Result<(), String> {
+        self.patch(m, patch.clone()).await.map_err(|e| {
+            let name = m.metadata.name.as_deref().unwrap_or_default();
+            format!("writing migration {name}: {e}")
+        })
+    }
+
+    /// The merge patch `patch` of `m`, guarded by its uid.
+    async fn patch(&self, m: &Migration, mut patch: Value) -> Result<(), kube::Error> {
         let name = m.metadata.name.as_deref().unwrap_or_default();
-        let mut patch = patch.clone();
         if let Some(uid) = m.metadata.uid.as_deref() {
             patch["metadata"]["uid"] = uid.into();
         }
@@ -109,7 +116,6 @@ impl KubeMigrations {
             .patch(name, &PatchParams::default(), &Patch::Merge(&patch))
             .await
             .map(|_| ())
-            .map_err(|e| format!("writing migration {name}: {e}"))
     }
 
     /// A migration of the VMI `key`, as virt-api makes one for `virtctl
@@ -150,10 +156,13 @@ impl KubeMigrations {
         if let Some(v) = m.metadata.resource_version.as_deref() {
             patch["metadata"]["resourceVersion"] = v.into();
         }
-        match self.report(m, &patch).await {
+        match self.patch(m, patch).await {
             Ok(()) => Ok(true),
-            Err(e) if e.contains("409") || e.contains("the object has been modified") => Ok(false),
-            Err(e) => Err(e),
+            Err(kube::Error::Api(s)) if s.code == 409 => Ok(false),
+            Err(e) => {
+                let name = m.metadata.name.as_deref().unwrap_or_default();
+                Err(format!("writing migration {name}: {e}"))
+            }
         }
     }
 
