@@ -149,7 +149,7 @@ fn a_guest_powering_off_is_succeeded_and_its_unit_collected() {
          [ \"$(stat -c '%U %a' /run/kvirt/vms/default_bravo)\" = 'root 700' ]
          [ \"$(ls /run/kvirt/vms/default_bravo)\" = console.log ]
          [ $(stat -c %s /run/kvirt/vms/default_bravo/console.log) -le 65536 ]
-         ! grep -q default_bravo /var/lib/kvirt/identities.json",
+         ! grep -q default_bravo /var/lib/kvirt/identities/identities.json",
     );
     // Final stays final: no restart on a kvirtd restart.
     h.restart_kvirtd();
@@ -478,9 +478,9 @@ fn twenty_vms_come_and_go_leaving_no_network_state() {
             assert!(live.insert(ip.clone()), "{ip} handed to two live VMs");
             seen.insert(n.clone(), ip);
         }
-        for n in &names {
-            h.remove_vm_and_wait_gone(n);
-        }
+        // All five at once, as a user's `kubectl delete` of a set: their
+        // grace periods run side by side.
+        h.remove_vms_and_wait_gone(&names);
     }
     assert_eq!(seen.len(), 20);
     h.ok("! ip -br link | grep -q '^kv[0-9a-f]\\{12\\}'");
@@ -976,7 +976,7 @@ fn a_vm_that_escaped_into_its_qemu_reaches_nothing_of_another() {
         // kvirt's records name every tenant of the host.
         (
             "the host's VM identities",
-            "head -c1 /var/lib/kvirt/identities.json".into(),
+            "head -c1 /var/lib/kvirt/identities/identities.json".into(),
         ),
         (
             "the host's address leases",
@@ -1000,7 +1000,7 @@ fn a_vm_that_escaped_into_its_qemu_reaches_nothing_of_another() {
     assert!(out.contains("OWN-OK"), "{out}");
     // A local user outside every VM reads none of kvirt's records either;
     // root does, so they are there to be read.
-    let records = "/var/lib/kvirt/identities.json /var/lib/kvirt/network/leases.json \
+    let records = "/var/lib/kvirt/identities/identities.json /var/lib/kvirt/network/leases.json \
                    /var/lib/kvirt/grants /run/kvirt/qemu-log /run/kvirt/status";
     h.ok(&format!("for f in {records}; do test -e $f; done"));
     let local = h.ok(&format!(

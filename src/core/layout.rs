@@ -84,7 +84,7 @@ impl HostLayout {
 
     /// The manifests kvirtd cannot use, with why (for `kvirtctl ls`).
     pub fn manifest_errors_file(&self) -> PathBuf {
-        self.runtime_dir.join("manifest-errors.json")
+        self.runtime_dir.join("manifest-errors").join("errors.json")
     }
 
     /// containerDisk images, shared by every VM (see `image`).
@@ -135,9 +135,25 @@ impl HostLayout {
         self.runtime_dir.join("dedicated-cpus.json")
     }
 
-    /// Which uid each VM has.
+    /// Which uid each VM has. In a directory of its own: a VM's unit hides
+    /// kvirt's records by mounting over them, and systemd mounting over a
+    /// file that kvirtd is replacing at that moment (another VM's identity
+    /// saved) fails the unit's start ("Failed to mount ... No such file or
+    /// directory"); a directory is never replaced.
     pub fn identities_file(&self) -> PathBuf {
-        self.state_dir.join("identities.json")
+        self.state_dir.join("identities").join("identities.json")
+    }
+
+    /// Where earlier kvirts kept the identities and the manifests' errors,
+    /// beside other files: moved or removed at start.
+    pub fn legacy_record_files(&self) -> [(PathBuf, Option<PathBuf>); 2] {
+        [
+            (
+                self.state_dir.join("identities.json"),
+                Some(self.identities_file()),
+            ),
+            (self.runtime_dir.join("manifest-errors.json"), None),
+        ]
     }
 
     /// The migrations this host takes part in, one root-only file per VM
@@ -169,27 +185,21 @@ impl HostLayout {
     }
 
     /// kvirt's records of every VM on the host (names, uids, addresses,
-    /// grants, VirtualMachines, status, log positions): directories root's
-    /// alone (0700), and hidden from every VM's unit, so no VM or local
-    /// user lists the host's tenants.
+    /// grants, VirtualMachines, status, log positions, the manifests'
+    /// errors): directories root's alone (0700), and hidden from every VM's
+    /// unit, so no VM or local user lists the host's tenants.
     pub fn root_only_dirs(&self) -> Vec<PathBuf> {
         vec![
-            self.leases_file()
-                .parent()
-                .map(PathBuf::from)
-                .unwrap_or_default(),
+            parent(&self.leases_file()),
             self.grants_dir(),
             self.virtual_machines_dir(),
             self.efi_vars_dir(),
             self.status_dir(),
             self.log_positions_dir(),
             self.disk_growth_dir(),
+            parent(&self.identities_file()),
+            parent(&self.manifest_errors_file()),
         ]
-    }
-
-    /// ...and the files of that kind that sit in shared directories (0600).
-    pub fn root_only_files(&self) -> Vec<PathBuf> {
-        vec![self.identities_file(), self.manifest_errors_file()]
     }
 
     pub fn vm(&self, key: &VmKey) -> VmPaths {
@@ -200,6 +210,11 @@ impl HostLayout {
     pub fn vm_by_id(&self, id: &str) -> VmPaths {
         VmPaths::new(self, id)
     }
+}
+
+/// The directory a record file of kvirt's sits in.
+fn parent(file: &Path) -> PathBuf {
+    file.parent().map(PathBuf::from).unwrap_or_default()
 }
 
 /// One VM's directories and sockets.

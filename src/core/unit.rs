@@ -207,11 +207,7 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
     // alone anyway; the VM does not even see them.
     for p in properties.iter_mut() {
         if let Prop::Strs("InaccessiblePaths", paths) = p {
-            paths.extend(
-                (i.host.root_only_dirs().iter())
-                    .chain(&i.host.root_only_files())
-                    .map(|p| format!("-{}", s(p))),
-            );
+            paths.extend(i.host.root_only_dirs().iter().map(|p| format!("-{}", s(p))));
         }
     }
     properties.extend([
@@ -511,7 +507,8 @@ mod tests {
             panic!()
         };
         for r in [
-            "-/var/lib/kvirt/identities.json",
+            "-/var/lib/kvirt/identities",
+            "-/run/kvirt/manifest-errors",
             "-/var/lib/kvirt/network",
             "-/var/lib/kvirt/grants",
             "-/run/kvirt/status",

@@ -300,8 +300,18 @@ impl HostStorage {
             std::fs::create_dir_all(&dir)?;
             std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o700))?;
         }
-        for file in self.host.root_only_files() {
-            match std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)) {
+        // Where an earlier kvirt kept a record beside other files: moved
+        // into its directory (unless one is there already: the newer), or
+        // dropped where it is remade anyway. A crash between the two
+        // leaves the old one, moved at the next start.
+        for (old, new) in self.host.legacy_record_files() {
+            let moved = match new {
+                Some(new) if std::fs::symlink_metadata(&new).is_err() => {
+                    std::fs::rename(&old, &new)
+                }
+                _ => std::fs::remove_file(&old),
+            };
+            match moved {
                 Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
                 _ => {}
             }
@@ -1549,27 +1559,36 @@ mod tests {
             runtime_dir: t.path().join("run"),
             cache_dir: t.path().join("cache"),
         };
-        // As an earlier kvirt left them: readable by anyone.
+        // As an earlier kvirt left them: readable by anyone, and the
+        // identities and manifests' errors beside other files.
         for d in host.root_only_dirs() {
             std::fs::create_dir_all(&d).unwrap();
             std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
         }
-        std::fs::write(host.identities_file(), "{}").unwrap();
-        std::fs::set_permissions(
-            host.identities_file(),
-            std::fs::Permissions::from_mode(0o644),
-        )
-        .unwrap();
+        let [(old_ids, _), (old_errors, _)] = host.legacy_record_files();
+        std::fs::write(&old_ids, r#"{"ns_a": 1}"#).unwrap();
+        std::fs::write(&old_errors, "[]").unwrap();
         HostStorage::new(host.clone()).seal_records().unwrap();
         let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
         for d in host.root_only_dirs() {
             assert_eq!(mode(&d), 0o700, "{}", d.display());
         }
-        assert_eq!(mode(&host.identities_file()), 0o600);
-        // A file not made yet stays unmade; a second start changes nothing.
+        assert_eq!(
+            std::fs::read_to_string(host.identities_file()).unwrap(),
+            r#"{"ns_a": 1}"#
+        );
+        assert!(!old_ids.exists() && !old_errors.exists());
+        // A file not made yet stays unmade; a second start changes nothing,
+        // and an old file found beside a new one is the stale one.
         assert!(!host.manifest_errors_file().exists());
+        std::fs::write(&old_ids, "{}").unwrap();
         HostStorage::new(host.clone()).seal_records().unwrap();
         assert!(host.leases_file().parent().unwrap().is_dir());
+        assert!(!old_ids.exists());
+        assert_eq!(
+            std::fs::read_to_string(host.identities_file()).unwrap(),
+            r#"{"ns_a": 1}"#
+        );
     }
 
     #[test]

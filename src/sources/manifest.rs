@@ -72,7 +72,7 @@ struct DirState {
 /// complete (closed after writing, or moved in) and when it changed; only
 /// regular files (a link is followed only to one), opened without
 /// blocking and read up to [`MAX_MANIFEST`]. Unusable files are reported
-/// once per change, in the log and in `manifest-errors.json` for
+/// once per change, in the log and in `manifest-errors/errors.json` for
 /// `kvirtctl ls`.
 #[derive(Debug)]
 pub struct ManifestDir {
@@ -446,7 +446,7 @@ fn stamp_of(path: &Path) -> std::io::Result<Stamp> {
     Ok((m.dev(), m.ino(), m.size(), m.mtime(), m.mtime_nsec()))
 }
 
-/// `manifest-errors.json`: `[{"path": ..., "error": ...}]`, replaced
+/// `manifest-errors/errors.json`: `[{"path": ..., "error": ...}]`, replaced
 /// atomically (only root writes where it lives).
 fn write_errors(file: &Path, errors: &BTreeMap<PathBuf, String>) -> std::io::Result<()> {
     let list: Vec<serde_json::Value> = errors

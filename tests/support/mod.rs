@@ -349,6 +349,19 @@ impl Host {
         self.ok(&format!("rm -f /var/lib/kvirt/images/{vm}.raw"));
     }
 
+    /// Several VMs' manifests removed at once, then each waited for.
+    pub fn remove_vms_and_wait_gone(&self, vms: &[String]) {
+        let files: Vec<String> = vms
+            .iter()
+            .map(|vm| format!("/etc/kvirt/vmis.d/{vm}.yaml"))
+            .collect();
+        self.ok(&format!("rm -f {}", files.join(" ")));
+        for vm in vms {
+            self.wait_gone(vm);
+            self.ok(&format!("rm -f /var/lib/kvirt/images/{vm}.raw"));
+        }
+    }
+
     pub fn wait_gone(&self, vm: &str) {
         self.wait(
             &format!("everything of {vm} removed"),
