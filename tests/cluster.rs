@@ -153,7 +153,7 @@ fn a_namespace_not_opted_in_keeps_its_secrets_from_kvirtd() {
     let _g = serial();
     let can_i = |ns: &str| {
         a.sh(&format!(
-            "kubectl auth can-i get secret/k-userdata -n {ns} --as=system:kvirt:node-a --as-group=kvirt:nodes"
+            "kubectl auth can-i get secret/k-userdata -n {ns} --as=kvirt:node:node-a --as-group=kvirt:nodes"
         ))
         .status
         .success()
@@ -664,7 +664,7 @@ fn the_lease_is_renewed_and_rbac_is_least_privilege() {
     // kvirtd's identity can do its job and no more.
     let can = |verb: &str| {
         a.sh(&format!(
-            "kubectl auth can-i {verb} --as system:kvirt:node-a --as-group kvirt:nodes"
+            "kubectl auth can-i {verb} --as kvirt:node:node-a --as-group kvirt:nodes"
         ))
         .status
         .success()

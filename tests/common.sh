@@ -193,16 +193,16 @@ kvirt_k8s_cluster() {
   th_k8s_kubeconfig "$a" kvirt-viewer >/dev/null || return
   sed "s#server: https://127.0.0.1:6443#server: $server#" "$(th_share "$a")/admin.kubeconfig" \
     >"$TH_STATE/admin-link.kubeconfig" || return
-  local host node kc subnet api_listen address
+  local host node subnet api_listen address life
   for host in "$a" "$b"; do
     node=node-${host##*-}
     # Each host's VMs have a subnet of their own, so that a guest's pod
     # address says which host it is on.
-    subnet=10.213.0.0/24 address=10.250.0.1
-    [[ $node == node-b ]] && subnet=10.214.0.0/24 address=10.250.0.2
+    subnet=10.213.0.0/24 address=10.250.0.1 life=86400
+    # node-b's certificate is short-lived: renewed (at 70–90 % of its life)
+    # while the cluster tests run, and proven so in tests/join.rs.
+    [[ $node == node-b ]] && subnet=10.214.0.0/24 address=10.250.0.2 life=600
     api_listen=$address:8443
-    kc=$(TH_K8S_SERVER=$server th_k8s_kubeconfig "$a" "system:kvirt:$node" kvirt:nodes) || return
-    th_copy_in "$host" "$(th_share "$a")/kubeconfigs/$(basename "$kc")" /etc/kvirt/kubeconfig || return
     # Both hosts need the admin kubeconfig for the tests' kubectl.
     th_copy_in "$host" "$TH_STATE/admin-link.kubeconfig" /root/.kube/config || return
     bash "$top/tests/testhost/install-kvirt.sh" "$host" "$KVIRT_DEB" >&2 || return
@@ -231,6 +231,7 @@ claim = true
 node_labels = { zone = \"z1\", \"kvirt.io/host\" = \"$node\" }
 lease_seconds = 8
 efi_vars_check_seconds = 2
+certificate_seconds = $life
 [network]
 subnet = \"$subnet\"
 [api]
@@ -242,12 +243,45 @@ local_registries = [\"127.0.0.1:5001\"]
 shared_roots = [\"/srv/shared\"]
 [storage.host_disk_roots_by_namespace]
 default = [\"/var/lib/kvirt/images\", \"/srv/shared\"]
-EOF
-systemctl restart kvirtd" >&2 || {
+EOF" >&2 || return
+    kvirt_k8s_join "$a" "$host" "$node" "$server" || {
       th_sh "$host" "journalctl -u kvirtd --no-pager -n 30" >&2 || true
-      th_die "kvirtd did not start in $host"
+      th_die "kvirtd did not join in $host"
       return 1
     }
   done
   echo "$pa $pb"
+}
+
+# kvirt_k8s_join ADMIN_HOST HOST NODE SERVER: HOST joins as NODE the way the
+# README says: a bootstrap token made by the administrator (on ADMIN_HOST),
+# then `kvirtd join` on HOST, which restarts its kvirtd as a cluster member.
+# The first host's request is approved by the administrator (no joined
+# kvirtd is there to); later ones by the joined kvirtds.
+kvirt_k8s_join() {
+  local admin=$1 host=$2 node=$3 server=$4 token
+  th_sh "$admin" 'cp /etc/kvirt/pki/ca.crt /share/cluster-ca.crt' || return
+  th_copy_in "$host" "$(th_share "$admin")/cluster-ca.crt" /etc/kvirt/cluster-ca.crt || return
+  token=$(th_sh "$admin" "export KUBECONFIG=/etc/kvirt/admin.kubeconfig
+    kvirtd --print-bootstrap-token --node $node 2>/tmp/join-$node |
+      kubectl apply -f - >&2 && sed -n 's/.* --token \([^ ]*\) .*/\1/p' /tmp/join-$node") || return
+  [[ -n $token ]] || th_die "no bootstrap token for $node" || return
+  local join="kvirtd join --server $server --ca-file /etc/kvirt/cluster-ca.crt --token $token --node $node"
+  if kvirt_k8s_has_joined "$admin"; then
+    th_sh "$host" "$join" >&2 || return
+  else
+    th_sh "$host" "export KUBECONFIG=/etc/kvirt/admin.kubeconfig
+      $join & j=\$!
+      timeout 60 bash -c 'until kubectl get csr -o name | grep -q kvirt-node-$node-; do sleep 0.2; done'
+      kubectl certificate approve \$(kubectl get csr -o name | grep kvirt-node-$node-)
+      wait \$j" >&2 || return
+  fi
+  th_sh "$host" 'systemctl is-active -q kvirtd'
+}
+
+# kvirt_k8s_has_joined ADMIN_HOST: whether a kvirt host holds an identity
+# (an approved request of kvirt's) to approve the next one.
+kvirt_k8s_has_joined() {
+  th_sh "$1" "KUBECONFIG=/etc/kvirt/admin.kubeconfig kubectl get csr --no-headers -o custom-columns=N:.metadata.name,C:.status.certificate |
+    awk '\$1 ~ /^kvirt-node-/ && \$2 != \"<none>\"' | grep -q ."
 }

@@ -389,7 +389,22 @@ fn every_command_and_option_is_documented() {
         }
         expected.insert(entry);
     }
-    for opt in long_options(&help_of(env!("CARGO_BIN_EXE_kvirtd"), &["--help"])) {
+    let daemon = env!("CARGO_BIN_EXE_kvirtd");
+    let daemon_help = help_of(daemon, &["--help"]);
+    for c in subcommands(&daemon_help) {
+        let entry = format!("kvirtd {c}");
+        let Some(text) = section(&reference, &entry) else {
+            panic!("docs/commands.md has no `### {entry}`");
+        };
+        for opt in long_options(&help_of(daemon, &[&c, "--help"])) {
+            assert!(
+                opt == "--config" || text.contains(&opt),
+                "docs/commands.md does not document `{entry} {opt}` under its heading"
+            );
+        }
+        expected.insert(entry);
+    }
+    for opt in long_options(&daemon_help) {
         let entry = format!("kvirtd {opt}");
         assert!(
             headings.contains(&entry),

@@ -1,6 +1,9 @@
 //! kvirtd: runs the VMIs assigned to this host, one transient systemd unit
 //! and one network namespace per VM, no pods.
 
+#[path = "kvirtd/join.rs"]
+mod join;
+
 use anyhow::{bail, Context, Result};
 use clap::Parser;
 use kvirt::core::convert::DomainType;
@@ -98,6 +101,24 @@ struct Args {
     /// api.crt and api.key to each host's /etc/kvirt/pki.
     #[arg(long, value_name = "DIR")]
     make_api_pki: Option<PathBuf>,
+    /// Print a bootstrap token's Secret (for `kubectl apply -f -`) that
+    /// lets the host --node NODE join once, and on stderr the `kvirtd join`
+    /// command to run there; then exit.
+    #[arg(long, requires = "node")]
+    print_bootstrap_token: bool,
+    /// With --print-bootstrap-token: the node the token joins.
+    #[arg(long, requires = "print_bootstrap_token", value_name = "NODE")]
+    node: Option<String>,
+    /// With --print-bootstrap-token: how long the token may be used.
+    #[arg(
+        long,
+        default_value_t = 3600,
+        requires = "print_bootstrap_token",
+        value_name = "SECONDS"
+    )]
+    token_seconds: u64,
+    #[command(subcommand)]
+    command: Option<Command>,
     /// Print this manual page (roff) for packaging.
     #[arg(long, hide = true)]
     print_man: bool,
@@ -109,6 +130,34 @@ struct Args {
     /// image lent to a VM, once every VM is stopped.
     #[arg(long, hide = true)]
     give_back_grants: bool,
+}
+
+#[derive(clap::Subcommand)]
+enum Command {
+    /// Join this host to a cluster: write the bootstrap kubeconfig
+    /// ([kubernetes] bootstrap_kubeconfig) from TOKEN, ask for this host's
+    /// identity with it (kvirt:node:<node>), wait until a joined kvirtd or
+    /// an administrator (kubectl certificate approve) approves it, write
+    /// the node kubeconfig, make the host a cluster one
+    /// (kvirtd.toml.d/10-join.toml) and restart kvirtd if no VM of a
+    /// manifest would stop for it.
+    Join(JoinArgs),
+}
+
+#[derive(clap::Args)]
+struct JoinArgs {
+    /// The API server, e.g. https://10.0.0.1:6443.
+    #[arg(long)]
+    server: String,
+    /// The cluster's CA certificate (PEM): the API server is checked with it.
+    #[arg(long, value_name = "FILE")]
+    ca_file: PathBuf,
+    /// The bootstrap token (kvirtd --print-bootstrap-token): <id>.<secret>.
+    #[arg(long)]
+    token: String,
+    /// This host's node name (default: node_name of the configuration).
+    #[arg(long)]
+    node: Option<String>,
 }
 
 /// `--stop-unit-processes`: each process of this process's cgroup pinned
@@ -187,6 +236,15 @@ fn main() -> Result<()> {
             }
         }
         return Ok(());
+    }
+    if args.print_bootstrap_token {
+        let node = args.node.as_deref().unwrap_or_default();
+        return join::print_bootstrap_token(node, args.token_seconds);
+    }
+    if let Some(Command::Join(join)) = &args.command {
+        init_logging();
+        let explicit = args.config != Path::new(DEFAULT_PATH);
+        return join::join_cluster(&args.config, explicit, join);
     }
     if let Some(dir) = &args.make_api_pki {
         for f in kvirt::daemon::api::pki::make(dir)? {
@@ -584,8 +642,17 @@ async fn run(config: Config) -> Result<()> {
         }
         SourceKind::Kubernetes => {
             let k = &config.kubernetes;
+            join::bootstrap_identity(&config).await?;
+            join::renew_in_background(&config);
             let (client, ca_pem) = cluster::client(&k.kubeconfig).await?;
             let node = settings.node_name.clone();
+            if k.approve_certificates {
+                cluster::csr::run(
+                    client.clone(),
+                    k.max_certificate_seconds,
+                    kvirt::core::csr::node_user(&node),
+                );
+            }
             info!("waiting for the first list of this node's VMIs");
             let store = cluster::source::watch_node(client.clone(), &node, tx.clone()).await;
             let initial = cluster::source::snapshot(&store);

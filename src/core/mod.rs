@@ -8,10 +8,12 @@
 //! `status` (what the VMI reports), with `phase` the transition table.
 
 pub mod acl;
+pub mod bootstrap;
 pub mod budget;
 pub mod cni;
 pub mod convert;
 pub mod cpuset;
+pub mod csr;
 pub mod defaults;
 pub mod dhcp;
 pub mod dhcp6;

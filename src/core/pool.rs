@@ -126,6 +126,15 @@ pub(crate) fn checked_replicas(
     }
     let t = template.ok_or_else(|| format!("{template_field} is missing"))?;
     let labels = t.and_then(|m| m.labels.clone()).unwrap_or_default();
+    // As a VirtualMachine's: placement is the scheduler's (or a claiming
+    // host's), never the template's.
+    if labels.contains_key(crate::core::vmi::NODE_LABEL) {
+        return Err(format!(
+            "{template_field}.metadata.labels[{}]: members may not choose their node; \
+             use nodeSelector or affinity",
+            crate::core::vmi::NODE_LABEL
+        ));
+    }
     let selector = selector.ok_or("spec.selector is missing")?;
     if !scheduling::label_selector_matches(selector, &labels) {
         return Err(format!(
@@ -437,5 +446,13 @@ mod replica_set_tests {
         let mut bad = rs.clone();
         bad.spec.template = None;
         assert_eq!(bad.replicas().unwrap_err(), "spec.template is missing");
+        // Members may not name their node, as a VirtualMachine's VMI may not.
+        let mut pinned = two();
+        pinned["spec"]["template"]["metadata"]["labels"]["kubevirt.io/nodeName"] = "n1".into();
+        let pinned: ReplicaSet = serde_json::from_value(pinned).unwrap();
+        assert!(pinned
+            .replicas()
+            .unwrap_err()
+            .contains("may not choose their node"));
     }
 }

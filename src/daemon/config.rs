@@ -281,6 +281,17 @@ pub struct KubernetesConfig {
     pub service_account_token_seconds: u64,
     /// The audiences of those tokens; none: the API server's own.
     pub service_account_token_audiences: Vec<String>,
+    /// A bootstrap kubeconfig (`kvirtd join` writes it): while `kubeconfig`
+    /// is missing, or holds this node's identity run out, kvirtd asks for
+    /// a new identity with it at start (TLS bootstrap).
+    pub bootstrap_kubeconfig: PathBuf,
+    /// The life asked for this host's certificate (at least 600).
+    pub certificate_seconds: u32,
+    /// Approve other kvirt hosts' certificate requests that are exactly
+    /// kvirt's, for the node their requester may speak for.
+    pub approve_certificates: bool,
+    /// ...living at most this long.
+    pub max_certificate_seconds: u32,
 }
 
 /// A year: what kubelet's own tokens may be extended to.
@@ -327,6 +338,10 @@ impl Default for KubernetesConfig {
             efi_vars_check_seconds: 600,
             service_account_token_seconds: 3600,
             service_account_token_audiences: Vec::new(),
+            bootstrap_kubeconfig: "/etc/kvirt/bootstrap-kubeconfig".into(),
+            certificate_seconds: 24 * 3600,
+            approve_certificates: true,
+            max_certificate_seconds: 7 * 24 * 3600,
         }
     }
 }
@@ -739,6 +754,22 @@ impl Config {
                 "kubernetes.kubeconfig: {} is not absolute",
                 self.kubernetes.kubeconfig.display()
             )));
+        }
+        let k = &self.kubernetes;
+        if !k.bootstrap_kubeconfig.is_absolute() {
+            return Err(invalid(format!(
+                "kubernetes.bootstrap_kubeconfig: {} is not absolute",
+                k.bootstrap_kubeconfig.display()
+            )));
+        }
+        // The API server refuses a certificate request of less than 600 s.
+        if k.certificate_seconds < crate::core::csr::MIN_SECONDS
+            || k.max_certificate_seconds < crate::core::csr::MIN_SECONDS
+        {
+            return Err(invalid(
+                "kubernetes.certificate_seconds and max_certificate_seconds must be at least 600"
+                    .into(),
+            ));
         }
         // The API server's bounds for a TokenRequest.
         let token = self.kubernetes.service_account_token_seconds;

@@ -969,11 +969,16 @@ impl<A: Adapters> Controller<A> {
         migrating: Option<Migrating>,
     ) -> Result<(), ControllerError> {
         self.fit_allowance(v, k).await?;
-        self.deps
-            .status
-            .hold(v)
-            .await
-            .map_err(status_err(&k.id()))?;
+        // An arriving VMI is still the source's, which holds it; it is
+        // this host's to hold once handed over (and in a cluster a host
+        // may not write another node's VMI at all).
+        if migrating != Some(Migrating::Incoming) {
+            self.deps
+                .status
+                .hold(v)
+                .await
+                .map_err(status_err(&k.id()))?;
+        }
         let unscheduled = matches!(
             v.status.phase,
             None | Some(Phase::Pending | Phase::Scheduling)

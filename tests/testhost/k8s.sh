@@ -522,6 +522,7 @@ ExecStart=/usr/local/bin/kube-apiserver \\
   --endpoint-reconciler-type=none \\
   --allow-privileged=true --profiling=false \\
   --enable-admission-plugins=NodeRestriction \\
+  --enable-bootstrap-token-auth \\
   --requestheader-client-ca-file=/etc/kvirt/pki/front-proxy-ca.crt \\
   --requestheader-allowed-names=front-proxy-client \\
   --requestheader-username-headers=X-Remote-User \\
@@ -540,12 +541,16 @@ Wants=kube-apiserver.service
 After=kube-apiserver.service
 
 [Service]
-# The controllers of persistent storage a cluster without pods needs: claims
-# bound to volumes by the PV binder, and both kept while in use. No leader
+# The controllers a cluster without pods needs: of persistent storage
+# (claims bound to volumes by the PV binder, and both kept while in use),
+# the signer of approved client certificates (kvirt hosts' identities, by
+# the test CA), the cleaners of old requests and expired bootstrap tokens. No leader
 # election (one instance); nothing served but on loopback.
 ExecStart=/usr/local/bin/kube-controller-manager \
   --kubeconfig=/etc/kvirt/admin.kubeconfig \
-  --controllers=persistentvolume-binder-controller,persistentvolumeclaim-protection-controller,persistentvolume-protection-controller \
+  --controllers=persistentvolume-binder-controller,persistentvolumeclaim-protection-controller,persistentvolume-protection-controller,certificatesigningrequest-signing-controller,certificatesigningrequest-cleaner-controller,token-cleaner-controller \
+  --cluster-signing-kube-apiserver-client-cert-file=/etc/kvirt/pki/ca.crt \
+  --cluster-signing-kube-apiserver-client-key-file=/etc/kvirt/pki/ca.key \
   --leader-elect=false --bind-address=127.0.0.1 \
   --pvclaimbinder-sync-period=2s
 Restart=on-failure

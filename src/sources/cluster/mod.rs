@@ -36,6 +36,7 @@ macro_rules! resource {
 
 pub mod aggregation;
 pub mod claims;
+pub mod csr;
 pub mod events;
 pub mod instancetypes;
 pub mod lease;
