@@ -232,6 +232,7 @@ node_labels = { zone = \"z1\", \"kvirt.io/host\" = \"$node\" }
 lease_seconds = 8
 efi_vars_check_seconds = 2
 certificate_seconds = $life
+node_dead_after_seconds = 10
 [network]
 subnet = \"$subnet\"
 [api]

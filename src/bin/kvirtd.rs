@@ -646,6 +646,12 @@ async fn run(config: Config) -> Result<()> {
             join::renew_in_background(&config);
             let (client, ca_pem) = cluster::client(&k.kubeconfig).await?;
             let node = settings.node_name.clone();
+            cluster::reaper::run(
+                client.clone(),
+                node.clone(),
+                Duration::from_secs(k.node_dead_after_seconds),
+                Arc::new(cluster::events::KubeEvents::new(client.clone(), &node)),
+            );
             if k.approve_certificates {
                 cluster::csr::run(
                     client.clone(),

@@ -27,6 +27,7 @@ pub mod ipam;
 pub mod key;
 pub mod kinds;
 pub mod layout;
+pub mod liveness;
 pub mod migration;
 pub mod nft;
 pub mod objects;

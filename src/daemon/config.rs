@@ -292,6 +292,10 @@ pub struct KubernetesConfig {
     pub approve_certificates: bool,
     /// ...living at most this long.
     pub max_certificate_seconds: u32,
+    /// A host seen unrenewed for its Lease's duration and this long is
+    /// dead: its VMIs are failed (`NodeUnresponsive`) so that their
+    /// VirtualMachines run them again elsewhere.
+    pub node_dead_after_seconds: u64,
 }
 
 /// A year: what kubelet's own tokens may be extended to.
@@ -342,6 +346,7 @@ impl Default for KubernetesConfig {
             certificate_seconds: 24 * 3600,
             approve_certificates: true,
             max_certificate_seconds: 7 * 24 * 3600,
+            node_dead_after_seconds: 300,
         }
     }
 }
@@ -761,6 +766,11 @@ impl Config {
                 "kubernetes.bootstrap_kubeconfig: {} is not absolute",
                 k.bootstrap_kubeconfig.display()
             )));
+        }
+        if k.node_dead_after_seconds < 5 {
+            return Err(invalid(
+                "kubernetes.node_dead_after_seconds must be at least 5".into(),
+            ));
         }
         // The API server refuses a certificate request of less than 600 s.
         if k.certificate_seconds < crate::core::csr::MIN_SECONDS

@@ -236,6 +236,9 @@ pub enum EventReason {
     DaemonRestarted,
     /// The VM's libvirt daemon does not answer.
     DaemonUnresponsive,
+    /// The VMI's node stopped renewing its Lease: the VMI is failed so
+    /// that its VirtualMachine runs it again elsewhere (KubeVirt's reason).
+    NodeUnresponsive,
     /// The VM's emptyDisks do not fit its namespace's ResourceQuota.
     ExceededQuota,
     /// The namespace's ResourceQuotas cannot be read: nothing starts

@@ -41,6 +41,7 @@ pub mod events;
 pub mod instancetypes;
 pub mod lease;
 pub mod migrations;
+pub mod reaper;
 pub mod replicas;
 pub mod source;
 pub mod status;
