@@ -54,6 +54,14 @@ pub struct Files {
 }
 
 impl Files {
+    /// Where the configuration puts them.
+    pub fn of(k: &crate::daemon::config::KubernetesConfig) -> Files {
+        Files {
+            kubeconfig: k.kubeconfig.clone(),
+            bootstrap: k.bootstrap_kubeconfig.clone(),
+        }
+    }
+
     /// The key of a request not yet answered.
     pub fn pending_key(&self) -> PathBuf {
         let mut name = self.kubeconfig.clone().into_os_string();

@@ -63,10 +63,7 @@ pub fn join_cluster(config_path: &Path, explicit: bool, args: &JoinArgs) -> Resu
         );
     }
     let k = &config.kubernetes;
-    let files = Files {
-        kubeconfig: k.kubeconfig.clone(),
-        bootstrap: k.bootstrap_kubeconfig.clone(),
-    };
+    let files = Files::of(k);
     let text = join::bootstrap_kubeconfig(&args.server, &ca, &token.text());
     replace_private(&files.bootstrap, text.as_bytes())
         .with_context(|| files.bootstrap.display().to_string())?;
@@ -146,10 +143,7 @@ fn restart_if_harmless(config: &Config) -> Result<()> {
 /// kubeconfig, retried until it comes (systemd is told why it waits).
 pub async fn bootstrap_identity(config: &Config) -> Result<()> {
     let k = &config.kubernetes;
-    let files = Files {
-        kubeconfig: k.kubeconfig.clone(),
-        bootstrap: k.bootstrap_kubeconfig.clone(),
-    };
+    let files = Files::of(k);
     let node = &config.node_name;
     let now = || jiff::Timestamp::now().as_second();
     if !join::needed(&files, node, now())? {
@@ -216,10 +210,7 @@ pub async fn bootstrap_identity(config: &Config) -> Result<()> {
 /// kvirt did not make (an administrator's kubeconfig) is left alone.
 pub fn renew_in_background(config: &Config) {
     let k = &config.kubernetes;
-    let files = Files {
-        kubeconfig: k.kubeconfig.clone(),
-        bootstrap: k.bootstrap_kubeconfig.clone(),
-    };
+    let files = Files::of(k);
     let node = config.node_name.clone();
     let seconds = k.certificate_seconds;
     tokio::spawn(async move {
