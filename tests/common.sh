@@ -232,7 +232,10 @@ node_labels = { zone = \"z1\", \"kvirt.io/host\" = \"$node\" }
 lease_seconds = 8
 efi_vars_check_seconds = 2
 certificate_seconds = $life
-node_dead_after_seconds = 10
+# Past the watchdog's 30 s and a restart: a frozen kvirtd fences once
+# restarted, before its peer acts (tests/dead_host.rs).
+node_dead_after_seconds = 40
+self_fence_margin_seconds = 5
 [network]
 subnet = \"$subnet\"
 [api]

@@ -290,6 +290,87 @@ async fn a_vm_that_left_drops_its_mark_once_its_vmi_is_gone_too() {
         .any(|c| c.starts_with("start-domain")));
 }
 
+/// A self-fence: the VM on a shared disk is killed and recorded (the
+/// local one is not); the loop fails its VMI with why, never starts it
+/// again, even by a new kvirtd, and drops the record once the VMI is gone.
+#[tokio::test]
+async fn a_fenced_vm_fails_with_why_and_is_never_started_here_again() {
+    let host = FakeHost::default();
+    let roots = vec!["/var/lib/kvirt/images".into(), "/srv/shared".into()];
+    let settings = || Settings {
+        host_disk_roots: HostDiskRoots::Host(roots.clone()),
+        ..settings()
+    };
+    let ctl: Arc<Ctl> = Controller::new(host.deps(), settings());
+    let disk =
+        |path: &str| format!("  volumes: [{{name: d, hostDisk: {{path: {path}, type: Disk}}}}]\n");
+    let vmis = set(&[
+        vmi("shared", "u1", &disk("/srv/shared/vm.img")),
+        vmi("local", "u2", &disk("/var/lib/kvirt/images/vm.img")),
+    ]);
+    ctl.set_vmis(vmis.clone()).await;
+    for id in ["default_shared", "default_local"] {
+        ctl.reconcile(id).await.unwrap();
+    }
+    let units = host.state().units.clone();
+    assert!(units["kvirt-vm@default_shared.service"].shared_disks);
+    assert!(!units["kvirt-vm@default_local.service"].shared_disks);
+
+    let policy =
+        kvirt::core::fence::SelfFence::new(Duration::from_secs(60), Duration::from_secs(15))
+            .unwrap();
+    let mut killed = Default::default();
+    let n =
+        kvirt::daemon::fence::fence(&host, &host, &policy, Duration::from_secs(46), &mut killed)
+            .await;
+    assert_eq!(n, 1);
+    host.take_calls();
+    ctl.reconcile("default_shared").await.unwrap();
+    assert_eq!(phase(&host, "shared"), Some(Phase::Failed));
+    let key = VmKey::new("default", "shared").unwrap();
+    let ready = ready_message(&host, "shared");
+    assert!(
+        ready.starts_with("fenced: this host could not renew its Lease for 46 s"),
+        "{ready}"
+    );
+    let events = host.state().events.clone();
+    assert!(
+        events
+            .iter()
+            .any(|(k, _, m)| k == &key && m.starts_with("fenced:")),
+        "{events:?}"
+    );
+    ctl.reconcile("default_local").await.unwrap();
+    assert_eq!(phase(&host, "local"), Some(Phase::Running));
+    assert_eq!(ctl.fenced_count(), 1);
+
+    // A new kvirtd, the failure not written (the API server away): the
+    // VMI as it was, not final. Nothing of it starts; it fails again.
+    host.state().statuses.remove(&key);
+    let again: Arc<Ctl> = Controller::new(host.deps(), settings());
+    again.set_vmis(vmis).await;
+    again.reconcile("default_shared").await.unwrap();
+    again.reconcile("default_shared").await.unwrap();
+    let calls = host.take_calls();
+    assert!(
+        !calls
+            .iter()
+            .any(|c| c.contains("start") && c.contains("shared")),
+        "{calls:?}"
+    );
+    assert_eq!(phase(&host, "shared"), Some(Phase::Failed));
+    // Its VMI gone (failed, deleted by its VirtualMachine): the record too.
+    again
+        .set_vmis(set(&[vmi(
+            "local",
+            "u2",
+            &disk("/var/lib/kvirt/images/vm.img"),
+        )]))
+        .await;
+    again.reconcile("default_shared").await.unwrap();
+    assert_eq!(again.fenced_count(), 0);
+}
+
 /// One migration of a VM at a time: of two claims at once, one wins and
 /// the other is told why; once the mark goes, the VM may migrate again.
 #[tokio::test]
@@ -443,13 +524,7 @@ async fn a_daemon_that_does_not_answer_is_reported_and_its_vm_left_alone() {
     );
     assert_eq!(ready("vm2").0, "True");
     // The condition says why: here, a call that timed out.
-    let message = host.state().statuses[&VmKey::new("default", "vm1").unwrap()]
-        .status
-        .conditions
-        .iter()
-        .find(|c| c.type_ == "Ready")
-        .and_then(|c| c.message.clone())
-        .unwrap_or_default();
+    let message = ready_message(&host, "vm1");
     assert!(
         message.contains("does not answer: VM default_vm1: its libvirt daemon did not answer"),
         "{message}"
@@ -1936,6 +2011,17 @@ async fn the_capability_probe_runs_as_kvirt_and_stops() {
         host.take_calls().last().map(String::as_str),
         Some("stop kvirt-probe.service")
     );
+}
+
+/// What the VMI's `Ready` condition says.
+fn ready_message(host: &FakeHost, name: &str) -> String {
+    host.state().statuses[&VmKey::new("default", name).unwrap()]
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Ready")
+        .and_then(|c| c.message.clone())
+        .unwrap_or_default()
 }
 
 fn condition(host: &FakeHost, name: &str, type_: &str) -> Option<(String, Option<String>)> {

@@ -201,6 +201,7 @@ status: {{phase: \"{phase}\"}}
             phase: vmi.status.phase,
             invalid,
             migrating: None,
+            fenced: None,
         };
         let states = [DomainState::Running, DomainState::Paused, DomainState::Shutdown,
                       DomainState::Crashed, DomainState::Shutoff, DomainState::Other];
@@ -215,6 +216,7 @@ status: {{phase: \"{phase}\"}}
                 restarts: 0,
                 main_pid: None,
                 allowed_cpus: None,
+                shared_disks: false,
             }),
             domain: Some(DomainObs {
                 state: states[state],

@@ -16,18 +16,19 @@ use kvirt::daemon::control;
 use kvirt::daemon::controller::VmiView;
 use kvirt::daemon::controller::{Adapters, Deps, LogRecorder, Settings};
 use kvirt::daemon::migration::Migrate;
-use kvirt::daemon::serve::{serve, Sources};
+use kvirt::daemon::serve::{serve, Notice, Sources};
 use kvirt::daemon::vms::{Input as VmInput, Vms};
 use kvirt::host::beneath::Beneath;
 use kvirt::host::consolelog;
 use kvirt::host::cpus::DedicatedCpus;
+use kvirt::host::fence::RenewalClock;
 use kvirt::host::identity::{HostUsers, IdentityStore};
 use kvirt::host::image::OciImages;
 use kvirt::host::journal::{self, Journal};
 use kvirt::host::libvirt::Libvirt;
 use kvirt::host::logwatch::LogWatch;
 use kvirt::host::machined::Machined;
-use kvirt::host::marks::FileMarks;
+use kvirt::host::marks::{FileFences, FileMarks};
 use kvirt::host::netns::KernelNetns;
 use kvirt::host::network::{HostNetwork, NetworkSettings};
 use kvirt::host::qemulog::Forwarder;
@@ -540,9 +541,8 @@ async fn run(config: Config) -> Result<()> {
         machines,
         storage,
         users: HostUsers(Arc::new(identities)),
-        marks: FileMarks {
-            dir: settings.layout.migrations_dir(),
-        },
+        marks: FileMarks::marks(settings.layout.migrations_dir()),
+        fences: FileFences::fences(settings.layout.fenced_dir()),
         images: {
             let layout = settings.layout.clone();
             OciImages::new(
@@ -636,14 +636,32 @@ async fn run(config: Config) -> Result<()> {
                     dir: config.source.directory.clone(),
                 }))),
                 stop: None,
+                notice: Notice::default(),
             };
             let deps = host.deps(status, LogRecorder);
             Ok(serve(deps, settings, metrics, (tx, rx), sources).await?)
         }
         SourceKind::Kubernetes => {
             let k = &config.kubernetes;
+            // First of all: a host cut off never gets further than the
+            // wait for its identity or its first list of VMIs.
+            let renewals = Arc::new(RenewalClock::open(settings.layout.lease_renewed_file()));
+            let fence = k.self_fence();
+            if let Some(policy) = fence {
+                let r = renewals.clone();
+                tokio::spawn(kvirt::daemon::fence::watch(
+                    host.units.clone(),
+                    FileFences::fences(settings.layout.fenced_dir()),
+                    policy,
+                    move || r.unrenewed(),
+                    |line| {
+                        let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(line)]);
+                    },
+                ));
+            }
             join::bootstrap_identity(&config).await?;
-            join::renew_in_background(&config);
+            let notice = Notice::default();
+            join::renew_in_background(&config, notice.clone());
             let (client, ca_pem) = cluster::client(&k.kubeconfig).await?;
             let node = settings.node_name.clone();
             cluster::reaper::run(
@@ -676,11 +694,13 @@ async fn run(config: Config) -> Result<()> {
                 .flatten()
                 .map(|a| a.to_string());
             let cordon = settings.layout.cordon_file();
+            let r = renewals.clone();
             tokio::spawn(cluster::lease::heartbeat(
                 client.clone(),
                 node.clone(),
                 Duration::from_secs(k.lease_seconds),
                 move || Announcement::of(&facts, migration_port.clone(), cordon.exists()),
+                move || r.renewed(),
             ));
             let claim = k.claim.then(|| (client.clone(), config.host_facts()));
             let claim_cordon = settings.layout.cordon_file();
@@ -702,7 +722,11 @@ async fn run(config: Config) -> Result<()> {
                               view: Arc<dyn VmiView>,
                               migrate: Option<Arc<dyn Migrate>>| {
                 if let Some((client, host)) = claim {
-                    cluster::source::claim_unassigned(client, host, move || claim_cordon.exists());
+                    // A host fenced (or about to be) takes no new VMI.
+                    let fenced = move || fence.is_some_and(|f| f.due(renewals.unrenewed()));
+                    cluster::source::claim_unassigned(client, host, move || {
+                        claim_cordon.exists() || fenced()
+                    });
                 }
                 let objects = cluster::migrations::KubeMigrations {
                     client: vmim_client,
@@ -786,6 +810,7 @@ async fn run(config: Config) -> Result<()> {
                         }
                     })
                 })),
+                notice,
             };
             let deps = host.deps(status, events);
             Ok(serve(deps, settings, metrics, (tx, rx), sources).await?)
@@ -952,6 +977,7 @@ struct Host {
     images: OciImages,
     users: HostUsers,
     marks: FileMarks,
+    fences: FileFences,
 }
 
 impl Host {
@@ -970,6 +996,7 @@ impl Host {
             images: self.images,
             users: self.users,
             marks: self.marks,
+            fences: self.fences,
             cpus: self.cpus,
         }
     }
@@ -1011,6 +1038,7 @@ impl<St: StatusStore, R: Recorder> Adapters for Real<St, R> {
     type Status = St;
     type Recorder = R;
     type Marks = FileMarks;
+    type Fences = FileFences;
 }
 
 #[cfg(test)]

@@ -163,6 +163,18 @@ impl HostLayout {
         self.runtime_dir.join("migrations")
     }
 
+    /// The VMs a self-fence stopped, one root-only file per VM id, kept
+    /// until their VMI is gone; and the time of this host's last Lease
+    /// renewal, which a kvirtd restarted while its host is cut off fences
+    /// from. Under the runtime directory: a reboot ends every VM anyway.
+    pub fn fenced_dir(&self) -> PathBuf {
+        self.runtime_dir.join("fenced")
+    }
+
+    pub fn lease_renewed_file(&self) -> PathBuf {
+        self.fenced_dir().join("lease-renewed")
+    }
+
     /// Present while the host is cordoned (`kvirtctl drain`, until
     /// `kvirtctl uncordon`): kept across restarts and reboots.
     pub fn cordon_file(&self) -> PathBuf {
@@ -199,6 +211,7 @@ impl HostLayout {
             self.disk_growth_dir(),
             parent(&self.identities_file()),
             parent(&self.manifest_errors_file()),
+            self.fenced_dir(),
         ]
     }
 

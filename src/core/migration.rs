@@ -460,6 +460,27 @@ fn disks(spec: &VmiSpec, storage: &SharedStorage) -> Result<bool, String> {
     Ok(copies)
 }
 
+/// Whether some disk of the VM is on storage other hosts reach at the same
+/// path: a hostDisk under a shared root, or a claim whose volume is a
+/// block device or under a shared root (whatever its access mode: another
+/// host could still write it). An ephemeral volume's shared base is only
+/// read (its overlay is this host's).
+pub fn on_shared_storage(spec: &VmiSpec, roots: &[PathBuf], claims: &Claims) -> bool {
+    let host_disk = |v: &crate::core::vmi::Volume| {
+        (v.host_disk.as_ref()).is_some_and(|h| under_any(Path::new(&h.path), roots))
+    };
+    let claim = |c: &pvc::ClaimUse| {
+        claims
+            .by_name
+            .get(&c.claim)
+            .is_some_and(|p| match &p.backend {
+                Backend::Block(_) => true,
+                Backend::Directory { dir, .. } => under_any(dir, roots),
+            })
+    };
+    spec.volumes.iter().any(host_disk) || pvc::claims_of(spec).iter().any(claim)
+}
+
 /// Lexically under one of `roots`: a path with `..` is under none.
 fn under_any(path: &Path, roots: &[PathBuf]) -> bool {
     let plain = path.is_absolute()
@@ -976,6 +997,40 @@ mod tests {
         let s = SharedStorage::new(&roots, &claims);
         assert_eq!(s.claims, ["nfs".to_string(), "san".to_string()].into());
         assert_eq!(s.roots, [PathBuf::from("/srv/shared")]);
+        // What a self-fence stops: any claim another host could write,
+        // whatever its access mode, and hostDisks under a shared root.
+        let uses = |volume: &str| -> VmiSpec {
+            serde_json::from_value(serde_json::json!({
+                "domain": {"devices": {}},
+                "volumes": [serde_json::from_str::<serde_json::Value>(volume).unwrap()],
+            }))
+            .unwrap()
+        };
+        let claim = |c: &str| {
+            uses(&format!(
+                r#"{{"name": "d", "persistentVolumeClaim": {{"claimName": "{c}"}}}}"#
+            ))
+        };
+        let host_disk = |p: &str| {
+            uses(&format!(
+                r#"{{"name": "d", "hostDisk": {{"path": "{p}", "type": "Disk"}}}}"#
+            ))
+        };
+        for (spec, shared) in [
+            (claim("nfs"), true),
+            (claim("nfs-rwo"), true),
+            (claim("san"), true),
+            (claim("local-rwx"), false),
+            (host_disk("/srv/shared/a.img"), true),
+            (host_disk("/srv/shared/../x.img"), false),
+            (host_disk("/var/lib/kvirt/images/a.img"), false),
+        ] {
+            assert_eq!(
+                on_shared_storage(&spec, &roots, &claims),
+                shared,
+                "{spec:?}"
+            );
+        }
     }
 
     #[test]

@@ -40,6 +40,9 @@ pub struct UnitObs {
     pub main_pid: Option<u32>,
     /// The CPUs it may run on (`AllowedCPUs`); `None`: any.
     pub allowed_cpus: Option<crate::core::cpuset::CpuSet>,
+    /// The VM writes disks other hosts reach (`KVIRT_SHARED_DISKS`): a
+    /// self-fence stops it ([`crate::core::fence`]).
+    pub shared_disks: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -137,6 +140,9 @@ pub struct Desired {
     pub invalid: Option<String>,
     /// A live migration this host takes part in.
     pub migrating: Option<Migrating>,
+    /// Why a self-fence stopped it here ([`crate::core::fence`]): it is
+    /// not started here again, and its VMI fails with this.
+    pub fenced: Option<String>,
 }
 
 /// This host's part in a live migration of the VM.
@@ -366,6 +372,15 @@ pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
         );
     }
 
+    if let Some(why) = &d.fenced {
+        // Stopped at once: its disks may be another host's by now.
+        return Plan::new(
+            teardown(obs, Duration::ZERO, true),
+            Outcome::Failed(why.clone()),
+            "a self-fence stopped the VM",
+        );
+    }
+
     match (d.migrating, &obs.unit) {
         (Some(Migrating::Incoming), None) => incoming(obs),
         (Some(Migrating::Outgoing), None) => Plan::new(
@@ -557,6 +572,7 @@ mod tests {
             phase,
             invalid: None,
             migrating: None,
+            fenced: None,
         }
     }
 
@@ -571,6 +587,7 @@ mod tests {
             restarts: 0,
             main_pid: None,
             allowed_cpus: None,
+            shared_disks: false,
         })
     }
 
@@ -1000,6 +1017,44 @@ mod tests {
     /// The safety of a migration's end: a domain gone from under a VM that
     /// migrates away is not started here again (the target runs it), and
     /// is no failure.
+    #[test]
+    fn a_fenced_vm_is_never_started_here_again_and_its_vmi_fails_with_why() {
+        let fenced = |phase| Desired {
+            fenced: Some("fenced: Lease unrenewed".into()),
+            ..desired(phase)
+        };
+        // Killed by the fence, its daemon started again by systemd: the
+        // domain is gone and nothing brings it back, whatever the phase.
+        let mut killed = running_host(DomainState::Shutoff);
+        killed.domain = None;
+        for phase in [None, Some(Phase::Scheduled), Some(Phase::Running)] {
+            for obs in [killed.clone(), Observed::default()] {
+                let p = plan(Some(&fenced(phase)), &obs);
+                assert!(!p.steps.iter().any(Step::creates), "{phase:?}: {p:?}");
+                assert_eq!(
+                    p.outcome,
+                    Outcome::Failed("fenced: Lease unrenewed".into()),
+                    "{phase:?}"
+                );
+            }
+        }
+        // One still running (the fence could not kill it) is stopped
+        // without waiting for its guest.
+        let p = plan(
+            Some(&fenced(Some(Phase::Running))),
+            &running_host(DomainState::Running),
+        );
+        assert!(
+            p.steps.contains(&ShutdownDomain {
+                grace: Duration::ZERO
+            }),
+            "{p:?}"
+        );
+        // Its VMI failed already: torn down, nothing more said.
+        let p = plan(Some(&fenced(Some(Phase::Failed))), &killed);
+        assert_eq!(p.outcome, Outcome::Unchanged);
+    }
+
     #[test]
     fn a_vm_migrating_away_is_never_started_here_again() {
         let outgoing = Desired {

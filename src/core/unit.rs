@@ -15,6 +15,9 @@ pub const ENV_NAMESPACE: &str = "KVIRT_VMI_NAMESPACE";
 pub const ENV_NAME: &str = "KVIRT_VMI_NAME";
 pub const ENV_DAEMON: &str = "KVIRT_DAEMON";
 pub const ENV_GRACE: &str = "KVIRT_GRACE_SECONDS";
+/// Set (`1`) on the unit of a VM whose disks other hosts reach: what a
+/// self-fence stops, known from the unit alone while the API is away.
+pub const ENV_SHARED_DISKS: &str = "KVIRT_SHARED_DISKS";
 
 /// One systemd unit property, typed so the adapter can map each to its
 /// D-Bus signature without guessing.
@@ -98,6 +101,8 @@ pub struct UnitInput<'a> {
     /// The CPUs it runs on: its dedicated ones, or those no VM holds.
     /// `None`: any (the host dedicates no CPUs).
     pub allowed_cpus: Option<&'a CpuSet>,
+    /// It writes disks other hosts reach ([`ENV_SHARED_DISKS`]).
+    pub shared_disks: bool,
 }
 
 /// systemd's CPUWeight for a Kubernetes CPU request: 1 CPU = the default
@@ -109,7 +114,7 @@ pub fn cpu_weight(cpu_request_millis: Option<u64>) -> u64 {
 pub fn unit_spec(i: &UnitInput) -> UnitSpec {
     let p = i.paths;
     let s = |v: &std::path::Path| v.display().to_string();
-    let env = vec![
+    let mut env = vec![
         format!("XDG_RUNTIME_DIR={}", s(&p.unit_xdg_runtime_dir())),
         format!("XDG_CONFIG_HOME={}", s(&p.unit_config_dir())),
         format!("XDG_CACHE_HOME={}", s(&p.xdg_cache_dir())),
@@ -123,6 +128,9 @@ pub fn unit_spec(i: &UnitInput) -> UnitSpec {
         // extra arena is private memory multiplied by every VM.
         "MALLOC_ARENA_MAX=1".to_owned(),
     ];
+    if i.shared_disks {
+        env.push(format!("{ENV_SHARED_DISKS}=1"));
+    }
     let mut rw = vec![s(&p.state_dir), s(&p.runtime_dir)];
     rw.extend(i.extra_rw_paths.iter().map(|x| s(x)));
     // The VM's own directories, and its hostDisks, bound over the tmpfs
@@ -402,6 +410,7 @@ mod tests {
             hidden_roots: vec!["/var/lib/kvirt/images".into(), "/srv/vms".into()],
             devices: Vec::new(),
             allowed_cpus: None,
+            shared_disks: false,
         }
     }
 

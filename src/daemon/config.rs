@@ -296,6 +296,27 @@ pub struct KubernetesConfig {
     /// dead: its VMIs are failed (`NodeUnresponsive`) so that their
     /// VirtualMachines run them again elsewhere.
     pub node_dead_after_seconds: u64,
+    /// A host that cannot renew its own Lease for `node_dead_after_seconds`
+    /// less `self_fence_margin_seconds` stops its VMs on shared disks
+    /// before its peers run them again elsewhere.
+    pub self_fence: bool,
+    /// How much earlier than its peers may act (the kill, a peer's late
+    /// view of the Lease).
+    pub self_fence_margin_seconds: u64,
+}
+
+impl KubernetesConfig {
+    /// When this host fences itself, if it does.
+    pub fn self_fence(&self) -> Option<crate::core::fence::SelfFence> {
+        self.self_fence
+            .then(|| {
+                crate::core::fence::SelfFence::new(
+                    std::time::Duration::from_secs(self.node_dead_after_seconds),
+                    std::time::Duration::from_secs(self.self_fence_margin_seconds),
+                )
+            })
+            .flatten()
+    }
 }
 
 /// A year: what kubelet's own tokens may be extended to.
@@ -347,6 +368,8 @@ impl Default for KubernetesConfig {
             approve_certificates: true,
             max_certificate_seconds: 7 * 24 * 3600,
             node_dead_after_seconds: 300,
+            self_fence: true,
+            self_fence_margin_seconds: 60,
         }
     }
 }
@@ -772,6 +795,14 @@ impl Config {
                 "kubernetes.node_dead_after_seconds must be at least 5".into(),
             ));
         }
+        if k.self_fence && k.self_fence().is_none() {
+            return Err(invalid(format!(
+                "kubernetes.self_fence_margin_seconds ({}) must be less than \
+                 node_dead_after_seconds ({}): the host must fence before its peers act \
+                 (or self_fence = false)",
+                k.self_fence_margin_seconds, k.node_dead_after_seconds
+            )));
+        }
         // The API server refuses a certificate request of less than 600 s.
         if k.certificate_seconds < crate::core::csr::MIN_SECONDS
             || k.max_certificate_seconds < crate::core::csr::MIN_SECONDS
@@ -977,6 +1008,24 @@ mod tests {
         }
         let text = "[kubernetes]\nservice_account_token_seconds=600";
         assert!(Config::parse(text, Path::new("x")).is_ok());
+        // A self-fence that could not come before the peers act is refused,
+        // unless fencing is off.
+        let text = "[kubernetes]\nnode_dead_after_seconds=60\nself_fence_margin_seconds=60";
+        let e = Config::parse(text, Path::new("x")).unwrap_err();
+        assert!(e.to_string().contains("self_fence_margin_seconds"), "{e}");
+        let off = format!("{text}\nself_fence=false");
+        assert_eq!(
+            Config::parse(&off, Path::new("x"))
+                .unwrap()
+                .kubernetes
+                .self_fence(),
+            None
+        );
+        let default = Config::parse("", Path::new("x"))
+            .unwrap()
+            .kubernetes
+            .self_fence();
+        assert_eq!(default.map(|f| f.after.as_secs()), Some(240));
     }
 
     #[test]

@@ -34,7 +34,7 @@ use crate::host::image::{ImageError, Images};
 use crate::host::journal;
 use crate::host::libvirt::{DomainRef, Hypervisor, LibvirtError, VmSocket};
 use crate::host::machined::Machines;
-use crate::host::marks::MigrationMarks;
+use crate::host::marks::Records;
 use crate::host::netns::{Netns, NetnsError};
 use crate::host::network::{Network, NetworkError};
 use crate::host::storage::{Owner, RuntimeDir, Storage, StorageError};
@@ -196,7 +196,8 @@ pub trait Adapters: 'static {
     type Users: VmUsers;
     type Status: StatusStore;
     type Recorder: Recorder;
-    type Marks: MigrationMarks;
+    type Marks: Records<crate::core::migration::Mark>;
+    type Fences: Records<crate::core::fence::Fenced>;
 }
 
 pub struct Deps<A: Adapters> {
@@ -212,6 +213,8 @@ pub struct Deps<A: Adapters> {
     pub users: A::Users,
     /// The migrations this host takes part in.
     pub marks: A::Marks,
+    /// The VMs a self-fence stopped.
+    pub fences: A::Fences,
     /// The host's dedicated CPUs and who holds them.
     pub cpus: Arc<crate::host::cpus::DedicatedCpus>,
 }
@@ -403,6 +406,29 @@ impl<A: Adapters> Controller<A> {
     ) -> Result<Option<Migrating>, crate::host::marks::MarkError> {
         let mark = self.deps.marks.get(id)?;
         Ok(mark.filter(|m| m.holds_for(vmi)).map(|m| m.role))
+    }
+
+    /// Why a self-fence stopped `vmi` here, if it did. A record of an
+    /// earlier instance of the name (its VirtualMachine made it anew) is
+    /// done with; an unreadable one counts as a fence (the safe side).
+    fn fenced(&self, id: &str, vmi: &VirtualMachineInstance) -> Option<String> {
+        match self.deps.fences.get(id) {
+            Ok(Some(f)) if f.holds_for(vmi.uid()) => Some(f.why),
+            Ok(Some(_)) => {
+                if let Err(e) = self.deps.fences.clear(id) {
+                    warn!("{e}");
+                }
+                None
+            }
+            Ok(None) => None,
+            Err(e) => Some(format!("fenced (its record unreadable: {e})")),
+        }
+    }
+
+    /// How many VMs a self-fence stopped that are still recorded, for
+    /// `STATUS=`.
+    pub fn fenced_count(&self) -> usize {
+        self.deps.fences.all().len()
     }
 
     fn vmis(&self) -> std::sync::MutexGuard<'_, HashMap<String, VirtualMachineInstance>> {
@@ -765,12 +791,14 @@ impl<A: Adapters> Controller<A> {
                 })?,
             None => None,
         };
+        let fenced = vmi.as_ref().and_then(|v| self.fenced(id, v));
         let desired = vmi.as_ref().filter(|_| !deleting).map(|v| Desired {
             uid: v.uid().unwrap_or_default().to_owned(),
             grace: v.termination_grace_period(),
             phase: v.status.phase,
             invalid: converted.as_ref().and_then(|c| c.as_ref().err().cloned()),
             migrating,
+            fenced,
         });
         if let (true, Some(v), Some(u)) = (deleting, &vmi, obs.unit.as_mut()) {
             // A grace period shortened after the start (`virtctl stop
@@ -861,6 +889,12 @@ impl<A: Adapters> Controller<A> {
             // A VM that left by migration: its mark held it until now.
             if let Ok(Some(_)) = self.deps.marks.get(id) {
                 if let Err(e) = self.deps.marks.clear(id) {
+                    warn!("{e}");
+                }
+            }
+            // A fenced VM's VMI is gone: the record has done its work.
+            if let Ok(Some(_)) = self.deps.fences.get(id) {
+                if let Err(e) = self.deps.fences.clear(id) {
                     warn!("{e}");
                 }
             }

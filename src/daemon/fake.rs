@@ -11,7 +11,9 @@ use crate::core::layout::VmPaths;
 use crate::core::objects::{ObjectData, ObjectRef};
 use crate::core::plan::{DomainObs, DomainState, GuestAgent, UnitActivity, UnitObs};
 use crate::core::pullsecret::Credentials;
-use crate::core::unit::{Prop, UnitSpec, ENV_GRACE, ENV_NAME, ENV_NAMESPACE, ENV_UID};
+use crate::core::unit::{
+    Prop, UnitSpec, ENV_GRACE, ENV_NAME, ENV_NAMESPACE, ENV_SHARED_DISKS, ENV_UID,
+};
 use crate::core::vmi::VirtualMachineInstance;
 use crate::daemon::controller::{Adapters, Deps};
 use crate::host::cpus::DedicatedCpus;
@@ -114,6 +116,7 @@ pub struct HostState {
     pub virtual_machines: Option<BTreeSet<String>>,
     /// Migration marks, by VM id (kept across controllers, as on disk).
     pub marks: BTreeMap<String, crate::core::migration::Mark>,
+    pub fences: BTreeMap<String, crate::core::fence::Fenced>,
 }
 
 #[derive(Clone, Default)]
@@ -132,6 +135,7 @@ impl Adapters for FakeHost {
     type Status = FakeHost;
     type Recorder = FakeHost;
     type Marks = FakeHost;
+    type Fences = FakeHost;
 }
 
 impl FakeHost {
@@ -153,6 +157,7 @@ impl FakeHost {
             images: self.clone(),
             users: self.clone(),
             marks: self.clone(),
+            fences: self.clone(),
             cpus: self
                 .state()
                 .cpus
@@ -251,6 +256,7 @@ impl Units for FakeHost {
                 Prop::Bytes("AllowedCPUs", mask) => Some(CpuSet::from_mask(mask)),
                 _ => None,
             }),
+            shared_disks: env_of(spec, ENV_SHARED_DISKS).is_some(),
         };
         let mut s = self.state();
         s.units.insert(spec.name.clone(), obs);
@@ -285,6 +291,26 @@ impl Units for FakeHost {
         self.call(format!("cpus {unit} {cpus}"));
         if let Some(u) = self.state().units.get_mut(unit) {
             u.allowed_cpus = Some(cpus.clone());
+        }
+        Ok(())
+    }
+
+    /// As systemd does for a VM's unit: QEMU gone with its daemon, which
+    /// the unit then starts again (`Restart=on-failure`) without a domain.
+    async fn kill_all(&self, unit: &str) -> Result<(), SystemdError> {
+        if self.call(format!("kill {unit}")) {
+            return Err(SystemdError::Job {
+                unit: unit.into(),
+                verb: "kill",
+                result: injected("kill"),
+            });
+        }
+        let mut s = self.state();
+        if let Some(id) = key::id_from_unit(unit) {
+            s.domains.remove(id);
+        }
+        if let Some(u) = s.units.get_mut(unit) {
+            u.restarts += 1;
         }
         Ok(())
     }
@@ -1015,7 +1041,7 @@ impl VmUsers for FakeHost {
     }
 }
 
-impl crate::host::marks::MigrationMarks for FakeHost {
+impl crate::host::marks::Records<crate::core::migration::Mark> for FakeHost {
     fn get(
         &self,
         id: &str,
@@ -1041,5 +1067,34 @@ impl crate::host::marks::MigrationMarks for FakeHost {
 
     fn all(&self) -> Vec<(String, crate::core::migration::Mark)> {
         self.state().marks.clone().into_iter().collect()
+    }
+}
+
+impl crate::host::marks::Records<crate::core::fence::Fenced> for FakeHost {
+    fn get(
+        &self,
+        id: &str,
+    ) -> Result<Option<crate::core::fence::Fenced>, crate::host::marks::MarkError> {
+        Ok(self.state().fences.get(id).cloned())
+    }
+
+    fn set(
+        &self,
+        id: &str,
+        record: &crate::core::fence::Fenced,
+    ) -> Result<(), crate::host::marks::MarkError> {
+        let _ = self.call(format!("fenced {id}"));
+        self.state().fences.insert(id.into(), record.clone());
+        Ok(())
+    }
+
+    fn clear(&self, id: &str) -> Result<(), crate::host::marks::MarkError> {
+        let _ = self.call(format!("clear fenced {id}"));
+        self.state().fences.remove(id);
+        Ok(())
+    }
+
+    fn all(&self) -> Vec<(String, crate::core::fence::Fenced)> {
+        self.state().fences.clone().into_iter().collect()
     }
 }

@@ -10,6 +10,7 @@ pub mod controller;
 pub mod drain;
 pub mod evacuate;
 pub mod fake;
+pub mod fence;
 pub mod join;
 pub mod man;
 pub mod metrics;

@@ -37,6 +37,16 @@ pub struct Sources<Ready, List> {
     pub migrations: Option<crate::daemon::migration::Setup>,
     /// What to finish at SIGTERM before exiting (at most [`STOP_WAIT`]).
     pub stop: Option<Stop>,
+    /// What the source has to say on `STATUS=` beside the VM counts.
+    pub notice: Notice,
+}
+
+/// A line for `STATUS=` from outside the loop (an identity run out that
+/// nothing renews), until taken back.
+pub type Notice = std::sync::Arc<std::sync::Mutex<Option<String>>>;
+
+fn notice_of(n: &Notice) -> Option<String> {
+    n.lock().unwrap_or_else(|p| p.into_inner()).clone()
 }
 
 pub type Stop =
@@ -78,7 +88,13 @@ pub async fn serve<A: Adapters>(
     if tokio::time::timeout(ADOPTION_WAIT, adopted).await.is_err() {
         info!("ready before every VM's first pass ended: the rest finish in the loop");
     }
-    let status = status_line(&ctl.phase_counts(), ctl.cordoned());
+    let notice = sources.notice.clone();
+    let status = status_line(
+        &ctl.phase_counts(),
+        ctl.cordoned(),
+        ctl.fenced_count(),
+        notice_of(&notice).as_deref(),
+    );
     let _ = sd_notify::notify(&[
         sd_notify::NotifyState::Ready,
         sd_notify::NotifyState::Status(&status),
@@ -153,7 +169,14 @@ pub async fn serve<A: Adapters>(
     tokio::spawn(keepalive(
         sd_notify::watchdog_enabled(),
         move || a.heartbeat(),
-        move || status_line(&c.phase_counts(), c.cordoned()),
+        move || {
+            status_line(
+                &c.phase_counts(),
+                c.cordoned(),
+                c.fenced_count(),
+                notice_of(&notice).as_deref(),
+            )
+        },
         tx.clone(),
         |state| {
             let _ = sd_notify::notify(std::slice::from_ref(state));
@@ -208,20 +231,34 @@ async fn keepalive(
 }
 
 /// `STATUS=` as `systemctl status kvirtd` shows it: VM counts per phase,
-/// and the cordon a drain left.
-fn status_line(counts: &BTreeMap<String, usize>, cordoned: bool) -> String {
+/// the cordon a drain left, the VMs a self-fence stopped, and the source's
+/// notice.
+fn status_line(
+    counts: &BTreeMap<String, usize>,
+    cordoned: bool,
+    fenced: usize,
+    notice: Option<&str>,
+) -> String {
     let total: usize = counts.values().sum();
     let parts: Vec<String> = counts.iter().map(|(p, n)| format!("{n} {p}")).collect();
-    let line = if parts.is_empty() {
+    let mut line = if parts.is_empty() {
         "0 VMs".to_string()
     } else {
         format!("{total} VMs: {}", parts.join(", "))
     };
     if cordoned {
-        format!("{line}; cordoned (kvirtctl uncordon)")
-    } else {
-        line
+        line.push_str("; cordoned (kvirtctl uncordon)");
     }
+    if fenced > 0 {
+        line.push_str(&format!(
+            "; {fenced} fenced (stopped: this host could not renew its Lease)"
+        ));
+    }
+    if let Some(n) = notice {
+        line.push_str("; ");
+        line.push_str(n);
+    }
+    line
 }
 
 #[cfg(test)]
@@ -274,12 +311,23 @@ mod tests {
 
     #[test]
     fn status_counts_vms_per_phase() {
-        assert_eq!(status_line(&BTreeMap::new(), false), "0 VMs");
+        assert_eq!(status_line(&BTreeMap::new(), false, 0, None), "0 VMs");
         let counts = BTreeMap::from([("Running".to_string(), 2), ("Scheduled".to_string(), 1)]);
-        assert_eq!(status_line(&counts, false), "3 VMs: 2 Running, 1 Scheduled");
         assert_eq!(
-            status_line(&counts, true),
+            status_line(&counts, false, 0, None),
+            "3 VMs: 2 Running, 1 Scheduled"
+        );
+        assert_eq!(
+            status_line(&counts, true, 0, None),
             "3 VMs: 2 Running, 1 Scheduled; cordoned (kvirtctl uncordon)"
+        );
+        assert_eq!(
+            status_line(&counts, false, 1, None),
+            "3 VMs: 2 Running, 1 Scheduled; 1 fenced (stopped: this host could not renew its Lease)"
+        );
+        assert_eq!(
+            status_line(&counts, false, 0, Some("certificate expired")),
+            "3 VMs: 2 Running, 1 Scheduled; certificate expired"
         );
     }
 }

@@ -12,6 +12,7 @@ pub mod commit;
 pub mod consolelog;
 pub mod cpus;
 pub mod dhcp;
+pub mod fence;
 pub mod grants;
 pub mod growth;
 pub mod hugepages;

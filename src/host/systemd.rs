@@ -4,7 +4,9 @@ use crate::core::cpuset::CpuSet;
 use crate::core::key::{self, UNIT_PREFIX};
 use crate::core::layout::DaemonKind;
 use crate::core::plan::{UnitActivity, UnitObs};
-use crate::core::unit::{Prop, UnitSpec, ENV_DAEMON, ENV_GRACE, ENV_NAME, ENV_NAMESPACE, ENV_UID};
+use crate::core::unit::{
+    Prop, UnitSpec, ENV_DAEMON, ENV_GRACE, ENV_NAME, ENV_NAMESPACE, ENV_SHARED_DISKS, ENV_UID,
+};
 use crate::host::pidfd::{self, Pidfd};
 use futures::StreamExt;
 use std::future::Future;
@@ -96,6 +98,9 @@ pub trait Units: Send + Sync + 'static {
         -> impl Future<Output = Result<Option<UnitObs>, SystemdError>> + Send;
     /// Ids (`<ns>_<name>` form) of every loaded `kvirt-vm@` unit.
     fn list_ids(&self) -> impl Future<Output = Result<Vec<String>, SystemdError>> + Send;
+    /// SIGKILL to every process of the unit at once (QEMU and its daemon):
+    /// a fence, which waits for no guest.
+    fn kill_all(&self, unit: &str) -> impl Future<Output = Result<(), SystemdError>> + Send;
     /// Moves a running unit to these CPUs (`AllowedCPUs=`, until it ends).
     fn set_allowed_cpus(
         &self,
@@ -472,6 +477,7 @@ impl Units for SystemdBus {
             restarts,
             main_pid,
             allowed_cpus,
+            shared_disks: var(ENV_SHARED_DISKS).is_some(),
         }))
     }
 
@@ -485,6 +491,14 @@ impl Units for SystemdBus {
             .into_iter()
             .filter_map(|u| key::id_from_unit(&u.0).map(str::to_owned))
             .collect())
+    }
+
+    async fn kill_all(&self, unit: &str) -> Result<(), SystemdError> {
+        Ok(self
+            .manager()
+            .await?
+            .kill_unit(unit.into(), "all".into(), libc::SIGKILL)
+            .await?)
     }
 
     async fn set_allowed_cpus(&self, unit: &str, cpus: &CpuSet) -> Result<(), SystemdError> {

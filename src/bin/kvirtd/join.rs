@@ -7,6 +7,7 @@ use kvirt::core::bootstrap::Token;
 use kvirt::core::key::is_dns_subdomain;
 use kvirt::daemon::config::{Config, SourceKind};
 use kvirt::daemon::join::{self, Files, Joined};
+use kvirt::daemon::serve::Notice;
 use kvirt::host::commit::replace_private;
 use std::io::Read as _;
 use std::path::Path;
@@ -206,9 +207,10 @@ pub async fn bootstrap_identity(config: &Config) -> Result<()> {
 /// the identity itself (a joined kvirtd approves it, this one included),
 /// then re-executes kvirtd in place (same PID: systemd and the VMs see no
 /// restart) so every client uses the new certificate. An identity run out
-/// asks again with the bootstrap kubeconfig if there is one. An identity
-/// kvirt did not make (an administrator's kubeconfig) is left alone.
-pub fn renew_in_background(config: &Config) {
+/// asks again with the bootstrap kubeconfig if there is one; without one,
+/// `notice` says so on `STATUS=` (the VMs run on). An identity kvirt did
+/// not make (an administrator's kubeconfig) is left alone.
+pub fn renew_in_background(config: &Config, notice: Notice) {
     let k = &config.kubernetes;
     let files = Files::of(k);
     let node = config.node_name.clone();
@@ -251,11 +253,34 @@ pub fn renew_in_background(config: &Config) {
                 }
                 Err(e) => {
                     error!("renewing this node's identity: {e}; again in 60 s");
+                    if now >= held.not_after {
+                        *notice.lock().unwrap_or_else(|p| p.into_inner()) =
+                            Some(expired(&files, held.not_after));
+                    }
                     tokio::time::sleep(Duration::from_secs(60)).await;
                 }
             }
         }
     });
+}
+
+/// What `STATUS=` says of an identity run out that could not be renewed.
+fn expired(files: &Files, not_after: i64) -> String {
+    let at = jiff::Timestamp::from_second(not_after)
+        .map(|t| t.to_string())
+        .unwrap_or_else(|_| not_after.to_string());
+    let how = if std::fs::symlink_metadata(&files.bootstrap).is_ok() {
+        format!(
+            "its bootstrap kubeconfig {} was refused",
+            files.bootstrap.display()
+        )
+    } else {
+        format!(
+            "no bootstrap kubeconfig ({}) to ask again with: kvirtd join",
+            files.bootstrap.display()
+        )
+    };
+    format!("this host's certificate expired at {at} and {how}; VMs run on, the API server is out of reach")
 }
 
 /// kvirtd again, in this process: its arguments and environment as they
@@ -269,4 +294,26 @@ fn reexec() {
     let e = nix::unistd::execv(exe, &args);
     error!("re-executing kvirtd: {e:?}; exiting for systemd to start it again");
     std::process::exit(1);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_identity_run_out_says_when_and_what_would_renew_it() {
+        let t = tempfile::tempdir().unwrap();
+        let files = Files {
+            kubeconfig: t.path().join("kubeconfig"),
+            bootstrap: t.path().join("bootstrap-kubeconfig"),
+        };
+        let none = expired(&files, 1_800_000_000);
+        assert!(none.contains("expired at 2027-01-15T08:00:00Z"), "{none}");
+        assert!(none.contains("no bootstrap kubeconfig"), "{none}");
+        assert!(none.contains("kvirtd join"), "{none}");
+        assert!(none.contains("VMs run on"), "{none}");
+        std::fs::write(&files.bootstrap, "x").unwrap();
+        let refused = expired(&files, 1_800_000_000);
+        assert!(refused.contains("was refused"), "{refused}");
+    }
 }

@@ -213,6 +213,9 @@ pub struct Converted {
     pub volume_status: Vec<serde_json::Value>,
     /// Whether the VM could migrate (its `LiveMigratable` condition).
     pub migratable: crate::core::migration::Migratable,
+    /// Some disk of it is on storage other hosts reach: a self-fence
+    /// stops it ([`crate::core::fence`]).
+    pub shared_disks: bool,
 }
 
 impl Converted {
@@ -640,6 +643,7 @@ pub fn convert_all_errors(
         domain,
         volume_status,
         migratable: crate::core::migration::migratable(spec, &shared),
+        shared_disks: crate::core::migration::on_shared_storage(spec, ctx.shared_roots, ctx.claims),
         disks: preps,
         network: nets.pod,
         secondary_networks: nets.secondary,

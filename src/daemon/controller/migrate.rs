@@ -12,7 +12,7 @@ use crate::core::plan::{DomainState, UnitActivity};
 use crate::core::vmi::{VirtualMachineInstance, VmiSpec};
 use crate::host::beneath::Beneath;
 use crate::host::libvirt::{DomainRef, Hypervisor, LibvirtError};
-use crate::host::marks::{MarkError, MigrationMarks};
+use crate::host::marks::{MarkError, Records};
 use crate::host::migrate::{LiveMigration, MigrateTo};
 use crate::host::storage::Owner;
 use crate::host::systemd::Units;

@@ -350,6 +350,7 @@ impl<A: Adapters> Controller<A> {
             hidden_roots: self.hidden_roots(),
             devices: claim_devices(conv),
             allowed_cpus: self.unit_cpus(conv).as_ref(),
+            shared_disks: conv.shared_disks,
         });
         self.deps.units.start(&spec).await.map_err(sd_err(c.id))
     }

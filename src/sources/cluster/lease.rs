@@ -83,13 +83,15 @@ pub async fn peers(client: &kube::Client) -> Result<Vec<Peer>, kube::Error> {
 }
 
 /// Renews forever, every quarter of the lease duration (kubelet's ratio),
-/// with what `announce` says of the host then; failures are logged and
-/// retried on the next tick.
+/// with what `announce` says of the host then, telling `renewed` of each
+/// renewal the API server took (the self-fence counts from the last);
+/// failures are logged and retried on the next tick.
 pub async fn heartbeat(
     client: kube::Client,
     node: String,
     duration: Duration,
     announce: impl Fn() -> Announcement + Send + 'static,
+    renewed: impl Fn() + Send + 'static,
 ) {
     let api: Api<Lease> = Api::namespaced(client, LEASE_NAMESPACE);
     let params = PatchParams::apply("kvirtd").force();
@@ -98,11 +100,12 @@ pub async fn heartbeat(
         tick.tick().await;
         let now = micro_time(jiff::Timestamp::now());
         let patch = lease_patch(&node, duration, &now, &announce());
-        if let Err(e) = api
+        match api
             .patch(&lease_name(&node), &params, &Patch::Apply(&patch))
             .await
         {
-            warn!("renewing lease {}: {e}", lease_name(&node));
+            Ok(_) => renewed(),
+            Err(e) => warn!("renewing lease {}: {e}", lease_name(&node)),
         }
     }
 }
