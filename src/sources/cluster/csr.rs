@@ -10,7 +10,7 @@ use k8s_openapi::api::certificates::v1::{
 };
 use k8s_openapi::ByteString;
 use kube::api::{Api, ObjectMeta, Patch, PatchParams, PostParams};
-use kube::runtime::{watcher, WatchStreamExt};
+use kube::runtime::{reflector, watcher, WatchStreamExt};
 use std::time::Duration;
 use tracing::{info, warn};
 use x509_parser::oid_registry::{
@@ -125,13 +125,14 @@ fn decided(csr: &CertificateSigningRequest) -> Option<(&str, String)> {
 /// object's resourceVersion, so two kvirtds deciding at once conflict
 /// instead of both writing. A decision that failed to be written (the API
 /// server away, a policy changed) is tried again at the next look over
-/// every pending request, every [`RECHECK`].
+/// every pending request, every [`RECHECK`], from the watch's own copy:
+/// nothing is listed again but what the watch itself needs.
 pub fn run(client: kube::Client, max_seconds: u32, own_user: String) {
     let csrs: Api<CertificateSigningRequest> = Api::all(client);
-    let fields = format!("spec.signerName={SIGNER}");
-    let config = watcher::Config::default().fields(&fields);
+    let config = watcher::Config::default().fields(&format!("spec.signerName={SIGNER}"));
     tokio::spawn(async move {
-        let mut stream = watcher(csrs.clone(), config)
+        let (seen, writer) = reflector::store();
+        let mut stream = reflector::reflector(writer, watcher(csrs.clone(), config))
             .default_backoff()
             .applied_objects()
             .boxed();
@@ -147,15 +148,10 @@ pub fn run(client: kube::Client, max_seconds: u32, own_user: String) {
                     }
                     None => return,
                 },
-                _ = recheck.tick() => {
-                    match csrs.list(&kube::api::ListParams::default().fields(&fields)).await {
-                        Ok(l) => l.items,
-                        Err(e) => {
-                            warn!("certificate requests: listing: {e}");
-                            continue;
-                        }
-                    }
-                }
+                _ = recheck.tick() => (seen.state().iter())
+                    .filter(|c| decided(c).is_none())
+                    .map(|c| (**c).clone())
+                    .collect(),
             };
             for csr in batch {
                 // Never its own: another host (or an administrator)
