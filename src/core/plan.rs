@@ -373,10 +373,15 @@ pub fn plan(desired: Option<&Desired>, obs: &Observed) -> Plan {
     }
 
     if let Some(why) = &d.fenced {
-        // Stopped at once: its disks may be another host's by now.
+        // Stopped at once: its disks may be another host's by now. A VM
+        // that was arriving is still the source's to report.
+        let outcome = match d.migrating {
+            Some(Migrating::Incoming) => Outcome::Unchanged,
+            _ => Outcome::Failed(why.clone()),
+        };
         return Plan::new(
             teardown(obs, Duration::ZERO, true),
-            Outcome::Failed(why.clone()),
+            outcome,
             "a self-fence stopped the VM",
         );
     }
@@ -1053,6 +1058,14 @@ mod tests {
         // Its VMI failed already: torn down, nothing more said.
         let p = plan(Some(&fenced(Some(Phase::Failed))), &killed);
         assert_eq!(p.outcome, Outcome::Unchanged);
+        // Arriving by migration: torn down, the source reports.
+        let arriving = Desired {
+            migrating: Some(Migrating::Incoming),
+            ..fenced(Some(Phase::Running))
+        };
+        let p = plan(Some(&arriving), &killed);
+        assert_eq!(p.outcome, Outcome::Unchanged);
+        assert!(!p.steps.iter().any(Step::creates), "{p:?}");
     }
 
     #[test]
