@@ -643,22 +643,8 @@ async fn run(config: Config) -> Result<()> {
         }
         SourceKind::Kubernetes => {
             let k = &config.kubernetes;
-            // First of all: a host cut off never gets further than the
-            // wait for its identity or its first list of VMIs.
-            let renewals = Arc::new(RenewalClock::open(settings.layout.lease_renewed_file()));
             let fence = k.self_fence();
-            if let Some(policy) = fence {
-                let r = renewals.clone();
-                tokio::spawn(kvirt::daemon::fence::watch(
-                    host.units.clone(),
-                    FileFences::fences(settings.layout.fenced_dir()),
-                    policy,
-                    move || r.unrenewed(),
-                    |line| {
-                        let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(line)]);
-                    },
-                ));
-            }
+            let renewals = start_self_fence(fence, &settings, &host.units);
             join::bootstrap_identity(&config).await?;
             let notice = Notice::default();
             join::renew_in_background(&config, notice.clone());
@@ -1021,6 +1007,31 @@ fn dedicated_cpus(config: &Config, settings: &Settings) -> Result<Arc<DedicatedC
         .context("the dedicated CPUs VMs held")?;
     info!(dedicated = %pool, online = %online, "CPUs for VMs with dedicated CPUs");
     Ok(Arc::new(cpus))
+}
+
+/// The self-fence (`daemon::fence`), if configured, started first of all:
+/// a host cut off never gets further than the wait for its identity or its
+/// first list of VMIs. Returns the clock of the Lease's renewals it counts
+/// from, which the heartbeat sets.
+fn start_self_fence(
+    fence: Option<kvirt::core::fence::SelfFence>,
+    settings: &Settings,
+    units: &SystemdBus,
+) -> Arc<RenewalClock> {
+    let renewals = Arc::new(RenewalClock::open(settings.layout.lease_renewed_file()));
+    if let Some(policy) = fence {
+        let r = renewals.clone();
+        tokio::spawn(kvirt::daemon::fence::watch(
+            units.clone(),
+            FileFences::fences(settings.layout.fenced_dir()),
+            policy,
+            move || r.unrenewed(),
+            |line| {
+                let _ = sd_notify::notify(&[sd_notify::NotifyState::Status(line)]);
+            },
+        ));
+    }
+    renewals
 }
 
 /// The real adapters, with the status store and recorder of the source.
