@@ -135,7 +135,7 @@ fn a_dead_hosts_vms_run_again_elsewhere_once_and_its_stale_copies_go_when_it_ret
     let Some((a, b)) = hosts() else { return };
     let _g = serial();
     // A run that failed midway left B cut off.
-    b.ok("nft delete table inet kvtest-cut 2>/dev/null; systemctl kill -s CONT kvirtd || true");
+    b.ok("nft delete table inet kvtest-cut 2>/dev/null || true; systemctl kill -s CONT kvirtd || true");
     for vm in [LOCAL, SHARED] {
         a.ok(&format!(
             "kubectl delete vm {vm} --ignore-not-found --wait=false"
