@@ -106,18 +106,7 @@ mod tests {
     }
 
     fn unit(activity: UnitActivity, shared: bool) -> UnitObs {
-        UnitObs {
-            activity,
-            uid: Some("u-1".into()),
-            daemon: None,
-            grace: None,
-            domain_name: None,
-            result: String::new(),
-            restarts: 0,
-            main_pid: None,
-            allowed_cpus: None,
-            shared_disks: shared,
-        }
+        UnitObs::of("u-1", activity, shared)
     }
 
     #[test]

@@ -102,6 +102,25 @@ pub struct Observed {
     pub unresponsive: Option<String>,
 }
 
+#[cfg(test)]
+impl UnitObs {
+    /// A unit of VMI `uid`, in `activity`, for tests.
+    pub(crate) fn of(uid: &str, activity: UnitActivity, shared_disks: bool) -> Self {
+        Self {
+            activity,
+            uid: Some(uid.into()),
+            daemon: None,
+            grace: None,
+            domain_name: None,
+            result: String::new(),
+            restarts: 0,
+            main_pid: None,
+            allowed_cpus: None,
+            shared_disks,
+        }
+    }
+}
+
 impl Observed {
     pub fn is_empty(&self) -> bool {
         self.unit.is_none()

@@ -113,18 +113,7 @@ mod tests {
     use std::sync::{Arc, Mutex};
 
     fn unit(uid: &str, shared: bool) -> UnitObs {
-        UnitObs {
-            activity: UnitActivity::Active,
-            uid: Some(uid.into()),
-            daemon: None,
-            grace: None,
-            domain_name: None,
-            result: String::new(),
-            restarts: 0,
-            main_pid: None,
-            allowed_cpus: None,
-            shared_disks: shared,
-        }
+        UnitObs::of(uid, UnitActivity::Active, shared)
     }
 
     fn host() -> FakeHost {
