@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
 # Runs inside the benchmark's test host (see tests/bench): measures kvirt
-# and the floor, prints one JSON object. Arguments: SEQ BURST MANY.
+# and the floor, prints one JSON object. Arguments: SEQ BURST MANY, or
+# --churn N WINDOW (a host's life: see churn below).
 set -euo pipefail
-seq_n=$1 burst_n=$2 many_n=$3
+mode=figures
+if [[ $1 == --churn ]]; then mode=churn; churn_n=$2 churn_w=$3; else seq_n=$1 burst_n=$2 many_n=$3; fi
+grace=5
 dir=/etc/kvirt/vmis.d
 resync_s=300
 status=/run/kvirt/status
@@ -39,7 +42,7 @@ metadata:
   name: $1
   namespace: default
 spec:
-  terminationGracePeriodSeconds: 5
+  terminationGracePeriodSeconds: $grace
 $nets
   domain:
     memory: {guest: 128Mi}
@@ -300,8 +303,64 @@ many() {
     "$many_n" "$up_ms" "$mem" "$rss" "$threads" "$idle" "$by_thread" "$cpu_burst" "$ready_ms" "$same" "$gone_ms" "$leftovers" "$veths" "$leases" "$nft"
 }
 
+# A host's life: N VMs made and deleted in sequence, WINDOW at a time (a
+# new one starts as the one WINDOW before it is deleted), with a grace
+# of 0 (the guest halts: nothing to wait for). Disk used where kvirt and
+# journald keep per-VM things, and kvirtd's RSS, once warmed up (20 VMs)
+# and at the end, each after a minute idle (kvirtd trims its heap once a
+# minute). The journal is made persistent first, as on an installed
+# host: journald splits files per uid only there.
+churn_gone() { [[ ! -e /run/kvirt/vms/default_$1 && ! -e /var/lib/kvirt/vms/default_$1 ]]; }
+churn_cycle() { # first last: each made, Running, and the one WINDOW before deleted
+  local i j
+  for ((i = $1; i <= $2; i++)); do
+    disk "c$i"
+    put "c$i" nonet
+    wait_until 120 running "c$i"
+    j=$((i - churn_w))
+    if ((j >= $1)); then churn_drop "c$j"; fi
+  done
+  for ((j = $2 - churn_w + 1; j <= $2; j++)); do ((j >= $1)) && churn_drop "c$j"; done
+  return 0
+}
+churn_drop() {
+  rm -f "$dir/$1.yaml"
+  wait_until 120 churn_gone "$1"
+  rm -f "/var/lib/kvirt/images/$1.raw"
+}
+churn_disk() { # KiB used under each place, as JSON
+  local d sep="" out="{"
+  for d in /var/log/journal /run/log/journal /var/lib/kvirt /run/kvirt /run/userdb /run/systemd/transient; do
+    out+="$sep\"$d\": $(du -sk "$d" 2>/dev/null | cut -f1 || echo 0)"; sep=", "
+  done
+  echo "$out}"
+}
+churn_state() {
+  sleep 65
+  printf '{"kvirtd_rss_mib": %s, "disk_kib": %s, "user_journal_files": %d, "identities": %d}' \
+    "$(kvirtd_rss_mib)" "$(churn_disk)" \
+    "$(find /var/log/journal -name 'user-*.journal' | wc -l)" \
+    "$(grep -o '"default_[^"]*": *[0-9]*' /var/lib/kvirt/identities/identities.json 2>/dev/null | wc -l)"
+}
+churn() {
+  grace=0
+  mkdir -p /var/log/journal
+  journalctl --flush
+  local t0 warm=20
+  churn_cycle 1 "$warm" >&2
+  local before; before=$(churn_state)
+  t0=$(now_ms)
+  churn_cycle $((warm + 1)) $((warm + churn_n)) >&2
+  local took_ms=$(($(now_ms) - t0))
+  wait_until 120 all_gone
+  local after; after=$(churn_state)
+  printf '{"churn": {"vms": %d, "window": %d, "took_ms": %d, "before": %s, "after": %s}}\n' \
+    "$churn_n" "$churn_w" "$took_ms" "$before" "$after"
+}
+
 make_guest
 remove_all >&2
+if [[ $mode == churn ]]; then churn; exit 0; fi
 echo '{'
 echo "\"floor_seq\": $(floor_seq | stats),"
 echo "\"kvirt_seq_nonet\": $(kvirt_seq nonet | stats),"
