@@ -2439,3 +2439,94 @@ fn kvirtctl_drain_empties_a_cluster_host_through_migration_objects() {
     }
     a.ok("rm -f /srv/shared/d-vm.raw /srv/shared/d-vmi.raw");
 }
+
+/// The holder of the election Lease (`core::election`).
+fn leader(h: &Host) -> String {
+    kubectl(
+        h,
+        "get lease -n kube-node-lease kvirt.controllers -o jsonpath='{.spec.holderIdentity}'",
+    )
+}
+
+/// One kvirtd at a time runs the cluster's controllers (VirtualMachines,
+/// replica sets, dead hosts): the one holding the Lease kvirt.controllers.
+/// Its kvirtd stopped, the other host takes the Lease over and runs a new
+/// VirtualMachine; started again, the first follows (it does not take the
+/// Lease back while the new leader renews it).
+#[test]
+fn the_clusters_controllers_run_on_one_elected_host_and_move_when_it_stops() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = serial();
+    a.ok("kubectl delete vm k-lead --ignore-not-found --wait=false");
+    a.wait(
+        "no k-lead left",
+        WAIT,
+        "! kubectl get vm k-lead 2>/dev/null && ! kubectl get vmi k-lead 2>/dev/null",
+    );
+    a.wait(
+        "a leader",
+        WAIT,
+        "kubectl get lease -n kube-node-lease kvirt.controllers -o jsonpath='{.spec.holderIdentity}' | grep -q node-",
+    );
+    let first = leader(&a);
+    let (old, new, other) = if first == "node-a" {
+        (&a, &b, "node-b")
+    } else {
+        (&b, &a, "node-a")
+    };
+    // Only the leader runs them: only its log says it leads.
+    assert!(old.succeeds("journalctl -u kvirtd --no-pager | grep -q 'this host leads'"));
+    let transitions = |h: &Host| {
+        kubectl(
+            h,
+            "get lease -n kube-node-lease kvirt.controllers -o jsonpath='{.spec.leaseTransitions}'",
+        )
+        .parse::<u32>()
+        .unwrap_or(0)
+    };
+    let before = transitions(&a);
+
+    old.ok("systemctl stop kvirtd");
+    let taken = Instant::now();
+    a.wait(
+        &format!("{other} leading"),
+        WAIT,
+        &format!(
+            "[ \"$(kubectl get lease -n kube-node-lease kvirt.controllers -o jsonpath='{{.spec.holderIdentity}}')\" = {other} ]"
+        ),
+    );
+    eprintln!(
+        "the Lease moved {:?} after the leader stopped",
+        taken.elapsed()
+    );
+    assert_eq!(transitions(&a), before + 1);
+    old.ok("systemctl start kvirtd");
+
+    // The new leader runs a new VirtualMachine (on either host).
+    disk(&[&a, &b], "k-lead", "run");
+    apply(
+        &a,
+        &support::vm_manifest("k-lead", "Always", "  nodeSelector: {zone: z1}\n"),
+    );
+    a.wait(
+        "k-lead Running",
+        Duration::from_secs(120),
+        "kubectl get vm k-lead --no-headers | grep -Eq 'Running +True'",
+    );
+    assert!(new.succeeds(
+        "journalctl -u kvirtd --no-pager -n 500 | grep -q 'default/k-lead: VirtualMachine: created its VMI'"
+    ));
+    old.wait(
+        "the first kvirtd back",
+        WAIT,
+        "systemctl is-active -q kvirtd && journalctl -u kvirtd -n 50 | grep -q ready",
+    );
+    assert_eq!(leader(&a), other, "the first host took the Lease back");
+    assert_eq!(transitions(&a), before + 1);
+    a.ok("kubectl delete vm k-lead --wait=false");
+    a.wait(
+        "k-lead gone",
+        Duration::from_secs(120),
+        "! kubectl get vmi k-lead 2>/dev/null",
+    );
+}

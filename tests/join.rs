@@ -326,6 +326,25 @@ EOF");
         r#"-n kube-node-lease patch lease kvirt-node-a --dry-run=server --type=merge -p '{"spec":{"holderIdentity":"node-b"}}'"#,
     );
     assert!(out.contains(FENCED), "{out}");
+    // The election Lease: held only as itself, never deleted.
+    let out = as_node(
+        &a,
+        "node-x",
+        r#"-n kube-node-lease patch lease kvirt.controllers --dry-run=server --type=merge -p '{"spec":{"holderIdentity":"node-b"}}'"#,
+    );
+    assert!(out.contains(FENCED), "{out}");
+    let out = as_node(
+        &a,
+        "node-x",
+        "-n kube-node-lease delete lease kvirt.controllers --dry-run=server",
+    );
+    assert!(out.contains(FENCED), "{out}");
+    let out = as_node(
+        &a,
+        "node-x",
+        r#"-n kube-node-lease patch lease kvirt.controllers --dry-run=server --type=merge -p '{"spec":{"holderIdentity":"node-x"}}'"#,
+    );
+    assert!(out.contains("patched"), "{out}");
     // Secrets: only in opted-in namespaces (default is; kube-system never).
     assert_eq!(
         as_node(&a, "node-b", "auth can-i get secrets -n kube-system"),

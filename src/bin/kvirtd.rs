@@ -15,6 +15,7 @@ use kvirt::daemon::config::{Config, Emulation, SourceKind, DEFAULT_PATH};
 use kvirt::daemon::control;
 use kvirt::daemon::controller::VmiView;
 use kvirt::daemon::controller::{Adapters, Deps, LogRecorder, Settings};
+use kvirt::daemon::fake::FakeHost;
 use kvirt::daemon::migration::Migrate;
 use kvirt::daemon::serve::{serve, Notice, Sources};
 use kvirt::daemon::vms::{Input as VmInput, Vms};
@@ -33,7 +34,7 @@ use kvirt::host::netns::KernelNetns;
 use kvirt::host::network::{HostNetwork, NetworkSettings};
 use kvirt::host::qemulog::Forwarder;
 use kvirt::host::storage::{HostStorage, Owner};
-use kvirt::host::systemd::SystemdBus;
+use kvirt::host::systemd::{SystemdBus, Units};
 use kvirt::sources::cluster;
 use kvirt::sources::manifest::{self, FileStatusStore, VmRecords};
 use kvirt::sources::{Recorder, StatusStore};
@@ -42,7 +43,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::mpsc::{unbounded_channel, UnboundedSender};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver, UnboundedSender};
 use tracing::{debug, error, info, warn};
 
 /// Runs KubeVirt VirtualMachineInstances on this host without pods.
@@ -120,6 +121,14 @@ struct Args {
     token_seconds: u64,
     #[command(subcommand)]
     command: Option<Command>,
+    /// Run as a simulated host, for benchmarks of the control plane
+    /// (tests/bench --fleet): the configured cluster's API server sees a
+    /// host like any other, but every host part (systemd, libvirt, the
+    /// network, disks, identities) is the recording fake of kvirt's own
+    /// tests: no VM runs, and nothing on this machine is touched but the
+    /// directories of [paths].
+    #[arg(long)]
+    simulate: bool,
     /// Print this manual page (roff) for packaging.
     #[arg(long, hide = true)]
     print_man: bool,
@@ -289,7 +298,7 @@ fn main() -> Result<()> {
         // burst the pool shrinks back while the host settles.
         .thread_keep_alive(Duration::from_secs(2))
         .build()?;
-    let r = rt.block_on(run(config));
+    let r = rt.block_on(run(config, args.simulate));
     // A libvirt call stuck on a stopped VM daemon keeps its blocking
     // thread: kvirtd exits without waiting for it (dropping the runtime
     // would wait for it).
@@ -442,7 +451,7 @@ fn settings(config: &Config) -> Result<Settings> {
     })
 }
 
-async fn run(config: Config) -> Result<()> {
+async fn run(config: Config, simulate: bool) -> Result<()> {
     let settings = settings(&config)?;
     info!(
         node = %settings.node_name,
@@ -466,28 +475,10 @@ async fn run(config: Config) -> Result<()> {
         }
     });
 
-    // Other kvirtds' way in for migrations, and this one's way out.
-    let migrations = |handover: Arc<dyn kvirt::sources::Handover>| {
-        let a = &config.api;
-        let listen = config
-            .migration
-            .listen_address()
-            .inspect_err(|e| error!("migration.listen: {e}; this host takes no migrations"))
-            .ok()
-            .flatten();
-        kvirt::daemon::migration::Setup {
-            listen,
-            cert: a.cert.clone(),
-            key: a.key.clone(),
-            ca: a.ca.clone(),
-            handover,
-            timeout: Duration::from_secs(config.migration.timeout_seconds),
-            eviction_strategy: config.migration.eviction_strategy,
-            bandwidth: Some(config.migration.bandwidth_per_migration_mib).filter(|b| *b > 0),
-        }
-    };
-
     let (tx, rx) = unbounded_channel::<Trigger>();
+    if simulate {
+        return run_simulated(&config, settings, (tx, rx)).await;
+    }
     // Domain events and unit changes name a VM id; both just wake it.
     let (lv_tx, lv_rx) = unbounded_channel::<String>();
     let (unit_tx, unit_rx) = unbounded_channel::<String>();
@@ -632,9 +623,12 @@ async fn run(config: Config) -> Result<()> {
                 list: None::<fn() -> _>,
                 resync,
                 efi_vars_check: None,
-                migrations: Some(migrations(Arc::new(manifest::ManifestHandover {
-                    dir: config.source.directory.clone(),
-                }))),
+                migrations: Some(migration_setup(
+                    &config,
+                    Arc::new(manifest::ManifestHandover {
+                        dir: config.source.directory.clone(),
+                    }),
+                )),
                 stop: None,
                 notice: Notice::default(),
             };
@@ -642,165 +636,305 @@ async fn run(config: Config) -> Result<()> {
             Ok(serve(deps, settings, metrics, (tx, rx), sources).await?)
         }
         SourceKind::Kubernetes => {
-            let k = &config.kubernetes;
-            let fence = k.self_fence();
-            let renewals = start_self_fence(fence, &settings, &host.units);
-            join::bootstrap_identity(&config).await?;
-            let notice = Notice::default();
-            join::renew_in_background(&config, notice.clone());
-            let (client, ca_pem) = cluster::client(&k.kubeconfig).await?;
-            let node = settings.node_name.clone();
+            let units = host.units.clone();
+            run_cluster(
+                &config,
+                settings,
+                metrics,
+                (tx, rx),
+                &units,
+                move |status, events| host.deps(status, events),
+            )
+            .await
+        }
+    }
+}
+
+/// A host in a cluster: the VMIs assigned to it from the API server, its
+/// Lease, claims, VirtualMachines, migrations objects and virtctl's API.
+/// The host's parts come from `deps_of` (`kvirtd --simulate`: the fake).
+async fn run_cluster<A: Adapters, U: Units + Clone + Send + Sync + 'static>(
+    config: &Config,
+    settings: Settings,
+    metrics: Option<tokio::net::TcpListener>,
+    (tx, rx): (UnboundedSender<Trigger>, UnboundedReceiver<Trigger>),
+    units: &U,
+    deps_of: impl FnOnce(cluster::status::KubeStatus, cluster::events::KubeEvents) -> Deps<A>,
+) -> Result<()> {
+    let resync = Duration::from_secs(config.source.resync_seconds);
+    let k = &config.kubernetes;
+    let fence = k.self_fence();
+    let renewals = start_self_fence(fence, &settings, units);
+    join::bootstrap_identity(config).await?;
+    let notice = Notice::default();
+    join::renew_in_background(config, notice.clone());
+    let (client, ca_pem) = cluster::client(&k.kubeconfig).await?;
+    let node = settings.node_name.clone();
+    let leading = cluster::leader::run(
+        client.clone(),
+        node.clone(),
+        Duration::from_secs(k.lease_seconds),
+    );
+    // Certificates are approved by every host: the leader's own renewal
+    // needs another host, since none approves its own.
+    if k.approve_certificates {
+        cluster::csr::run(
+            client.clone(),
+            k.max_certificate_seconds,
+            kvirt::core::csr::node_user(&node),
+        );
+    }
+    while_leading(leading.clone(), {
+        let (client, node) = (client.clone(), node.clone());
+        let dead_after = Duration::from_secs(k.node_dead_after_seconds);
+        let vms = k.virtual_machines;
+        move || {
             cluster::reaper::run(
                 client.clone(),
                 node.clone(),
-                Duration::from_secs(k.node_dead_after_seconds),
+                dead_after,
                 Arc::new(cluster::events::KubeEvents::new(client.clone(), &node)),
             );
-            if k.approve_certificates {
-                cluster::csr::run(
-                    client.clone(),
-                    k.max_certificate_seconds,
-                    kvirt::core::csr::node_user(&node),
-                );
-            }
-            info!("waiting for the first list of this node's VMIs");
-            let store = cluster::source::watch_node(client.clone(), &node, tx.clone()).await;
-            let initial = cluster::source::snapshot(&store);
-            if k.virtual_machines {
+            if vms {
                 cluster::vms::run(client.clone());
                 cluster::replicas::run(client.clone());
             }
-            // The Lease announces the host to its peers: what it offers
-            // VMIs, its migration port, its cordon.
-            let facts = config.host_facts();
-            let migration_port = config
-                .migration
-                .listen_address()
-                .ok()
-                .flatten()
-                .map(|a| a.to_string());
-            let cordon = settings.layout.cordon_file();
-            let r = renewals.clone();
-            tokio::spawn(cluster::lease::heartbeat(
-                client.clone(),
-                node.clone(),
-                Duration::from_secs(k.lease_seconds),
-                move || Announcement::of(&facts, migration_port.clone(), cordon.exists()),
-                move || r.renewed(),
-            ));
-            let claim = k.claim.then(|| (client.clone(), config.host_facts()));
-            let claim_cordon = settings.layout.cordon_file();
-            let control_path = settings.layout.control_socket();
-            let control_group = config.control.gid().map_err(anyhow::Error::msg)?;
-            // virtctl's API is never a reason not to run VMs.
-            let api =
-                api_settings(&config, Duration::from_secs(k.lease_seconds)).unwrap_or_else(|e| {
-                    error!("subresources.kubevirt.io (virtctl) not served: {e:#}");
-                    None
-                });
-            let running_api = Arc::new(tokio::sync::Mutex::new(None));
-            let (api_client, api_node, api_layout) =
-                (client.clone(), node.clone(), settings.layout.clone());
-            let api_running = running_api.clone();
-            let (vmim_client, vmim_node) = (client.clone(), node.clone());
-            let control_node = node.clone();
-            let ready = move |_tx: UnboundedSender<Trigger>,
-                              view: Arc<dyn VmiView>,
-                              migrate: Option<Arc<dyn Migrate>>| {
-                if let Some((client, host)) = claim {
-                    // A host fenced (or about to be) takes no new VMI.
-                    let fenced = move || fence.is_some_and(|f| f.due(renewals.unrenewed()));
-                    cluster::source::claim_unassigned(client, host, move || {
-                        claim_cordon.exists() || fenced()
-                    });
-                }
-                let objects = cluster::migrations::KubeMigrations {
-                    client: vmim_client,
-                };
-                // A drain moves VMs by migration objects, as virtctl's do.
-                let evict = migrate.as_ref().map(|_| {
-                    Arc::new(kvirt::daemon::evacuate::Evacuation {
-                        objects: objects.clone(),
-                        node: vmim_node.clone(),
-                        within: control::MIGRATE_DEADLINE,
-                    }) as Arc<dyn kvirt::daemon::drain::Evict>
-                });
-                if let Some(m) = migrate.clone() {
-                    tokio::spawn(kvirt::daemon::vmim::run(
-                        objects,
-                        vmim_node,
-                        view.clone(),
-                        m,
-                    ));
-                }
-                if let Some(api) = api {
-                    let v = view.clone();
-                    tokio::spawn(async move {
-                        // virtctl's API is for users, never a reason not to
-                        // run VMs: a failure to serve it is logged.
-                        match kvirt::daemon::api::run::start(
-                            api, api_node, api_client, v, api_layout,
-                        )
-                        .await
-                        {
-                            Ok(r) => *api_running.lock().await = Some(r),
-                            Err(e) => error!("subresources.kubevirt.io (virtctl) not served: {e}"),
-                        }
-                    });
-                }
-                // pause, unpause, soft-reboot of the VMIs this host runs;
-                // a VM's start, stop and restart go through the API server.
-                let (in_tx, mut in_rx) = unbounded_channel();
-                tokio::spawn(async move {
-                    while let Some(VmInput::Command { reply, .. }) = in_rx.recv().await {
-                        let _ = reply.send(Err("in a cluster, kvirtctl start, stop and restart \
-                            go through the API server (its kubeconfig)"
-                            .into()));
-                    }
-                });
-                let ctx = control::Ctx {
-                    node: control_node,
-                    to: in_tx,
-                    view,
-                    migrate,
-                    evict,
-                };
-                serve_control(&control_path, control_group, ctx);
-                Ok(())
-            };
-            let list = move || cluster::source::snapshot(&store);
-            let status = cluster::status::KubeStatus {
-                client: client.clone(),
-                ca_pem,
-                token: cluster::status::TokenSpec {
-                    seconds: k.service_account_token_seconds as i64,
-                    audiences: k.service_account_token_audiences.clone(),
-                },
-            };
-            let handover_client = client.clone();
-            let events = cluster::events::KubeEvents::new(client, &node);
-            let sources = Sources {
-                initial,
-                ready,
-                list: Some(list),
-                resync,
-                efi_vars_check: Some(Duration::from_secs(k.efi_vars_check_seconds.max(1))),
-                // In a cluster, migration objects move VMIs (`daemon::vmim`).
-                migrations: Some(migrations(Arc::new(cluster::migrations::KubeHandover {
-                    client: handover_client,
-                }))),
-                stop: Some(Box::new(move || {
-                    Box::pin(async move {
-                        if let Some(r) = running_api.lock().await.take() {
-                            r.stop().await;
-                        }
-                    })
-                })),
-                notice,
-            };
-            let deps = host.deps(status, events);
-            Ok(serve(deps, settings, metrics, (tx, rx), sources).await?)
         }
+    });
+    info!("waiting for the first list of this node's VMIs");
+    let store = cluster::source::watch_node(client.clone(), &node, tx.clone()).await;
+    let initial = cluster::source::snapshot(&store);
+    // The Lease announces the host to its peers: what it offers
+    // VMIs, its migration port, its cordon.
+    let facts = config.host_facts();
+    let migration_port = config
+        .migration
+        .listen_address()
+        .ok()
+        .flatten()
+        .map(|a| a.to_string());
+    let cordon = settings.layout.cordon_file();
+    let r = renewals.clone();
+    tokio::spawn(cluster::lease::heartbeat(
+        client.clone(),
+        node.clone(),
+        Duration::from_secs(k.lease_seconds),
+        move || Announcement::of(&facts, migration_port.clone(), cordon.exists()),
+        move || r.renewed(),
+    ));
+    let claim = k.claim.then(|| (client.clone(), config.host_facts()));
+    let claim_cordon = settings.layout.cordon_file();
+    let control_path = settings.layout.control_socket();
+    let control_group = config.control.gid().map_err(anyhow::Error::msg)?;
+    // virtctl's API is never a reason not to run VMs.
+    let api = api_settings(config, Duration::from_secs(k.lease_seconds)).unwrap_or_else(|e| {
+        error!("subresources.kubevirt.io (virtctl) not served: {e:#}");
+        None
+    });
+    let running_api = Arc::new(tokio::sync::Mutex::new(None));
+    let (api_client, api_node, api_layout) =
+        (client.clone(), node.clone(), settings.layout.clone());
+    let api_running = running_api.clone();
+    let api_leading = leading.clone();
+    let (vmim_client, vmim_node) = (client.clone(), node.clone());
+    let control_node = node.clone();
+    let ready = move |_tx: UnboundedSender<Trigger>,
+                      view: Arc<dyn VmiView>,
+                      migrate: Option<Arc<dyn Migrate>>| {
+        if let Some((client, host)) = claim {
+            // A host fenced (or about to be) takes no new VMI.
+            let fenced = move || fence.is_some_and(|f| f.due(renewals.unrenewed()));
+            cluster::source::claim_unassigned(client, host, move || {
+                claim_cordon.exists() || fenced()
+            });
+        }
+        let objects = cluster::migrations::KubeMigrations {
+            client: vmim_client,
+        };
+        // A drain moves VMs by migration objects, as virtctl's do.
+        let evict = migrate.as_ref().map(|_| {
+            Arc::new(kvirt::daemon::evacuate::Evacuation {
+                objects: objects.clone(),
+                node: vmim_node.clone(),
+                within: control::MIGRATE_DEADLINE,
+            }) as Arc<dyn kvirt::daemon::drain::Evict>
+        });
+        if let Some(m) = migrate.clone() {
+            tokio::spawn(kvirt::daemon::vmim::run(
+                objects,
+                vmim_node,
+                view.clone(),
+                m,
+            ));
+        }
+        if let Some(api) = api {
+            let v = view.clone();
+            tokio::spawn(async move {
+                // virtctl's API is for users, never a reason not to
+                // run VMs: a failure to serve it is logged.
+                match kvirt::daemon::api::run::start(
+                    api,
+                    api_node,
+                    api_client,
+                    v,
+                    api_layout,
+                    api_leading,
+                )
+                .await
+                {
+                    Ok(r) => *api_running.lock().await = Some(r),
+                    Err(e) => error!("subresources.kubevirt.io (virtctl) not served: {e}"),
+                }
+            });
+        }
+        // pause, unpause, soft-reboot of the VMIs this host runs;
+        // a VM's start, stop and restart go through the API server.
+        let (in_tx, mut in_rx) = unbounded_channel();
+        tokio::spawn(async move {
+            while let Some(VmInput::Command { reply, .. }) = in_rx.recv().await {
+                let _ = reply.send(Err("in a cluster, kvirtctl start, stop and restart \
+                        go through the API server (its kubeconfig)"
+                    .into()));
+            }
+        });
+        let ctx = control::Ctx {
+            node: control_node,
+            to: in_tx,
+            view,
+            migrate,
+            evict,
+        };
+        serve_control(&control_path, control_group, ctx);
+        Ok(())
+    };
+    let list = move || cluster::source::snapshot(&store);
+    let status = cluster::status::KubeStatus {
+        client: client.clone(),
+        ca_pem,
+        token: cluster::status::TokenSpec {
+            seconds: k.service_account_token_seconds as i64,
+            audiences: k.service_account_token_audiences.clone(),
+        },
+    };
+    let handover_client = client.clone();
+    let events = cluster::events::KubeEvents::new(client, &node);
+    let sources = Sources {
+        initial,
+        ready,
+        list: Some(list),
+        resync,
+        efi_vars_check: Some(Duration::from_secs(k.efi_vars_check_seconds.max(1))),
+        // In a cluster, migration objects move VMIs (`daemon::vmim`).
+        migrations: Some(migration_setup(
+            config,
+            Arc::new(cluster::migrations::KubeHandover {
+                client: handover_client,
+            }),
+        )),
+        stop: Some(Box::new(move || {
+            Box::pin(async move {
+                if let Some(r) = running_api.lock().await.take() {
+                    r.stop().await;
+                }
+            })
+        })),
+        notice,
+    };
+    let deps = deps_of(status, events);
+    Ok(serve(deps, settings, metrics, (tx, rx), sources).await?)
+}
+
+/// The cluster's controllers (`core::election`), run while this host
+/// leads, on a runtime of their own: when it stands down, that runtime is
+/// shut down, which ends every task they spawned (watches, loops, calls in
+/// flight), while this kvirtd runs its VMs on, API server or not.
+fn while_leading(
+    mut leading: tokio::sync::watch::Receiver<bool>,
+    start: impl Fn() + Send + Sync + 'static,
+) {
+    tokio::spawn(async move {
+        loop {
+            if leading.wait_for(|l| *l).await.is_err() {
+                return;
+            }
+            let rt = match tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(1)
+                .thread_name("kvirt-lead")
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    error!("the cluster's controllers not started: {e}");
+                    return;
+                }
+            };
+            {
+                // What start() spawns runs on the controllers' runtime.
+                let _in = rt.enter();
+                start();
+            }
+            let _ = leading.wait_for(|l| !*l).await;
+            rt.shutdown_background();
+            warn!("this host stood down: the cluster's controllers stopped");
+        }
+    });
+}
+
+/// `--simulate`: a cluster host whose parts are `daemon::fake`'s.
+async fn run_simulated(
+    config: &Config,
+    mut settings: Settings,
+    channel: (UnboundedSender<Trigger>, UnboundedReceiver<Trigger>),
+) -> Result<()> {
+    if config.source.kind != SourceKind::Kubernetes {
+        bail!("--simulate: a simulated host is a cluster's ([source] kind = \"kubernetes\")");
+    }
+    // Nothing to probe: the fake's QEMU is no QEMU.
+    settings.probe_owner = None;
+    let fake = FakeHost::default();
+    // The fake keeps every call for tests to read; a long run drops them.
+    let calls = fake.clone();
+    tokio::spawn(async move {
+        let mut every = tokio::time::interval(Duration::from_secs(60));
+        loop {
+            every.tick().await;
+            calls.take_calls();
+        }
+    });
+    let units = fake.clone();
+    run_cluster(
+        config,
+        settings,
+        None,
+        channel,
+        &units,
+        move |status, events| fake.simulated(status, events),
+    )
+    .await
+}
+
+/// Other kvirtds' way in for migrations, and this one's way out.
+fn migration_setup(
+    config: &Config,
+    handover: Arc<dyn kvirt::sources::Handover>,
+) -> kvirt::daemon::migration::Setup {
+    let a = &config.api;
+    let listen = config
+        .migration
+        .listen_address()
+        .inspect_err(|e| error!("migration.listen: {e}; this host takes no migrations"))
+        .ok()
+        .flatten();
+    kvirt::daemon::migration::Setup {
+        listen,
+        cert: a.cert.clone(),
+        key: a.key.clone(),
+        ca: a.ca.clone(),
+        handover,
+        timeout: Duration::from_secs(config.migration.timeout_seconds),
+        eviction_strategy: config.migration.eviction_strategy,
+        bandwidth: Some(config.migration.bandwidth_per_migration_mib).filter(|b| *b > 0),
     }
 }
 
@@ -1013,10 +1147,10 @@ fn dedicated_cpus(config: &Config, settings: &Settings) -> Result<Arc<DedicatedC
 /// a host cut off never gets further than the wait for its identity or its
 /// first list of VMIs. Returns the clock of the Lease's renewals it counts
 /// from, which the heartbeat sets.
-fn start_self_fence(
+fn start_self_fence<U: Units + Clone + Send + Sync + 'static>(
     fence: Option<kvirt::core::fence::SelfFence>,
     settings: &Settings,
-    units: &SystemdBus,
+    units: &U,
 ) -> Arc<RenewalClock> {
     let renewals = Arc::new(RenewalClock::open(settings.layout.lease_renewed_file()));
     if let Some(policy) = fence {

@@ -19,6 +19,7 @@ pub mod dhcp;
 pub mod dhcp6;
 pub mod drain;
 pub mod efivars;
+pub mod election;
 pub mod fence;
 pub mod guestinfo;
 pub mod identity;

@@ -138,6 +138,26 @@ impl Adapters for FakeHost {
     type Fences = FakeHost;
 }
 
+/// The fake as every host part, with a real source's status store and
+/// recorder: `kvirtd --simulate`, a host that runs no VM but talks to the
+/// API server as a real one does (the control plane's benchmark).
+pub struct Simulated<St, R>(std::marker::PhantomData<(St, R)>);
+
+impl<St: StatusStore, R: Recorder> Adapters for Simulated<St, R> {
+    type Units = FakeHost;
+    type Netns = FakeHost;
+    type Network = FakeHost;
+    type Hypervisor = FakeHost;
+    type Storage = FakeHost;
+    type Machines = FakeHost;
+    type Images = FakeHost;
+    type Users = FakeHost;
+    type Status = St;
+    type Recorder = R;
+    type Marks = FakeHost;
+    type Fences = FakeHost;
+}
+
 impl FakeHost {
     pub fn state(&self) -> MutexGuard<'_, HostState> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
@@ -163,6 +183,30 @@ impl FakeHost {
                 .cpus
                 .clone()
                 .unwrap_or_else(|| Arc::new(DedicatedCpus::none())),
+        }
+    }
+
+    /// This fake as every host part, with `status` and `recorder`.
+    pub fn simulated<St: StatusStore, R: Recorder>(
+        &self,
+        status: St,
+        recorder: R,
+    ) -> Deps<Simulated<St, R>> {
+        let d = self.deps();
+        Deps {
+            units: d.units,
+            netns: d.netns,
+            network: d.network,
+            hypervisor: d.hypervisor,
+            storage: d.storage,
+            status,
+            recorder,
+            machines: d.machines,
+            images: d.images,
+            users: d.users,
+            marks: d.marks,
+            fences: d.fences,
+            cpus: d.cpus,
         }
     }
 

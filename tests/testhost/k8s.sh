@@ -530,7 +530,9 @@ ExecStart=/usr/local/bin/kube-apiserver \\
   --requestheader-extra-headers-prefix=X-Remote-Extra- \\
   --proxy-client-cert-file=/etc/kvirt/pki/front-proxy-client.crt \\
   --proxy-client-key-file=/etc/kvirt/pki/front-proxy-client.key \\
-  --enable-aggregator-routing=true
+  --enable-aggregator-routing=true \$KUBE_APISERVER_ARGS
+# Extra flags for one run (the fleet benchmark's audit log).
+EnvironmentFile=-/etc/kvirt/kube-apiserver.env
 Restart=on-failure
 RestartSec=1
 LimitNOFILE=65536

@@ -14,7 +14,8 @@ use std::time::Duration;
 use tracing::{info, warn};
 
 /// How often the front proxy's ConfigMap is read again and this host's
-/// address written again (in case someone removed it).
+/// address checked (and written again if someone removed it): two reads
+/// per host every five minutes, however many hosts there are.
 const REFRESH: Duration = Duration::from_secs(300);
 
 pub struct ApiSettings {
@@ -70,6 +71,7 @@ pub async fn start(
     client: kube::Client,
     view: Arc<dyn VmiView>,
     layout: HostLayout,
+    leading: tokio::sync::watch::Receiver<bool>,
 ) -> Result<Running, ApiRunError> {
     let identity = tls::Identity::load(&s.cert, &s.key, &s.ca)?;
     let listener = tokio::net::TcpListener::bind(s.listen)
@@ -97,6 +99,7 @@ pub async fn start(
         node.clone(),
         published,
         s.lease,
+        leading,
     ));
     Ok(Running {
         api,
@@ -107,8 +110,9 @@ pub async fn start(
 }
 
 /// Front proxy first (nothing is served before it is known), then this
-/// host's address; both again every [`REFRESH`]; stale hosts pruned every
-/// lease period.
+/// host's address; both again every [`REFRESH`]; while this host leads
+/// (`core::election`), stale hosts pruned every lease period: one host's
+/// reads, not every host's.
 async fn keep(
     api: Arc<Api>,
     files: Files,
@@ -116,6 +120,7 @@ async fn keep(
     node: String,
     published: SocketAddr,
     lease: Duration,
+    leading: tokio::sync::watch::Receiver<bool>,
 ) {
     let mut refreshed: Option<tokio::time::Instant> = None;
     let mut told = false;
@@ -123,7 +128,8 @@ async fn keep(
     loop {
         tick.tick().await;
         if refreshed.is_none_or(|t| t.elapsed() >= REFRESH) {
-            match refresh(&api, &files, &client, &node, published).await {
+            let first = refreshed.is_none();
+            match refresh(&api, &files, &client, &node, published, first).await {
                 Ok(()) => {
                     refreshed = Some(tokio::time::Instant::now());
                     told = false;
@@ -137,21 +143,25 @@ async fn keep(
             }
         }
         let mine = refreshed.is_some().then_some(published);
-        if let Err(e) = aggregation::prune(&client, &node, mine, lease).await {
-            warn!("pruning stale API endpoints: {e}");
+        if *leading.borrow() {
+            if let Err(e) = aggregation::prune(&client, &node, mine, lease).await {
+                warn!("pruning stale API endpoints: {e}");
+            }
         }
     }
 }
 
 /// This host's certificate and the front proxy's trust read again, then
-/// this host's address published. A certificate that no longer reads is
-/// said, and the one in use kept.
+/// this host's address published: the `first` time, or when it went
+/// missing. A certificate that no longer reads is said, and the one in
+/// use kept.
 async fn refresh(
     api: &Api,
     files: &Files,
     client: &kube::Client,
     node: &str,
     published: SocketAddr,
+    first: bool,
 ) -> Result<(), String> {
     if let Err(e) =
         tls::Identity::load(&files.cert, &files.key, &files.ca).and_then(|i| api.set_identity(i))
@@ -162,6 +172,13 @@ async fn refresh(
         .await
         .map_err(|e| e.to_string())?;
     api.set_front_proxy(header).map_err(|e| e.to_string())?;
+    let listed = !first
+        && aggregation::still_published(client, node, published)
+            .await
+            .map_err(|e| e.to_string())?;
+    if listed {
+        return Ok(());
+    }
     aggregation::publish(client, node, published, true)
         .await
         .map_err(|e| e.to_string())

@@ -245,6 +245,19 @@ pub async fn publish(
     Ok(())
 }
 
+/// Whether this host's address is still in the Endpoints as it published
+/// it (one read; someone may have edited it, or a write lost a race).
+pub async fn still_published(
+    client: &kube::Client,
+    node: &str,
+    addr: SocketAddr,
+) -> Result<bool, AggregationError> {
+    let api: Api<Endpoints> = Api::namespaced(client.clone(), NAMESPACE);
+    let ep = api.get_opt(SERVICE).await.map_err(endpoints_err)?;
+    let mine = subset(node, addr, true);
+    Ok(ep.is_some_and(|ep| ep.subsets.iter().flatten().any(|s| s == &mine)))
+}
+
 /// The address of the kvirtd of `node`, as it published it.
 pub async fn peer(
     client: &kube::Client,

@@ -39,6 +39,7 @@ pub mod claims;
 pub mod csr;
 pub mod events;
 pub mod instancetypes;
+pub mod leader;
 pub mod lease;
 pub mod migrations;
 pub mod reaper;
