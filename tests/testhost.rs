@@ -1250,12 +1250,16 @@ fn a_vm_outlives_its_libvirt_daemon_but_not_a_stop_on_purpose() {
     let (qemu, daemon) = (h.qemu_pid("phoenix"), daemon_pid(&h, "phoenix"));
     let transitions = h.status("phoenix")["status"]["phaseTransitionTimestamps"].clone();
     // QEMU's log in the journal, its command line included, is QEMU's
-    // (tagged with its pid), never kvirtd's, which forwards it.
+    // (tagged with its pid), never kvirtd's, which forwards it; the
+    // command line (an argument per line) is one entry.
     h.wait(
         "QEMU's command line in the journal as QEMU's",
         Duration::from_secs(30),
-        &format!("journalctl -t qemu KVIRT_VM=default/phoenix --no-pager | grep -q 'qemu\\[{qemu}\\]: .*-name guest=default_phoenix'"),
+        &format!("journalctl -t qemu KVIRT_VM=default/phoenix _PID={qemu} -o cat --no-pager | grep -q -- '-name guest=default_phoenix'"),
     );
+    h.ok(&format!(
+        "[ \"$(journalctl -t qemu KVIRT_VM=default/phoenix _PID={qemu} -o json --no-pager | grep -- '-name guest=default_phoenix' | grep -c -- '-msg timestamp=on')\" = 1 ]"
+    ));
     let kvirtd = h.ok("systemctl show -P MainPID kvirtd");
     h.ok(&format!(
         "! journalctl -t qemu KVIRT_VM=default/phoenix --no-pager | grep -q 'qemu\\[{kvirtd}\\]'"

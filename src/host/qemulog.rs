@@ -45,6 +45,31 @@ const MAX_PID_FILE: u64 = 32;
 /// failed start's last words); the rest of such a log is skipped.
 pub const UNNAMED_LINES: usize = 100;
 
+/// A command line libvirt logs is one line per argument, each but the
+/// last ending in `\`: sent as one journal entry (an entry per argument
+/// made ~50 entries, some 25 KiB of journal, per VM started), up to this
+/// many bytes.
+const MAX_ENTRY: usize = 32 << 10;
+
+/// The entries `text`'s lines make: a line, or a line ending in `\` with
+/// the lines that continue it (joined by newlines, as written), bounded
+/// by [`MAX_ENTRY`]. Empty lines are skipped.
+fn entries(text: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    let mut open = false;
+    for line in text.lines().filter(|l| !l.is_empty()) {
+        match out.last_mut() {
+            Some(last) if open && last.len() + 1 + line.len() <= MAX_ENTRY => {
+                last.push('\n');
+                last.push_str(line);
+            }
+            _ => out.push(line.to_owned()),
+        }
+        open = line.ends_with('\\');
+    }
+    out
+}
+
 /// A process the forwarder names as a line's writer: pinned first, its
 /// unit read after, and alive at each line it is named for.
 pub struct Writer {
@@ -257,8 +282,9 @@ impl<K: Sink, P: Processes> Forwarder<K, P> {
             ("SYSLOG_IDENTIFIER", "qemu"),
         ];
         let mut unnamed = 0;
-        let lines = String::from_utf8_lossy(text);
-        let mut lines = lines.lines().filter(|l| !l.is_empty()).peekable();
+        let text = String::from_utf8_lossy(text);
+        let entries = entries(&text);
+        let mut lines = entries.iter().map(String::as_str);
         while let Some(line) = lines.next() {
             // Gone since it was pinned (its number may be anyone's now), or
             // gone at the send: another of the unit, if any, sends it.
@@ -616,6 +642,31 @@ mod tests {
         child.wait().unwrap();
         assert!(!pinned.alive());
         assert!(w.as_ref().is_none_or(|w| !(w.alive)()));
+    }
+
+    /// libvirt's command line (an argument per line, continued by `\`)
+    /// is one entry; other lines one each; a huge one is bounded.
+    #[test]
+    fn a_continued_command_line_is_one_entry() {
+        let text = "2026-12-06 starting up\nLC_ALL=C \\\n/usr/bin/qemu \\\n-name x \\\n-S\nnext\n\nlast \\\n";
+        assert_eq!(
+            entries(text),
+            [
+                "2026-12-06 starting up",
+                "LC_ALL=C \\\n/usr/bin/qemu \\\n-name x \\\n-S",
+                "next",
+                "last \\",
+            ]
+        );
+        let arg = format!("{} \\", "a".repeat(1000));
+        let long = vec![arg.as_str(); 100].join("\n");
+        let split = entries(&long);
+        assert!(split.len() > 1 && split.iter().all(|e| e.len() <= MAX_ENTRY));
+        assert_eq!(
+            split.concat().len() + split.len() - 1,
+            long.len(),
+            "nothing lost"
+        );
     }
 
     #[test]
