@@ -1258,7 +1258,7 @@ fn a_vm_outlives_its_libvirt_daemon_but_not_a_stop_on_purpose() {
         &format!("journalctl -t qemu KVIRT_VM=default/phoenix _PID={qemu} -o cat --no-pager | grep -q -- '-name guest=default_phoenix'"),
     );
     h.ok(&format!(
-        "[ \"$(journalctl -t qemu KVIRT_VM=default/phoenix _PID={qemu} -o json --no-pager | grep -- '-name guest=default_phoenix' | grep -c -- '-msg timestamp=on')\" = 1 ]"
+        "[ \"$(journalctl -t qemu KVIRT_VM=default/phoenix _PID={qemu} -o json --output-fields=MESSAGE --no-pager | grep -- '-name guest=default_phoenix' | grep -c -- '-msg timestamp=on')\" = 1 ]"
     ));
     let kvirtd = h.ok("systemctl show -P MainPID kvirtd");
     h.ok(&format!(
