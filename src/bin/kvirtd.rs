@@ -893,6 +893,18 @@ async fn run_simulated(
     // Nothing to probe: the fake's QEMU is no QEMU.
     settings.probe_owner = None;
     let fake = FakeHost::default();
+    // Units and domains changing wake their VM, as systemd's and
+    // libvirt's events do.
+    let (events, mut changed) = unbounded_channel::<String>();
+    fake.state().wake = Some(events);
+    let wake = channel.0.clone();
+    tokio::spawn(async move {
+        while let Some(id) = changed.recv().await {
+            if wake.send(Trigger::Vm(id)).is_err() {
+                break;
+            }
+        }
+    });
     // The fake keeps every call for tests to read; a long run drops them.
     let calls = fake.clone();
     tokio::spawn(async move {

@@ -80,6 +80,10 @@ pub struct HostState {
     /// Calls (by prefix) that wait, once recorded, until the test adds a
     /// permit: a pass held at that point while the test changes the world.
     pub gates: BTreeMap<String, Arc<tokio::sync::Semaphore>>,
+    /// Where a unit's or domain's change is told by VM id, as systemd's
+    /// and libvirt's events are (`kvirtd --simulate`); tests drive passes
+    /// themselves.
+    pub wake: Option<tokio::sync::mpsc::UnboundedSender<String>>,
     /// VM ids whose libvirt daemon does not answer.
     pub unresponsive: BTreeSet<String>,
     /// Ids whose daemon's socket cannot be connected to.
@@ -242,6 +246,13 @@ impl FakeHost {
         }
     }
 
+    /// Tells `id`'s change to whoever listens for events.
+    fn changed(&self, id: &str) {
+        if let Some(tx) = &self.state().wake {
+            let _ = tx.send(id.to_owned());
+        }
+    }
+
     /// The guest powers itself off, as a real one would.
     pub fn guest_poweroff(&self, id: &str) {
         if let Some(d) = self.state().domains.get_mut(id) {
@@ -305,6 +316,10 @@ impl Units for FakeHost {
         let mut s = self.state();
         s.units.insert(spec.name.clone(), obs);
         s.unit_specs.insert(spec.name.clone(), spec.clone());
+        drop(s);
+        if let Some(id) = key::id_from_unit(&spec.name) {
+            self.changed(id);
+        }
         Ok(())
     }
 
@@ -323,6 +338,8 @@ impl Units for FakeHost {
         // Stopping the unit kills its daemon and QEMU with it.
         if let Some(id) = key::id_from_unit(unit) {
             s.domains.remove(id);
+            drop(s);
+            self.changed(id);
         }
         Ok(())
     }
@@ -566,6 +583,7 @@ impl Hypervisor for FakeHost {
                 dom.paused = Some("PausedStartStrategy".into());
             }
         }
+        self.changed(&d.id);
         Ok(())
     }
 

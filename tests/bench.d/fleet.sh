@@ -23,11 +23,14 @@ wait_for() { # deadline_s what command...
   done
 }
 
-# A simulated host: its config (its own paths; virtctl's API on a
-# loopback address of its own; no migration port, no metrics) and a
-# transient unit running kvirtd --simulate.
+# A simulated host: its config (its own paths; virtctl's API on an
+# address of its own, on a dummy link: Endpoints take no loopback one; no
+# migration port, no metrics) and a transient unit running kvirtd
+# --simulate.
 sim_up() { # i kubeconfig
-  local n=sim-$1 dir=$fleet/sim-$1
+  local n=sim-$1 dir=$fleet/sim-$1 addr=10.99.$(($1 / 200)).$(($1 % 200 + 1))
+  ip link show fleet0 >/dev/null 2>&1 || { ip link add fleet0 type dummy && ip link set fleet0 up; }
+  ip addr add "$addr/16" dev fleet0
   mkdir -p "$dir"
   install -m 0600 "$2" "$dir/kubeconfig"
   cat >"$dir/kvirtd.toml" <<EOF
@@ -45,8 +48,8 @@ kubeconfig = "$dir/kubeconfig"
 bootstrap_kubeconfig = "$dir/bootstrap.kubeconfig"
 claim = true
 [api]
-listen = "127.0.1.$1:8443"
-address = "127.0.1.$1"
+listen = "$addr:8443"
+address = "$addr"
 [metrics]
 listen = ""
 EOF
