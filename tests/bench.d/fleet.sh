@@ -24,12 +24,12 @@ wait_for() { # deadline_s what command...
 }
 
 # A simulated host: its config (its own paths; virtctl's API on an
-# address of its own, on a dummy link: Endpoints take no loopback one; no
+# address of its own, on a bridge of its own: Endpoints take no loopback one; no
 # migration port, no metrics) and a transient unit running kvirtd
 # --simulate.
 sim_up() { # i kubeconfig
   local n=sim-$1 dir=$fleet/sim-$1 addr=10.99.$(($1 / 200)).$(($1 % 200 + 1))
-  ip link show fleet0 >/dev/null 2>&1 || { ip link add fleet0 type dummy && ip link set fleet0 up; }
+  ip link show fleet0 >/dev/null 2>&1 || { ip link add fleet0 type bridge && ip link set fleet0 up; }
   ip addr add "$addr/16" dev fleet0
   mkdir -p "$dir"
   install -m 0600 "$2" "$dir/kubeconfig"
@@ -150,8 +150,9 @@ main() {
     local tick=$((EPOCHSECONDS + 6)) batch=()
     for ((i = 0; i < step && gone < ${#names[@]}; i++)); do batch+=("${names[gone]}"); gone=$((gone + 1)); done
     ((${#batch[@]} == 0)) || kubectl delete vmi --wait=false "${batch[@]}" >/dev/null
-    for ((i = 0; i < step; i++)); do k=$((k + 1)); vmi "c-$k"; done | kubectl apply -f - >/dev/null
-    made=$((made + step))
+    # (k counts here: the loop before the pipe runs in a subshell.)
+    for ((i = 1; i <= step; i++)); do vmi "c-$((k + i))"; done | kubectl apply -f - >/dev/null
+    k=$((k + step)) made=$((made + step))
     while ((EPOCHSECONDS < tick)); do sleep 0.5; done
   done
   local churn; churn=$(window_end churn)

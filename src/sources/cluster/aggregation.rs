@@ -114,28 +114,62 @@ fn subset(node: &str, addr: SocketAddr, ready: bool) -> EndpointSubset {
 }
 
 fn subset_node(s: &EndpointSubset) -> Option<&str> {
+    subset_nodes(s).next()
+}
+
+/// Every node a subset names: the API server repacks the subsets of one
+/// Endpoints object (addresses with the same ports in one subset), so one
+/// subset holds many hosts' addresses.
+fn subset_nodes(s: &EndpointSubset) -> impl Iterator<Item = &str> {
     s.addresses
         .iter()
         .chain(s.not_ready_addresses.iter())
         .flatten()
-        .find_map(|a| a.node_name.as_deref())
+        .filter_map(|a| a.node_name.as_deref())
 }
 
-/// The subsets with `node`'s replaced by `mine` (kept as they are when
-/// `None`), and those of the nodes `gone` dropped (pure).
+/// Whether the subsets list `node`'s address `addr`, ready (pure).
+pub fn lists(subsets: &[EndpointSubset], node: &str, addr: SocketAddr) -> bool {
+    let ip = addr.ip().to_string();
+    subsets.iter().any(|s| {
+        s.ports
+            .iter()
+            .flatten()
+            .any(|p| p.name.as_deref() == Some(PORT_NAME) && p.port == i32::from(addr.port()))
+            && s.addresses
+                .iter()
+                .flatten()
+                .any(|a| a.ip == ip && a.node_name.as_deref() == Some(node))
+    })
+}
+
+/// The subsets with `node`'s addresses replaced by `mine` (kept as they
+/// are when `None`), and those of the nodes `gone` dropped, address by
+/// address (pure).
 pub fn merged_subsets(
     current: &[EndpointSubset],
     node: &str,
     mine: Option<EndpointSubset>,
     gone: &[String],
 ) -> Vec<EndpointSubset> {
+    let keep = |a: &EndpointAddress| {
+        a.node_name
+            .as_deref()
+            .is_some_and(|n| (n != node || mine.is_none()) && !gone.iter().any(|g| g == n))
+    };
+    let only = |list: &Option<Vec<EndpointAddress>>| {
+        let kept: Vec<EndpointAddress> =
+            list.iter().flatten().filter(|a| keep(a)).cloned().collect();
+        (!kept.is_empty()).then_some(kept)
+    };
     let mut out: Vec<EndpointSubset> = current
         .iter()
-        .filter(|s| {
-            subset_node(s)
-                .is_some_and(|n| (n != node || mine.is_none()) && !gone.iter().any(|g| g == n))
+        .map(|s| EndpointSubset {
+            addresses: only(&s.addresses),
+            not_ready_addresses: only(&s.not_ready_addresses),
+            ports: s.ports.clone(),
         })
-        .cloned()
+        .filter(|s| s.addresses.is_some() || s.not_ready_addresses.is_some())
         .collect();
     out.extend(mine);
     out.sort_by(|a, b| subset_node(a).cmp(&subset_node(b)));
@@ -254,8 +288,7 @@ pub async fn still_published(
 ) -> Result<bool, AggregationError> {
     let api: Api<Endpoints> = Api::namespaced(client.clone(), NAMESPACE);
     let ep = api.get_opt(SERVICE).await.map_err(endpoints_err)?;
-    let mine = subset(node, addr, true);
-    Ok(ep.is_some_and(|ep| ep.subsets.iter().flatten().any(|s| s == &mine)))
+    Ok(ep.is_some_and(|ep| lists(ep.subsets.as_deref().unwrap_or_default(), node, addr)))
 }
 
 /// The address of the kvirtd of `node`, as it published it.
@@ -294,7 +327,7 @@ pub fn stale(
     grace: Duration,
 ) -> Vec<String> {
     let mut gone = vec![];
-    for other in ep.subsets.iter().flatten().filter_map(subset_node) {
+    for other in ep.subsets.iter().flatten().flat_map(subset_nodes) {
         if other == node || gone.iter().any(|g| g == other) {
             continue;
         }
@@ -339,9 +372,8 @@ pub async fn prune(
     // This host's subset, once published, is put back if it went missing
     // (an edit, a lost race); left as it is otherwise.
     let mine = published.map(|a| subset(node, a, true));
-    let missing = mine
-        .as_ref()
-        .is_some_and(|m| !ep.subsets.iter().flatten().any(|s| s == m));
+    let missing =
+        published.is_some_and(|a| !lists(ep.subsets.as_deref().unwrap_or_default(), node, a));
     if gone.is_empty() && !missing {
         return Ok(());
     }
@@ -386,6 +418,38 @@ mod tests {
         // A host gone is removed by another, which keeps its own as it is.
         let merged = merged_subsets(&merged, "node-a", None, &["node-b".into()]);
         assert_eq!(merged, vec![a]);
+    }
+
+    /// The API server repacks the subsets: hosts on one port share one
+    /// subset. A host's write keeps the others' addresses in it, and each
+    /// host still finds its own.
+    #[test]
+    fn a_repacked_subset_keeps_the_other_hosts_addresses() {
+        let a = subset("node-a", addr("10.0.0.1:8443"), true);
+        let b = subset("node-b", addr("10.0.0.2:8443"), true);
+        let mut packed = a.clone();
+        packed
+            .addresses
+            .as_mut()
+            .unwrap()
+            .extend(b.addresses.clone().unwrap());
+        let packed = vec![packed];
+        assert!(lists(&packed, "node-a", addr("10.0.0.1:8443")));
+        assert!(lists(&packed, "node-b", addr("10.0.0.2:8443")));
+        assert!(!lists(&packed, "node-b", addr("10.0.0.2:9443")));
+        assert!(!lists(&packed, "node-c", addr("10.0.0.2:8443")));
+        // node-a writes its own again: node-b's address stays.
+        let merged = merged_subsets(&packed, "node-a", Some(a.clone()), &[]);
+        assert!(lists(&merged, "node-a", addr("10.0.0.1:8443")));
+        assert!(lists(&merged, "node-b", addr("10.0.0.2:8443")));
+        // node-b gone: only its address goes.
+        let merged = merged_subsets(&packed, "node-a", None, &["node-b".into()]);
+        assert_eq!(merged, vec![a]);
+        let ep = Endpoints {
+            subsets: Some(packed),
+            ..Default::default()
+        };
+        assert_eq!(stale(&ep, "node-a", &[], 0, Duration::ZERO), ["node-b"]);
     }
 
     #[test]

@@ -54,84 +54,97 @@ pub fn run(client: kube::Client, node: String, duration: Duration) -> watch::Rec
     let (tx, rx) = watch::channel(false);
     let api: Api<Lease> = Api::namespaced(client, LEASE_NAMESPACE);
     let view = Arc::new(Mutex::new(View::default()));
+    tokio::spawn(follow(api.clone(), view.clone()));
+    tokio::spawn(elect(api, node, duration, view, tx));
+    rx
+}
+
+type Shared = Arc<Mutex<View>>;
+
+fn lock(view: &Shared) -> std::sync::MutexGuard<'_, View> {
+    view.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The watch of the one election Lease: what the view holds.
+async fn follow(api: Api<Lease>, view: Shared) {
     let feed = watcher(
-        api.clone(),
+        api,
         watcher::Config::default().fields(&format!("metadata.name={LEASE}")),
     )
     .default_backoff();
-    let v = view.clone();
-    tokio::spawn(async move {
-        let mut feed = std::pin::pin!(feed);
-        while let Some(event) = feed.next().await {
-            let mut v = v.lock().unwrap_or_else(|p| p.into_inner());
-            match event {
-                Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l)) => {
-                    v.note(Some(l), Instant::now())
+    let mut feed = std::pin::pin!(feed);
+    while let Some(event) = feed.next().await {
+        let mut v = lock(&view);
+        match event {
+            Ok(watcher::Event::Apply(l) | watcher::Event::InitApply(l)) => {
+                v.note(Some(l), Instant::now())
+            }
+            Ok(watcher::Event::Delete(_)) => v.note(None, Instant::now()),
+            Ok(watcher::Event::Init) => {}
+            Ok(watcher::Event::InitDone) => {
+                if v.lease.is_none() {
+                    v.note(None, Instant::now());
                 }
-                Ok(watcher::Event::Delete(_)) => v.note(None, Instant::now()),
-                Ok(watcher::Event::Init) => {}
-                Ok(watcher::Event::InitDone) => {
-                    if v.lease.is_none() {
-                        v.note(None, Instant::now());
+                v.synced = true;
+            }
+            Err(e) => warn!("watching the election Lease {LEASE}: {e}"),
+        }
+    }
+}
+
+/// Each tick, the step `core::election` says, and whether this host
+/// leads after it.
+async fn elect(
+    api: Api<Lease>,
+    node: String,
+    duration: Duration,
+    view: Shared,
+    tx: watch::Sender<bool>,
+) {
+    // Nothing is known before the watch's first state; it comes at once
+    // when the API server answers (a restarted leader renews at once).
+    while !lock(&view).synced {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut tick = tokio::time::interval(election::renew_every(duration));
+    let mut renewed: Option<Instant> = None;
+    loop {
+        tick.tick().await;
+        let (step, lease) = {
+            let v = lock(&view);
+            let now = Instant::now();
+            (
+                election::step(&node, v.seen.as_ref(), duration, now),
+                v.lease.clone(),
+            )
+        };
+        let leading = *tx.borrow();
+        if step == Step::Follow && leading {
+            warn!("{LEASE}: another host holds it now; standing down");
+            let _ = tx.send(false);
+            continue;
+        }
+        if step != Step::Follow {
+            match write(&api, lease, &node, duration, step == Step::Take).await {
+                Ok(l) => {
+                    renewed = Some(Instant::now());
+                    lock(&view).note(Some(l), Instant::now());
+                    if !leading {
+                        info!("{LEASE}: this host leads; it runs the cluster's controllers");
+                        let _ = tx.send(true);
                     }
-                    v.synced = true;
                 }
-                Err(e) => warn!("watching the election Lease {LEASE}: {e}"),
+                // Lost a race for it, or the API server is away.
+                Err(e) => info!("{LEASE}: not written: {e}"),
             }
         }
-    });
-    tokio::spawn(async move {
-        // Nothing is known before the watch's first state; it comes at once
-        // when the API server answers (a restarted leader renews at once).
-        while !view.lock().unwrap_or_else(|p| p.into_inner()).synced {
-            tokio::time::sleep(Duration::from_millis(100)).await;
+        if *tx.borrow()
+            && renewed.is_none_or(|r| election::must_stand_down(r, duration, Instant::now()))
+        {
+            warn!("{LEASE}: not renewed in time; standing down");
+            let _ = tx.send(false);
         }
-        let mut tick = tokio::time::interval(election::renew_every(duration));
-        let mut renewed: Option<Instant> = None;
-        loop {
-            tick.tick().await;
-            let (step, lease) = {
-                let v = view.lock().unwrap_or_else(|p| p.into_inner());
-                if !v.synced {
-                    continue;
-                }
-                let now = Instant::now();
-                (
-                    election::step(&node, v.seen.as_ref(), duration, now),
-                    v.lease.clone(),
-                )
-            };
-            let leading = *tx.borrow();
-            if step == Step::Follow && leading {
-                warn!("{LEASE}: another host holds it now; standing down");
-                let _ = tx.send(false);
-                continue;
-            }
-            if step != Step::Follow {
-                match write(&api, lease, &node, duration, step == Step::Take).await {
-                    Ok(l) => {
-                        renewed = Some(Instant::now());
-                        view.lock()
-                            .unwrap_or_else(|p| p.into_inner())
-                            .note(Some(l), Instant::now());
-                        if !leading {
-                            info!("{LEASE}: this host leads; it runs the cluster's controllers");
-                            let _ = tx.send(true);
-                        }
-                    }
-                    // Lost a race for it, or the API server is away.
-                    Err(e) => info!("{LEASE}: not written: {e}"),
-                }
-            }
-            if *tx.borrow()
-                && renewed.is_none_or(|r| election::must_stand_down(r, duration, Instant::now()))
-            {
-                warn!("{LEASE}: not renewed in time; standing down");
-                let _ = tx.send(false);
-            }
-        }
-    });
-    rx
+    }
 }
 
 /// The Lease written as held by `node` now, over the version last seen
@@ -174,4 +187,43 @@ async fn write(
     spec.renew_time = Some(now);
     // The version read rides along: a write over a newer one conflicts.
     api.replace(LEASE, &pp, &lease).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease(holder: &str, version: &str) -> Lease {
+        Lease {
+            metadata: ObjectMeta {
+                name: Some(LEASE.into()),
+                resource_version: Some(version.into()),
+                ..Default::default()
+            },
+            spec: Some(LeaseSpec {
+                holder_identity: Some(holder.into()),
+                ..Default::default()
+            }),
+        }
+    }
+
+    /// A renewal counts from when this host saw it: the same version seen
+    /// again (a re-list) does not restart the count; a new one does.
+    #[test]
+    fn a_renewal_counts_from_when_it_was_first_seen_here() {
+        let t0 = Instant::now();
+        let later = t0 + Duration::from_secs(5);
+        let mut v = View::default();
+        v.note(Some(lease("b", "1")), t0);
+        v.note(Some(lease("b", "1")), later);
+        assert_eq!(v.seen.as_ref().map(|s| s.at), Some(t0));
+        v.note(Some(lease("b", "2")), later);
+        assert_eq!(v.seen.as_ref().map(|s| s.at), Some(later));
+        assert_eq!(
+            v.seen.as_ref().and_then(|s| s.holder.clone()),
+            Some("b".into())
+        );
+        v.note(None, later);
+        assert!(v.seen.is_none());
+    }
 }
