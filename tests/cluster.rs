@@ -459,8 +459,10 @@ fn a_private_container_disk_is_pulled_with_its_pull_secret_only() {
     a.ok("systemctl stop test-private-registry");
 }
 
+/// An unassigned VMI both hosts fit: the leader places it on one, which
+/// runs it; the other never does.
 #[test]
-fn two_hosts_racing_for_one_vmi_run_it_exactly_once() {
+fn an_unassigned_vmi_is_placed_on_one_host_and_runs_exactly_once() {
     let Some((a, b)) = hosts() else { return };
     let _g = serial();
     disk(&[&a, &b], "k-race", "run");
@@ -478,7 +480,7 @@ fn two_hosts_racing_for_one_vmi_run_it_exactly_once() {
     let (winner, loser) = match node.as_str() {
         "node-a" => (&a, &b),
         "node-b" => (&b, &a),
-        other => panic!("claimed by {other:?}"),
+        other => panic!("placed on {other:?}"),
     };
     assert!(unit_loaded(winner, "k-race"));
     assert!(!unit_loaded(loser, "k-race"), "both hosts run k-race");

@@ -346,6 +346,61 @@ EOF");
         r#"-n kube-node-lease patch lease kvirt.controllers --dry-run=server --type=merge -p '{"spec":{"holderIdentity":"node-x"}}'"#,
     );
     assert!(out.contains("patched"), "{out}");
+    // Assigning an unassigned VMI to another host is the leader's only
+    // (kvirt-leader-assigns reads the election Lease); to itself, any
+    // host's. The VMI fits no host, so the real leader leaves it alone.
+    a.ok("kubectl apply -f - <<'EOF'
+apiVersion: kubevirt.io/v1
+kind: VirtualMachineInstance
+metadata: {name: unplaced, namespace: default}
+spec:
+  nodeSelector: {kvirt.test/nowhere: 'true'}
+  domain: {devices: {}, memory: {guest: 64Mi}}
+EOF");
+    let leader = a.ok(
+        "kubectl -n kube-node-lease get lease kvirt.controllers -o jsonpath='{.spec.holderIdentity}'",
+    );
+    let other = if leader.trim() == "node-a" {
+        "node-b"
+    } else {
+        "node-a"
+    };
+    let assign = |as_: &str, to: &str| {
+        as_node(
+            &a,
+            as_,
+            &format!(
+                "patch vmi unplaced {dry} --type=merge -p \
+                 '{{\"metadata\":{{\"labels\":{{\"kubevirt.io/nodeName\":\"{to}\"}}}},\"status\":{{\"nodeName\":\"{to}\"}}}}'"
+            ),
+        )
+    };
+    let out = assign(other, "node-x");
+    assert!(
+        out.contains("kvirt-leader-assigns") && out.contains("only while it holds the Lease"),
+        "{out}"
+    );
+    assert!(assign(leader.trim(), "node-x").contains("patched"));
+    assert!(assign(other, other).contains("patched"));
+    // Label and status.nodeName must agree.
+    let out = as_node(
+        &a,
+        leader.trim(),
+        &format!(
+            "patch vmi unplaced {dry} --type=merge -p \
+             '{{\"metadata\":{{\"labels\":{{\"kubevirt.io/nodeName\":\"node-x\"}}}},\"status\":{{\"nodeName\":\"{other}\"}}}}'"
+        ),
+    );
+    assert!(out.contains(FENCED), "{out}");
+    // The leader's scheduler says why it stays Pending, as kube-scheduler
+    // does for a pod no node fits.
+    a.wait(
+        "a FailedScheduling Event naming the nodeSelector",
+        std::time::Duration::from_secs(30),
+        "kubectl get events -n default --field-selector involvedObject.name=unplaced,reason=FailedScheduling \
+           -o jsonpath='{.items[*].message}' | grep -q 'nodeSelector kvirt.test/nowhere=true'",
+    );
+    a.ok("kubectl delete vmi unplaced --wait=false");
     // Secrets: only in opted-in namespaces (default is; kube-system never).
     assert_eq!(
         as_node(&a, "node-b", "auth can-i get secrets -n kube-system"),

@@ -499,6 +499,35 @@ fn a_host_that_stops_is_not_ready_and_one_gone_loses_its_address() {
     );
 }
 
+/// A kvirtd cut off from the API server for longer than its Lease loses
+/// its address to the leader; once its renewals resume it finds the
+/// address gone and writes it again, without a restart (an idle host
+/// otherwise reads the Endpoints once an hour).
+#[test]
+fn a_host_cut_off_from_the_api_server_publishes_its_address_again_when_back() {
+    let Some((a, b)) = hosts() else { return };
+    let _g = serial();
+    api_available(&a);
+    let pid = b.ok("systemctl show -p MainPID --value kvirtd");
+    let ready = "kubectl -n kvirt get endpoints kvirt-api -o jsonpath='{.subsets[*].addresses[*].nodeName}'";
+    b.ok("nft add table inet kvtest-cut
+          nft add chain inet kvtest-cut out '{ type filter hook output priority 0; }'
+          nft add rule inet kvtest-cut out ip daddr 10.250.0.1 tcp dport 6443 drop");
+    a.wait(
+        "node-b's address removed while it is away",
+        WAIT,
+        &format!("! {ready} | grep -q node-b"),
+    );
+    b.ok("nft delete table inet kvtest-cut");
+    a.wait(
+        "node-b's address back",
+        WAIT,
+        &format!("{ready} | grep -q node-b"),
+    );
+    assert_eq!(b.ok("systemctl show -p MainPID --value kvirtd"), pid);
+    api_available(&a);
+}
+
 /// `virtctl migrate` asks kvirt's API for a migration of a running VMI,
 /// as of KubeVirt's: a `VirtualMachineInstanceMigration` named as virt-api
 /// names them, labelled with its VMI; `virtctl migrate-cancel` finds it by

@@ -689,12 +689,9 @@ async fn run_cluster<A: Adapters, U: Units + Clone + Send + Sync + 'static>(
         let dead_after = Duration::from_secs(k.node_dead_after_seconds);
         let vms = k.virtual_machines;
         move || {
-            cluster::reaper::run(
-                client.clone(),
-                node.clone(),
-                dead_after,
-                Arc::new(cluster::events::KubeEvents::new(client.clone(), &node)),
-            );
+            let events = Arc::new(cluster::events::KubeEvents::new(client.clone(), &node));
+            cluster::reaper::run(client.clone(), node.clone(), dead_after, events.clone());
+            cluster::scheduler::run(client.clone(), events);
             if vms {
                 cluster::vms::run(client.clone());
                 cluster::replicas::run(client.clone());
@@ -714,16 +711,21 @@ async fn run_cluster<A: Adapters, U: Units + Clone + Send + Sync + 'static>(
         .flatten()
         .map(|a| a.to_string());
     let cordon = settings.layout.cordon_file();
-    let r = renewals.clone();
+    let (r, counted, api_renewals) = (renewals.clone(), store.clone(), renewals.clone());
+    // The leader's scheduler gives new VMIs to hosts that take them: in
+    // claim mode, and not about to fence themselves.
+    let claims = k.claim;
     tokio::spawn(cluster::lease::heartbeat(
         client.clone(),
         node.clone(),
         Duration::from_secs(k.lease_seconds),
-        move || Announcement::of(&facts, migration_port.clone(), cordon.exists()),
-        move || r.renewed(),
+        move || {
+            let fenced = fence.is_some_and(|f| f.due(r.unrenewed()));
+            Announcement::of(&facts, migration_port.clone(), cordon.exists())
+                .taking(claims && !fenced, counted.state().len())
+        },
+        move || renewals.renewed(),
     ));
-    let claim = k.claim.then(|| (client.clone(), config.host_facts()));
-    let claim_cordon = settings.layout.cordon_file();
     let control_path = settings.layout.control_socket();
     let control_group = config.control.gid().map_err(anyhow::Error::msg)?;
     // virtctl's API is never a reason not to run VMs.
@@ -741,13 +743,6 @@ async fn run_cluster<A: Adapters, U: Units + Clone + Send + Sync + 'static>(
     let ready = move |_tx: UnboundedSender<Trigger>,
                       view: Arc<dyn VmiView>,
                       migrate: Option<Arc<dyn Migrate>>| {
-        if let Some((client, host)) = claim {
-            // A host fenced (or about to be) takes no new VMI.
-            let fenced = move || fence.is_some_and(|f| f.due(renewals.unrenewed()));
-            cluster::source::claim_unassigned(client, host, move || {
-                claim_cordon.exists() || fenced()
-            });
-        }
         let objects = cluster::migrations::KubeMigrations {
             client: vmim_client,
         };
@@ -779,6 +774,7 @@ async fn run_cluster<A: Adapters, U: Units + Clone + Send + Sync + 'static>(
                     v,
                     api_layout,
                     api_leading,
+                    api_renewals,
                 )
                 .await
                 {

@@ -35,6 +35,7 @@ pub mod nft;
 pub mod objects;
 pub mod peers;
 pub mod phase;
+pub mod placement;
 pub mod plan;
 pub mod pool;
 pub mod progress;

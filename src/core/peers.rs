@@ -30,6 +30,14 @@ pub struct Announcement {
     /// Cordoned: it takes no VM arriving.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub cordoned: bool,
+    /// It takes new, unassigned VMIs (`[kubernetes] claim`, and not about
+    /// to fence itself): the leader's scheduler places them only on such
+    /// hosts ([`crate::core::placement`]).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub claims: bool,
+    /// How many VMIs were assigned to it when it renewed.
+    #[serde(default)]
+    pub vmis: u32,
 }
 
 impl Announcement {
@@ -41,6 +49,18 @@ impl Announcement {
             scheduler_name: facts.scheduler_name.clone(),
             migration: migration.unwrap_or_default(),
             cordoned,
+            claims: false,
+            vmis: 0,
+        }
+    }
+
+    /// The same, telling the scheduler whether it takes new VMIs and how
+    /// many it has.
+    pub fn taking(self, claims: bool, vmis: usize) -> Self {
+        Self {
+            claims,
+            vmis: u32::try_from(vmis).unwrap_or(u32::MAX),
+            ..self
         }
     }
 }
@@ -53,7 +73,7 @@ pub struct Peer {
 }
 
 impl Peer {
-    fn facts(&self) -> HostFacts {
+    pub(crate) fn facts(&self) -> HostFacts {
         HostFacts {
             node_name: self.node.clone(),
             labels: self.announced.labels.clone(),

@@ -258,7 +258,8 @@ pub enum SourceKind {
 pub struct KubernetesConfig {
     /// kubeconfig kvirtd connects with (a host daemon, not a pod).
     pub kubeconfig: PathBuf,
-    /// Claim unassigned VMIs whose nodeSelector these labels satisfy.
+    /// Take unassigned VMIs whose nodeSelector these labels satisfy (the
+    /// leader's scheduler places them, `core::placement`).
     pub claim: bool,
     /// This host's labels, for `claim`.
     pub node_labels: std::collections::BTreeMap<String, String>,

@@ -392,9 +392,11 @@ impl Host {
     /// Everything the guest printed since it started (the serial log),
     /// for markers printed once at boot.
     pub fn serial_log_shows(&self, vm: &str, marker: &str) {
+        // A kernel booting under TCG on two loaded cores (ci-23a: the
+        // suite beside a release build) may take over a minute.
         self.wait(
             &format!("{marker} in {vm}'s serial log"),
-            Duration::from_secs(60),
+            Duration::from_secs(120),
             &format!(
                 "grep -qF -- '{marker}' /run/kvirt/vms/{}/console.log",
                 id_of(vm)

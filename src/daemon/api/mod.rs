@@ -146,6 +146,11 @@ impl Api {
         self.trust.read().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Whether the front proxy's trust is known (nothing is served before).
+    pub fn knows_front_proxy(&self) -> bool {
+        self.trust().front.is_some()
+    }
+
     /// Takes the front proxy's CA, names and headers (at start, and
     /// whenever the API server's ConfigMap changes).
     pub fn set_front_proxy(&self, header: RequestHeader) -> Result<(), tls::TlsError> {

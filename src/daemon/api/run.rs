@@ -6,17 +6,22 @@
 use super::{cluster::KubeCluster, local::Local, tls, Api};
 use crate::core::layout::HostLayout;
 use crate::daemon::controller::VmiView;
+use crate::host::fence::RenewalClock;
 use crate::sources::cluster::aggregation;
+use futures::StreamExt;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 use tracing::{info, warn};
 
-/// How often the front proxy's ConfigMap is read again and this host's
-/// address checked (and written again if someone removed it): two reads
-/// per host every five minutes, however many hosts there are.
-const REFRESH: Duration = Duration::from_secs(300);
+/// How often the certificate files are read again (no request).
+const CERTS: Duration = Duration::from_secs(300);
+/// How often this host's address is looked for in the Endpoints (someone
+/// may have edited them) besides after an absence: one read an hour. It
+/// was every five minutes; at 1,000 hosts that read of an object listing
+/// every host was the largest idle cost after the Lease.
+const RECHECK: Duration = Duration::from_secs(3600);
 
 pub struct ApiSettings {
     pub listen: SocketAddr,
@@ -29,7 +34,7 @@ pub struct ApiSettings {
     pub lease: Duration,
 }
 
-/// The certificate, key and CA files, read at start and every refresh.
+/// The certificate, key and CA files, read at start and every [`CERTS`].
 struct Files {
     cert: PathBuf,
     key: PathBuf,
@@ -72,6 +77,7 @@ pub async fn start(
     view: Arc<dyn VmiView>,
     layout: HostLayout,
     leading: tokio::sync::watch::Receiver<bool>,
+    renewals: Arc<RenewalClock>,
 ) -> Result<Running, ApiRunError> {
     let identity = tls::Identity::load(&s.cert, &s.key, &s.ca)?;
     let listener = tokio::net::TcpListener::bind(s.listen)
@@ -100,6 +106,7 @@ pub async fn start(
         published,
         s.lease,
         leading,
+        renewals,
     ));
     Ok(Running {
         api,
@@ -109,10 +116,39 @@ pub async fn start(
     })
 }
 
+/// The front proxy's trust, as the API server publishes it: watched (one
+/// object, by name), so a rotated CA is taken at once and an idle host
+/// sends no request for it.
+fn watch_front_proxy(api: Arc<Api>, client: kube::Client) {
+    tokio::spawn(async move {
+        let mut headers = std::pin::pin!(aggregation::front_proxy(client));
+        let mut told = false;
+        while let Some(h) = headers.next().await {
+            match h.map(|h| api.set_front_proxy(h).map_err(|e| e.to_string())) {
+                Ok(Ok(())) => told = false,
+                // Said once until it works again: the watch retries.
+                Ok(Err(e)) if !told => {
+                    warn!("the front proxy's trust is unusable: {e}");
+                    told = true;
+                }
+                Err(e) if !told => {
+                    warn!("subresources.kubevirt.io waits for the front proxy: {e}");
+                    told = true;
+                }
+                _ => {}
+            }
+        }
+    });
+}
+
 /// Front proxy first (nothing is served before it is known), then this
-/// host's address; both again every [`REFRESH`]; while this host leads
-/// (`core::election`), stale hosts pruned every lease period: one host's
-/// reads, not every host's.
+/// host's address, published once; looked for again every [`RECHECK`] and
+/// after an absence (the leader drops the address of a host it saw
+/// unrenewed for twice the lease: one whose renewals stopped for a lease
+/// looks when they resume). While this host leads (`core::election`),
+/// stale hosts are pruned every lease period. Between those, an idle host
+/// sends no request here: its Lease is its only periodic one.
+#[allow(clippy::too_many_arguments)]
 async fn keep(
     api: Arc<Api>,
     files: Files,
@@ -121,28 +157,37 @@ async fn keep(
     published: SocketAddr,
     lease: Duration,
     leading: tokio::sync::watch::Receiver<bool>,
+    renewals: Arc<RenewalClock>,
 ) {
-    let mut refreshed: Option<tokio::time::Instant> = None;
-    let mut told = false;
-    let mut tick = tokio::time::interval(lease.min(REFRESH).max(Duration::from_secs(2)));
+    watch_front_proxy(api.clone(), client.clone());
+    let mut found: Option<tokio::time::Instant> = None;
+    let mut certs = tokio::time::Instant::now();
+    let (mut away, mut told) = (false, false);
+    let mut tick = tokio::time::interval(lease.max(Duration::from_secs(2)));
     loop {
         tick.tick().await;
-        if refreshed.is_none_or(|t| t.elapsed() >= REFRESH) {
-            let first = refreshed.is_none();
-            match refresh(&api, &files, &client, &node, published, first).await {
+        if certs.elapsed() >= CERTS {
+            reload_identity(&api, &files);
+            certs = tokio::time::Instant::now();
+        }
+        let unrenewed = renewals.unrenewed();
+        away |= unrenewed > lease;
+        let due = found.is_none_or(|t| t.elapsed() >= RECHECK || (away && unrenewed < lease));
+        if due && api.knows_front_proxy() {
+            match aggregation::keep_published(&client, &node, published, found.is_none()).await {
                 Ok(()) => {
-                    refreshed = Some(tokio::time::Instant::now());
-                    told = false;
+                    found = Some(tokio::time::Instant::now());
+                    (away, told) = (false, false);
                 }
-                // Said once; retried every tick until it works.
+                // Said once; tried again every period until it works.
                 Err(e) if !told => {
-                    warn!("subresources.kubevirt.io is not served yet: {e}");
+                    warn!("this host's API address is not published: {e}");
                     told = true;
                 }
                 Err(_) => {}
             }
         }
-        let mine = refreshed.is_some().then_some(published);
+        let mine = found.is_some().then_some(published);
         if *leading.borrow() {
             if let Err(e) = aggregation::prune(&client, &node, mine, lease).await {
                 warn!("pruning stale API endpoints: {e}");
@@ -151,35 +196,12 @@ async fn keep(
     }
 }
 
-/// This host's certificate and the front proxy's trust read again, then
-/// this host's address published: the `first` time, or when it went
-/// missing. A certificate that no longer reads is said, and the one in
-/// use kept.
-async fn refresh(
-    api: &Api,
-    files: &Files,
-    client: &kube::Client,
-    node: &str,
-    published: SocketAddr,
-    first: bool,
-) -> Result<(), String> {
+/// This host's certificate read again; one that no longer reads is said,
+/// and the one in use kept.
+fn reload_identity(api: &Api, files: &Files) {
     if let Err(e) =
         tls::Identity::load(&files.cert, &files.key, &files.ca).and_then(|i| api.set_identity(i))
     {
         warn!("the API port's certificate was not read again: {e}; keeping the one in use");
     }
-    let header = aggregation::request_header(client)
-        .await
-        .map_err(|e| e.to_string())?;
-    api.set_front_proxy(header).map_err(|e| e.to_string())?;
-    let listed = !first
-        && aggregation::still_published(client, node, published)
-            .await
-            .map_err(|e| e.to_string())?;
-    if listed {
-        return Ok(());
-    }
-    aggregation::publish(client, node, published, true)
-        .await
-        .map_err(|e| e.to_string())
 }

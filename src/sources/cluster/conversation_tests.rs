@@ -612,3 +612,85 @@ async fn an_instancetype_is_kept_as_a_revision_and_later_read_from_it() {
     assert!(!path.contains("controllerrevisions"), "read again: {path}");
     task.abort();
 }
+
+/// The leader's scheduler over stores of Leases and unassigned VMIs: one
+/// guarded merge patch puts the VMI on the least-loaded host that takes
+/// new VMIs; a VMI no host fits gets one FailedScheduling Event, not a
+/// request, however often it is looked at.
+#[tokio::test]
+async fn the_scheduler_assigns_a_vmi_to_the_least_loaded_host_once() {
+    use super::lease::{lease_patch, micro_time};
+    use super::scheduler::Placing;
+    use crate::core::peers::Announcement;
+    use crate::sources::{EventReason, Recorder};
+    use k8s_openapi::api::coordination::v1::Lease;
+    use kube::runtime::{reflector, watcher};
+    use std::sync::Mutex;
+
+    #[derive(Default)]
+    struct Said(Mutex<Vec<(String, String)>>);
+    impl Recorder for Said {
+        fn record(&self, vmi: &VirtualMachineInstance, r: EventReason, msg: &str, _: bool) {
+            let name = vmi.metadata.name.clone().unwrap_or_default();
+            assert_eq!(r, EventReason::FailedScheduling);
+            self.0.lock().unwrap().push((name, msg.to_owned()));
+        }
+    }
+    let now = micro_time(jiff::Timestamp::now());
+    let (leases, mut lw) = reflector::store::<Lease>();
+    for (node, vmis, claims) in [
+        ("node-a", 3, true),
+        ("node-b", 1, true),
+        ("node-c", 0, false),
+    ] {
+        let a = Announcement::default().taking(claims, vmis);
+        let l = lease_patch(node, std::time::Duration::from_secs(40), &now, &a);
+        lw.apply_watcher_event(&watcher::Event::Apply(serde_json::from_value(l).unwrap()));
+    }
+    let (vmis, mut vw) = reflector::store::<VirtualMachineInstance>();
+    vw.apply_watcher_event(&watcher::Event::Apply(vmi()));
+    let said = Said::default();
+    let mut placing = Placing::default();
+
+    let (c, mut api) = client();
+    let round = placing.round(&c, &leases, &vmis, &said);
+    let answer = async {
+        let (method, path, ctype, body, send) = next(&mut api).await;
+        assert_eq!((method.as_str(), path.as_str()), ("PATCH", PATH));
+        assert_eq!(ctype, "application/merge-patch+json");
+        assert_eq!(body["metadata"]["resourceVersion"], "42");
+        assert_eq!(body["metadata"]["labels"]["kubevirt.io/nodeName"], "node-b");
+        assert_eq!(body["status"]["nodeName"], "node-b");
+        reply(send, 200, object(&[]));
+    };
+    tokio::join!(round, answer);
+    // Looked at again before the watch drops it: not assigned twice.
+    placing.round(&c, &leases, &vmis, &said).await;
+    let more = tokio::time::timeout(std::time::Duration::from_millis(100), api.next_request());
+    assert!(matches!(more.await, Err(_) | Ok(None)), "assigned twice");
+
+    // A VMI no host fits: an Event saying why, once; no request.
+    let mut nowhere = object(&[]);
+    nowhere["metadata"]["uid"] = "u2".into();
+    nowhere["metadata"]["name"] = "vm2".into();
+    nowhere["spec"]["nodeSelector"] = json!({"zone": "z9"});
+    vw.apply_watcher_event(&watcher::Event::Delete(vmi()));
+    vw.apply_watcher_event(&watcher::Event::Apply(
+        serde_json::from_value(nowhere).unwrap(),
+    ));
+    placing.round(&c, &leases, &vmis, &said).await;
+    placing.round(&c, &leases, &vmis, &said).await;
+    let events = said.0.lock().unwrap().clone();
+    assert_eq!(events.len(), 1, "{events:?}");
+    assert_eq!(events[0].0, "vm2");
+    assert!(
+        events[0].1.contains("node-a: nodeSelector zone=z9"),
+        "{events:?}"
+    );
+    assert!(
+        events[0].1.contains("node-c: takes no new VMIs"),
+        "{events:?}"
+    );
+    let more = tokio::time::timeout(std::time::Duration::from_millis(100), api.next_request());
+    assert!(matches!(more.await, Err(_) | Ok(None)), "a request for vm2");
+}

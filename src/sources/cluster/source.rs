@@ -1,9 +1,9 @@
-//! VMIs from the API: the ones labelled for this node, and (optionally)
-//! unassigned ones this host claims.
+//! VMIs from the API: the ones labelled for this node; which VMIs wait
+//! for a host, and the write that assigns one (the leader's scheduler,
+//! `scheduler`).
 
 use super::{api_err, ClusterError, NODE_LABEL};
 use crate::core::key::VmKey;
-use crate::core::scheduling::{self, HostFacts};
 use crate::core::trigger::Trigger;
 use crate::core::vmi::{Phase, VirtualMachineInstance};
 use futures::StreamExt;
@@ -13,7 +13,7 @@ use kube::runtime::{watcher, WatchStreamExt};
 use serde_json::json;
 use std::collections::BTreeMap;
 use tokio::sync::mpsc::UnboundedSender;
-use tracing::{info, warn};
+use tracing::warn;
 
 /// Every VMI of the store, by key (objects without a valid key are skipped).
 pub fn snapshot(store: &Store<VirtualMachineInstance>) -> BTreeMap<VmKey, VirtualMachineInstance> {
@@ -65,10 +65,9 @@ pub async fn watch_node(
     reader
 }
 
-/// Whether this host may claim the VMI: unassigned, not started, and it
-/// fits the host ([`scheduling::fits`]: nodeSelector, required node
-/// affinity, taints, schedulerName).
-pub fn claimable(vmi: &VirtualMachineInstance, host: &HostFacts) -> Result<bool, String> {
+/// Whether the VMI waits for a host: unassigned, not started, not being
+/// deleted (the leader's scheduler places it).
+pub fn unplaced(vmi: &VirtualMachineInstance) -> bool {
     let unassigned = !vmi
         .metadata
         .labels
@@ -77,15 +76,13 @@ pub fn claimable(vmi: &VirtualMachineInstance, host: &HostFacts) -> Result<bool,
         && vmi.status.node_name.as_deref().unwrap_or("").is_empty();
     let fresh = matches!(vmi.status.phase, None | Some(Phase::Pending));
     let alive = vmi.metadata.deletion_timestamp.is_none();
-    if !(unassigned && fresh && alive) {
-        return Ok(false);
-    }
-    scheduling::fits(vmi, host).map(|()| true)
+    unassigned && fresh && alive
 }
 
-/// The claim (pure): the node label and `status.nodeName`, guarded by the
-/// resourceVersion the decision was made on, so of two hosts racing for
-/// one VMI exactly one wins (the other gets a 409 Conflict).
+/// The assignment (pure): the node label and `status.nodeName`, guarded
+/// by the resourceVersion the decision was made on, so a VMI changed
+/// meanwhile (or assigned by a leader that has just lost the lead) is not
+/// assigned twice: the later write gets a 409 Conflict.
 pub fn claim_patch(vmi: &VirtualMachineInstance, node: &str) -> serde_json::Value {
     json!({
         "metadata": {
@@ -118,51 +115,6 @@ pub async fn claim(
     }
 }
 
-/// Watches unassigned VMIs and claims those whose nodeSelector this host
-/// satisfies, unless it is `cordoned` then; a claimed VMI then arrives
-/// through [`watch_node`].
-pub fn claim_unassigned(
-    client: kube::Client,
-    host: HostFacts,
-    cordoned: impl Fn() -> bool + Send + 'static,
-) {
-    let api: Api<VirtualMachineInstance> = Api::all(client.clone());
-    let cfg = watcher::Config::default().labels(&format!("!{NODE_LABEL}"));
-    tokio::spawn(async move {
-        let stream = watcher(api, cfg).default_backoff().applied_objects();
-        let mut stream = std::pin::pin!(stream);
-        while let Some(item) = stream.next().await {
-            let vmi = match item {
-                Ok(v) => v,
-                Err(e) => {
-                    warn!("watching unassigned VMIs: {e}");
-                    continue;
-                }
-            };
-            let key = vmi.key().map_or_else(|_| "?".into(), |k| k.to_string());
-            // A cordoned host (kvirtctl drain) takes no new VMs, as a
-            // cordoned Node.
-            if cordoned() {
-                info!(vm = %key, "not claimed: this host is cordoned");
-                continue;
-            }
-            match claimable(&vmi, &host) {
-                Ok(true) => {}
-                Ok(false) => continue,
-                Err(why) => {
-                    info!(vm = %key, "not claimed: {why}");
-                    continue;
-                }
-            }
-            match claim(&client, &vmi, &host.node_name).await {
-                Ok(true) => info!(vm = %key, "claimed"),
-                Ok(false) => info!(vm = %key, "claimed by another host first"),
-                Err(e) => warn!(vm = %key, "claiming: {e}"),
-            }
-        }
-    });
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -175,30 +127,14 @@ mod tests {
     }
 
     #[test]
-    fn claims_only_unassigned_matching_vmis() {
-        let host = HostFacts {
-            node_name: "node-1".into(),
-            labels: [("zone".to_string(), "a".to_string())]
-                .into_iter()
-                .collect(),
-            taints: vec![],
-            scheduler_name: "kvirt".into(),
-        };
-        assert_eq!(claimable(&vmi(""), &host), Ok(true));
-        assert_eq!(
-            claimable(&vmi("  nodeSelector: {zone: a}\n"), &host),
-            Ok(true)
-        );
-        assert!(claimable(&vmi("  nodeSelector: {zone: b}\n"), &host).is_err());
-        assert!(claimable(&vmi("  schedulerName: other\n"), &host).is_err());
-        assert_eq!(
-            claimable(&vmi("status: {phase: Running}\n"), &host),
-            Ok(false)
-        );
-        assert_eq!(
-            claimable(&vmi("status: {nodeName: other}\n"), &host),
-            Ok(false)
-        );
+    fn only_unassigned_fresh_vmis_wait_for_a_host() {
+        assert!(unplaced(&vmi("")));
+        assert!(unplaced(&vmi("status: {phase: Pending}\n")));
+        assert!(!unplaced(&vmi("status: {phase: Running}\n")));
+        assert!(!unplaced(&vmi("status: {nodeName: other}\n")));
+        let mut labelled = vmi("");
+        labelled.metadata.labels = Some([(NODE_LABEL.to_string(), "n".to_string())].into());
+        assert!(!unplaced(&labelled));
     }
 
     #[test]
