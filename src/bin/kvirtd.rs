@@ -690,8 +690,16 @@ async fn run_cluster<A: Adapters, U: Units + Clone + Send + Sync + 'static>(
         let vms = k.virtual_machines;
         move || {
             let events = Arc::new(cluster::events::KubeEvents::new(client.clone(), &node));
-            cluster::reaper::run(client.clone(), node.clone(), dead_after, events.clone());
-            cluster::scheduler::run(client.clone(), events);
+            // One watch of the host Leases for both.
+            let leases = cluster::lease::watch_hosts(client.clone());
+            cluster::reaper::run(
+                client.clone(),
+                node.clone(),
+                dead_after,
+                events.clone(),
+                leases.clone(),
+            );
+            cluster::scheduler::run(client.clone(), events, leases);
             if vms {
                 cluster::vms::run(client.clone());
                 cluster::replicas::run(client.clone());

@@ -6,7 +6,7 @@
 # server, every host part the recording fake: no VM runs), each with
 # VMIS VMIs of its own; once all run, an idle window, then a churn window
 # (10 % of the VMIs deleted and as many new ones created per minute, the
-# new ones unassigned: hosts claim them). Each window's audit log lands
+# new ones unassigned: the leading host places them). Each window's audit log lands
 # in /share (the outer script counts it); prints one JSON object.
 set -euo pipefail
 hosts=$1 per=$2 idle_s=$3 churn_s=$4

@@ -5,6 +5,7 @@
 use crate::core::peers::{Announcement, Peer, ANNOUNCEMENT};
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Api, ListParams, Patch, PatchParams};
+use kube::runtime::reflector::Store;
 use serde_json::json;
 use std::time::Duration;
 use tracing::warn;
@@ -80,6 +81,30 @@ pub async fn peers(client: &kube::Client) -> Result<Vec<Peer>, kube::Error> {
     let leases = api.list(&ListParams::default().labels(HOST_LABEL)).await?;
     let now = jiff::Timestamp::now();
     Ok(leases.iter().filter_map(|l| peer_of(l, now)).collect())
+}
+
+/// The kvirt host Leases, watched into a store (one watch, which the
+/// leader's dead-host check and scheduler share: every renewal of every
+/// host reaches it once).
+pub fn watch_hosts(client: kube::Client) -> Store<Lease> {
+    use futures::StreamExt;
+    use kube::runtime::{reflector, watcher, WatchStreamExt};
+    let api: Api<Lease> = Api::namespaced(client, LEASE_NAMESPACE);
+    let (reader, writer) = reflector::store();
+    let feed = reflector::reflector(
+        writer,
+        watcher(api, watcher::Config::default().labels(HOST_LABEL)),
+    )
+    .default_backoff();
+    tokio::spawn(async move {
+        let mut feed = std::pin::pin!(feed);
+        while let Some(r) = feed.next().await {
+            if let Err(e) = r {
+                warn!("watching the hosts' Leases: {e}");
+            }
+        }
+    });
+    reader
 }
 
 /// Renews forever, every quarter of the lease duration (kubelet's ratio),

@@ -1,19 +1,18 @@
-//! Hosts that died: every kvirtd watches the kvirt Leases, and fails the
-//! VMIs of a host it has seen unrenewed for the Lease's duration plus
+//! Hosts that died: the leading kvirtd watches the kvirt Leases, and fails
+//! the VMIs of a host it has seen unrenewed for the Lease's duration plus
 //! `[kubernetes] node_dead_after_seconds` (reason `NodeUnresponsive`), as
 //! virt-controller does for a node whose virt-handler stopped. Their
-//! VirtualMachines then make them anew, and a live host claims them. The
+//! VirtualMachines then make them anew, and the leader places them on a
+//! live host. The
 //! dead host, back, finds its VMIs failed or replaced and tears its copies
 //! down (a final or vanished VMI's VM is torn down).
 
-use super::lease::{HOST_LABEL, LEASE_NAMESPACE};
 use super::{VirtualMachineInstance, FINALIZER, KUBEVIRT_FINALIZER, NODE_LABEL};
 use crate::core::liveness::{unresponsive_patch, Beat, Liveness, NODE_UNRESPONSIVE};
 use crate::sources::{EventReason, Recorder};
-use futures::StreamExt;
 use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Api, ListParams, Patch, PatchParams};
-use kube::runtime::{reflector, watcher, WatchStreamExt};
+use kube::runtime::reflector::Store;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -35,25 +34,16 @@ fn beat(lease: &Lease) -> Option<Beat> {
     })
 }
 
-/// Watches the Leases (one watch, no polling of the API server) and fails
-/// the VMIs of the hosts found dead.
-pub fn run(client: kube::Client, own: String, dead_after: Duration, events: Arc<dyn Recorder>) {
-    let leases: Api<Lease> = Api::namespaced(client.clone(), LEASE_NAMESPACE);
-    let (reader, writer) = reflector::store();
-    let feed = reflector::reflector(
-        writer,
-        watcher(leases, watcher::Config::default().labels(HOST_LABEL)),
-    )
-    .default_backoff()
-    .applied_objects();
-    tokio::spawn(async move {
-        let mut feed = std::pin::pin!(feed);
-        while let Some(r) = feed.next().await {
-            if let Err(e) = r {
-                warn!("watching the hosts' Leases: {e}");
-            }
-        }
-    });
+/// Fails the VMIs of the hosts found dead, looking at `reader` (the
+/// leader's one watch of the host Leases, [`super::lease::watch_hosts`]:
+/// nothing polled).
+pub fn run(
+    client: kube::Client,
+    own: String,
+    dead_after: Duration,
+    events: Arc<dyn Recorder>,
+    reader: Store<Lease>,
+) {
     tokio::spawn(async move {
         let _ = reader.wait_until_ready().await;
         let mut liveness = Liveness::default();

@@ -7,7 +7,7 @@
 //! and go. The admission policy lets only the Lease's holder assign a VMI
 //! to another host.
 
-use super::lease::{peer_of, HOST_LABEL, LEASE_NAMESPACE};
+use super::lease::peer_of;
 use super::source::{claim, unplaced};
 use super::{VirtualMachineInstance, NODE_LABEL};
 use crate::core::peers::Peer;
@@ -57,19 +57,12 @@ fn feed<K>(
 }
 
 /// Places the unassigned VMIs while this host leads (the caller's runtime
-/// ends with the lead).
-pub fn run(client: kube::Client, events: Arc<dyn Recorder>) {
+/// ends with the lead), reading the hosts from `leases`
+/// ([`super::lease::watch_hosts`]: they change at every renewal, at 1,000
+/// hosts 100 a second, so they are read when a VMI waits, never a reason
+/// to look).
+pub fn run(client: kube::Client, events: Arc<dyn Recorder>, leases: Store<Lease>) {
     let changed = Arc::new(Notify::new());
-    let (leases, w) = reflector::store();
-    let api: Api<Lease> = Api::namespaced(client.clone(), LEASE_NAMESPACE);
-    // Leases change at every renewal (at 1,000 hosts, 100 a second): read
-    // when a VMI waits, never a reason to look.
-    feed(
-        watcher(api, watcher::Config::default().labels(HOST_LABEL)),
-        w,
-        None,
-        "the hosts' Leases",
-    );
     let (vmis, w) = reflector::store();
     let api: Api<VirtualMachineInstance> = Api::all(client.clone());
     let unassigned = watcher::Config::default().labels(&format!("!{NODE_LABEL}"));
