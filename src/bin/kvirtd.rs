@@ -687,6 +687,7 @@ async fn run_cluster<A: Adapters, U: Units + Clone + Send + Sync + 'static>(
     while_leading(leading.clone(), {
         let (client, node) = (client.clone(), node.clone());
         let dead_after = Duration::from_secs(k.node_dead_after_seconds);
+        let lease = Duration::from_secs(k.lease_seconds);
         let vms = k.virtual_machines;
         move || {
             let events = Arc::new(cluster::events::KubeEvents::new(client.clone(), &node));
@@ -699,7 +700,8 @@ async fn run_cluster<A: Adapters, U: Units + Clone + Send + Sync + 'static>(
                 events.clone(),
                 leases.clone(),
             );
-            cluster::scheduler::run(client.clone(), events, leases);
+            cluster::scheduler::run(client.clone(), events, leases.clone());
+            cluster::aggregation::keep_pruned(client.clone(), node.clone(), leases, lease);
             if vms {
                 cluster::vms::run(client.clone());
                 cluster::replicas::run(client.clone());
@@ -745,7 +747,6 @@ async fn run_cluster<A: Adapters, U: Units + Clone + Send + Sync + 'static>(
     let (api_client, api_node, api_layout) =
         (client.clone(), node.clone(), settings.layout.clone());
     let api_running = running_api.clone();
-    let api_leading = leading.clone();
     let (vmim_client, vmim_node) = (client.clone(), node.clone());
     let control_node = node.clone();
     let ready = move |_tx: UnboundedSender<Trigger>,
@@ -781,7 +782,6 @@ async fn run_cluster<A: Adapters, U: Units + Clone + Send + Sync + 'static>(
                     api_client,
                     v,
                     api_layout,
-                    api_leading,
                     api_renewals,
                 )
                 .await

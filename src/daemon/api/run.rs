@@ -76,7 +76,6 @@ pub async fn start(
     client: kube::Client,
     view: Arc<dyn VmiView>,
     layout: HostLayout,
-    leading: tokio::sync::watch::Receiver<bool>,
     renewals: Arc<RenewalClock>,
 ) -> Result<Running, ApiRunError> {
     let identity = tls::Identity::load(&s.cert, &s.key, &s.ca)?;
@@ -105,7 +104,6 @@ pub async fn start(
         node.clone(),
         published,
         s.lease,
-        leading,
         renewals,
     ));
     Ok(Running {
@@ -145,9 +143,9 @@ fn watch_front_proxy(api: Arc<Api>, client: kube::Client) {
 /// host's address, published once; looked for again every [`RECHECK`] and
 /// after an absence (the leader drops the address of a host it saw
 /// unrenewed for twice the lease: one whose renewals stopped for a lease
-/// looks when they resume). While this host leads (`core::election`),
-/// stale hosts are pruned every lease period. Between those, an idle host
-/// sends no request here: its Lease is its only periodic one.
+/// looks when they resume; the leader prunes, `aggregation::keep_pruned`).
+/// Between those, an idle host sends no request here: its Lease is its
+/// only periodic one.
 #[allow(clippy::too_many_arguments)]
 async fn keep(
     api: Arc<Api>,
@@ -156,7 +154,6 @@ async fn keep(
     node: String,
     published: SocketAddr,
     lease: Duration,
-    leading: tokio::sync::watch::Receiver<bool>,
     renewals: Arc<RenewalClock>,
 ) {
     watch_front_proxy(api.clone(), client.clone());
@@ -185,12 +182,6 @@ async fn keep(
                     told = true;
                 }
                 Err(_) => {}
-            }
-        }
-        let mine = found.is_some().then_some(published);
-        if *leading.borrow() {
-            if let Err(e) = aggregation::prune(&client, &node, mine, lease).await {
-                warn!("pruning stale API endpoints: {e}");
             }
         }
     }

@@ -21,7 +21,7 @@ use k8s_openapi::api::core::v1::{
     ConfigMap, EndpointAddress, EndpointPort, EndpointSubset, Endpoints,
 };
 use k8s_openapi::api::discovery::v1::EndpointSlice;
-use kube::api::{Api, DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
@@ -361,10 +361,10 @@ pub async fn peer(
 
 /// The nodes of `ep` (other than `node`) whose Lease is missing or
 /// overdue by more than `grace` at `now` (pure).
-pub fn stale(
+pub fn stale<L: std::borrow::Borrow<Lease>>(
     ep: &Endpoints,
     node: &str,
-    leases: &[Lease],
+    leases: &[L],
     now: i64,
     grace: Duration,
 ) -> Vec<String> {
@@ -376,6 +376,7 @@ pub fn stale(
         let name = super::lease::lease_name(other);
         let spec = leases
             .iter()
+            .map(|l| l.borrow())
             .find(|l| l.metadata.name.as_deref() == Some(name.as_str()))
             .and_then(|l| l.spec.as_ref());
         let expired = spec.is_none_or(|s| {
@@ -391,39 +392,27 @@ pub fn stale(
 }
 
 /// Nodes whose kvirtd let its Lease run out (by `grace` beyond its
-/// duration) while its address is still published: their subsets and
-/// slices are removed, so the aggregator stops sending users there.
-pub async fn prune(
+/// duration) while its address is still published: their addresses and
+/// slices are removed, so the aggregator stops sending users there. The
+/// Leases are the leader's store of them (no list).
+pub async fn prune<L: std::borrow::Borrow<Lease>>(
     client: &kube::Client,
     node: &str,
-    published: Option<SocketAddr>,
+    leases: &[L],
     grace: Duration,
 ) -> Result<(), AggregationError> {
     let api: Api<Endpoints> = Api::namespaced(client.clone(), NAMESPACE);
     let Some(ep) = api.get_opt(SERVICE).await.map_err(endpoints_err)? else {
         return Ok(());
     };
-    // One list, whatever the number of hosts: a Lease per host is small.
-    let leases: Api<Lease> = Api::namespaced(client.clone(), super::lease::LEASE_NAMESPACE);
-    let leases = leases
-        .list(&ListParams::default())
-        .await
-        .map_err(endpoints_err)?;
     let now = jiff::Timestamp::now().as_second();
-    let gone = stale(&ep, node, &leases.items, now, grace);
-    // This host's subset, once published, is put back if it went missing
-    // (an edit, a lost race); left as it is otherwise.
-    let mine = published.map(|a| subset(node, a, true));
-    let missing =
-        published.is_some_and(|a| !lists(ep.subsets.as_deref().unwrap_or_default(), node, a));
-    if gone.is_empty() && !missing {
+    let gone = stale(&ep, node, leases, now, grace);
+    if gone.is_empty() {
         return Ok(());
     }
-    if !gone.is_empty() {
-        info!(nodes = ?gone, "removing the API endpoints of hosts whose lease ran out");
-    }
+    info!(nodes = ?gone, "removing the API endpoints of hosts whose lease ran out");
     // A failure only delays the change to the next period.
-    if let Err(e) = write_endpoints(client, node, mine.filter(|_| missing), &gone).await {
+    if let Err(e) = write_endpoints(client, node, None, &gone).await {
         warn!("{e}");
     }
     let slices: Api<EndpointSlice> = Api::namespaced(client.clone(), NAMESPACE);
@@ -436,6 +425,27 @@ pub async fn prune(
         }
     }
     Ok(())
+}
+
+/// While this host leads (the caller's runtime): stale hosts' API
+/// addresses pruned every `period`, judged from `leases`
+/// ([`super::lease::watch_hosts`]).
+pub fn keep_pruned(
+    client: kube::Client,
+    node: String,
+    leases: kube::runtime::reflector::Store<Lease>,
+    period: Duration,
+) {
+    tokio::spawn(async move {
+        let _ = leases.wait_until_ready().await;
+        let mut tick = tokio::time::interval(period.max(Duration::from_secs(2)));
+        loop {
+            tick.tick().await;
+            if let Err(e) = prune(&client, &node, &leases.state(), period).await {
+                warn!("pruning stale API endpoints: {e}");
+            }
+        }
+    });
 }
 
 #[cfg(test)]
@@ -502,7 +512,10 @@ mod tests {
             subsets: Some(packed),
             ..Default::default()
         };
-        assert_eq!(stale(&ep, "node-a", &[], 0, Duration::ZERO), ["node-b"]);
+        assert_eq!(
+            stale::<Lease>(&ep, "node-a", &[], 0, Duration::ZERO),
+            ["node-b"]
+        );
     }
 
     #[test]
