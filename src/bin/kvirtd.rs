@@ -628,6 +628,8 @@ async fn run(config: Config, simulate: bool) -> Result<()> {
                     Arc::new(manifest::ManifestHandover {
                         dir: config.source.directory.clone(),
                     }),
+                    // No Lease to announce a cordon on.
+                    Arc::default(),
                 )),
                 stop: None,
                 notice: Notice::default(),
@@ -725,10 +727,13 @@ async fn run_cluster<A: Adapters, U: Units + Clone + Send + Sync + 'static>(
     // The leader's scheduler gives new VMIs to hosts that take them: in
     // claim mode, and not about to fence themselves.
     let claims = k.claim;
+    // A cordon is announced at once, not at the next renewal.
+    let announce = Arc::new(tokio::sync::Notify::new());
     tokio::spawn(cluster::lease::heartbeat(
         client.clone(),
         node.clone(),
         Duration::from_secs(k.lease_seconds),
+        announce.clone(),
         move || {
             let fenced = fence.is_some_and(|f| f.due(r.unrenewed()));
             Announcement::of(&facts, migration_port.clone(), cordon.exists())
@@ -834,6 +839,7 @@ async fn run_cluster<A: Adapters, U: Units + Clone + Send + Sync + 'static>(
             Arc::new(cluster::migrations::KubeHandover {
                 client: handover_client,
             }),
+            announce,
         )),
         stop: Some(Box::new(move || {
             Box::pin(async move {
@@ -934,6 +940,7 @@ async fn run_simulated(
 fn migration_setup(
     config: &Config,
     handover: Arc<dyn kvirt::sources::Handover>,
+    announce: Arc<tokio::sync::Notify>,
 ) -> kvirt::daemon::migration::Setup {
     let a = &config.api;
     let listen = config
@@ -951,6 +958,7 @@ fn migration_setup(
         timeout: Duration::from_secs(config.migration.timeout_seconds),
         eviction_strategy: config.migration.eviction_strategy,
         bandwidth: Some(config.migration.bandwidth_per_migration_mib).filter(|b| *b > 0),
+        announce,
     }
 }
 

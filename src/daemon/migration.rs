@@ -86,6 +86,10 @@ pub struct Setup {
     /// At most this many MiB/s per migration object's migration
     /// (KubeVirt's `bandwidthPerMigration`); `None`: unlimited.
     pub bandwidth: Option<u64>,
+    /// Told when the host's cordon changes: in a cluster the heartbeat
+    /// announces it at once (the leader places no new VMI on a cordoned
+    /// host, and learns of the cordon from the Lease).
+    pub announce: Arc<tokio::sync::Notify>,
 }
 
 /// What kvirtctl's `migrate` asks of kvirtd.
@@ -275,7 +279,9 @@ impl<A: Adapters> Migrate for Migrations<A> {
     }
 
     fn cordon(&self, on: bool) -> Result<(), String> {
-        self.ctl.set_cordoned(on)
+        self.ctl.set_cordoned(on)?;
+        self.setup.announce.notify_one();
+        Ok(())
     }
 
     fn departing(&self, key: &VmKey) -> bool {

@@ -7,6 +7,7 @@ use k8s_openapi::api::coordination::v1::Lease;
 use kube::api::{Api, ListParams, Patch, PatchParams};
 use kube::runtime::reflector::Store;
 use serde_json::json;
+use std::sync::Arc;
 use std::time::Duration;
 use tracing::warn;
 
@@ -107,14 +108,16 @@ pub fn watch_hosts(client: kube::Client) -> Store<Lease> {
     reader
 }
 
-/// Renews forever, every quarter of the lease duration (kubelet's ratio),
-/// with what `announce` says of the host then, telling `renewed` of each
-/// renewal the API server took (the self-fence counts from the last);
-/// failures are logged and retried on the next tick.
+/// Renews forever, every quarter of the lease duration (kubelet's ratio)
+/// and whenever `now` is told, with what `announce` says of the host
+/// then, telling `renewed` of each renewal the API server took (the
+/// self-fence counts from the last); failures are logged and retried on
+/// the next tick.
 pub async fn heartbeat(
     client: kube::Client,
     node: String,
     duration: Duration,
+    now: Arc<tokio::sync::Notify>,
     announce: impl Fn() -> Announcement + Send + 'static,
     renewed: impl Fn() + Send + 'static,
 ) {
@@ -122,7 +125,11 @@ pub async fn heartbeat(
     let params = PatchParams::apply("kvirtd").force();
     let mut tick = tokio::time::interval(duration / 4);
     loop {
-        tick.tick().await;
+        tokio::select! {
+            _ = tick.tick() => {}
+            // What it announces changed (a cordon): renewed at once.
+            _ = now.notified() => {}
+        }
         let now = micro_time(jiff::Timestamp::now());
         let patch = lease_patch(&node, duration, &now, &announce());
         match api
