@@ -117,13 +117,17 @@ pub async fn start(
 /// The front proxy's trust, as the API server publishes it: watched (one
 /// object, by name), so a rotated CA is taken at once and an idle host
 /// sends no request for it.
-fn watch_front_proxy(api: Arc<Api>, client: kube::Client) {
+/// `known` is told each time it is taken.
+fn watch_front_proxy(api: Arc<Api>, client: kube::Client, known: Arc<tokio::sync::Notify>) {
     tokio::spawn(async move {
         let mut headers = std::pin::pin!(aggregation::front_proxy(client));
         let mut told = false;
         while let Some(h) = headers.next().await {
             match h.map(|h| api.set_front_proxy(h).map_err(|e| e.to_string())) {
-                Ok(Ok(())) => told = false,
+                Ok(Ok(())) => {
+                    told = false;
+                    known.notify_one();
+                }
                 // Said once until it works again: the watch retries.
                 Ok(Err(e)) if !told => {
                     warn!("the front proxy's trust is unusable: {e}");
@@ -156,7 +160,11 @@ async fn keep(
     lease: Duration,
     renewals: Arc<RenewalClock>,
 ) {
-    watch_front_proxy(api.clone(), client.clone());
+    let known = Arc::new(tokio::sync::Notify::new());
+    watch_front_proxy(api.clone(), client.clone(), known.clone());
+    // The address is published as soon as the front proxy is known, not a
+    // period later (a restart would leave it not ready that long).
+    known.notified().await;
     let mut found: Option<tokio::time::Instant> = None;
     let mut certs = tokio::time::Instant::now();
     let (mut away, mut told) = (false, false);
