@@ -693,17 +693,20 @@ async fn run_cluster<A: Adapters, U: Units + Clone + Send + Sync + 'static>(
         let vms = k.virtual_machines;
         move || {
             let events = Arc::new(cluster::events::KubeEvents::new(client.clone(), &node));
-            // One watch of the host Leases for both.
-            let leases = cluster::lease::watch_hosts(client.clone());
-            cluster::reaper::run(
-                client.clone(),
-                node.clone(),
-                dead_after,
-                events.clone(),
-                leases.clone(),
-            );
-            cluster::scheduler::run(client.clone(), events, leases.clone());
-            cluster::aggregation::keep_pruned(client.clone(), node.clone(), leases, lease);
+            // One watch of the host Leases for the three.
+            let (c, n) = (client.clone(), node.clone());
+            tokio::spawn(async move {
+                let leases = cluster::lease::watch_hosts(c.clone()).await;
+                cluster::reaper::run(
+                    c.clone(),
+                    n.clone(),
+                    dead_after,
+                    events.clone(),
+                    leases.clone(),
+                );
+                cluster::scheduler::run(c.clone(), events, leases.clone());
+                cluster::aggregation::keep_pruned(c, n, leases, lease);
+            });
             if vms {
                 cluster::vms::run(client.clone());
                 cluster::replicas::run(client.clone());

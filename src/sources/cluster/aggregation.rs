@@ -428,8 +428,8 @@ pub async fn prune<L: std::borrow::Borrow<Lease>>(
 }
 
 /// While this host leads (the caller's runtime): stale hosts' API
-/// addresses pruned every `period`, judged from `leases`
-/// ([`super::lease::watch_hosts`]).
+/// addresses pruned every `period`, judged from `leases` (listed already,
+/// [`super::lease::watch_hosts`]).
 pub fn keep_pruned(
     client: kube::Client,
     node: String,
@@ -437,7 +437,6 @@ pub fn keep_pruned(
     period: Duration,
 ) {
     tokio::spawn(async move {
-        let _ = leases.wait_until_ready().await;
         let mut tick = tokio::time::interval(period.max(Duration::from_secs(2)));
         loop {
             tick.tick().await;

@@ -85,9 +85,12 @@ pub async fn peers(client: &kube::Client) -> Result<Vec<Peer>, kube::Error> {
 }
 
 /// The kvirt host Leases, watched into a store (one watch, which the
-/// leader's dead-host check and scheduler share: every renewal of every
-/// host reaches it once).
-pub fn watch_hosts(client: kube::Client) -> Store<Lease> {
+/// leader's dead-host check, scheduler and address pruning share: every
+/// renewal of every host reaches it once); returned once the first list
+/// is in. Waited for here, once: kube-rs wakes only the last of several
+/// tasks waiting on clones of one store (a futures oneshot keeps one
+/// waker), and the others would wait forever.
+pub async fn watch_hosts(client: kube::Client) -> Store<Lease> {
     use futures::StreamExt;
     use kube::runtime::{reflector, watcher, WatchStreamExt};
     let api: Api<Lease> = Api::namespaced(client, LEASE_NAMESPACE);
@@ -105,6 +108,7 @@ pub fn watch_hosts(client: kube::Client) -> Store<Lease> {
             }
         }
     });
+    let _ = reader.wait_until_ready().await;
     reader
 }
 

@@ -35,8 +35,8 @@ fn beat(lease: &Lease) -> Option<Beat> {
 }
 
 /// Fails the VMIs of the hosts found dead, looking at `reader` (the
-/// leader's one watch of the host Leases, [`super::lease::watch_hosts`]:
-/// nothing polled).
+/// leader's one watch of the host Leases, listed already,
+/// [`super::lease::watch_hosts`]: nothing polled).
 pub fn run(
     client: kube::Client,
     own: String,
@@ -45,7 +45,6 @@ pub fn run(
     reader: Store<Lease>,
 ) {
     tokio::spawn(async move {
-        let _ = reader.wait_until_ready().await;
         let mut liveness = Liveness::default();
         let mut listed: BTreeMap<String, Instant> = BTreeMap::new();
         let mut tick = tokio::time::interval(LOOK);

@@ -57,8 +57,8 @@ fn feed<K>(
 }
 
 /// Places the unassigned VMIs while this host leads (the caller's runtime
-/// ends with the lead), reading the hosts from `leases`
-/// ([`super::lease::watch_hosts`]: they change at every renewal, at 1,000
+/// ends with the lead), reading the hosts from `leases` (listed already,
+/// [`super::lease::watch_hosts`]: they change at every renewal, at 1,000
 /// hosts 100 a second, so they are read when a VMI waits, never a reason
 /// to look).
 pub fn run(client: kube::Client, events: Arc<dyn Recorder>, leases: Store<Lease>) {
@@ -73,7 +73,6 @@ pub fn run(client: kube::Client, events: Arc<dyn Recorder>, leases: Store<Lease>
         "unassigned VMIs",
     );
     tokio::spawn(async move {
-        let _ = leases.wait_until_ready().await;
         let _ = vmis.wait_until_ready().await;
         let mut placing = Placing::default();
         loop {
