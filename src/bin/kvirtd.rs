@@ -496,7 +496,7 @@ async fn run(config: Config, simulate: bool) -> Result<()> {
         .await
         .context("connecting to systemd over D-Bus")?;
     systemd.watch(unit_tx).await.context("watching units")?;
-    let machines = Machined::new(systemd.connection());
+    let machines = Machined::new(systemd.bus());
     let storage = HostStorage::new(settings.layout.clone())
         .with_reserve(
             config

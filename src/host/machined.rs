@@ -6,6 +6,7 @@
 
 use crate::core::key;
 use crate::host::beneath::Beneath;
+use crate::host::bus::Bus;
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use zbus_systemd::machine1::ManagerProxy;
@@ -84,16 +85,16 @@ pub trait Machines: Send + Sync + 'static {
 
 #[derive(Clone)]
 pub struct Machined {
-    conn: zbus::Connection,
+    bus: Bus,
 }
 
 impl Machined {
-    pub fn new(conn: zbus::Connection) -> Self {
-        Self { conn }
+    pub fn new(bus: Bus) -> Self {
+        Self { bus }
     }
 
     async fn manager(&self, name: &str) -> Result<ManagerProxy<'static>, MachinedError> {
-        ManagerProxy::new(&self.conn)
+        ManagerProxy::new(self.bus.connection())
             .await
             .map_err(|source| MachinedError::Bus {
                 name: name.into(),
@@ -158,7 +159,8 @@ fn leader(spec: &MachineSpec) -> Result<u32, MachinedError> {
 
 impl Machines for Machined {
     async fn registered(&self, name: &str) -> Result<Option<bool>, MachinedError> {
-        match self.manager(name).await?.get_machine(name.into()).await {
+        let manager = self.manager(name).await?;
+        match self.bus.call(manager.get_machine(name.into())).await {
             Ok(_) => Ok(Some(true)),
             Err(e) if no_such_machine(&e) => Ok(Some(false)),
             Err(e) if machined_absent(&e) => Ok(None),
@@ -179,16 +181,16 @@ impl Machines for Machined {
                 path: spec.pid_file.clone(),
                 message: format!("worker thread died: {e}"),
             })??;
-        self.manager(&spec.name)
-            .await?
-            .register_machine(
+        let manager = self.manager(&spec.name).await?;
+        self.bus
+            .call(manager.register_machine(
                 spec.name.clone(),
                 spec.uuid.clone(),
                 "kvirt".into(),
                 "vm".into(),
                 pid,
                 String::new(),
-            )
+            ))
             .await
             .map(drop)
             .map_err(|source| MachinedError::Bus {
@@ -198,12 +200,8 @@ impl Machines for Machined {
     }
 
     async fn unregister(&self, name: &str) -> Result<(), MachinedError> {
-        match self
-            .manager(name)
-            .await?
-            .unregister_machine(name.into())
-            .await
-        {
+        let manager = self.manager(name).await?;
+        match self.bus.call(manager.unregister_machine(name.into())).await {
             Ok(()) => Ok(()),
             Err(e) if no_such_machine(&e) || machined_absent(&e) => Ok(()),
             Err(source) => Err(MachinedError::Bus {

@@ -6,6 +6,7 @@
 
 pub mod beneath;
 pub mod bridging;
+pub mod bus;
 pub mod capacity;
 pub mod cni;
 pub mod commit;

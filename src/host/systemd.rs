@@ -7,6 +7,7 @@ use crate::core::plan::{UnitActivity, UnitObs};
 use crate::core::unit::{
     Prop, UnitSpec, ENV_DAEMON, ENV_GRACE, ENV_NAME, ENV_NAMESPACE, ENV_SHARED_DISKS, ENV_UID,
 };
+use crate::host::bus::Bus;
 use crate::host::pidfd::{self, Pidfd};
 use futures::StreamExt;
 use std::future::Future;
@@ -117,23 +118,27 @@ const TERM_WAIT: Duration = Duration::from_secs(15);
 
 #[derive(Clone)]
 pub struct SystemdBus {
-    conn: zbus::Connection,
+    bus: Bus,
 }
 
 impl SystemdBus {
     pub async fn connect() -> Result<Self, SystemdError> {
-        let conn = zbus::Connection::system().await?;
-        ManagerProxy::new(&conn).await?.subscribe().await?;
-        Ok(Self { conn })
+        let bus = Bus::system().await?;
+        ManagerProxy::new(bus.connection())
+            .await?
+            .subscribe()
+            .await?;
+        Ok(Self { bus })
     }
 
-    /// The bus connection, for the other systemd services (machined).
-    pub fn connection(&self) -> zbus::Connection {
-        self.conn.clone()
+    /// The bus connection and its bound, for the other systemd services
+    /// (machined).
+    pub fn bus(&self) -> Bus {
+        self.bus.clone()
     }
 
     async fn manager(&self) -> Result<ManagerProxy<'static>, SystemdError> {
-        Ok(ManagerProxy::new(&self.conn).await?)
+        Ok(ManagerProxy::new(self.bus.connection()).await?)
     }
 
     /// Runs one job call and waits for its `JobRemoved`. The signal stream
@@ -151,9 +156,9 @@ impl SystemdBus {
         Fut: Future<Output = zbus::Result<OwnedObjectPath>>,
     {
         let manager = self.manager().await?;
-        let mut removed = manager.receive_job_removed().await?;
+        let mut removed = self.bus.call(manager.receive_job_removed()).await?;
         let mut early: Vec<(OwnedObjectPath, String)> = Vec::new();
-        let job = drain(call(manager), &mut removed, |sig| {
+        let job = drain(self.bus.call(call(manager)), &mut removed, |sig| {
             if let Ok(a) = sig.args() {
                 early.push((a.job.clone(), a.result.clone()));
             }
@@ -211,7 +216,7 @@ impl SystemdBus {
     async fn terminate(&self, unit: &str, path: &OwnedObjectPath) -> Result<Ended, SystemdError> {
         let manager = self.manager().await?;
         // Read throughout (see drain).
-        let mut removed = manager.receive_unit_removed().await?;
+        let mut removed = self.bus.call(manager.receive_unit_removed()).await?;
         let mut gone = false;
         let mine = |sig: UnitRemoved| sig.args().is_ok_and(|a| a.id == unit);
         let (daemon, cgroup) =
@@ -268,8 +273,8 @@ impl SystemdBus {
         // One after the other: a hundred VMs stopping at once, each with
         // two calls outstanding, hit the bus's limit of pending replies
         // per connection.
-        let pid = service.main_pid().await?;
-        let cgroup = service.control_group().await?;
+        let pid = self.bus.call(service.main_pid()).await?;
+        let cgroup = self.bus.call(service.control_group()).await?;
         // MainPID is a number: pinned, then checked to be the unit's, so a
         // pid reused since systemd answered is never signalled.
         Ok((Pidfd::open_in(pid, &cgroup), cgroup))
@@ -279,7 +284,7 @@ impl SystemdBus {
         &self,
         path: &OwnedObjectPath,
     ) -> Result<ServiceProxy<'static>, SystemdError> {
-        Ok(ServiceProxy::builder(&self.conn)
+        Ok(ServiceProxy::builder(self.bus.connection())
             .path(path.clone())?
             .cache_properties(zbus::proxy::CacheProperties::No)
             .build()
@@ -287,7 +292,7 @@ impl SystemdBus {
     }
 
     async fn unit_at(&self, path: &OwnedObjectPath) -> Result<UnitProxy<'static>, SystemdError> {
-        Ok(UnitProxy::builder(&self.conn)
+        Ok(UnitProxy::builder(self.bus.connection())
             .path(path.clone())?
             .cache_properties(zbus::proxy::CacheProperties::No)
             .build()
@@ -296,7 +301,8 @@ impl SystemdBus {
 
     /// The unit's object path; `None` when it is not loaded.
     async fn unit_path(&self, unit: &str) -> Result<Option<OwnedObjectPath>, SystemdError> {
-        match self.manager().await?.get_unit(unit.into()).await {
+        let manager = self.manager().await?;
+        match self.bus.call(manager.get_unit(unit.into())).await {
             Ok(p) => Ok(Some(p)),
             Err(e) if no_such_unit(&e) => Ok(None),
             Err(e) => Err(e.into()),
@@ -308,7 +314,8 @@ impl SystemdBus {
         let Some(path) = self.unit_path(unit).await? else {
             return Ok(None);
         };
-        let state = self.unit_at(&path).await?.active_state().await?;
+        let unit = self.unit_at(&path).await?;
+        let state = self.bus.call(unit.active_state()).await?;
         Ok(Some(activity(&state)))
     }
 
@@ -322,7 +329,8 @@ impl SystemdBus {
             .member("PropertiesChanged")?
             .path_namespace("/org/freedesktop/systemd1/unit")?
             .build();
-        let mut changes = zbus::MessageStream::for_match_rule(rule, &self.conn, None).await?;
+        let mut changes =
+            zbus::MessageStream::for_match_rule(rule, self.bus.connection(), None).await?;
         let mut removed = self.manager().await?.receive_unit_removed().await?;
         tokio::spawn(async move {
             loop {
@@ -383,10 +391,15 @@ impl Units for SystemdBus {
         let Some(path) = self.unit_path(unit).await? else {
             return Ok(());
         };
-        let now = activity(&self.unit_at(&path).await?.active_state().await?);
+        let unit_iface = self.unit_at(&path).await?;
+        let now = activity(&self.bus.call(unit_iface.active_state()).await?);
         if now == UnitActivity::Failed {
             // A failed unit is already stopped; resetting lets it be collected.
-            return Ok(self.manager().await?.reset_failed_unit(unit.into()).await?);
+            let manager = self.manager().await?;
+            return Ok(self
+                .bus
+                .call(manager.reset_failed_unit(unit.into()))
+                .await?);
         }
         if now == UnitActivity::Inactive {
             // Stopped already: systemd collects it once nothing holds it.
@@ -421,12 +434,13 @@ impl Units for SystemdBus {
             // KillMode=process spares QEMU when only the daemon dies; a
             // stop on purpose leaves nothing, not even a process that
             // ignored its SIGTERM.
-            let _ = manager
-                .kill_unit(unit.into(), "all".into(), libc::SIGKILL)
+            let _ = self
+                .bus
+                .call(manager.kill_unit(unit.into(), "all".into(), libc::SIGKILL))
                 .await;
             // Stopping can leave it failed (e.g. killed by the stop timeout).
             if left == UnitActivity::Failed {
-                let _ = manager.reset_failed_unit(unit.into()).await;
+                let _ = self.bus.call(manager.reset_failed_unit(unit.into())).await;
             }
         }
         res
@@ -437,19 +451,20 @@ impl Units for SystemdBus {
             return Ok(None);
         };
         let (unit_iface, svc) = (self.unit_at(&path).await?, self.service_at(&path).await?);
-        let active = unit_iface.active_state().await?;
-        let load = unit_iface.load_state().await?;
+        let active = self.bus.call(unit_iface.active_state()).await?;
+        let load = self.bus.call(unit_iface.load_state()).await?;
         if load == "not-found" {
             return Ok(None);
         }
         // Whose unit it is: never guessed (a unit going away as it is
         // read answers nothing here, and must not pass for anyone's).
-        let env = svc.environment().await?;
-        let result = svc.result().await.unwrap_or_default();
-        let restarts = svc.n_restarts().await.unwrap_or_default();
-        let main_pid = svc.main_pid().await.ok().filter(|p| *p > 0);
-        let allowed_cpus = svc
-            .allowed_cp_us()
+        let bus = &self.bus;
+        let env = bus.call(svc.environment()).await?;
+        let result = bus.call(svc.result()).await.unwrap_or_default();
+        let restarts = bus.call(svc.n_restarts()).await.unwrap_or_default();
+        let main_pid = bus.call(svc.main_pid()).await.ok().filter(|p| *p > 0);
+        let allowed_cpus = bus
+            .call(svc.allowed_cp_us())
             .await
             .ok()
             .map(|m| CpuSet::from_mask(&m))
@@ -482,10 +497,10 @@ impl Units for SystemdBus {
     }
 
     async fn list_ids(&self) -> Result<Vec<String>, SystemdError> {
+        let manager = self.manager().await?;
         let units = self
-            .manager()
-            .await?
-            .list_units_by_patterns(vec![], vec![format!("{UNIT_PREFIX}*")])
+            .bus
+            .call(manager.list_units_by_patterns(vec![], vec![format!("{UNIT_PREFIX}*")]))
             .await?;
         Ok(units
             .into_iter()
@@ -494,19 +509,19 @@ impl Units for SystemdBus {
     }
 
     async fn kill_all(&self, unit: &str) -> Result<(), SystemdError> {
+        let manager = self.manager().await?;
         Ok(self
-            .manager()
-            .await?
-            .kill_unit(unit.into(), "all".into(), libc::SIGKILL)
+            .bus
+            .call(manager.kill_unit(unit.into(), "all".into(), libc::SIGKILL))
             .await?)
     }
 
     async fn set_allowed_cpus(&self, unit: &str, cpus: &CpuSet) -> Result<(), SystemdError> {
         let prop = to_dbus(unit, &Prop::Bytes("AllowedCPUs", cpus.to_mask()))?;
+        let manager = self.manager().await?;
         Ok(self
-            .manager()
-            .await?
-            .set_unit_properties(unit.into(), true, vec![prop])
+            .bus
+            .call(manager.set_unit_properties(unit.into(), true, vec![prop]))
             .await?)
     }
 }

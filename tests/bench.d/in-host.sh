@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
 # Runs inside the benchmark's test host (see tests/bench): measures kvirt
-# and the floor, prints one JSON object. Arguments: SEQ BURST MANY, or
-# --churn N WINDOW (a host's life: see churn below).
+# and the floor, prints one JSON object. Arguments: SEQ BURST MANY ROUNDS
+# (the one-at-a-time and burst measures, kvirt's and the floor's, are
+# taken ROUNDS times), or --churn N WINDOW (a host's life: see churn
+# below), or --busy N BURST ROUNDS (a busy host: see busy below).
 set -euo pipefail
-mode=figures
-if [[ $1 == --churn ]]; then mode=churn; churn_n=$2 churn_w=$3; else seq_n=$1 burst_n=$2 many_n=$3; fi
+mode=figures busy_n=0
+case $1 in
+  --churn) mode=churn churn_n=$2 churn_w=$3 ;;
+  --busy) mode=busy busy_n=$2 burst_n=$3 rounds=$4 ;;
+  *) seq_n=$1 burst_n=$2 many_n=$3 rounds=$4 ;;
+esac
 grace=5
 dir=/etc/kvirt/vmis.d
 resync_s=300
@@ -61,10 +67,14 @@ EOF
 # hands it the CPU. Under TCG every booting guest costs CPU, and 100
 # kernels booting at once would measure the two cores rather than kvirt;
 # this one idles right after the firmware, and costs nothing after.
-guest=/var/tmp/bench-guest.raw
+# The busy host's guests spin instead (cli; jmp to itself): each keeps
+# one host CPU's worth of TCG busy for as long as it runs.
+guest=/var/tmp/bench-guest.raw spinner=/var/tmp/bench-spinner.raw
 make_guest() {
   { printf '\xfa\xf4\xeb\xfd'; head -c 506 /dev/zero; printf '\x55\xaa'; } >"$guest"
   truncate -s 1M "$guest"
+  { printf '\xfa\xeb\xfe'; head -c 507 /dev/zero; printf '\x55\xaa'; } >"$spinner"
+  truncate -s 1M "$spinner"
 }
 
 disk() { cp --sparse=always "$guest" "/var/lib/kvirt/images/$1.raw"; }
@@ -101,6 +111,14 @@ remove_all() {
   rm -f /var/lib/kvirt/images/*.raw
 }
 
+# The VMs named $1* only (the busy host keeps its spinners meanwhile).
+none_named() { local left=(/run/kvirt/vms/default_"$1"* /var/lib/kvirt/vms/default_"$1"*); ((${#left[@]} == 0)); }
+remove_named() {
+  rm -f "$dir/$1"*.yaml
+  wait_until 300 none_named "$1"
+  rm -f "/var/lib/kvirt/images/$1"*.raw
+}
+
 # kvirt, one VM at a time: manifest in → status Running; each is removed,
 # and the host idle again (the kernel done with its namespace and cgroup),
 # before the next, as the floor's is.
@@ -135,7 +153,7 @@ kvirt_burst() { # net|nonet
     nap 0.05
   done
   for i in "${!done_at[@]}"; do echo "${done_at[$i]}"; done
-  remove_all >&2
+  if ((busy_n)); then remove_named b >&2; else remove_all >&2; fi
 }
 
 # The floor: what systemd and libvirt alone take for the same VM (no pod
@@ -266,6 +284,7 @@ qemu_pids() { pgrep -f '[q]emu-system' | sort -n | tr '\n' ' '; }
 # Many VMs: a burst of MANY, then memory, idle CPU, a restart, a delete.
 many() {
   local i t0 cpu_burst
+  many_since=$EPOCHSECONDS
   for i in $(seq "$many_n"); do disk "m$i"; done
   local a0 hz; hz=$(getconf CLK_TCK); a0=$(cpu_ticks)
   t0=$(now_ms)
@@ -282,7 +301,7 @@ many() {
   # figure includes exactly one resync of every VM, as any such stretch
   # of an idle host's life does.
   read -r idle by_thread < <(kvirtd_idle_cpu "$resync_s")
-  local before after r0 ready_ms
+  local before after r0 ready_ms since
   before=$(qemu_pids)
   r0=$(now_ms)
   systemctl restart kvirtd
@@ -293,14 +312,19 @@ many() {
   rm -f "$dir"/*.yaml
   wait_until 600 all_gone
   local gone_ms=$(($(now_ms) - t0))
+  # What kvirtd logged as warnings or errors over all of it (the bus
+  # refusing calls says "D-Bus: ..."), from the burst on.
+  local warnings dbus
+  warnings=$(journalctl -q -u kvirtd -p warning --since "@$many_since" -o cat | wc -l)
+  dbus=$(journalctl -q -u kvirtd -p warning --since "@$many_since" -o cat | grep -c 'D-Bus' || true)
   local leftovers
   leftovers=$( { ip netns list 2>/dev/null | grep -c kvirt- || true; } )
   local veths; veths=$(find /sys/class/net -maxdepth 1 -name 'kv[0-9a-f]*' | wc -l)
   local leases; leases=$(grep -o '"default_m[0-9]*"' /var/lib/kvirt/network/leases.json 2>/dev/null | wc -l)
   local nft; nft=$(nft list ruleset 2>/dev/null | grep -c 'default_m' || true)
   rm -f /var/lib/kvirt/images/*.raw
-  printf '{"vms": %d, "all_running_ms": %d, "helper": %s, "kvirtd_rss_mib": %s, "kvirtd_threads": %s, "kvirtd_idle_cpu_pct": %s, "kvirtd_idle_cpu_by_thread": %s, "kvirtd_burst_cpu_pct": %s, "restart_ready_ms": %d, "qemu_pids_unchanged": %s, "delete_all_ms": %d, "left": {"netns": %d, "veths": %d, "leases": %d, "nft_rules": %d}}' \
-    "$many_n" "$up_ms" "$mem" "$rss" "$threads" "$idle" "$by_thread" "$cpu_burst" "$ready_ms" "$same" "$gone_ms" "$leftovers" "$veths" "$leases" "$nft"
+  printf '{"vms": %d, "all_running_ms": %d, "helper": %s, "kvirtd_rss_mib": %s, "kvirtd_threads": %s, "kvirtd_idle_cpu_pct": %s, "kvirtd_idle_cpu_by_thread": %s, "kvirtd_burst_cpu_pct": %s, "restart_ready_ms": %d, "qemu_pids_unchanged": %s, "delete_all_ms": %d, "left": {"netns": %d, "veths": %d, "leases": %d, "nft_rules": %d}, "kvirtd_warnings": %d, "kvirtd_dbus_errors": %d}' \
+    "$many_n" "$up_ms" "$mem" "$rss" "$threads" "$idle" "$by_thread" "$cpu_burst" "$ready_ms" "$same" "$gone_ms" "$leftovers" "$veths" "$leases" "$nft" "$warnings" "$dbus"
 }
 
 # A host's life: N VMs made and deleted in sequence, WINDOW at a time (a
@@ -358,29 +382,72 @@ churn() {
     "$churn_n" "$churn_w" "$took_ms" "$before" "$after"
 }
 
+# A busy host: N spinning guests (every host CPU busy), then ROUNDS of
+# the floor's and kvirt's bursts of BURST halting guests beside them, and
+# kvirtd restarted with them all running.
+busy() {
+  local i t0
+  for i in $(seq "$busy_n"); do cp --sparse=always "$spinner" "/var/lib/kvirt/images/u$i.raw"; put "u$i" nonet; done
+  for i in $(seq "$busy_n"); do wait_until 600 running "u$i"; done
+  local a b; a=$(awk '/^cpu / {print $2 + $3 + $4 + $7 + $8, $5 + $6}' /proc/stat)
+  sleep 5
+  b=$(awk '/^cpu / {print $2 + $3 + $4 + $7 + $8, $5 + $6}' /proc/stat)
+  local busy_pct; busy_pct=$(awk -v a="$a" -v b="$b" 'BEGIN { split(a, x, " "); split(b, y, " ");
+    u = y[1] - x[1]; i = y[2] - x[2]; printf "%.1f", u / (u + i) * 100 }')
+  echo "{\"spinning\": $busy_n, \"host_cpu_busy_pct\": $busy_pct, \"rounds\": ["
+  for r in $(seq "$rounds"); do
+    ((r == 1)) || echo ','
+    echo "{\"floor_burst\": $(floor_burst | stats),"
+    echo "\"kvirt_burst_nonet\": $(kvirt_burst nonet | stats)}"
+  done
+  echo '],'
+  local before after
+  before=$(qemu_pids)
+  t0=$(now_ms)
+  systemctl restart kvirtd
+  local ready_ms=$(($(now_ms) - t0))
+  after=$(qemu_pids)
+  local same=true; [[ $before == "$after" ]] || same=false
+  echo "\"restart_ready_ms\": $ready_ms, \"qemu_pids_unchanged\": $same}"
+  remove_all >&2
+}
+
 make_guest
 remove_all >&2
 if [[ $mode == churn ]]; then churn; exit 0; fi
-echo '{'
-echo "\"floor_seq\": $(floor_seq | stats),"
-echo "\"kvirt_seq_nonet\": $(kvirt_seq nonet | stats),"
-echo "\"kvirt_seq_net\": $(kvirt_seq net | stats),"
-# The network, as JSON (remove_all takes every .yaml); its host bridge is
-# not named kv<hex>... (all_gone takes those for VMs' veths).
-cat >"$dir/bench-side.json" <<'NAD'
+if [[ $mode == busy ]]; then busy; exit 0; fi
+# One round: every one-at-a-time and burst measure, the floor's beside
+# kvirt's, as one JSON object (each round's ratios are its own).
+round() {
+  echo '{'
+  echo "\"floor_seq\": $(floor_seq | stats),"
+  echo "\"kvirt_seq_nonet\": $(kvirt_seq nonet | stats),"
+  echo "\"kvirt_seq_net\": $(kvirt_seq net | stats),"
+  # The network, as JSON (remove_all takes every .yaml); its host bridge is
+  # not named kv<hex>... (all_gone takes those for VMs' veths).
+  cat >"$dir/bench-side.json" <<'NAD'
 {"apiVersion": "k8s.cni.cncf.io/v1", "kind": "NetworkAttachmentDefinition", "metadata": {"name": "bench-side"},
  "spec": {"config": "{\"cniVersion\":\"1.0.0\",\"type\":\"bridge\",\"bridge\":\"sidebr0\",\"ipam\":{\"type\":\"host-local\",\"subnet\":\"10.76.0.0/16\"}}"}}
 NAD
-echo "\"kvirt_seq_multus\": $(kvirt_seq multus | stats),"
-rm -f "$dir/bench-side.json"
+  echo "\"kvirt_seq_multus\": $(kvirt_seq multus | stats),"
+  rm -f "$dir/bench-side.json"
+  echo "\"floor_burst\": $(floor_burst | stats),"
+  echo "\"kvirt_burst_nonet\": $(kvirt_burst nonet | stats),"
+  echo "\"kvirt_burst_net\": $(kvirt_burst net | stats)"
+  echo '}'
+}
+
+echo '{"rounds": ['
+for r in $(seq "$rounds"); do
+  ((r == 1)) || echo ','
+  round
+done
+echo '],'
 # Helper memory at SEQ VMs: a burst of SEQ, measured, removed.
 for i in $(seq "$seq_n"); do disk "h$i"; put "h$i" net; done
 for i in $(seq "$seq_n"); do wait_until 300 running "h$i"; done
 wait_idle 120
 echo "\"helper_at_seq\": $(helper_memory | mem_json),"
 remove_all >&2
-echo "\"floor_burst\": $(floor_burst | stats),"
-echo "\"kvirt_burst_nonet\": $(kvirt_burst nonet | stats),"
-echo "\"kvirt_burst_net\": $(kvirt_burst net | stats),"
 echo "\"many\": $(many)"
 echo '}'
