@@ -1971,11 +1971,18 @@ fn shared_vmi(name: &str, node: &str) -> String {
     )
 }
 
-fn migration_yaml(name: &str, vmi: &str, annotations: &str) -> String {
+/// A migration object as a user writes one; `meta`: more of its metadata
+/// (`annotations: {...}`, `labels: {...}`).
+fn migration_yaml(name: &str, vmi: &str, meta: &str) -> String {
+    let meta = if meta.is_empty() {
+        String::new()
+    } else {
+        format!(", {meta}")
+    };
     format!(
         "apiVersion: kubevirt.io/v1
 kind: VirtualMachineInstanceMigration
-metadata: {{name: {name}, namespace: default, annotations: {{{annotations}}}}}
+metadata: {{name: {name}, namespace: default{meta}}}
 spec: {{vmiName: {vmi}}}
 "
     )
@@ -1985,18 +1992,19 @@ fn vmim_field(h: &Host, name: &str, jsonpath: &str) -> String {
     kubectl(h, &format!("get vmim {name} -o jsonpath='{{{jsonpath}}}'"))
 }
 
-/// Creates migration `name` of `vm` and waits for it to succeed; checks
-/// what KubeVirt's clients read (the VMI's node, the labels, the
-/// migration's state) and that the guest counts on at `to`, never
+/// Creates migration `name` of `vm` (`meta`: more of its metadata) and
+/// waits for it to succeed; checks what KubeVirt's clients read (the VMI's
+/// node, the labels, the migration's state), that kvirt labelled it for
+/// the host that ran it, and that the guest counts on at `to`, never
 /// restarting, answering through its pod address there, and nothing of it
 /// is left at `from`.
-fn migrate_and_check(a: &Host, from: &Host, to: &Host, name: &str, vm: &str, annotations: &str) {
+fn migrate_and_check(a: &Host, from: &Host, to: &Host, name: &str, vm: &str, meta: &str) {
     from.wait_until("the guest counting", BOOT, || {
         from.guest_counts(vm).len() >= 2
     });
     let before = *from.guest_counts(vm).last().unwrap();
     let (from_node, to_node) = (node_of(from), node_of(to));
-    apply(a, &migration_yaml(name, vm, annotations));
+    apply(a, &migration_yaml(name, vm, meta));
     a.wait(
         &format!("vmim/{name} Succeeded"),
         BOOT,
@@ -2005,6 +2013,10 @@ fn migrate_and_check(a: &Host, from: &Host, to: &Host, name: &str, vm: &str, ann
     assert_eq!(
         vmim_field(a, name, ".metadata.labels.kubevirt\\.io/vmi-name"),
         vm
+    );
+    assert_eq!(
+        vmim_field(a, name, ".metadata.labels.kvirt\\.io/host"),
+        from_node
     );
     // How it went, on the object: the time and the guest's pause.
     let progress = ".status.conditions[?(@.type==\"kvirt.io/Progress\")]";
@@ -2074,8 +2086,8 @@ fn migrate_and_check(a: &Host, from: &Host, to: &Host, name: &str, vm: &str, ann
 }
 
 /// Creates migration `name` of `vm`, waits for it to fail, and returns why.
-fn fails(a: &Host, name: &str, vm: &str, annotations: &str) -> String {
-    apply(a, &migration_yaml(name, vm, annotations));
+fn fails(a: &Host, name: &str, vm: &str, meta: &str) -> String {
+    apply(a, &migration_yaml(name, vm, meta));
     a.wait(
         &format!("vmim/{name} Failed"),
         WAIT,
@@ -2118,13 +2130,14 @@ fn migration_objects_move_a_running_vmi_between_nodes_live() {
         WAIT,
     );
     migrate_and_check(&a, &a, &b, "k-mover-1", "k-mover", "");
+    // Labelled for A, whose VMI is B's: A hands it on to B, which moves it.
     migrate_and_check(
         &a,
         &b,
         &a,
         "k-mover-2",
         "k-mover",
-        "kvirt.io/target-node: node-a",
+        "annotations: {kvirt.io/target-node: node-a}, labels: {kvirt.io/host: node-a}",
     );
     // Deleting the object while its migration runs (throttled, so that
     // it is caught midway) cancels it: the VM stays on A, B keeps nothing.
@@ -2168,7 +2181,12 @@ fn migration_objects_move_a_running_vmi_between_nodes_live() {
     );
     a.assert_counts_on_here("k-mover", before);
     // No host that could take it: Failed, with why; the VM runs on.
-    let reason = fails(&a, "k-mover-3", "k-mover", "kvirt.io/target-node: node-x");
+    let reason = fails(
+        &a,
+        "k-mover-3",
+        "k-mover",
+        "annotations: {kvirt.io/target-node: node-x}",
+    );
     assert!(reason.contains("no live kvirt host node-x"), "{reason}");
     // A VMI that runs nowhere: no host takes the object up; it fails.
     let reason = fails(&a, "k-none-1", "k-none", "");

@@ -705,6 +705,7 @@ async fn run_cluster<A: Adapters, U: Units + Clone + Send + Sync + 'static>(
                     leases.clone(),
                 );
                 cluster::scheduler::run(c.clone(), events, leases.clone());
+                cluster::routing::run(c.clone());
                 cluster::aggregation::keep_pruned(c, n, leases, lease);
             });
             if vms {

@@ -32,6 +32,10 @@ pub const TARGET_NODE_LABEL: &str = "kubevirt.io/migrationTargetNodeName";
 pub const EVACUATION_ANNOTATION: &str = "kubevirt.io/evacuationMigration";
 /// kvirt's annotation on a migration naming the one host that may take it.
 pub const TARGET_ANNOTATION: &str = "kvirt.io/target-node";
+/// kvirt's label on a migration naming the host that acts on it (its
+/// VMI's): each host watches only the objects labelled with its name; the
+/// leader labels new ones (`sources::cluster::routing`).
+pub const HOST_LABEL: &str = "kvirt.io/host";
 
 /// KubeVirt's migration phases, in the order a migration passes them.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
@@ -152,10 +156,42 @@ pub fn object_action(m: &Migration, vmi: &VirtualMachineInstance, here: &Here) -
     }
 }
 
+/// Where a migration object goes, given its VMI `key` as read now.
+#[derive(Debug, PartialEq, Eq)]
+pub enum Route {
+    /// Labelled for this host ([`HOST_LABEL`]): the one its VMI runs on.
+    Host(String),
+    /// Failed, with why: its VMI does not exist or runs on no host.
+    Fail(String),
+    /// Left as it is: final, being deleted, or labelled rightly already.
+    Stay,
+}
+
+/// Routes the object `m` of the VMI `key` (pure): to the host its VMI runs
+/// on, which alone acts on it (an object a user made has no label yet; one
+/// whose VMI moved since it was labelled, as a migration's target that
+/// finishes what its source could not, goes on to the VMI's new host).
+pub fn route(m: &Migration, key: &str, vmi: Option<&VirtualMachineInstance>) -> Route {
+    use crate::core::vmi::NODE_LABEL;
+    if m.status.phase.is_some_and(MigrationPhase::is_final)
+        || m.metadata.deletion_timestamp.is_some()
+    {
+        return Route::Stay;
+    }
+    let labelled = m.metadata.labels.as_ref().and_then(|l| l.get(HOST_LABEL));
+    let node = vmi.and_then(|v| v.metadata.labels.as_ref()?.get(NODE_LABEL));
+    match (node, runs_nowhere(key, vmi)) {
+        (Some(n), _) if labelled == Some(n) => Route::Stay,
+        (Some(n), _) => Route::Host(n.clone()),
+        (None, Some(why)) => Route::Fail(why),
+        (None, None) => Route::Stay,
+    }
+}
+
 /// Why the object of a migration no host took up fails (pure): its VMI
 /// does not exist, or runs on no host (KubeVirt refuses such an object at
 /// admission). `None`: its VMI is some host's, which decides.
-pub fn runs_nowhere(key: &str, vmi: Option<&VirtualMachineInstance>) -> Option<String> {
+fn runs_nowhere(key: &str, vmi: Option<&VirtualMachineInstance>) -> Option<String> {
     use crate::core::vmi::NODE_LABEL;
     let Some(vmi) = vmi else {
         return Some(format!("the VMI {key} does not exist"));
@@ -1212,5 +1248,48 @@ mod tests {
         );
         let placed = vmi("kubevirt.io/nodeName: node-a");
         assert_eq!(runs_nowhere("ns/a", Some(&placed)), None);
+    }
+
+    #[test]
+    fn an_object_goes_to_its_vmis_host_and_on_when_the_vmi_moved() {
+        use crate::core::vmi::NODE_LABEL;
+        let on = |node: &str| {
+            let mut v = vmi("{domain: {devices: {}}}");
+            v.metadata.labels = Some([(NODE_LABEL.to_string(), node.to_string())].into());
+            v
+        };
+        let mut m = Migration::default();
+        m.spec.vmi_name = "a".into();
+        // A user's object: no label yet.
+        assert_eq!(
+            route(&m, "ns/a", Some(&on("node-a"))),
+            Route::Host("node-a".into())
+        );
+        m.metadata.labels = Some([(HOST_LABEL.to_string(), "node-a".to_string())].into());
+        assert_eq!(route(&m, "ns/a", Some(&on("node-a"))), Route::Stay);
+        // Its VMI handed to node-b since: node-b finishes it.
+        m.status.phase = Some(MigrationPhase::Running);
+        assert_eq!(
+            route(&m, "ns/a", Some(&on("node-b"))),
+            Route::Host("node-b".into())
+        );
+        // No VMI, or one no host runs: failed, saying so.
+        let Route::Fail(why) = route(&m, "ns/a", None) else {
+            panic!("not failed")
+        };
+        assert!(why.contains("does not exist"), "{why}");
+        let Route::Fail(why) = route(&m, "ns/a", Some(&vmi("{domain: {devices: {}}}"))) else {
+            panic!("not failed")
+        };
+        assert!(why.contains("runs on no host"), "{why}");
+        // Ended, or going: left alone.
+        m.status.phase = Some(MigrationPhase::Succeeded);
+        assert_eq!(route(&m, "ns/a", None), Route::Stay);
+        let going: Migration = serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "m", "deletionTimestamp": "2026-01-01T00:00:00Z"},
+            "spec": {"vmiName": "a"},
+        }))
+        .unwrap();
+        assert_eq!(route(&going, "ns/a", None), Route::Stay);
     }
 }

@@ -1370,10 +1370,4 @@ fn status_err(id: &str) -> impl FnOnce(SourceError) -> ControllerError + '_ {
     }
 }
 
-/// Kubernetes' timestamp form: RFC 3339, UTC, whole seconds.
-pub fn now_rfc3339() -> String {
-    let now = jiff::Timestamp::now();
-    jiff::Timestamp::from_second(now.as_second())
-        .unwrap_or(now)
-        .to_string()
-}
+pub use crate::sources::now_rfc3339;

@@ -34,7 +34,7 @@ impl Evict for Evacuation {
             let evacuating = evacuation.then_some(self.node.as_str());
             let name = self
                 .objects
-                .create(&key, BTreeMap::new(), evacuating)
+                .create(&key, BTreeMap::new(), evacuating, Some(&self.node))
                 .await
                 .map_err(|e| format!("making its migration: {e}"))?;
             self.ended(&key, &name).await

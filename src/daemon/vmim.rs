@@ -3,18 +3,22 @@
 //! virt-handler together): the target chosen among the live kvirt hosts
 //! ([`crate::core::peers`]), the phases written as the migration passes
 //! them, the VM moved by [`Migrate`], and a migration whose object is
-//! deleted while it runs cancelled (the VM stays). Every host watches the
-//! objects; [`object_action`] decides which one acts.
+//! deleted while it runs cancelled (the VM stays). Each host watches the
+//! objects labelled for it (`HOST_LABEL`: the leader labels new ones,
+//! `sources::cluster::routing`), hands on one whose VMI moved, and
+//! [`object_action`] decides what it does with its own.
 
 use crate::core::key::VmKey;
 use crate::core::migration::{
-    object_action, runs_nowhere, Here, Migration, MigrationPhase, MigrationState, ObjectAction,
+    object_action, route, Here, Migration, MigrationPhase, MigrationState, ObjectAction, Route,
+    HOST_LABEL,
 };
 use crate::core::peers;
 use crate::core::progress;
 use crate::daemon::controller::{now_rfc3339, VmiView};
 use crate::daemon::migration::{Migrate, Object, Step};
 use crate::sources::cluster::migrations::{phase_patch, KubeMigrations};
+use crate::sources::cluster::routing::UNPLACED_AFTER;
 use futures::StreamExt;
 use kube::runtime::watcher;
 use kube::runtime::WatchStreamExt;
@@ -26,9 +30,6 @@ use tracing::{info, warn, Instrument};
 /// How often objects not final are looked at again: a migration a
 /// restarted kvirtd's recovery ended shows on its VMI, not its object.
 const SETTLE: Duration = Duration::from_secs(10);
-/// How long an object no host took up waits before its VMI is looked up
-/// (a VMI just made may be claimed meanwhile).
-const UNCLAIMED_AFTER: Duration = Duration::from_secs(10);
 /// The most often a running migration's figures are written to its object.
 const FIGURES_EVERY: Duration = Duration::from_secs(5);
 
@@ -39,9 +40,10 @@ struct Runner {
     migrate: Arc<dyn Migrate>,
     /// The migrations this host runs now: object uid → its VM.
     running: Mutex<HashMap<String, VmKey>>,
-    /// Objects no host has taken up (no phase, their VMI not here): uid →
-    /// when this host first saw them so.
-    unclaimed: Mutex<HashMap<String, tokio::time::Instant>>,
+    /// Objects labelled for this host whose VMI is not here (not begun,
+    /// or begun by a source that could not finish): uid → when this host
+    /// first saw them so.
+    elsewhere: Mutex<HashMap<String, tokio::time::Instant>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -61,11 +63,12 @@ pub async fn run(
         view,
         migrate,
         running: Mutex::default(),
-        unclaimed: Mutex::default(),
+        elsewhere: Mutex::default(),
     });
     // The objects not final, by uid: looked at again on a period.
     let mut open: BTreeMap<String, Migration> = BTreeMap::new();
-    let stream = watcher(runner.objects.all(), watcher::Config::default()).default_backoff();
+    let mine = watcher::Config::default().labels(&format!("{HOST_LABEL}={}", runner.node));
+    let stream = watcher(runner.objects.all(), mine).default_backoff();
     let mut stream = std::pin::pin!(stream);
     let mut tick = tokio::time::interval(SETTLE);
     loop {
@@ -83,7 +86,7 @@ pub async fn run(
                 Some(Ok(watcher::Event::Delete(m))) => {
                     let uid = m.metadata.uid.clone().unwrap_or_default();
                     open.remove(&uid);
-                    lock(&runner.unclaimed).remove(&uid);
+                    lock(&runner.elsewhere).remove(&uid);
                     runner.cancel(&uid).await;
                 }
                 Some(Ok(_)) => {}
@@ -112,14 +115,15 @@ impl Runner {
             return;
         };
         let (Some(vmi), _) = self.view.view(&key.id()) else {
-            if m.status.phase.is_none() {
-                self.unclaimed(m, key);
+            let open = !m.status.phase.is_some_and(MigrationPhase::is_final);
+            if open && !lock(&self.running).contains_key(&uid) {
+                self.elsewhere(m, key);
             } else {
-                lock(&self.unclaimed).remove(&uid);
+                lock(&self.elsewhere).remove(&uid);
             }
             return;
         };
-        lock(&self.unclaimed).remove(&uid);
+        lock(&self.elsewhere).remove(&uid);
         let begun = m
             .status
             .phase
@@ -279,14 +283,16 @@ impl Runner {
         }
     }
 
-    /// An object no host took up: after [`UNCLAIMED_AFTER`], failed with
-    /// why if its VMI runs nowhere. Every host may decide so; the object's
-    /// resourceVersion lets one write.
-    fn unclaimed(self: &Arc<Self>, m: &Migration, key: VmKey) {
+    /// An object labelled for this host whose VMI is not here: after
+    /// [`UNPLACED_AFTER`] (this host's view of its VMIs may lag), handed on
+    /// to the host its VMI runs on now (the target of a migration whose
+    /// source could not finish it), or failed with why if its VMI runs
+    /// nowhere. Guarded by the object's resourceVersion.
+    fn elsewhere(self: &Arc<Self>, m: &Migration, key: VmKey) {
         let uid = m.metadata.uid.clone().unwrap_or_default();
         let now = tokio::time::Instant::now();
-        let first = *lock(&self.unclaimed).entry(uid.clone()).or_insert(now);
-        if now.duration_since(first) < UNCLAIMED_AFTER {
+        let first = *lock(&self.elsewhere).entry(uid.clone()).or_insert(now);
+        if now.duration_since(first) < UNPLACED_AFTER {
             return;
         }
         let me = self.clone();
@@ -296,18 +302,23 @@ impl Runner {
                 Ok(v) => v,
                 Err(e) => return warn!("{e}"),
             };
-            let Some(reason) = runs_nowhere(&key.to_string(), vmi.as_ref()) else {
-                return;
+            let done = match route(&m, &key.to_string(), vmi.as_ref()) {
+                Route::Host(node) => me.objects.route(&m, &node).await.inspect(|&w| {
+                    if w {
+                        info!(vm = %key, %node, "migration object handed on to its VMI's host");
+                    }
+                }),
+                Route::Fail(reason) => me.objects.fail(&m, &reason).await.inspect(|&w| {
+                    if w {
+                        info!(vm = %key, "migration object failed: {reason}");
+                    }
+                }),
+                Route::Stay => return,
             };
-            let at = now_rfc3339();
-            let state = MigrationState::started(&uid, "", &at).ended(&at, Err(&reason));
-            let patch = phase_patch(&m.spec.vmi_name, MigrationPhase::Failed, Some(&state));
-            match me.objects.report_if_unchanged(&m, &patch).await {
-                Ok(true) => info!(vm = %key, "migration object failed: {reason}"),
-                Ok(false) => {}
+            match done {
+                Ok(_) => drop(lock(&me.elsewhere).remove(&uid)),
                 Err(e) => warn!("{e}"),
             }
-            lock(&me.unclaimed).remove(&uid);
         });
     }
 

@@ -18,6 +18,14 @@ use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use std::future::Future;
 use std::path::PathBuf;
 
+/// Kubernetes' timestamp form: RFC 3339, UTC, whole seconds.
+pub fn now_rfc3339() -> String {
+    let now = jiff::Timestamp::now();
+    jiff::Timestamp::from_second(now.as_second())
+        .unwrap_or(now)
+        .to_string()
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum SourceError {
     #[error("{path}: {message}")]

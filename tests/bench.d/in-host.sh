@@ -3,12 +3,14 @@
 # and the floor, prints one JSON object. Arguments: SEQ BURST MANY ROUNDS
 # (the one-at-a-time and burst measures, kvirt's and the floor's, are
 # taken ROUNDS times), or --churn N WINDOW (a host's life: see churn
-# below), or --busy N BURST ROUNDS (a busy host: see busy below).
+# below), or --busy N BURST ROUNDS (a busy host: see busy below), or
+# --burst N (kvirt's burst of N alone: the cluster benchmark's baseline).
 set -euo pipefail
 mode=figures busy_n=0
 case $1 in
   --churn) mode=churn churn_n=$2 churn_w=$3 ;;
   --busy) mode=busy busy_n=$2 burst_n=$3 rounds=$4 ;;
+  --burst) mode=burst burst_n=$2 ;;
   *) seq_n=$1 burst_n=$2 many_n=$3 rounds=$4 ;;
 esac
 grace=5
@@ -416,6 +418,7 @@ make_guest
 remove_all >&2
 if [[ $mode == churn ]]; then churn; exit 0; fi
 if [[ $mode == busy ]]; then busy; exit 0; fi
+if [[ $mode == burst ]]; then kvirt_burst nonet | stats; exit 0; fi
 # One round: every one-at-a-time and burst measure, the floor's beside
 # kvirt's, as one JSON object (each round's ratios are its own).
 round() {

@@ -112,8 +112,10 @@ impl Cluster for KubeCluster {
             let objects = migrations::KubeMigrations {
                 client: self.client.clone(),
             };
+            // Labelled for the VMI's host at once: the leader need not.
+            let host = vmi.metadata.labels.as_ref().and_then(|l| l.get(NODE_LABEL));
             objects
-                .create(key, added_node_selector, None)
+                .create(key, added_node_selector, None, host.map(String::as_str))
                 .await
                 .map(|name| format!("migration {name} made"))
                 .map_err(kube_error)

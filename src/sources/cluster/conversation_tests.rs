@@ -694,3 +694,68 @@ async fn the_scheduler_assigns_a_vmi_to_the_least_loaded_host_once() {
     let more = tokio::time::timeout(std::time::Duration::from_millis(100), api.next_request());
     assert!(matches!(more.await, Err(_) | Ok(None)), "a request for vm2");
 }
+
+#[tokio::test]
+async fn the_leader_labels_a_new_migration_object_for_its_vmis_host_once() {
+    use super::migrations::KubeMigrations;
+    use super::routing::Routing;
+    use crate::core::migration::Migration;
+    use kube::runtime::{reflector, watcher};
+
+    const VMIMS: &str = "/apis/kubevirt.io/v1/namespaces/default/virtualmachineinstancemigrations";
+    let vmim = |name: &str, uid: &str, vmi: &str| -> Migration {
+        serde_json::from_value(json!({
+            "apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstanceMigration",
+            "metadata": {"name": name, "namespace": "default", "uid": uid, "resourceVersion": "7"},
+            "spec": {"vmiName": vmi},
+        }))
+        .unwrap()
+    };
+    let (store, mut w) = reflector::store::<Migration>();
+    w.apply_watcher_event(&watcher::Event::Apply(vmim("m1", "mu1", "vm1")));
+    let (c, mut api) = client();
+    let objects = KubeMigrations { client: c };
+    let mut routing = Routing::default();
+
+    let round = routing.round(&objects, &store);
+    let answer = async {
+        let (method, path, _, _, send) = next(&mut api).await;
+        assert_eq!((method.as_str(), path.as_str()), ("GET", PATH));
+        let mut vmi = object(&[]);
+        vmi["metadata"]["labels"] = json!({"kubevirt.io/nodeName": "node-b"});
+        reply(send, 200, vmi);
+        let (method, path, ctype, body, send) = next(&mut api).await;
+        assert_eq!(
+            (method.as_str(), path.as_str()),
+            ("PATCH", &*format!("{VMIMS}/m1"))
+        );
+        assert_eq!(ctype, "application/merge-patch+json");
+        assert_eq!(body["metadata"]["labels"]["kvirt.io/host"], "node-b");
+        assert_eq!(body["metadata"]["resourceVersion"], "7");
+        assert_eq!(body["metadata"]["uid"], "mu1");
+        assert!(body.get("status").is_none(), "{body}");
+        reply(
+            send,
+            200,
+            serde_json::to_value(vmim("m1", "mu1", "vm1")).unwrap(),
+        );
+    };
+    tokio::join!(round, answer);
+    // Looked at again before the watch drops it: not labelled twice.
+    routing.round(&objects, &store).await;
+    let more = tokio::time::timeout(std::time::Duration::from_millis(100), api.next_request());
+    assert!(matches!(more.await, Err(_) | Ok(None)), "labelled twice");
+
+    // A VMI that does not exist (yet): its object is not failed at once.
+    w.apply_watcher_event(&watcher::Event::Delete(vmim("m1", "mu1", "vm1")));
+    w.apply_watcher_event(&watcher::Event::Apply(vmim("m2", "mu2", "vm1")));
+    let round = routing.round(&objects, &store);
+    let answer = async {
+        let (method, path, _, _, send) = next(&mut api).await;
+        assert_eq!((method.as_str(), path.as_str()), ("GET", PATH));
+        fail(send, 404, Some("NotFound"), "not found");
+    };
+    tokio::join!(round, answer);
+    let more = tokio::time::timeout(std::time::Duration::from_millis(100), api.next_request());
+    assert!(matches!(more.await, Err(_) | Ok(None)), "failed at once");
+}

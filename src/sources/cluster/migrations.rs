@@ -1,13 +1,14 @@
-//! `VirtualMachineInstanceMigration`s through the API server: watched by
-//! every host, each acted on by the host that runs its VMI (see
-//! `daemon::vmim`); and the handover of a migrated VMI to its new host, the
-//! one write that moves it (its node label, which each host's watch
-//! selects by, and `status.nodeName`).
+//! `VirtualMachineInstanceMigration`s through the API server: each
+//! labelled for the host that runs its VMI (`core::migration::route`; the
+//! leader labels new ones, `super::routing`), which alone watches and acts
+//! on it (see `daemon::vmim`); and the handover of a migrated VMI to its
+//! new host, the one write that moves it (its node label, which each
+//! host's watch selects by, and `status.nodeName`).
 
 use super::NODE_LABEL;
 use crate::core::migration::{
-    Migration, MigrationPhase, MigrationState, EVACUATION_ANNOTATION, TARGET_NODE_LABEL,
-    VMI_NAME_LABEL,
+    Migration, MigrationPhase, MigrationState, EVACUATION_ANNOTATION, HOST_LABEL,
+    TARGET_NODE_LABEL, VMI_NAME_LABEL,
 };
 use crate::core::vmi::VirtualMachineInstance;
 use crate::sources::Handover;
@@ -92,9 +93,29 @@ impl KubeMigrations {
         Api::namespaced(self.client.clone(), ns)
     }
 
-    /// Every migration object of the cluster, as it changes.
+    /// The migration objects of the cluster (watched by a label).
     pub fn all(&self) -> Api<Migration> {
         Api::all(self.client.clone())
+    }
+
+    /// Labels `m` for `node` (`core::migration::Route::Host`) if it is
+    /// still as it was read; `Ok(false)`: another write came first.
+    pub async fn route(&self, m: &Migration, node: &str) -> Result<bool, String> {
+        self.report_if_unchanged(
+            m,
+            &json!({ "metadata": { "labels": { HOST_LABEL: node } } }),
+        )
+        .await
+    }
+
+    /// Fails `m` with `reason` (`core::migration::Route::Fail`) if it is
+    /// still as it was read; `Ok(false)`: another write came first.
+    pub async fn fail(&self, m: &Migration, reason: &str) -> Result<bool, String> {
+        let uid = m.metadata.uid.as_deref().unwrap_or_default();
+        let at = crate::sources::now_rfc3339();
+        let state = MigrationState::started(uid, "", &at).ended(&at, Err(reason));
+        let patch = phase_patch(&m.spec.vmi_name, MigrationPhase::Failed, Some(&state));
+        self.report_if_unchanged(m, &patch).await
     }
 
     /// Writes the migration's phase (and `migrationState`, labels) by merge
@@ -120,12 +141,14 @@ impl KubeMigrations {
 
     /// A migration of the VMI `key`, as virt-api makes one for `virtctl
     /// migrate`, or (`evacuating` a node) as KubeVirt's evacuation
-    /// controller does for a drain; its name.
+    /// controller does for a drain, labelled for `host` (its VMI's, when
+    /// the caller read it); its name.
     pub async fn create(
         &self,
         key: &crate::core::key::VmKey,
         added_node_selector: std::collections::BTreeMap<String, String>,
         evacuating: Option<&str>,
+        host: Option<&str>,
     ) -> Result<String, kube::Error> {
         let api: Api<Migration> = Api::namespaced(self.client.clone(), key.namespace());
         let mut m = Migration::default();
@@ -139,7 +162,14 @@ impl KubeMigrations {
         };
         m.metadata.generate_name = Some(prefix.into());
         m.metadata.namespace = Some(key.namespace().into());
-        m.metadata.labels = Some([(VMI_NAME_LABEL.to_string(), key.name().to_string())].into());
+        let mut labels = std::collections::BTreeMap::from([(
+            VMI_NAME_LABEL.to_string(),
+            key.name().to_string(),
+        )]);
+        if let Some(h) = host {
+            labels.insert(HOST_LABEL.to_string(), h.to_string());
+        }
+        m.metadata.labels = Some(labels);
         m.spec.vmi_name = key.name().into();
         m.spec.added_node_selector = added_node_selector;
         m.api_version = "kubevirt.io/v1".into();

@@ -44,6 +44,7 @@ pub mod lease;
 pub mod migrations;
 pub mod reaper;
 pub mod replicas;
+pub mod routing;
 pub mod scheduler;
 pub mod source;
 pub mod status;

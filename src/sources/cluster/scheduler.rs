@@ -31,7 +31,7 @@ const RETRY: Duration = Duration::from_secs(5);
 const SETTLE: Duration = Duration::from_secs(15);
 
 /// Feeds a store from a watch, waking `changed` (if any) on every event.
-fn feed<K>(
+pub(super) fn feed<K>(
     stream: impl Stream<Item = watcher::Result<watcher::Event<K>>> + Send + 'static,
     writer: reflector::store::Writer<K>,
     changed: Option<Arc<Notify>>,
