@@ -45,6 +45,7 @@ fn settings() -> Settings {
         claims: Default::default(),
         claim_roots: vec!["/var/lib/kvirt/claims".into()],
         cni_global_namespaces: vec!["default".into()],
+        starts_at_once: 4,
     }
 }
 
@@ -864,6 +865,65 @@ async fn a_vmi_replaced_during_its_predecessors_start_runs_as_itself() {
         "{:?}",
         host.state().events
     );
+}
+
+/// VMs start a few at a time (`vm.starts_at_once`; 250 begun at once on 2
+/// CPUs all missed the start timeout): the others wait their turn before
+/// anything of them is made, and one deleted while it waits never starts.
+#[tokio::test]
+async fn vms_wait_their_turn_to_start_and_one_deleted_meanwhile_never_starts() {
+    let host = FakeHost::default();
+    let one_at_a_time = Settings {
+        starts_at_once: 1,
+        ..settings()
+    };
+    let ctl = Controller::new(host.deps(), one_at_a_time);
+    let (vm1, vm2, vm3) = (
+        vmi("vm1", "u1", ""),
+        vmi("vm2", "u2", ""),
+        vmi("vm3", "u3", ""),
+    );
+    ctl.set_vmis(set(&[vm1.clone(), vm2, vm3.clone()])).await;
+    let gate = host.gate("start kvirt-vm@default_vm1");
+    let pass = |id: &'static str| {
+        let ctl = ctl.clone();
+        tokio::spawn(async move { ctl.reconcile(id).await })
+    };
+    let started = |name: &str| {
+        let call = format!("start kvirt-vm@default_{name}");
+        host.state().calls.iter().any(|c| c.starts_with(&call))
+    };
+    let first = pass("default_vm1");
+    wait_for(|| started("vm1")).await;
+    let (second, third) = (pass("default_vm2"), pass("default_vm3"));
+    wait_for(|| {
+        phase(&host, "vm2") == Some(Phase::Scheduled)
+            && phase(&host, "vm3") == Some(Phase::Scheduled)
+    })
+    .await;
+
+    ctl.set_vmis(set(&[vm1, vm3])).await;
+    second.await.unwrap().unwrap();
+    assert!(!started("vm2"), "a VMI deleted while it waited started");
+    assert!(
+        !started("vm3"),
+        "two VMs starting at once: {:?}",
+        host.state().calls
+    );
+    assert!(!host.state().netns.iter().any(|n| n.contains("vm2")));
+
+    gate.add_permits(100);
+    first.await.unwrap().unwrap();
+    third.await.unwrap().unwrap();
+    assert_eq!(phase(&host, "vm1"), Some(Phase::Running));
+    assert_eq!(phase(&host, "vm3"), Some(Phase::Running));
+    ctl.reconcile("default_vm2").await.unwrap();
+    let (vmi2, gone) = ctl.view("default_vm2");
+    assert!(
+        vmi2.is_none() && gone,
+        "something of the deleted VMI is left"
+    );
+    assert!(!started("vm2"));
 }
 
 #[tokio::test]

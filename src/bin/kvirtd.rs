@@ -448,6 +448,9 @@ fn settings(config: &Config) -> Result<Settings> {
         claims: config.claims().map_err(anyhow::Error::msg)?,
         claim_roots: config.storage.claim_roots.clone(),
         cni_global_namespaces: config.network.cni_global_namespaces.clone(),
+        starts_at_once: config
+            .vm
+            .starts_at_once(std::thread::available_parallelism().map_or(1, usize::from)),
     })
 }
 

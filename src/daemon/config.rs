@@ -435,6 +435,9 @@ pub struct VmConfig {
     /// (a list such as "2-7"); empty: none, and such VMs are refused. The
     /// others (the host's, and VMs without dedicated CPUs) are never handed out.
     pub dedicated_cpus: String,
+    /// VMs that may be starting at once; 0: two per CPU kvirtd may use,
+    /// from 4 to 64.
+    pub starts_at_once: usize,
 }
 
 impl VmConfig {
@@ -444,6 +447,14 @@ impl VmConfig {
             max_disk_bytes: parse_bytes(&self.max_disk_size)
                 .map_err(|e| format!("vm.max_disk_size: {e}"))?,
         })
+    }
+
+    /// `starts_at_once`, its 0 made the default for `cpus` CPUs.
+    pub fn starts_at_once(&self, cpus: usize) -> usize {
+        match self.starts_at_once {
+            0 => crate::daemon::controller::starts_at_once(cpus),
+            n => n,
+        }
     }
 
     pub fn dedicated_cpus(&self) -> Result<CpuSet, String> {
@@ -582,6 +593,7 @@ impl Default for VmConfig {
             max_grace_period_seconds: Limits::DEFAULT_MAX_GRACE_SECONDS,
             max_disk_size: "1Ti".into(),
             dedicated_cpus: String::new(),
+            starts_at_once: 0,
         }
     }
 }

@@ -10,6 +10,8 @@ mod inputs;
 mod migrate;
 pub use migrate::Leaving;
 mod report;
+mod starts;
+pub use starts::starts_at_once;
 mod steps;
 mod tokens;
 
@@ -180,6 +182,8 @@ pub struct Settings {
     /// Namespaces whose NetworkAttachmentDefinitions VMIs of any namespace
     /// may use (Multus's `globalNamespaces`); others only their own.
     pub cni_global_namespaces: Vec<String>,
+    /// VMs that may be starting at once (`vm.starts_at_once`).
+    pub starts_at_once: usize,
 }
 
 /// The systems one controller drives, named once: the host's adapters and
@@ -259,6 +263,11 @@ pub struct Controller<A: Adapters> {
     /// VMIs handed to another host by a migration: their status is that
     /// host's to write, even while a source still lists them here.
     handed_over: Mutex<HashSet<String>>,
+    /// Slots for VMs starting at once (see `starts`).
+    starts: tokio::sync::Semaphore,
+    /// Bumped when a VMI appears, goes, or begins to be deleted: a pass
+    /// waiting for a start slot looks again whether it is still wanted.
+    vmis_changed: tokio::sync::watch::Sender<u64>,
 }
 
 /// What a VMI's loop shows of one id to the VirtualMachines above it.
@@ -372,7 +381,6 @@ impl<A: Adapters> Controller<A> {
     pub fn new(deps: Deps<A>, settings: Settings) -> Arc<Self> {
         Arc::new(Self {
             deps,
-            settings,
             vmis: Mutex::default(),
             unsaved: Mutex::default(),
             metrics: Metrics::default(),
@@ -386,6 +394,9 @@ impl<A: Adapters> Controller<A> {
             woken: Mutex::default(),
             marking: Mutex::default(),
             handed_over: Mutex::default(),
+            starts: tokio::sync::Semaphore::new(settings.starts_at_once.max(1)),
+            vmis_changed: tokio::sync::watch::Sender::new(0),
+            settings,
         })
     }
 
@@ -529,6 +540,10 @@ impl<A: Adapters> Controller<A> {
             unwanted.entry(id.clone()).or_insert(now);
         }
         *vmis = incoming;
+        drop(vmis);
+        if !changed.is_empty() {
+            self.vmis_changed.send_modify(|n| *n += 1);
+        }
         // An arrival now this host's: its pass writes its status.
         changed.extend(arrived);
         changed.sort();
@@ -853,6 +868,19 @@ impl<A: Adapters> Controller<A> {
             converted: converted.as_ref().and_then(|c| c.as_ref().ok()),
             dom: dom.as_ref(),
         };
+        // Its start waits its turn (see `starts`).
+        let slot = match (creating && refused.is_none(), &vmi) {
+            (true, Some(v)) => match self.start_slot(id, v.uid().unwrap_or_default()).await {
+                Some(slot) => Some(slot),
+                None => {
+                    return Ok(Reconciled {
+                        requeue_after: Some(Duration::ZERO),
+                        found: None,
+                    })
+                }
+            },
+            _ => None,
+        };
         let (failed, teardown_errors) = match refused {
             // Its claims cannot be used here: nothing is made.
             Some(r) => {
@@ -861,6 +889,7 @@ impl<A: Adapters> Controller<A> {
             }
             None => self.run_plan(&plan.steps, &ctx).await,
         };
+        drop(slot);
         if let Some(why) = failed {
             outcome = Outcome::Failed(why);
         }
