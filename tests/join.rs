@@ -85,6 +85,30 @@ fn hosts_join_by_token_and_only_exact_requests_are_approved() {
               [ ! -e /etc/kvirt/kubeconfig.pending-key ]",
         );
     }
+    // One host reviews the cluster's requests, the leader; the other only
+    // the leader's own (which no host approves for itself).
+    a.wait(
+        "a host leads",
+        WAIT,
+        "kubectl get lease -n kube-node-lease kvirt.controllers -o jsonpath='{.spec.holderIdentity}' | grep -q node-",
+    );
+    let leader = a.ok(
+        "kubectl get lease -n kube-node-lease kvirt.controllers -o jsonpath='{.spec.holderIdentity}'",
+    );
+    for (h, node) in [(&a, "node-a"), (&b, "node-b")] {
+        let expected = if node == leader {
+            "every request (this host leads)".to_owned()
+        } else {
+            format!("those of the leader, {leader}")
+        };
+        h.wait(
+            &format!("{node} reviews {expected}"),
+            WAIT,
+            &format!(
+                "journalctl -u kvirtd -o cat --no-pager | grep 'certificate requests reviewed here' | tail -n1 | grep -qF '{expected}'"
+            ),
+        );
+    }
     // node-b's request was approved by node-a's kvirtd, as kvirt's.
     let b_csr = a.ok("kubectl get csr -o name | grep kvirt-node-node-b- | head -1 | cut -d/ -f2");
     let approved = a.ok(&format!(

@@ -675,20 +675,22 @@ async fn run_cluster<A: Adapters, U: Units + Clone + Send + Sync + 'static>(
     join::renew_in_background(config, notice.clone());
     let (client, ca_pem) = cluster::client(&k.kubeconfig).await?;
     let node = settings.node_name.clone();
-    let leading = cluster::leader::run(
+    let election = cluster::leader::run(
         client.clone(),
         node.clone(),
         Duration::from_secs(k.lease_seconds),
     );
-    // Certificates are approved by every host: the leader's own renewal
-    // needs another host, since none approves its own.
+    // The leader approves certificates; the others the leader's own, as
+    // none approves its own.
     if k.approve_certificates {
         cluster::csr::run(
             client.clone(),
             k.max_certificate_seconds,
-            kvirt::core::csr::node_user(&node),
+            node.clone(),
+            election.clone(),
         );
     }
+    let leading = election.leading;
     while_leading(leading.clone(), {
         let (client, node) = (client.clone(), node.clone());
         let dead_after = Duration::from_secs(k.node_dead_after_seconds);

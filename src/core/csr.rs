@@ -6,10 +6,11 @@
 //! (kube-controller-manager signs it once approved). It gets its first one
 //! with a bootstrap token made for its node (the token's Secret puts it in
 //! the group `system:bootstrappers:kvirt:node:<node>`), later ones with its
-//! current identity. No new component approves: every joined kvirtd
+//! current identity. No new component approves: the leading kvirtd
 //! reviews requests with [`review`], which approves only the exact shape
 //! kvirtd itself asks for and denies any other request that claims to be
-//! kvirt's; a request that is not kvirt's at all is left to others.
+//! kvirt's; a request that is not kvirt's at all is left to others. No
+//! host approves its own, so the others review the leader's ([`reviews`]).
 //! (`system:` is reserved for Kubernetes' own identities, hence `kvirt:`.)
 
 use sha2::{Digest, Sha256};
@@ -105,6 +106,32 @@ pub enum Verdict {
     NotOurs,
     Approve,
     Deny(String),
+}
+
+/// Which pending requests of [`SIGNER`] a kvirtd reviews.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Reviews {
+    /// Every one (the leader's part).
+    All,
+    /// Those of this host only, labelled with its node by the kvirtd that
+    /// asks (`HOST_LABEL`): the leader's own, which it may not approve.
+    OfHost(String),
+    /// None: no host is known to lead.
+    Nothing,
+}
+
+/// What `own_node`'s kvirtd reviews, leading or not, while `holder` holds
+/// the election Lease. One host reviews each request (every host
+/// reviewing every request cost each new one a delivery to every host and
+/// a race to decide it) but the leader's, which the others review.
+pub fn reviews(leading: bool, holder: Option<&str>, own_node: &str) -> Reviews {
+    match holder {
+        _ if leading => Reviews::All,
+        Some(h) if h != own_node && !h.is_empty() => Reviews::OfHost(h.to_owned()),
+        // Held by this host, which does not (or no longer) lead: it stands
+        // down or is about to lead; nobody to review for meanwhile.
+        _ => Reviews::Nothing,
+    }
 }
 
 /// The review of a pending request of [`SIGNER`]. A request is kvirt's if
@@ -223,6 +250,19 @@ fn may_speak_for(r: &Request, node: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_leader_reviews_every_request_and_the_others_the_leaders_own() {
+        assert_eq!(reviews(true, Some("a"), "a"), Reviews::All);
+        assert_eq!(reviews(false, Some("a"), "b"), Reviews::OfHost("a".into()));
+        assert_eq!(reviews(false, None, "b"), Reviews::Nothing, "no leader yet");
+        assert_eq!(reviews(false, Some(""), "b"), Reviews::Nothing);
+        assert_eq!(
+            reviews(false, Some("b"), "b"),
+            Reviews::Nothing,
+            "never for its own requests"
+        );
+    }
 
     fn joining(node: &str) -> Request {
         Request {

@@ -243,7 +243,7 @@ pub async fn ensure(
     let key = pending_key(files)?;
     let name = request_name(node, &key.subject_public_key_info());
     let pem = request_pem(node, &key)?;
-    let cert = match csr::request(client, &name, &pem, seconds, waiting).await {
+    let cert = match csr::request(client, node, &name, &pem, seconds, waiting).await {
         Ok(cert) => cert,
         Err(e @ (CsrError::Denied { .. } | CsrError::Failed { .. })) => {
             // That key's request is answered for good: the next try

@@ -1,9 +1,12 @@
 //! Certificate requests for kvirt hosts' identities: asking for one (a
-//! joining or renewing kvirtd) and reviewing others' (every joined kvirtd,
-//! as `core::csr::review` says). The request's PKCS#10 is read here; what
+//! joining or renewing kvirtd) and reviewing others' (the leader every
+//! one, the others the leader's: `core::csr::reviews`; each as
+//! `core::csr::review` says). The request's PKCS#10 is read here; what
 //! to make of it is core's.
 
-use crate::core::csr::{review, Request, Verdict, MIN_SECONDS, SIGNER};
+use crate::core::csr::{review, reviews, Request, Reviews, Verdict, MIN_SECONDS, SIGNER};
+use crate::core::migration::HOST_LABEL;
+use crate::sources::cluster::leader::Election;
 use futures::StreamExt;
 use k8s_openapi::api::certificates::v1::{
     CertificateSigningRequest, CertificateSigningRequestCondition, CertificateSigningRequestSpec,
@@ -120,53 +123,100 @@ fn decided(csr: &CertificateSigningRequest) -> Option<(&str, String)> {
         .map(|c| (c.type_.as_str(), c.message.clone().unwrap_or_default()))
 }
 
-/// Every joined kvirtd reviews pending requests of [`SIGNER`] as they
-/// come: any of them may decide one, and a decision is written with the
+/// Reviews pending requests of [`SIGNER`] as they come, those this host
+/// is to review while the election stands as it does (`reviews`); its
+/// watch is made again when that changes. A decision is written with the
 /// object's resourceVersion, so two kvirtds deciding at once conflict
 /// instead of both writing. A decision that failed to be written (the API
 /// server away, a policy changed) is tried again at the next look over
 /// every pending request, every [`RECHECK`], from the watch's own copy:
 /// nothing is listed again but what the watch itself needs.
-pub fn run(client: kube::Client, max_seconds: u32, own_user: String) {
+pub fn run(client: kube::Client, max_seconds: u32, own_node: String, mut election: Election) {
     let csrs: Api<CertificateSigningRequest> = Api::all(client);
-    let config = watcher::Config::default().fields(&format!("spec.signerName={SIGNER}"));
+    let own_user = crate::core::csr::node_user(&own_node);
     tokio::spawn(async move {
-        let (seen, writer) = reflector::store();
-        let mut stream = reflector::reflector(writer, watcher(csrs.clone(), config))
-            .default_backoff()
-            .applied_objects()
-            .boxed();
-        let mut recheck = tokio::time::interval(RECHECK);
-        recheck.tick().await;
+        let mut scope = scope_of(&mut election, &own_node);
         loop {
-            let batch = tokio::select! {
-                event = stream.next() => match event {
-                    Some(Ok(csr)) => vec![csr],
-                    Some(Err(e)) => {
-                        warn!("certificate requests: {e}");
-                        continue;
-                    }
-                    None => return,
-                },
-                _ = recheck.tick() => (seen.state().iter())
-                    .filter(|c| decided(c).is_none())
-                    .map(|c| (**c).clone())
-                    .collect(),
+            let what = match &scope {
+                Reviews::All => "every request (this host leads)".to_owned(),
+                Reviews::OfHost(h) => format!("those of the leader, {h}"),
+                Reviews::Nothing => "none (no host leads)".to_owned(),
             };
-            for csr in batch {
-                // Never its own: another host (or an administrator)
-                // approves this host's renewal, so a host alone cannot
-                // grant itself anything (the admission policy
-                // kvirt-node-csr-approval holds any host to that).
-                if csr.spec.username.as_deref() == Some(own_user.as_str()) {
-                    continue;
+            info!("certificate requests reviewed here: {what}");
+            let review = review_while(&csrs, scope.clone(), max_seconds, &own_user);
+            tokio::pin!(review);
+            scope = loop {
+                tokio::select! {
+                    () = &mut review => return,
+                    r = election.leading.changed() => if r.is_err() { return },
+                    r = election.holder.changed() => if r.is_err() { return },
                 }
-                if let Err(e) = consider(&csrs, &csr, max_seconds).await {
-                    warn!("{e}");
+                let now = scope_of(&mut election, &own_node);
+                if now != scope {
+                    break now;
                 }
-            }
+            };
         }
     });
+}
+
+fn scope_of(election: &mut Election, own_node: &str) -> Reviews {
+    reviews(
+        *election.leading.borrow_and_update(),
+        election.holder.borrow_and_update().as_deref(),
+        own_node,
+    )
+}
+
+/// Reviews the requests of `scope` until the watch ends (never, but for
+/// the caller dropping this).
+async fn review_while(
+    csrs: &Api<CertificateSigningRequest>,
+    scope: Reviews,
+    max_seconds: u32,
+    own_user: &str,
+) {
+    let signer = watcher::Config::default().fields(&format!("spec.signerName={SIGNER}"));
+    let config = match scope {
+        Reviews::All => signer,
+        Reviews::OfHost(node) => signer.labels(&format!("{HOST_LABEL}={node}")),
+        Reviews::Nothing => return std::future::pending().await,
+    };
+    let (seen, writer) = reflector::store();
+    let mut stream = reflector::reflector(writer, watcher(csrs.clone(), config))
+        .default_backoff()
+        .applied_objects()
+        .boxed();
+    let mut recheck = tokio::time::interval(RECHECK);
+    recheck.tick().await;
+    loop {
+        let batch = tokio::select! {
+            event = stream.next() => match event {
+                Some(Ok(csr)) => vec![csr],
+                Some(Err(e)) => {
+                    warn!("certificate requests: {e}");
+                    continue;
+                }
+                None => return,
+            },
+            _ = recheck.tick() => (seen.state().iter())
+                .filter(|c| decided(c).is_none())
+                .map(|c| (**c).clone())
+                .collect(),
+        };
+        for csr in batch {
+            // Never its own: another host (or an administrator)
+            // approves this host's renewal, so a host alone cannot
+            // grant itself anything (the admission policy
+            // kvirt-node-csr-approval holds any host to that).
+            if csr.spec.username.as_deref() == Some(own_user) {
+                continue;
+            }
+            if let Err(e) = consider(csrs, &csr, max_seconds).await {
+                warn!("{e}");
+            }
+        }
+    }
 }
 
 /// How often pending requests are looked over again.
@@ -238,6 +288,7 @@ fn names_kvirt(csr: &CertificateSigningRequest) -> bool {
 /// `kubectl certificate approve`).
 pub async fn request(
     client: kube::Client,
+    node: &str,
     name: &str,
     pem: &str,
     seconds: u32,
@@ -253,7 +304,15 @@ pub async fn request(
         let csr = CertificateSigningRequest {
             metadata: ObjectMeta {
                 name: Some(name.into()),
-                labels: Some([("app.kubernetes.io/part-of".into(), "kvirt".into())].into()),
+                // The host's label: while it leads, the other hosts
+                // review its requests (`core::csr::reviews`).
+                labels: Some(
+                    [
+                        ("app.kubernetes.io/part-of".into(), "kvirt".into()),
+                        (HOST_LABEL.into(), node.into()),
+                    ]
+                    .into(),
+                ),
                 ..Default::default()
             },
             spec: CertificateSigningRequestSpec {

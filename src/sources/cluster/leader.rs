@@ -19,6 +19,8 @@ use tracing::{info, warn};
 /// The Lease as this host last saw it, and when it saw that version.
 #[derive(Default)]
 struct View {
+    /// Who holds it, told to whoever follows the election (`Election`).
+    holder: watch::Sender<Option<String>>,
     /// Whether the watch delivered its first state: before, nothing is
     /// known and nothing is taken.
     synced: bool,
@@ -41,22 +43,42 @@ impl View {
                 version: version.clone().unwrap_or_default(),
                 at: now,
             });
+            let holder = self.seen.as_ref().and_then(|s| s.holder.clone());
+            self.holder.send_if_modified(|h| {
+                let changed = *h != holder;
+                *h = holder;
+                changed
+            });
         }
         self.lease = lease;
     }
 }
 
-/// Runs the election for `node` until kvirtd exits; the receiver says
-/// whether this host leads. When it stands down (it could not renew in
-/// time, or another host holds the Lease) it says `false`, and the caller
-/// stops everything the lead started; it may lead again later.
-pub fn run(client: kube::Client, node: String, duration: Duration) -> watch::Receiver<bool> {
+/// What this host knows of the election.
+#[derive(Clone)]
+pub struct Election {
+    /// Whether this host leads. When it stands down (it could not renew
+    /// in time, or another host holds the Lease) it says `false`, and the
+    /// caller stops everything the lead started; it may lead again later.
+    pub leading: watch::Receiver<bool>,
+    /// The node the Lease names as its holder, as last seen (it may have
+    /// stopped renewing it).
+    pub holder: watch::Receiver<Option<String>>,
+}
+
+/// Runs the election for `node` until kvirtd exits.
+pub fn run(client: kube::Client, node: String, duration: Duration) -> Election {
     let (tx, rx) = watch::channel(false);
     let api: Api<Lease> = Api::namespaced(client, LEASE_NAMESPACE);
-    let view = Arc::new(Mutex::new(View::default()));
+    let view = View::default();
+    let holder = view.holder.subscribe();
+    let view = Arc::new(Mutex::new(view));
     tokio::spawn(follow(api.clone(), view.clone()));
     tokio::spawn(elect(api, node, duration, view, tx));
-    rx
+    Election {
+        leading: rx,
+        holder,
+    }
 }
 
 type Shared = Arc<Mutex<View>>;
