@@ -310,15 +310,20 @@ many() {
   read -r idle by_thread < <(kvirtd_idle_cpu "$resync_s")
   local before after r0 ready_ms since
   before=$(qemu_pids)
+  since=$((EPOCHSECONDS - 1))
   r0=$(now_ms)
   systemctl restart kvirtd
   ready_ms=$(($(now_ms) - r0))
   after=$(qemu_pids)
   local same=true; [[ $before == "$after" ]] || same=false
+  # Where a restart's time went, and a delete's: kvirtd's journal.
+  journalctl -q -u kvirtd -o short-precise --since "@$since" >/share/many-restart.log || true
   t0=$(now_ms)
+  since=$((EPOCHSECONDS - 1))
   rm -f "$dir"/*.yaml
   wait_until 600 all_gone
   local gone_ms=$(($(now_ms) - t0))
+  journalctl -q -u kvirtd -o short-precise --since "@$since" >/share/many-delete.log || true
   # What kvirtd logged as warnings or errors over all of it (the bus
   # refusing calls says "D-Bus: ..."), from the burst on.
   local warnings dbus
