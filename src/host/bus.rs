@@ -1,6 +1,5 @@
 //! kvirtd's one system-bus connection, and a bound on the calls it has
-//! out at once (`Slots`, also used for other work kvirtd must not start
-//! all at once). dbus-daemon refuses a connection's method call once 128
+//! out at once. dbus-daemon refuses a connection's method call once 128
 //! of its calls await replies (`max_replies_per_connection`, its default
 //! on the system bus): a few hundred VMs stopping or being looked at
 //! together, each pass with one call out, would get errors for some of
@@ -19,34 +18,11 @@ const _: () = assert!(
     "under dbus-daemon's max_replies_per_connection"
 );
 
-/// At most so many futures run at once through one `Slots`; the others
-/// wait their turn. Clones share the slots.
-#[derive(Clone)]
-pub struct Slots(Arc<Semaphore>);
-
-impl Slots {
-    pub fn new(n: usize) -> Self {
-        Self(Arc::new(Semaphore::new(n)))
-    }
-
-    /// Runs `work` once a slot is free, holding the slot until it ends.
-    pub async fn run<T>(&self, work: impl Future<Output = T>) -> T {
-        // Never closed: acquire cannot fail.
-        let _slot = self.0.acquire().await.ok();
-        work.await
-    }
-
-    #[cfg(test)]
-    fn free(&self) -> usize {
-        self.0.available_permits()
-    }
-}
-
 /// The connection and its slots; clones share both.
 #[derive(Clone)]
 pub struct Bus {
     conn: zbus::Connection,
-    slots: Slots,
+    slots: Arc<Semaphore>,
 }
 
 impl Bus {
@@ -60,7 +36,7 @@ impl Bus {
     fn new(conn: zbus::Connection, slots: usize) -> Self {
         Self {
             conn,
-            slots: Slots::new(slots),
+            slots: Arc::new(Semaphore::new(slots)),
         }
     }
 
@@ -71,8 +47,14 @@ impl Bus {
     /// Runs `call` (one method call, or a property read) once a slot is
     /// free, holding the slot until its reply.
     pub async fn call<T>(&self, call: impl Future<Output = T>) -> T {
-        self.slots.run(call).await
+        bounded(&self.slots, call).await
     }
+}
+
+async fn bounded<T>(slots: &Semaphore, call: impl Future<Output = T>) -> T {
+    // Never closed: acquire cannot fail.
+    let _slot = slots.acquire().await.ok();
+    call.await
 }
 
 #[cfg(test)]
@@ -80,29 +62,32 @@ mod tests {
     use super::*;
     use std::sync::atomic::{AtomicUsize, Ordering};
 
+    fn slots(n: usize) -> Arc<Semaphore> {
+        Arc::new(Semaphore::new(n))
+    }
+
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn no_more_calls_are_out_at_once_than_the_slots() {
-        let slots = Slots::new(3);
+        let slots = slots(3);
         let out = Arc::new(AtomicUsize::new(0));
         let most = Arc::new(AtomicUsize::new(0));
         let calls = (0..40).map(|_| {
             let (slots, out, most) = (slots.clone(), out.clone(), most.clone());
             tokio::spawn(async move {
-                slots
-                    .run(async {
-                        let now = out.fetch_add(1, Ordering::SeqCst) + 1;
-                        most.fetch_max(now, Ordering::SeqCst);
-                        tokio::task::yield_now().await;
-                        tokio::time::sleep(std::time::Duration::from_millis(2)).await;
-                        out.fetch_sub(1, Ordering::SeqCst);
-                    })
-                    .await
+                bounded(&slots, async {
+                    let now = out.fetch_add(1, Ordering::SeqCst) + 1;
+                    most.fetch_max(now, Ordering::SeqCst);
+                    tokio::task::yield_now().await;
+                    tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+                    out.fetch_sub(1, Ordering::SeqCst);
+                })
+                .await
             })
         });
         for c in calls.collect::<Vec<_>>() {
             c.await.unwrap();
         }
         assert_eq!(most.load(Ordering::SeqCst), 3, "calls out at once");
-        assert_eq!(slots.free(), 3, "every slot handed back");
+        assert_eq!(slots.available_permits(), 3, "every slot handed back");
     }
 }
