@@ -128,6 +128,12 @@ impl ManifestDir {
                 }
             }
             let reading = match stamp {
+                // Removed since the listing (250 manifests deleted at once
+                // each warned here): gone, as the next listing will say.
+                Err(e) if vanished(path, &e) => {
+                    st.readings.remove(path);
+                    continue;
+                }
                 Ok(stamp) => Reading {
                     stamp,
                     result: read_manifest(path).map_err(|e| e.to_string()),
@@ -438,6 +444,13 @@ pub fn write_arrived(dir: &Path, vmi: &VirtualMachineInstance) -> Result<PathBuf
     };
     write().map_err(|e| format!("writing {}: {e}", path.display()))?;
     Ok(path)
+}
+
+/// Whether `path` failed with `e` because it is no longer there at all
+/// (not a link to nothing, which is an error to report).
+fn vanished(path: &Path, e: &std::io::Error) -> bool {
+    e.kind() == std::io::ErrorKind::NotFound
+        && std::fs::symlink_metadata(path).is_err_and(|e| e.kind() == std::io::ErrorKind::NotFound)
 }
 
 fn stamp_of(path: &Path) -> std::io::Result<Stamp> {
@@ -905,6 +918,21 @@ mod tests {
 
     fn scan_dir(dir: &Path) -> Snapshot {
         ManifestDir::new(dir.into(), None).scan()
+    }
+
+    #[test]
+    fn a_manifest_removed_after_the_listing_is_gone_not_an_error() {
+        let tmp = tempfile::tempdir().unwrap();
+        let gone = tmp.path().join("gone.yaml");
+        let e = stamp_of(&gone).unwrap_err();
+        assert!(vanished(&gone, &e));
+        // A link to nothing is there, and reported.
+        let dangling = tmp.path().join("dangling.yaml");
+        std::os::unix::fs::symlink(tmp.path().join("nothing"), &dangling).unwrap();
+        let e = stamp_of(&dangling).unwrap_err();
+        assert!(!vanished(&dangling, &e));
+        let s = scan_dir(tmp.path());
+        assert_eq!(s.errors.len(), 1, "{:?}", s.errors);
     }
 
     #[test]
