@@ -7,7 +7,7 @@
 mod support;
 
 use std::time::{Duration, Instant};
-use support::{serial, Host, BOOT};
+use support::{Host, BOOT};
 
 fn hosts() -> Option<(Host, Host)> {
     Some((
@@ -90,7 +90,7 @@ fn delete(h: &Host, name: &str) {
 #[test]
 fn a_vmi_for_this_node_runs_reports_and_is_deleted_cleanly() {
     let Some((a, b)) = hosts() else { return };
-    let _g = serial();
+    let _g = support::pair_turn(&a, &b);
     disk(&[&a], "k-alpha", "run");
     // Another node's VMI, created at the same time, is never touched.
     apply(
@@ -149,8 +149,8 @@ fn a_vmi_for_this_node_runs_reports_and_is_deleted_cleanly() {
 /// says why and how to opt in.
 #[test]
 fn a_namespace_not_opted_in_keeps_its_secrets_from_kvirtd() {
-    let Some((a, _b)) = hosts() else { return };
-    let _g = serial();
+    let Some((a, b)) = hosts() else { return };
+    let _g = support::pair_turn(&a, &b);
     let can_i = |ns: &str| {
         a.sh(&format!(
             "kubectl auth can-i get secret/k-userdata -n {ns} --as=kvirt:node:node-a --as-group=kvirt:nodes"
@@ -218,8 +218,8 @@ spec:
 
 #[test]
 fn secrets_config_maps_and_service_accounts_reach_the_guest() {
-    let Some((a, _b)) = hosts() else { return };
-    let _g = serial();
+    let Some((a, b)) = hosts() else { return };
+    let _g = support::pair_turn(&a, &b);
     disk(&[&a], "k-config", "run");
     apply(
         &a,
@@ -376,8 +376,8 @@ fn token_is_renewed_in_the_running_vms_iso(a: &Host, vm: &str, iso: &str) {
 
 #[test]
 fn a_private_container_disk_is_pulled_with_its_pull_secret_only() {
-    let Some((a, _b)) = hosts() else { return };
-    let _g = serial();
+    let Some((a, b)) = hosts() else { return };
+    let _g = support::pair_turn(&a, &b);
     // A registry that wants a password, on A's loopback.
     let hash = bcrypt::hash("s3cret-reg", 4).unwrap();
     a.start_registry(
@@ -464,7 +464,7 @@ fn a_private_container_disk_is_pulled_with_its_pull_secret_only() {
 #[test]
 fn an_unassigned_vmi_is_placed_on_one_host_and_runs_exactly_once() {
     let Some((a, b)) = hosts() else { return };
-    let _g = serial();
+    let _g = support::pair_turn(&a, &b);
     disk(&[&a, &b], "k-race", "run");
     apply(&a, &vmi_yaml("k-race", "", "  nodeSelector: {zone: z1}\n"));
     kubectl(
@@ -490,8 +490,8 @@ fn an_unassigned_vmi_is_placed_on_one_host_and_runs_exactly_once() {
 
 #[test]
 fn a_bad_vmi_fails_with_an_event_while_a_good_one_runs() {
-    let Some((a, _b)) = hosts() else { return };
-    let _g = serial();
+    let Some((a, b)) = hosts() else { return };
+    let _g = support::pair_turn(&a, &b);
     disk(&[&a], "k-good", "run");
     apply(
         &a,
@@ -552,8 +552,8 @@ fn a_bad_vmi_fails_with_an_event_while_a_good_one_runs() {
 
 #[test]
 fn an_api_outage_leaves_vms_running_and_status_catches_up() {
-    let Some((a, _b)) = hosts() else { return };
-    let _g = serial();
+    let Some((a, b)) = hosts() else { return };
+    let _g = support::pair_turn(&a, &b);
     disk(&[&a], "k-steady", "run");
     disk(&[&a], "k-off", "poweroff");
     apply(
@@ -598,8 +598,8 @@ fn an_api_outage_leaves_vms_running_and_status_catches_up() {
 
 #[test]
 fn restarting_kvirtd_restarts_no_vm_and_repeats_no_event() {
-    let Some((a, _b)) = hosts() else { return };
-    let _g = serial();
+    let Some((a, b)) = hosts() else { return };
+    let _g = support::pair_turn(&a, &b);
     disk(&[&a], "k-keep", "run");
     apply(&a, &vmi_yaml("k-keep", "kubevirt.io/nodeName: node-a", ""));
     kubectl(
@@ -644,8 +644,8 @@ fn restarting_kvirtd_restarts_no_vm_and_repeats_no_event() {
 
 #[test]
 fn the_lease_is_renewed_and_rbac_is_least_privilege() {
-    let Some((a, _b)) = hosts() else { return };
-    let _g = serial();
+    let Some((a, b)) = hosts() else { return };
+    let _g = support::pair_turn(&a, &b);
     let lease = "kubectl -n kube-node-lease get lease kvirt-node-a -o jsonpath='{.spec.renewTime}'";
     a.wait("lease exists", WAIT, lease);
     let first = a.ok(lease);
@@ -716,8 +716,8 @@ fn the_lease_is_renewed_and_rbac_is_least_privilege() {
 
 #[test]
 fn efi_variables_are_kept_for_their_virtual_machine_and_go_with_it() {
-    let Some((a, _b)) = hosts() else { return };
-    let _g = serial();
+    let Some((a, b)) = hosts() else { return };
+    let _g = support::pair_turn(&a, &b);
     // A Manual VM whose VMI is made by hand (as KubeVirt's controller
     // would): kvirtd's VM loop leaves it to the test.
     apply(
@@ -774,8 +774,8 @@ fn efi_variables_are_kept_for_their_virtual_machine_and_go_with_it() {
 /// changes).
 #[test]
 fn a_tenant_cannot_use_another_namespaces_host_disk() {
-    let Some((a, _b)) = hosts() else { return };
-    let _g = serial();
+    let Some((a, b)) = hosts() else { return };
+    let _g = support::pair_turn(&a, &b);
     disk(&[&a], "k-tenant", "run");
     let owner_before = a.ok("stat -c %u:%g:%a /var/lib/kvirt/images/k-tenant.raw");
     a.ok("kubectl create namespace tenant-x --dry-run=client -o yaml | kubectl apply -f -");
@@ -815,7 +815,7 @@ fn a_tenant_cannot_use_another_namespaces_host_disk() {
 #[test]
 fn a_namespaces_resource_quota_bounds_its_vms_empty_disks_across_hosts() {
     let Some((a, b)) = hosts() else { return };
-    let _g = serial();
+    let _g = support::pair_turn(&a, &b);
     struct Quota<'a>(&'a Host);
     impl Drop for Quota<'_> {
         fn drop(&mut self) {
@@ -880,8 +880,8 @@ fn a_namespaces_resource_quota_bounds_its_vms_empty_disks_across_hosts() {
 /// (what persistent disks stand on; nothing here is kvirt's yet).
 #[test]
 fn claims_are_bound_and_protected_by_the_real_controller_manager() {
-    let Some((a, _b)) = hosts() else { return };
-    let _g = serial();
+    let Some((a, b)) = hosts() else { return };
+    let _g = support::pair_turn(&a, &b);
     a.ok("mkdir -p /var/lib/kvirt/claims/k-pv-1");
     apply(
         &a,
@@ -960,7 +960,7 @@ fn vmis_created(hosts: &[&Host], name: &str, since: &str) -> usize {
 #[test]
 fn a_virtual_machine_runs_one_vmi_across_two_kvirtds_and_obeys_its_run_strategy() {
     let Some((a, b)) = hosts() else { return };
-    let _g = serial();
+    let _g = support::pair_turn(&a, &b);
     // What a failed earlier run may have left goes first.
     a.ok("kubectl delete vm k-vm --ignore-not-found --wait=false");
     a.wait(
@@ -1105,7 +1105,7 @@ fn a_virtual_machine_runs_one_vmi_across_two_kvirtds_and_obeys_its_run_strategy(
 #[test]
 fn an_instancetype_sizes_a_vm_through_the_api_and_its_revision_is_kept() {
     let Some((a, b)) = hosts() else { return };
-    let _g = serial();
+    let _g = support::pair_turn(&a, &b);
     a.ok("kubectl delete vm k-itvm --ignore-not-found --wait=false");
     a.wait(
         "no k-itvm left",
@@ -1216,7 +1216,7 @@ spec:
 #[test]
 fn a_pool_scales_through_the_api_server() {
     let Some((a, b)) = hosts() else { return };
-    let _g = serial();
+    let _g = support::pair_turn(&a, &b);
     base_image(&[&a, &b], "k-pool-base");
     apply(
         &a,
@@ -1280,7 +1280,7 @@ spec:
 #[test]
 fn a_replica_set_keeps_its_vmis_through_the_api_server() {
     let Some((a, b)) = hosts() else { return };
-    let _g = serial();
+    let _g = support::pair_turn(&a, &b);
     base_image(&[&a, &b], "k-rs-base");
     apply(
         &a,
@@ -1422,8 +1422,8 @@ fn claim_vmi(name: &str, claim: &str) -> String {
 /// refused with the affinity named, and nothing is made.
 #[test]
 fn a_claims_data_outlives_its_vmi_and_the_claim_is_held_while_used() {
-    let Some((a, _b)) = hosts() else { return };
-    let _g = serial();
+    let Some((a, b)) = hosts() else { return };
+    let _g = support::pair_turn(&a, &b);
     local_claim(&a, "k-claim-2", "node-a");
     local_claim(&a, "k-claim-3", "node-b");
     let pvc = |name: &str, jsonpath: &str| {
@@ -1524,8 +1524,8 @@ fn ready(h: &Host, name: &str) -> (String, String) {
 /// provisions, as a provisioner would on seeing the annotation).
 #[test]
 fn data_volumes_and_wait_for_first_consumer_claims_are_waited_for() {
-    let Some((a, _b)) = hosts() else { return };
-    let _g = serial();
+    let Some((a, b)) = hosts() else { return };
+    let _g = support::pair_turn(&a, &b);
     apply(
         &a,
         "apiVersion: apiextensions.k8s.io/v1
@@ -1674,7 +1674,7 @@ spec:
 #[test]
 fn a_claim_in_use_on_one_node_is_refused_on_the_other_and_a_crash_converges() {
     let Some((a, b)) = hosts() else { return };
-    let _g = serial();
+    let _g = support::pair_turn(&a, &b);
     for h in [&a, &b] {
         h.ok("mkdir -p /var/lib/kvirt/claims/k-shared");
     }
@@ -1770,8 +1770,8 @@ spec:
 /// host's device node is left as it was.
 #[test]
 fn a_block_claim_boots_and_keeps_its_data() {
-    let Some((a, _b)) = hosts() else { return };
-    let _g = serial();
+    let Some((a, b)) = hosts() else { return };
+    let _g = support::pair_turn(&a, &b);
     let dev = a.ok("cat /share/claim-loop 2>/dev/null || true");
     if dev.is_empty() {
         eprintln!("no loop device on test host A: the block claim case is skipped");
@@ -1869,7 +1869,7 @@ fn red_vmi(name: &str, node: &str, nad: &str, user_data: &str) -> String {
 #[test]
 fn secondary_networks_are_the_clusters_network_attachment_definitions() {
     let Some((a, b)) = hosts() else { return };
-    let _g = serial();
+    let _g = support::pair_turn(&a, &b);
     disk(&[&a], "k-red-a", "run");
     disk(&[&b], "k-red-b", "run");
     for h in [&a, &b] {
@@ -2109,7 +2109,7 @@ fn node_of(h: &Host) -> String {
 #[test]
 fn migration_objects_move_a_running_vmi_between_nodes_live() {
     let Some((a, b)) = hosts() else { return };
-    let _g = serial();
+    let _g = support::pair_turn(&a, &b);
     // B announces where it takes migrations, for its peers to choose it.
     let announced = kubectl(
         &a,
@@ -2229,7 +2229,7 @@ fn migration_objects_move_a_running_vmi_between_nodes_live() {
 #[test]
 fn a_kvirtd_killed_midway_fails_the_migration_object_and_the_vm_runs_once() {
     let Some((a, b)) = hosts() else { return };
-    let _g = serial();
+    let _g = support::pair_turn(&a, &b);
     a.ok("cp /srv/guest/run.raw /srv/shared/k-kill.raw");
     apply(&a, &shared_vmi("k-kill", "node-a"));
     wait_vmi(&a, "k-kill", ".status.phase", "Running", BOOT);
@@ -2312,7 +2312,7 @@ fn on_shared(manifest: &str, name: &str) -> String {
 #[test]
 fn kvirtctl_drain_empties_a_cluster_host_through_migration_objects() {
     let Some((a, b)) = hosts() else { return };
-    let _g = serial();
+    let _g = support::pair_turn(&a, &b);
     // What a failed earlier run may have left goes first.
     a.ok("kvirtctl uncordon
           kubectl delete vm d-vm d-stop --ignore-not-found --wait=false
@@ -2476,7 +2476,7 @@ fn leader(h: &Host) -> String {
 #[test]
 fn the_clusters_controllers_run_on_one_elected_host_and_move_when_it_stops() {
     let Some((a, b)) = hosts() else { return };
-    let _g = serial();
+    let _g = support::pair_turn(&a, &b);
     a.ok("kubectl delete vm k-lead --ignore-not-found --wait=false");
     a.wait(
         "no k-lead left",

@@ -13,7 +13,7 @@
 mod support;
 
 use std::time::Duration;
-use support::{serial, Host};
+use support::Host;
 
 fn hosts() -> Option<(Host, Host)> {
     Some((
@@ -133,7 +133,7 @@ fn assert_one_writer_at_a_time(marks: &[(u128, String, u64)]) {
 #[test]
 fn a_dead_hosts_vms_run_again_elsewhere_once_and_its_stale_copies_go_when_it_returns() {
     let Some((a, b)) = hosts() else { return };
-    let _g = serial();
+    let _g = support::pair_turn(&a, &b);
     // A run that failed midway left B cut off.
     b.ok("nft delete table inet kvtest-cut 2>/dev/null || true; systemctl kill -s CONT kvirtd || true");
     for vm in [LOCAL, SHARED] {

@@ -9,7 +9,7 @@
 mod support;
 
 use std::time::Duration;
-use support::{serial, Host};
+use support::Host;
 
 fn hosts() -> Option<(Host, Host)> {
     Some((
@@ -72,7 +72,7 @@ const CASES: &str = "join-alice join-wrong-node join-sans join-admins join-node-
 #[test]
 fn hosts_join_by_token_and_only_exact_requests_are_approved() {
     let Some((a, b)) = hosts() else { return };
-    let _g = serial();
+    let _g = support::pair_turn(&a, &b);
     // Each host is its own node's identity, from a key that never left it.
     for (h, node) in [(&a, "node-a"), (&b, "node-b")] {
         let who = h.ok(
@@ -236,7 +236,7 @@ fn node_b_renewed_its_identity_in_place(a: &Host, b: &Host) {
 #[test]
 fn a_kvirtd_killed_while_its_request_waits_converges_to_one_identity() {
     let Some((a, b)) = hosts() else { return };
-    let _g = serial();
+    let _g = support::pair_turn(&a, &b);
     // First (it would reset the clock): the first identity's renewal.
     node_b_renewed_its_identity_in_place(&a, &b);
     let before = a.ok("kubectl get csr -o name | grep -c kvirt-node-node-b- || true");
@@ -301,8 +301,8 @@ const FENCED: &str = "ValidatingAdmissionPolicy 'kvirt-node-restriction'";
 
 #[test]
 fn a_hosts_identity_writes_only_its_own_nodes_objects() {
-    let Some((a, _b)) = hosts() else { return };
-    let _g = serial();
+    let Some((a, b)) = hosts() else { return };
+    let _g = support::pair_turn(&a, &b);
     // A VMI of another node (node-x: no host runs it, nothing reacts).
     a.ok("kubectl apply -f - <<'EOF'
 apiVersion: kubevirt.io/v1
@@ -439,8 +439,8 @@ EOF");
 
 #[test]
 fn a_host_never_approves_its_own_certificate_request() {
-    let Some((a, _b)) = hosts() else { return };
-    let _g = serial();
+    let Some((a, b)) = hosts() else { return };
+    let _g = support::pair_turn(&a, &b);
     // No kvirtd reviewing meanwhile: the policy alone is tried.
     a.ok("systemctl stop kvirtd");
     a.ok("kubectl delete csr --ignore-not-found join-self

@@ -8,7 +8,7 @@
 mod support;
 
 use std::time::Duration;
-use support::{serial, Host};
+use support::Host;
 
 const WAIT: Duration = Duration::from_secs(90);
 const NODE_A: &str = "10.250.0.1:8443";
@@ -122,8 +122,8 @@ fn upgrade(user: &str) -> String {
 
 #[test]
 fn the_api_is_registered_available_and_discoverable() {
-    let Some((a, _b)) = hosts() else { return };
-    let _g = serial();
+    let Some((a, b)) = hosts() else { return };
+    let _g = support::pair_turn(&a, &b);
     api_available(&a);
     let list = a.ok("kubectl get --raw /apis/subresources.kubevirt.io/v1");
     for r in [
@@ -156,7 +156,7 @@ fn the_api_is_registered_available_and_discoverable() {
 #[test]
 fn virtctl_pauses_unpauses_and_reads_the_guest_on_either_host() {
     let Some((a, b)) = hosts() else { return };
-    let _g = serial();
+    let _g = support::pair_turn(&a, &b);
     api_available(&a);
     running_vmi(&a, &a, "v-pa", "node-a");
     running_vmi(&a, &b, "v-pb", "node-b");
@@ -209,7 +209,7 @@ fn virtctl_pauses_unpauses_and_reads_the_guest_on_either_host() {
 #[test]
 fn virtctl_console_reads_and_types_and_a_new_session_takes_over() {
     let Some((a, b)) = hosts() else { return };
-    let _g = serial();
+    let _g = support::pair_turn(&a, &b);
     api_available(&a);
     running_vmi(&a, &b, "v-con", "node-b");
     // The guest's marker read, then a typed line echoed back by its tty.
@@ -228,7 +228,7 @@ fn virtctl_console_reads_and_types_and_a_new_session_takes_over() {
          { for i in $(seq 300); do grep -aq KVIRT-GUEST-ALIVE $second && break; sleep 0.1; done; } |
            timeout 60 virtctl console v-con >$second 2>&1 || true
          for i in $(seq 300); do grep -aq 'took over' $first && break; sleep 0.1; done
-         cat -v $first");
+         cat -v $first; echo '--- the second session:'; cat -v $second");
     assert!(
         out.contains("a new connection took over the session"),
         "{out}"
@@ -260,8 +260,8 @@ fn virtctl_console_reads_and_types_and_a_new_session_takes_over() {
 
 #[test]
 fn each_kvirtd_serves_or_forwards_and_strangers_get_nothing() {
-    let Some((a, _b)) = hosts() else { return };
-    let _g = serial();
+    let Some((a, b)) = hosts() else { return };
+    let _g = support::pair_turn(&a, &b);
     api_available(&a);
     running_vmi(&a, &a, "v-fw", "node-a");
     let vmi = |sub: &str| format!("{SUB}/virtualmachineinstances/v-fw/{sub}");
@@ -327,8 +327,8 @@ fn each_kvirtd_serves_or_forwards_and_strangers_get_nothing() {
 
 #[test]
 fn a_user_bound_to_view_reads_the_guest_but_cannot_touch_it() {
-    let Some((a, _b)) = hosts() else { return };
-    let _g = serial();
+    let Some((a, b)) = hosts() else { return };
+    let _g = support::pair_turn(&a, &b);
     api_available(&a);
     running_vmi(&a, &a, "v-view", "node-a");
     a.ok(
@@ -359,8 +359,8 @@ fn a_user_bound_to_view_reads_the_guest_but_cannot_touch_it() {
 
 #[test]
 fn virtctl_starts_stops_and_restarts_a_vm() {
-    let Some((a, _b)) = hosts() else { return };
-    let _g = serial();
+    let Some((a, b)) = hosts() else { return };
+    let _g = support::pair_turn(&a, &b);
     api_available(&a);
     a.ok("cp /srv/guest/run.raw /var/lib/kvirt/images/v-vm.raw");
     let vm = support::vm_manifest(
@@ -432,8 +432,8 @@ fn virtctl_starts_stops_and_restarts_a_vm() {
 
 #[test]
 fn restarting_kvirtd_closes_the_console_and_leaves_the_vm_running() {
-    let Some((a, _b)) = hosts() else { return };
-    let _g = serial();
+    let Some((a, b)) = hosts() else { return };
+    let _g = support::pair_turn(&a, &b);
     api_available(&a);
     running_vmi(&a, &a, "v-rs", "node-a");
     let qemu = a.ok("systemctl show -p MainPID --value kvirt-vm@default_v-rs.service");
@@ -466,7 +466,7 @@ fn restarting_kvirtd_closes_the_console_and_leaves_the_vm_running() {
 #[test]
 fn a_host_that_stops_is_not_ready_and_one_gone_loses_its_address() {
     let Some((a, b)) = hosts() else { return };
-    let _g = serial();
+    let _g = support::pair_turn(&a, &b);
     api_available(&a);
     let subsets = "kubectl -n kvirt get endpoints kvirt-api -o jsonpath='{range .subsets[*]}{.addresses[*].nodeName}:{.notReadyAddresses[*].nodeName};{end}'";
     b.ok("systemctl stop kvirtd");
@@ -506,7 +506,7 @@ fn a_host_that_stops_is_not_ready_and_one_gone_loses_its_address() {
 #[test]
 fn a_host_cut_off_from_the_api_server_publishes_its_address_again_when_back() {
     let Some((a, b)) = hosts() else { return };
-    let _g = serial();
+    let _g = support::pair_turn(&a, &b);
     api_available(&a);
     let pid = b.ok("systemctl show -p MainPID --value kvirtd");
     let ready = "kubectl -n kvirt get endpoints kvirt-api -o jsonpath='{.subsets[*].addresses[*].nodeName}'";
@@ -536,7 +536,7 @@ fn a_host_cut_off_from_the_api_server_publishes_its_address_again_when_back() {
 #[test]
 fn virtctl_migrate_moves_a_running_vmi_through_a_migration_object() {
     let Some((a, b)) = hosts() else { return };
-    let _g = serial();
+    let _g = support::pair_turn(&a, &b);
     api_available(&a);
     a.ok("cp /srv/guest/run.raw /srv/shared/v-mig.raw");
     let yaml = support::vmi_manifest("v-mig", "kubevirt.io/nodeName: node-a", "", "")

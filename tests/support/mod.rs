@@ -112,6 +112,7 @@ pub struct Turn<'a> {
     host: &'a Host,
     _serial: std::sync::MutexGuard<'static, ()>,
     since: Instant,
+    wall: std::time::SystemTime,
 }
 
 impl Drop for Turn<'_> {
@@ -122,6 +123,10 @@ impl Drop for Turn<'_> {
         }
         // No asserting here: a second panic would abort every test.
         let h = self.host;
+        eprintln!(
+            "=== the host's journals ===\n{}",
+            h.journals_since(self.wall)
+        );
         h.sh("pkill -CONT -f 'virtqemud|libvirtd' || true
               systemctl start kvirtd || true
               rm -f /etc/kvirt/vmis.d/*.yaml /etc/kvirt/vmis.d/.*.tmp");
@@ -134,6 +139,35 @@ impl Drop for Turn<'_> {
             std::thread::sleep(Duration::from_millis(500));
         }
         h.sh("rm -f /var/lib/kvirt/images/*.raw");
+    }
+}
+
+/// A cluster test's turn on its two hosts: one such test at a time, and
+/// when it fails, what each host's kvirtd and control plane logged during
+/// it is printed with the failure (a CI run keeps no host to look at
+/// afterwards: an official run's console test once failed with a closed
+/// session and a 503, and nothing said which side went away).
+pub struct PairTurn<'a> {
+    hosts: [&'a Host; 2],
+    _serial: std::sync::MutexGuard<'static, ()>,
+    since: std::time::SystemTime,
+}
+
+pub fn pair_turn<'a>(a: &'a Host, b: &'a Host) -> PairTurn<'a> {
+    PairTurn {
+        hosts: [a, b],
+        _serial: serial(),
+        since: std::time::SystemTime::now(),
+    }
+}
+
+impl Drop for PairTurn<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            for (n, h) in self.hosts.iter().enumerate() {
+                eprintln!("=== host {n} ===\n{}", h.journals_since(self.since));
+            }
+        }
     }
 }
 
@@ -162,6 +196,7 @@ impl Host {
             host: self,
             _serial: serial(),
             since: Instant::now(),
+            wall: std::time::SystemTime::now(),
         }
     }
 
@@ -221,6 +256,27 @@ impl Host {
             String::from_utf8_lossy(&out.stderr)
         );
         String::from_utf8_lossy(&out.stdout).trim().to_owned()
+    }
+
+    /// kvirtd's journal since `since` (its last 120 lines), its automatic
+    /// restarts (a crash, the watchdog, the memory bound) and, where the
+    /// host runs them, the control plane's last lines: for a failure's
+    /// report, so never an assertion itself.
+    pub fn journals_since(&self, since: std::time::SystemTime) -> String {
+        let at = since
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
+        let out = self.sh(&format!(
+            "for u in kvirtd kube-apiserver etcd; do
+               systemctl show -p Id -p NRestarts -p ActiveEnterTimestamp $u | tr '\\n' ' '; echo
+             done
+             journalctl --no-pager -o short-precise --since @{at} -u kvirtd | tail -n 120
+             echo '--- control plane'
+             journalctl --no-pager -o short-precise --since @{at} -u kube-apiserver -u etcd | tail -n 40
+             true"
+        ));
+        String::from_utf8_lossy(&out.stdout).into_owned()
     }
 
     pub fn succeeds(&self, script: &str) -> bool {
