@@ -462,10 +462,11 @@ fn a_dual_stack_guest_gets_kubevirts_ipv6_by_dhcpv6_and_is_reached_through_nat()
 }
 
 #[test]
-fn twenty_vms_come_and_go_leaving_no_network_state() {
+fn twenty_vms_come_and_go_leaving_no_network_state_or_open_file() {
     let Some(h) = host() else { return };
     let _g = h.turn();
     let mut seen = std::collections::BTreeMap::new();
+    let mut files = Vec::new();
     for round in 0..4 {
         let names: Vec<String> = (0..5).map(|i| format!("loop-{round}-{i}")).collect();
         for n in &names {
@@ -481,8 +482,25 @@ fn twenty_vms_come_and_go_leaving_no_network_state() {
         // All five at once, as a user's `kubectl delete` of a set: their
         // grace periods run side by side.
         h.remove_vms_and_wait_gone(&names);
+        // kvirtd's open files once the first five went (what it opens
+        // once and keeps is open by then) against after the other 15.
+        files.push(h.ok("ls /proc/$(systemctl show -p MainPID --value kvirtd)/fd | wc -l"));
     }
     assert_eq!(seen.len(), 20);
+    let count = |s: &String| s.parse::<u32>().unwrap();
+    assert!(
+        count(&files[3]) <= count(&files[0]) + 3,
+        "kvirtd's open files after each round of five VMs: {files:?}"
+    );
+    // Its limit is raised to the hard one (a service gets 1,024, which 250
+    // VMs outgrew).
+    let limits =
+        h.ok("grep 'Max open files' /proc/$(systemctl show -p MainPID --value kvirtd)/limits");
+    let nums: Vec<&str> = limits.split_whitespace().skip(3).take(2).collect();
+    assert!(
+        nums.len() == 2 && nums[0] == nums[1] && nums[0] != "1024",
+        "{limits}"
+    );
     h.ok("! ip -br link | grep -q '^kv[0-9a-f]\\{12\\}'");
     h.ok("! ip netns list | grep -q kvirt-");
     h.ok("! grep -q '\"ip\"' /var/lib/kvirt/network/leases.json");

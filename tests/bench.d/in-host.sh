@@ -251,6 +251,9 @@ mem_json() { # from helper_memory lines: means in MiB
 kvirtd_pid() { systemctl show -P MainPID kvirtd; }
 kvirtd_rss_mib() { awk '/^VmRSS:/ {printf "%.1f", $2 / 1024}' "/proc/$(kvirtd_pid)/status"; }
 kvirtd_threads() { awk '/^Threads:/ {print $2}' "/proc/$(kvirtd_pid)/status"; }
+# Files kvirtd holds open, and its limit (the soft one, which it raises).
+kvirtd_fds() { local p; p=$(kvirtd_pid); find "/proc/$p/fd" -mindepth 1 -maxdepth 1 | wc -l; }
+kvirtd_fd_limit() { awk '/^Max open files/ {print $4}' "/proc/$(kvirtd_pid)/limits"; }
 cpu_ticks() { awk '{print $14 + $15}' "/proc/$(kvirtd_pid)/stat"; }
 
 # kvirtd's CPU over $1 seconds: the total in percent of one CPU, then
@@ -304,6 +307,7 @@ many() {
   local mem; mem=$(helper_memory | mem_json)
   local rss threads idle by_thread
   rss=$(kvirtd_rss_mib); threads=$(kvirtd_threads)
+  local fds fd_limit; fds=$(kvirtd_fds); fd_limit=$(kvirtd_fd_limit)
   # Idle over one whole resync period (kvirtd's default, 5 minutes): the
   # figure includes exactly one resync of every VM, as any such stretch
   # of an idle host's life does.
@@ -335,8 +339,8 @@ many() {
   local leases; leases=$(grep -o '"default_m[0-9]*"' /var/lib/kvirt/network/leases.json 2>/dev/null | wc -l)
   local nft; nft=$(nft list ruleset 2>/dev/null | grep -c 'default_m' || true)
   rm -f /var/lib/kvirt/images/*.raw
-  printf '{"vms": %d, "all_running_ms": %d, "helper": %s, "kvirtd_rss_mib": %s, "kvirtd_threads": %s, "kvirtd_idle_cpu_pct": %s, "kvirtd_idle_cpu_by_thread": %s, "kvirtd_burst_cpu_pct": %s, "restart_ready_ms": %d, "qemu_pids_unchanged": %s, "delete_all_ms": %d, "left": {"netns": %d, "veths": %d, "leases": %d, "nft_rules": %d}, "kvirtd_warnings": %d, "kvirtd_dbus_errors": %d}' \
-    "$many_n" "$up_ms" "$mem" "$rss" "$threads" "$idle" "$by_thread" "$cpu_burst" "$ready_ms" "$same" "$gone_ms" "$leftovers" "$veths" "$leases" "$nft" "$warnings" "$dbus"
+  printf '{"vms": %d, "all_running_ms": %d, "helper": %s, "kvirtd_rss_mib": %s, "kvirtd_threads": %s, "kvirtd_open_files": %d, "kvirtd_open_files_limit": %d, "kvirtd_idle_cpu_pct": %s, "kvirtd_idle_cpu_by_thread": %s, "kvirtd_burst_cpu_pct": %s, "restart_ready_ms": %d, "qemu_pids_unchanged": %s, "delete_all_ms": %d, "left": {"netns": %d, "veths": %d, "leases": %d, "nft_rules": %d}, "kvirtd_warnings": %d, "kvirtd_dbus_errors": %d}' \
+    "$many_n" "$up_ms" "$mem" "$rss" "$threads" "$fds" "$fd_limit" "$idle" "$by_thread" "$cpu_burst" "$ready_ms" "$same" "$gone_ms" "$leftovers" "$veths" "$leases" "$nft" "$warnings" "$dbus"
 }
 
 # A host's life: N VMs made and deleted in sequence, WINDOW at a time (a
