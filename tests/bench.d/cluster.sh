@@ -35,20 +35,36 @@ spec:
 VMI
 done
 
-# Every phase each VMI shows, timed as the watch delivers it.
+# Every phase each VMI shows, timed as the watch delivers it. The API
+# server may end a watch (it was restarted just before, for its audit
+# log, and ended kubectl's once, 10 s in): kubectl then watches again, its
+# list giving each VMI's phase as of then (each restart is counted).
 : >/tmp/cl-watch.log
-kubectl get vmi -l bench=cluster --watch -o custom-columns=N:.metadata.name,P:.status.phase --no-headers 2>/tmp/cl-watch.err |
-  while read -r name phase; do echo "$(now_ms) $name $phase"; done >/tmp/cl-watch.log &
+: >/tmp/cl-watch.err
+watch_vmis() {
+  while :; do
+    kubectl get vmi -l bench=cluster --watch -v=6 -o custom-columns=N:.metadata.name,P:.status.phase --no-headers 2>>/tmp/cl-watch.err || true
+    echo "$(now_ms) - rewatch"
+    sleep 0.2 # a retry's pause, not a wait for anything
+  done | while read -r name phase; do
+    if [[ $name =~ ^[0-9]+$ ]]; then echo "$name $phase"; else echo "$(now_ms) $name $phase"; fi
+  done >/tmp/cl-watch.log
+}
+watch_vmis &
 watcher=$!
-trap 'kill $watcher 2>/dev/null || true' EXIT
-# The watch is open once its (empty) list was answered: kubectl says "No
-# resources found" then.
+trap 'pkill -P $watcher 2>/dev/null; kill $watcher 2>/dev/null; pkill -f "kubectl get vmi -l bench=cluster" || true' EXIT
+# The watch is open once the API server answered its request (kubectl
+# -v=6 logs each response; an empty list prints nothing in watch mode).
 end=$((EPOCHSECONDS + 30))
-until grep -q 'No resources found' /tmp/cl-watch.err; do
+until grep -q 'watch=true.*status="200 OK"' /tmp/cl-watch.err; do
   ((EPOCHSECONDS < end)) || { echo "the watch did not start: $(cat /tmp/cl-watch.err)" >&2; exit 1; }
   nap 0.1
 done
 running() { (($(awk '$3 == "Running" && !seen[$2]++' /tmp/cl-watch.log | wc -l) >= n)); }
+# CPU seconds the control plane and kvirtd use meanwhile: they share
+# this host's CPUs with the VMs being started.
+cpu_s() { awk '/^usage_usec/ { printf "%.1f\n", $2 / 1e6 }' "/sys/fs/cgroup/system.slice/$1.service/cpu.stat" 2>/dev/null || echo 0; }
+cpu0=$(for u in kube-apiserver etcd kvirtd; do cpu_s $u; done)
 t0=$(now_ms)
 kubectl apply -f /tmp/cl.yaml >/dev/null
 applied=$(($(now_ms) - t0))
@@ -58,20 +74,32 @@ until running; do
   nap 0.2
 done
 all_ms=$(($(now_ms) - t0))
-times=$(awk -v t0="$t0" '$3 == "Running" && !seen[$2]++ { print $1 - t0 }' /tmp/cl-watch.log | sort -n |
-  awk '{ v[NR] = $1 } END { printf "{\"n\": %d, \"p50_ms\": %d, \"p95_ms\": %d, \"max_ms\": %d}", NR, v[int((NR - 1) * 0.5) + 1], v[int((NR - 1) * 0.95) + 1], v[NR] }')
+cpu1=$(for u in kube-apiserver etcd kvirtd; do cpu_s $u; done)
+cpu=$(paste <(echo "$cpu0") <(echo "$cpu1") | awk '{ d[NR] = $2 - $1 } END { printf "{\"apiserver_s\": %.1f, \"etcd_s\": %.1f, \"kvirtd_s\": %.1f}", d[1], d[2], d[3] }')
+pct() { sort -n | awk '{ v[NR] = $1 } END { printf "{\"n\": %d, \"p50_ms\": %d, \"p95_ms\": %d, \"max_ms\": %d}", NR, v[int((NR - 1) * 0.5) + 1], v[int((NR - 1) * 0.95) + 1], v[NR] }'; }
+times=$(awk -v t0="$t0" '$3 == "Running" && !seen[$2]++ { print $1 - t0 }' /tmp/cl-watch.log | pct)
+# The same from each VMI's own creation (its first event): the apply
+# creates them one by one over seconds, the directory all at once.
+own=$(awk '$2 != "-" && !($2 in first) { first[$2] = $1 } $3 == "Running" && !seen[$2]++ { print $1 - first[$2] }' /tmp/cl-watch.log | pct)
 # Phase changes each VMI showed (a new VMI has none: "<none>" first).
-changes=$(awk '{ if (last[$2] != $3) { if ($2 in last) c[$2]++; last[$2] = $3 } } END { for (k in c) print c[k] }' /tmp/cl-watch.log |
+changes=$(awk '$2 != "-" { if (last[$2] != $3) { if ($2 in last) c[$2]++; last[$2] = $3 } } END { for (k in c) print c[k] }' /tmp/cl-watch.log |
   sort -n | awk '{ v[NR] = $1 } END { print v[int((NR - 1) * 0.5) + 1] + 0 }')
 del_at=$(date +%s.%N)
 t1=$(now_ms)
 kubectl delete vmi -l bench=cluster --timeout=300s >/dev/null
 deleted=$(($(now_ms) - t1))
+# When each VMI left the API server: its last event, the watch's DELETED
+# (kubectl's own wait, object by object, returns well after).
+gone_api=$(awk -v t1="$t1" '$2 != "-" && $1 >= t1 { last[$2] = $1 } END { m = 0; for (k in last) if (last[k] - t1 > m) m = last[k] - t1; print m }' /tmp/cl-watch.log)
 gone() { local left=(/run/kvirt/vms/default_cl* /var/lib/kvirt/vms/default_cl*); ((${#left[@]} == 0)); }
 end=$((EPOCHSECONDS + 300))
 until gone; do ((EPOCHSECONDS < end)) || break; nap 0.2; done
 left=(/run/kvirt/vms/default_cl* /var/lib/kvirt/vms/default_cl*)
 rm -f /var/lib/kvirt/images/cl*.raw
 cp /var/log/kube-audit.log /share/audit-cluster.log
-printf '{"vmis": %d, "apply_ms": %d, "running": %s, "all_running_ms": %d, "phase_changes_p50": %d, "delete_ms": %d, "delete_at": %s, "left_on_host": %d}\n' \
-  "$n" "$applied" "$times" "$all_ms" "$changes" "$deleted" "$del_at" "${#left[@]}"
+cp /tmp/cl-watch.log /tmp/cl-watch.err /share/ || true
+# Where the time went: kvirtd's journal of the run.
+journalctl -q -u kvirtd -o short-precise --since "@$((t0 / 1000 - 1))" >/share/cluster-kvirtd.log || true
+rewatches=$(grep -c ' - rewatch' /tmp/cl-watch.log || true)
+printf '{"vmis": %d, "rewatches": %d, "apply_ms": %d, "running": %s, "running_from_creation": %s, "cpu_during_create": %s, "all_running_ms": %d, "phase_changes_p50": %d, "delete_ms": %d, "gone_from_api_ms": %d, "delete_at": %s, "left_on_host": %d}\n' \
+  "$n" "$rewatches" "$applied" "$times" "$own" "$cpu" "$all_ms" "$changes" "$deleted" "$gone_api" "$del_at" "${#left[@]}"
