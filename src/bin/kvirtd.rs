@@ -551,9 +551,10 @@ async fn run(config: Config, simulate: bool) -> Result<()> {
         Err(e) => warn!("sweeping staging: {e}"),
     }
     let cpus = dedicated_cpus(&config, &settings)?;
+    let units = systemd.reading_cpus(cpus.enabled());
     let host = Host {
         cpus,
-        units: systemd,
+        units,
         network,
         hypervisor: Libvirt::new(lv_tx),
         machines,

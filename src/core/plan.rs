@@ -32,13 +32,16 @@ pub struct UnitObs {
     /// `<ns>_<name>` from the unit's environment: the domain to shut down
     /// when only the unit is left to go by.
     pub domain_name: Option<String>,
-    /// systemd's `Result` (e.g. `exit-code`) for a failed unit.
+    /// systemd's `Result` (e.g. `exit-code`) for a stopped unit; empty
+    /// for one that runs.
     pub result: String,
     /// How often systemd restarted the daemon in this unit (`NRestarts`).
     pub restarts: u32,
-    /// The unit's main process: the VM's libvirt daemon (`MainPID`).
+    /// The unit's main process, the VM's libvirt daemon (`MainPID`), of
+    /// an active unit.
     pub main_pid: Option<u32>,
-    /// The CPUs it may run on (`AllowedCPUs`); `None`: any.
+    /// The CPUs it may run on (`AllowedCPUs`); `None`: any, or not read
+    /// (a host that places no unit on CPUs).
     pub allowed_cpus: Option<crate::core::cpuset::CpuSet>,
     /// The VM writes disks other hosts reach (`KVIRT_SHARED_DISKS`): a
     /// self-fence stops it ([`crate::core::fence`]).

@@ -119,6 +119,9 @@ const TERM_WAIT: Duration = Duration::from_secs(15);
 #[derive(Clone)]
 pub struct SystemdBus {
     bus: Bus,
+    /// Whether [`Units::get`] reads `AllowedCPUs`: only a host that
+    /// dedicates CPUs places units on them.
+    read_cpus: bool,
 }
 
 impl SystemdBus {
@@ -128,7 +131,16 @@ impl SystemdBus {
             .await?
             .subscribe()
             .await?;
-        Ok(Self { bus })
+        Ok(Self {
+            bus,
+            read_cpus: true,
+        })
+    }
+
+    /// Units' CPUs are read only where they are placed (a resync reads
+    /// every VM's unit: each property is a bus round trip).
+    pub fn reading_cpus(self, read_cpus: bool) -> Self {
+        Self { read_cpus, ..self }
     }
 
     /// The bus connection and its bound, for the other systemd services
@@ -451,49 +463,44 @@ impl Units for SystemdBus {
             return Ok(None);
         };
         let (unit_iface, svc) = (self.unit_at(&path).await?, self.service_at(&path).await?);
-        let active = self.bus.call(unit_iface.active_state()).await?;
-        let load = self.bus.call(unit_iface.load_state()).await?;
-        if load == "not-found" {
+        let bus = &self.bus;
+        // Each property is a round trip, and a resync reads every VM's
+        // unit: only what this activity gives a meaning is read.
+        let activity = activity(&bus.call(unit_iface.active_state()).await?);
+        let stopped = matches!(activity, UnitActivity::Inactive | UnitActivity::Failed);
+        // A unit only referenced (by a job, a dependency) is loaded as
+        // not-found, and is inactive: no unit of ours.
+        if stopped && bus.call(unit_iface.load_state()).await? == "not-found" {
             return Ok(None);
         }
         // Whose unit it is: never guessed (a unit going away as it is
         // read answers nothing here, and must not pass for anyone's).
-        let bus = &self.bus;
         let env = bus.call(svc.environment()).await?;
-        let result = bus.call(svc.result()).await.unwrap_or_default();
-        let restarts = bus.call(svc.n_restarts()).await.unwrap_or_default();
-        let main_pid = bus.call(svc.main_pid()).await.ok().filter(|p| *p > 0);
-        let allowed_cpus = bus
-            .call(svc.allowed_cp_us())
-            .await
-            .ok()
-            .map(|m| CpuSet::from_mask(&m))
-            .filter(|c| !c.is_empty());
-        let var = |k: &str| {
-            env.iter()
-                .find_map(|e| e.strip_prefix(k).and_then(|r| r.strip_prefix('=')))
-                .map(str::to_owned)
+        let result = if stopped {
+            bus.call(svc.result()).await.unwrap_or_default()
+        } else {
+            String::new()
         };
-        Ok(Some(UnitObs {
-            activity: activity(&active),
-            uid: var(ENV_UID),
-            daemon: var(ENV_DAEMON).and_then(|d| match d.as_str() {
-                "virtqemud" => Some(DaemonKind::Virtqemud),
-                "libvirtd" => Some(DaemonKind::Libvirtd),
-                _ => None,
-            }),
-            grace: var(ENV_GRACE)
-                .and_then(|g| g.parse().ok())
-                .map(Duration::from_secs),
-            domain_name: var(ENV_NAMESPACE)
-                .zip(var(ENV_NAME))
-                .map(|(ns, n)| format!("{ns}_{n}")),
+        let restarts = bus.call(svc.n_restarts()).await.unwrap_or_default();
+        let main_pid = match activity {
+            UnitActivity::Active => bus.call(svc.main_pid()).await.ok().filter(|p| *p > 0),
+            _ => None,
+        };
+        let allowed_cpus = if self.read_cpus {
+            bus.call(svc.allowed_cp_us()).await.ok()
+        } else {
+            None
+        }
+        .map(|m| CpuSet::from_mask(&m))
+        .filter(|c| !c.is_empty());
+        Ok(Some(unit_obs(
+            activity,
+            &env,
             result,
             restarts,
             main_pid,
             allowed_cpus,
-            shared_disks: var(ENV_SHARED_DISKS).is_some(),
-        }))
+        )))
     }
 
     async fn list_ids(&self) -> Result<Vec<String>, SystemdError> {
@@ -557,6 +564,43 @@ enum Ended {
 fn no_such_unit(e: &zbus::Error) -> bool {
     matches!(e, zbus::Error::MethodError(name, _, _)
         if name.as_str() == "org.freedesktop.systemd1.NoSuchUnit")
+}
+
+/// What kvirt reads of a unit, from its properties and the environment
+/// kvirtd gave it.
+fn unit_obs(
+    activity: UnitActivity,
+    env: &[String],
+    result: String,
+    restarts: u32,
+    main_pid: Option<u32>,
+    allowed_cpus: Option<CpuSet>,
+) -> UnitObs {
+    let var = |k: &str| {
+        env.iter()
+            .find_map(|e| e.strip_prefix(k).and_then(|r| r.strip_prefix('=')))
+            .map(str::to_owned)
+    };
+    UnitObs {
+        activity,
+        uid: var(ENV_UID),
+        daemon: var(ENV_DAEMON).and_then(|d| match d.as_str() {
+            "virtqemud" => Some(DaemonKind::Virtqemud),
+            "libvirtd" => Some(DaemonKind::Libvirtd),
+            _ => None,
+        }),
+        grace: var(ENV_GRACE)
+            .and_then(|g| g.parse().ok())
+            .map(Duration::from_secs),
+        domain_name: var(ENV_NAMESPACE)
+            .zip(var(ENV_NAME))
+            .map(|(ns, n)| format!("{ns}_{n}")),
+        result,
+        restarts,
+        main_pid,
+        allowed_cpus,
+        shared_disks: var(ENV_SHARED_DISKS).is_some(),
+    }
 }
 
 fn activity(s: &str) -> UnitActivity {
@@ -656,6 +700,38 @@ mod tests {
         let first = log_tail(&hostile[..10_007]);
         assert!(!first.contains('\x1b') && !first.contains('\r'));
         assert_eq!(first.chars().count(), 2 + LOG_LINE_CHARS);
+    }
+
+    #[test]
+    fn a_units_environment_says_whose_vm_it_is_and_nothing_else_does() {
+        let env: Vec<String> = [
+            // A name that only starts with one kvirt reads is not it.
+            format!("{ENV_UID}X=u-2"),
+            format!("{ENV_UID}=u-1"),
+            format!("{ENV_DAEMON}=virtqemud"),
+            format!("{ENV_GRACE}=30"),
+            format!("{ENV_NAMESPACE}=ns"),
+            format!("{ENV_NAME}=vm"),
+        ]
+        .into();
+        let u = unit_obs(UnitActivity::Active, &env, String::new(), 2, Some(7), None);
+        assert_eq!(u.uid.as_deref(), Some("u-1"));
+        assert_eq!(u.daemon, Some(DaemonKind::Virtqemud));
+        assert_eq!(u.grace, Some(Duration::from_secs(30)));
+        assert_eq!(u.domain_name.as_deref(), Some("ns_vm"));
+        assert_eq!(
+            (u.restarts, u.main_pid, u.shared_disks),
+            (2, Some(7), false)
+        );
+        let bare = unit_obs(UnitActivity::Failed, &[], "exit-code".into(), 0, None, None);
+        assert_eq!((bare.uid, bare.daemon, bare.grace), (None, None, None));
+        assert_eq!(bare.result, "exit-code");
+        let odd = [
+            format!("{ENV_DAEMON}=qemu"),
+            format!("{ENV_SHARED_DISKS}=1"),
+        ];
+        let u = unit_obs(UnitActivity::Active, &odd, String::new(), 0, None, None);
+        assert_eq!((u.daemon, u.shared_disks), (None, true));
     }
 
     #[test]

@@ -43,11 +43,11 @@ done
 : >/tmp/cl-watch.err
 watch_vmis() {
   while :; do
-    kubectl get vmi -l bench=cluster --watch -v=6 -o custom-columns=N:.metadata.name,P:.status.phase --no-headers 2>>/tmp/cl-watch.err || true
+    kubectl get vmi -l bench=cluster --watch -v=6 -o custom-columns=N:.metadata.name,P:.status.phase,D:.metadata.deletionTimestamp --no-headers 2>>/tmp/cl-watch.err || true
     echo "$(now_ms) - rewatch"
     sleep 0.2 # a retry's pause, not a wait for anything
-  done | while read -r name phase; do
-    if [[ $name =~ ^[0-9]+$ ]]; then echo "$name $phase"; else echo "$(now_ms) $name $phase"; fi
+  done | while read -r name phase deleting; do
+    if [[ $name =~ ^[0-9]+$ ]]; then echo "$name $phase"; else echo "$(now_ms) $name $phase $deleting"; fi
   done >/tmp/cl-watch.log
 }
 watch_vmis &
@@ -91,6 +91,11 @@ deleted=$(($(now_ms) - t1))
 # When each VMI left the API server: its last event, the watch's DELETED
 # (kubectl's own wait, object by object, returns well after).
 gone_api=$(awk -v t1="$t1" '$2 != "-" && $1 >= t1 { last[$2] = $1 } END { m = 0; for (k in last) if (last[k] - t1 > m) m = last[k] - t1; print m }' /tmp/cl-watch.log)
+# The same from each VMI's own deletion (its first event with a
+# deletionTimestamp): kubectl deletes them one by one over seconds, and
+# each VMI's grace period counts from its own deletion.
+gone_own=$(awk -v t1="$t1" '$2 != "-" && $1 >= t1 { if ($4 != "" && $4 != "<none>" && !($2 in del)) del[$2] = $1; last[$2] = $1 }
+  END { for (k in last) if (k in del) print last[k] - del[k] }' /tmp/cl-watch.log | pct)
 gone() { local left=(/run/kvirt/vms/default_cl* /var/lib/kvirt/vms/default_cl*); ((${#left[@]} == 0)); }
 end=$((EPOCHSECONDS + 300))
 until gone; do ((EPOCHSECONDS < end)) || break; nap 0.2; done
@@ -101,5 +106,5 @@ cp /tmp/cl-watch.log /tmp/cl-watch.err /share/ || true
 # Where the time went: kvirtd's journal of the run.
 journalctl -q -u kvirtd -o short-precise --since "@$((t0 / 1000 - 1))" >/share/cluster-kvirtd.log || true
 rewatches=$(grep -c ' - rewatch' /tmp/cl-watch.log || true)
-printf '{"vmis": %d, "rewatches": %d, "apply_ms": %d, "running": %s, "running_from_creation": %s, "cpu_during_create": %s, "all_running_ms": %d, "phase_changes_p50": %d, "delete_ms": %d, "gone_from_api_ms": %d, "delete_at": %s, "left_on_host": %d}\n' \
-  "$n" "$rewatches" "$applied" "$times" "$own" "$cpu" "$all_ms" "$changes" "$deleted" "$gone_api" "$del_at" "${#left[@]}"
+printf '{"vmis": %d, "rewatches": %d, "apply_ms": %d, "running": %s, "running_from_creation": %s, "cpu_during_create": %s, "all_running_ms": %d, "phase_changes_p50": %d, "delete_ms": %d, "gone_from_api_ms": %d, "gone_from_own_deletion": %s, "delete_at": %s, "left_on_host": %d}\n' \
+  "$n" "$rewatches" "$applied" "$times" "$own" "$cpu" "$all_ms" "$changes" "$deleted" "$gone_api" "$gone_own" "$del_at" "${#left[@]}"
