@@ -65,6 +65,7 @@ running() { (($(awk '$3 == "Running" && !seen[$2]++' /tmp/cl-watch.log | wc -l) 
 # this host's CPUs with the VMs being started.
 cpu_s() { awk '/^usage_usec/ { printf "%.1f\n", $2 / 1e6 }' "/sys/fs/cgroup/system.slice/$1.service/cpu.stat" 2>/dev/null || echo 0; }
 cpu0=$(for u in kube-apiserver etcd kvirtd; do cpu_s $u; done)
+apply_at=$(date +%s.%N)
 t0=$(now_ms)
 kubectl apply -f /tmp/cl.yaml >/dev/null
 applied=$(($(now_ms) - t0))
@@ -106,5 +107,5 @@ cp /tmp/cl-watch.log /tmp/cl-watch.err /share/ || true
 # Where the time went: kvirtd's journal of the run.
 journalctl -q -u kvirtd -o short-precise --since "@$((t0 / 1000 - 1))" >/share/cluster-kvirtd.log || true
 rewatches=$(grep -c ' - rewatch' /tmp/cl-watch.log || true)
-printf '{"vmis": %d, "rewatches": %d, "apply_ms": %d, "running": %s, "running_from_creation": %s, "cpu_during_create": %s, "all_running_ms": %d, "phase_changes_p50": %d, "delete_ms": %d, "gone_from_api_ms": %d, "gone_from_own_deletion": %s, "delete_at": %s, "left_on_host": %d}\n' \
-  "$n" "$rewatches" "$applied" "$times" "$own" "$cpu" "$all_ms" "$changes" "$deleted" "$gone_api" "$gone_own" "$del_at" "${#left[@]}"
+printf '{"vmis": %d, "rewatches": %d, "apply_ms": %d, "running": %s, "running_from_creation": %s, "cpu_during_create": %s, "all_running_ms": %d, "phase_changes_p50": %d, "delete_ms": %d, "gone_from_api_ms": %d, "gone_from_own_deletion": %s, "apply_at": %s, "delete_at": %s, "left_on_host": %d}\n' \
+  "$n" "$rewatches" "$applied" "$times" "$own" "$cpu" "$all_ms" "$changes" "$deleted" "$gone_api" "$gone_own" "$apply_at" "$del_at" "${#left[@]}"
