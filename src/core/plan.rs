@@ -216,6 +216,30 @@ pub enum Step {
 }
 
 impl Step {
+    /// Its name in metrics and logs (`kvirt_step_duration_seconds{step}`).
+    pub fn name(&self) -> &'static str {
+        match self {
+            Step::AcquireIdentity => "acquire_identity",
+            Step::CreateDirs => "create_dirs",
+            Step::PrepareDisks => "prepare_disks",
+            Step::CreateNetns => "create_netns",
+            Step::SetupNetwork => "setup_network",
+            Step::StartUnit => "start_unit",
+            Step::DefineDomain => "define_domain",
+            Step::StartDomain => "start_domain",
+            Step::RegisterMachine => "register_machine",
+            Step::UnregisterMachine => "unregister_machine",
+            Step::ShutdownDomain { .. } => "shutdown_domain",
+            Step::StopUnit => "stop_unit",
+            Step::TeardownNetwork => "teardown_network",
+            Step::DeleteNetns => "delete_netns",
+            Step::RemoveStateDir => "remove_state_dir",
+            Step::RemoveRuntimeDir => "remove_runtime_dir",
+            Step::KeepConsoleLog => "keep_console_log",
+            Step::ReleaseIdentity => "release_identity",
+        }
+    }
+
     /// Makes something of the VM: a failure rolls the whole start back.
     pub fn creates(&self) -> bool {
         matches!(

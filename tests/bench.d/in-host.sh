@@ -104,18 +104,46 @@ wait_until() { # deadline_s, command...
   done
 }
 
-# Whether kvirtd's first pass after its start adopted at least N VMs
-# (kvirtd's metrics, read with bash alone).
-adopted() {
-  local line v sum=0
+# kvirtd's metrics, read with bash alone.
+metrics() {
+  local line
   exec 8<>/dev/tcp/127.0.0.1/9477 || return 1
   printf 'GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n' >&8
-  while IFS= read -r line <&8; do
+  while IFS= read -r line <&8; do printf '%s\n' "$line"; done
+  exec 8<&-
+}
+
+# Whether kvirtd's first pass after its start adopted at least N VMs.
+adopted() {
+  local line v sum=0
+  while IFS= read -r line; do
     [[ $line == kvirt_adoptions_total* ]] || continue
     v=${line##* }; v=${v%%.*}; sum=$((sum + v))
-  done
-  exec 8<&-
+  done < <(metrics)
   ((sum >= $1))
+}
+
+# Each step's count, total and slowest bucket since kvirtd started, as a
+# JSON object by step (kvirt_step_duration_seconds).
+step_times() {
+  metrics | awk '
+    /^kvirt_step_duration_seconds_(count|sum|bucket)/ {
+      match($0, /step="[a-z_]*"/); st = substr($0, RSTART + 6, RLENGTH - 7)
+      if ($0 ~ /_count/) n[st] = $NF
+      else if ($0 ~ /_sum/) sum[st] = $NF
+      else { match($0, /le="[^"]*"/); bucket[st, ++k[st]] = substr($0, RSTART + 4, RLENGTH - 5) " " $NF }
+    }
+    END {
+      printf "{"; sep = ""
+      for (st in sum) {
+        # the smallest bucket that holds every observation
+        max = "+Inf"
+        for (i = 1; i <= k[st]; i++) { split(bucket[st, i], b, " "); if (b[2] >= n[st]) { max = b[1]; break } }
+        printf "%s\"%s\": {\"count\": %d, \"total_s\": %.3f, \"mean_ms\": %.1f, \"max_le_s\": \"%s\"}", sep, st, n[st], sum[st], n[st] ? 1000 * sum[st] / n[st] : 0, max
+        sep = ", "
+      }
+      printf "}"
+    }'
 }
 
 all_gone() {
@@ -347,6 +375,9 @@ many() {
   rm -f "$dir"/*.yaml
   wait_until 600 all_gone
   local gone_ms=$(($(now_ms) - t0))
+  # Where the delete's time went, step by step (the restart before it
+  # adopted, which runs no steps).
+  local steps; steps=$(step_times) || steps='{}'
   journalctl -q -u kvirtd -o short-precise --since "@$since" >/share/many-delete.log || true
   # What kvirtd logged as warnings or errors over all of it (the bus
   # refusing calls says "D-Bus: ..."), from the burst on.
@@ -359,8 +390,8 @@ many() {
   local leases; leases=$(grep -o '"default_m[0-9]*"' /var/lib/kvirt/network/leases.json 2>/dev/null | wc -l)
   local nft; nft=$(nft list ruleset 2>/dev/null | grep -c 'default_m' || true)
   rm -f /var/lib/kvirt/images/*.raw
-  printf '{"vms": %d, "all_running_ms": %d, "helper": %s, "kvirtd_rss_mib": %s, "kvirtd_threads": %s, "kvirtd_open_files": %d, "kvirtd_open_files_limit": %d, "kvirtd_idle_cpu_pct": %s, "kvirtd_idle_cpu_by_thread": %s, "kvirtd_burst_cpu_pct": %s, "restart_ready_ms": %d, "qemu_pids_unchanged": %s, "adopted_ms": %d, "delete_all_ms": %d, "left": {"netns": %d, "veths": %d, "leases": %d, "nft_rules": %d}, "kvirtd_warnings": %d, "kvirtd_dbus_errors": %d}' \
-    "$many_n" "$up_ms" "$mem" "$rss" "$threads" "$fds" "$fd_limit" "$idle" "$by_thread" "$cpu_burst" "$ready_ms" "$same" "$adopted_ms" "$gone_ms" "$leftovers" "$veths" "$leases" "$nft" "$warnings" "$dbus"
+  printf '{"vms": %d, "all_running_ms": %d, "helper": %s, "kvirtd_rss_mib": %s, "kvirtd_threads": %s, "kvirtd_open_files": %d, "kvirtd_open_files_limit": %d, "kvirtd_idle_cpu_pct": %s, "kvirtd_idle_cpu_by_thread": %s, "kvirtd_burst_cpu_pct": %s, "restart_ready_ms": %d, "qemu_pids_unchanged": %s, "adopted_ms": %d, "delete_all_ms": %d, "delete_steps": %s, "left": {"netns": %d, "veths": %d, "leases": %d, "nft_rules": %d}, "kvirtd_warnings": %d, "kvirtd_dbus_errors": %d}' \
+    "$many_n" "$up_ms" "$mem" "$rss" "$threads" "$fds" "$fd_limit" "$idle" "$by_thread" "$cpu_burst" "$ready_ms" "$same" "$adopted_ms" "$gone_ms" "$steps" "$leftovers" "$veths" "$leases" "$nft" "$warnings" "$dbus"
 }
 
 # A host's life: N VMs made and deleted in sequence, WINDOW at a time (a

@@ -89,6 +89,7 @@ impl<A: Adapters> Controller<A> {
         futures::future::join_all(stage.iter().map(|step| async move {
             let t = tokio::time::Instant::now();
             let result = self.run_step(step, c).await;
+            self.metrics.step(step.name(), t.elapsed());
             debug!(
                 ?step,
                 ms = t.elapsed().as_millis() as u64,
