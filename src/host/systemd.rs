@@ -235,6 +235,9 @@ impl SystemdBus {
             drain(self.processes(path), &mut removed, |s| gone |= mine(s)).await?;
         let deadline = tokio::time::sleep(TERM_WAIT);
         tokio::pin!(deadline);
+        // Where a stop's time goes (KVIRT_LOG=kvirt::host::systemd=debug):
+        // the daemon's exit, then QEMU's and the unit's removal.
+        let t0 = tokio::time::Instant::now();
         if let Some(daemon) = daemon {
             daemon.signal(libc::SIGTERM);
             daemon.signal(libc::SIGCONT);
@@ -248,6 +251,7 @@ impl SystemdBus {
                 }
             }
         }
+        let daemon_ms = t0.elapsed().as_millis() as u64;
         if !gone {
             pidfd::signal_cgroup(&cgroup, libc::SIGTERM);
             pidfd::signal_cgroup(&cgroup, libc::SIGCONT);
@@ -264,6 +268,7 @@ impl SystemdBus {
                     match now.await? {
                         None => gone = true,
                         Some(UnitActivity::Inactive | UnitActivity::Failed) => {
+                            tracing::debug!(unit, daemon_ms, ms = t0.elapsed().as_millis() as u64, "stopped, still loaded");
                             return Ok(Ended::Down)
                         }
                         Some(_) => {}
@@ -272,6 +277,12 @@ impl SystemdBus {
                 _ = &mut deadline => return Ok(Ended::No),
             }
         }
+        tracing::debug!(
+            unit,
+            daemon_ms,
+            ms = t0.elapsed().as_millis() as u64,
+            "stopped"
+        );
         Ok(Ended::Removed)
     }
 

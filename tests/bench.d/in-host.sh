@@ -332,6 +332,26 @@ wait_idle() {
 
 qemu_pids() { pgrep -f '[q]emu-system' | sort -n | tr '\n' ' '; }
 
+# CPU seconds of the host's daemons, as "name seconds" lines, and the
+# host's busy and total ticks: what a mass delete costs whom.
+daemon_cpu() {
+  local hz name pid; hz=$(getconf CLK_TCK)
+  for name in systemd dbus-daemon kvirtd systemd-journal systemd-machine; do
+    pid=$(pgrep -o -x "$name") || continue
+    awk -v n="$name" -v hz="$hz" '{printf "%s %.3f\n", n, ($14 + $15) / hz}' "/proc/$pid/stat"
+  done
+  awk '/^cpu / {printf "busy %d\ntotal %d\n", $2 + $3 + $4 + $7 + $8, $2 + $3 + $4 + $5 + $6 + $7 + $8}' /proc/stat
+}
+
+# The difference of two daemon_cpu readings as JSON: each daemon's CPU
+# seconds, and the host's CPUs busy in percent.
+cpu_json() {
+  awk 'NR == FNR { a[$1] = $2; next } { d[$1] = $2 - a[$1] }
+    END { printf "{\"host_busy_pct\": %.1f", d["total"] ? 100 * d["busy"] / d["total"] : 0
+      for (k in d) if (k != "busy" && k != "total") printf ", \"%s_s\": %.2f", k, d[k]
+      printf "}" }' "$1" "$2"
+}
+
 # Many VMs: a burst of MANY, then memory, idle CPU, a restart, a delete.
 many() {
   local i t0 cpu_burst
@@ -344,6 +364,12 @@ many() {
   for i in $(seq "$many_n"); do wait_until 900 running "m$i"; done
   local up_ms=$(($(now_ms) - t0))
   cpu_burst=$(awk -v d=$(($(cpu_ticks) - a0)) -v ms="$up_ms" -v hz="$hz" 'BEGIN {printf "%.2f", d / hz / (ms / 1000) * 100}')
+  # The delete's stops say where their time goes (debug lines of the
+  # systemd adapter only), from the restart on.
+  mkdir -p /run/systemd/system/kvirtd.service.d
+  printf '[Service]\nEnvironment=KVIRT_LOG=info,kvirt::host::systemd=debug\n' \
+    >/run/systemd/system/kvirtd.service.d/bench-log.conf
+  systemctl daemon-reload
   # Idle figures once the guests have finished booting.
   wait_idle 300
   local mem; mem=$(helper_memory | mem_json)
@@ -370,11 +396,14 @@ many() {
   local end=$((EPOCHSECONDS + 120))
   until adopted "$many_n"; do ((EPOCHSECONDS < end)) || break; nap 0.2; done
   local adopted_ms=$(($(now_ms) - r0))
+  daemon_cpu >/tmp/cpu-before
   t0=$(now_ms)
   since=$((EPOCHSECONDS - 1))
   rm -f "$dir"/*.yaml
   wait_until 600 all_gone
   local gone_ms=$(($(now_ms) - t0))
+  daemon_cpu >/tmp/cpu-after
+  local delete_cpu; delete_cpu=$(cpu_json /tmp/cpu-before /tmp/cpu-after)
   # Where the delete's time went, step by step (the restart before it
   # adopted, which runs no steps).
   local steps; steps=$(step_times) || steps='{}'
@@ -390,8 +419,8 @@ many() {
   local leases; leases=$(grep -o '"default_m[0-9]*"' /var/lib/kvirt/network/leases.json 2>/dev/null | wc -l)
   local nft; nft=$(nft list ruleset 2>/dev/null | grep -c 'default_m' || true)
   rm -f /var/lib/kvirt/images/*.raw
-  printf '{"vms": %d, "all_running_ms": %d, "helper": %s, "kvirtd_rss_mib": %s, "kvirtd_threads": %s, "kvirtd_open_files": %d, "kvirtd_open_files_limit": %d, "kvirtd_idle_cpu_pct": %s, "kvirtd_idle_cpu_by_thread": %s, "kvirtd_burst_cpu_pct": %s, "restart_ready_ms": %d, "qemu_pids_unchanged": %s, "adopted_ms": %d, "delete_all_ms": %d, "delete_steps": %s, "left": {"netns": %d, "veths": %d, "leases": %d, "nft_rules": %d}, "kvirtd_warnings": %d, "kvirtd_dbus_errors": %d}' \
-    "$many_n" "$up_ms" "$mem" "$rss" "$threads" "$fds" "$fd_limit" "$idle" "$by_thread" "$cpu_burst" "$ready_ms" "$same" "$adopted_ms" "$gone_ms" "$steps" "$leftovers" "$veths" "$leases" "$nft" "$warnings" "$dbus"
+  printf '{"vms": %d, "all_running_ms": %d, "helper": %s, "kvirtd_rss_mib": %s, "kvirtd_threads": %s, "kvirtd_open_files": %d, "kvirtd_open_files_limit": %d, "kvirtd_idle_cpu_pct": %s, "kvirtd_idle_cpu_by_thread": %s, "kvirtd_burst_cpu_pct": %s, "restart_ready_ms": %d, "qemu_pids_unchanged": %s, "adopted_ms": %d, "delete_all_ms": %d, "delete_steps": %s, "delete_cpu": %s, "left": {"netns": %d, "veths": %d, "leases": %d, "nft_rules": %d}, "kvirtd_warnings": %d, "kvirtd_dbus_errors": %d}' \
+    "$many_n" "$up_ms" "$mem" "$rss" "$threads" "$fds" "$fd_limit" "$idle" "$by_thread" "$cpu_burst" "$ready_ms" "$same" "$adopted_ms" "$gone_ms" "$steps" "$delete_cpu" "$leftovers" "$veths" "$leases" "$nft" "$warnings" "$dbus"
 }
 
 # A host's life: N VMs made and deleted in sequence, WINDOW at a time (a
