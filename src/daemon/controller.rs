@@ -1131,7 +1131,7 @@ impl<A: Adapters> Controller<A> {
                 source,
             })?;
         // One left running by a kvirtd that died mid-probe goes first.
-        let _ = self.deps.units.stop(unit::PROBE_UNIT).await;
+        let _ = self.deps.units.stop(unit::PROBE_UNIT, None).await;
         let spec = unit::probe_spec(&unit::ProbeInput {
             host: &self.settings.layout,
             daemon_path: self.settings.daemon_path.clone(),
@@ -1141,7 +1141,7 @@ impl<A: Adapters> Controller<A> {
         self.deps.units.start(&spec).await.map_err(sd)?;
         let uri = self.settings.layout.probe_uri(self.settings.daemon);
         let probed = self.deps.hypervisor.probe(&uri).await;
-        let stopped = self.deps.units.stop(unit::PROBE_UNIT).await;
+        let stopped = self.deps.units.stop(unit::PROBE_UNIT, None).await;
         probed.map_err(|source| ControllerError::Libvirt { source })?;
         stopped.map_err(sd)
     }

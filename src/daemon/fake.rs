@@ -323,7 +323,7 @@ impl Units for FakeHost {
         Ok(())
     }
 
-    async fn stop(&self, unit: &str) -> Result<(), SystemdError> {
+    async fn stop(&self, unit: &str, _daemon: Option<u32>) -> Result<(), SystemdError> {
         if self.call(format!("stop {unit}")) {
             return Err(SystemdError::Job {
                 unit: unit.into(),

@@ -98,6 +98,15 @@ pub fn cgroup_of(pid: u32) -> Option<String> {
         .map(str::to_owned)
 }
 
+/// `pid` pinned, with its cgroup, if that cgroup is `unit`'s (its last
+/// component is the unit's name): a pid that was the unit's main process
+/// and has since been reused by a process elsewhere is never signalled.
+pub fn pin_in_unit(pid: u32, unit: &str) -> Option<(Pidfd, String)> {
+    let fd = Pidfd::open(pid)?;
+    let cgroup = cgroup_of(pid)?;
+    (cgroup.rsplit('/').next() == Some(unit)).then_some((fd, cgroup))
+}
+
 /// The `cgroup.procs` of the unified hierarchy's `path`, at its own
 /// mount or beside the legacy ones on a hybrid host.
 fn procs_of(path: &str) -> Option<String> {
@@ -180,5 +189,28 @@ mod tests {
         // process is in its own cgroup, and in no other.
         assert!(signal_cgroup(path, 0) >= 1);
         assert_eq!(signal_cgroup("/no/such/cgroup", 0), 0);
+    }
+
+    #[tokio::test]
+    async fn a_seen_pid_is_pinned_only_in_its_units_cgroup() {
+        let Some(own) = cgroup_of(std::process::id()) else {
+            eprintln!("skipped: no unified cgroup hierarchy");
+            return;
+        };
+        let mut child = std::process::Command::new("sleep")
+            .arg("300")
+            .spawn()
+            .unwrap();
+        let last = own.rsplit('/').next().unwrap().to_owned();
+        let pinned = pin_in_unit(child.id(), &last);
+        // Another unit's name, or a pid that is no process: nothing pinned.
+        let other = pin_in_unit(child.id(), "kvirt-vm@default_other.service");
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let (fd, cgroup) = pinned.expect("the child is in this cgroup");
+        assert_eq!(cgroup, own);
+        assert!(!fd.signal(0), "the pidfd names the reaped child, no one else");
+        assert!(other.is_none() || last == "kvirt-vm@default_other.service");
+        assert!(pin_in_unit(u32::MAX, &last).is_none());
     }
 }

@@ -70,7 +70,7 @@ impl<A: Adapters> Controller<A> {
             Step::TeardownNetwork => self.teardown_network(c.id).await,
             Step::DeleteNetns => self.delete_netns(c.id).await,
             Step::StartUnit => self.start_unit(c).await,
-            Step::StopUnit => self.stop_unit(c.id).await,
+            Step::StopUnit => self.stop_unit(c).await,
             Step::DefineDomain => self.define_domain(c).await,
             Step::StartDomain => self.start_domain(c).await,
             Step::ShutdownDomain { grace } => self.shutdown_domain(c, *grace).await,
@@ -370,10 +370,13 @@ impl<A: Adapters> Controller<A> {
     /// The connection to the VM's daemon closes while the unit stops: a
     /// close needs the daemon's answer, which under load came late, and
     /// the daemon ending ends the connection anyway.
-    async fn stop_unit(&self, id: &str) -> Result<(), ControllerError> {
-        let unit = key::unit_name_of(id);
-        let (_, stopped) =
-            tokio::join!(self.deps.hypervisor.forget(id), self.deps.units.stop(&unit));
+    async fn stop_unit(&self, c: &StepCtx<'_>) -> Result<(), ControllerError> {
+        let (id, unit) = (c.id, key::unit_name_of(c.id));
+        let daemon = c.obs.unit.as_ref().and_then(|u| u.main_pid);
+        let (_, stopped) = tokio::join!(
+            self.deps.hypervisor.forget(id),
+            self.deps.units.stop(&unit, daemon)
+        );
         stopped.map_err(sd_err(id))
     }
 
