@@ -528,9 +528,8 @@ impl Libvirt {
     /// The domain's state: one call while no event of the domain came
     /// since it was last read in full (a lifecycle or agent event is what
     /// changes the rest), else lookup, state and XML. Every VM is looked
-    /// at on every resync: at 250 VMs the two calls saved were most of an
-    /// idle kvirtd's CPU, its own and libvirt's event thread's (each call
-    /// wakes that thread twice).
+    /// at on every resync and each second of its grace period: one call
+    /// to its daemon where there were three.
     fn observe_on(
         &self,
         slot: &mut Option<Conn>,

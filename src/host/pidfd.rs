@@ -209,7 +209,10 @@ mod tests {
         child.wait().unwrap();
         let (fd, cgroup) = pinned.expect("the child is in this cgroup");
         assert_eq!(cgroup, own);
-        assert!(!fd.signal(0), "the pidfd names the reaped child, no one else");
+        assert!(
+            !fd.signal(0),
+            "the pidfd names the reaped child, no one else"
+        );
         assert!(other.is_none() || last == "kvirt-vm@default_other.service");
         assert!(pin_in_unit(u32::MAX, &last).is_none());
     }
