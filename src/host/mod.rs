@@ -32,6 +32,7 @@ pub mod nft;
 pub mod pidfd;
 pub mod qemulog;
 pub mod registry;
+pub mod removals;
 pub mod storage;
 pub mod systemd;
 pub mod tunnel;

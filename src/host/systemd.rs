@@ -9,12 +9,13 @@ use crate::core::unit::{
 };
 use crate::host::bus::Bus;
 use crate::host::pidfd::{self, Pidfd};
+use crate::host::removals::{Removal, Removals};
 use futures::StreamExt;
 use std::future::Future;
 use std::time::Duration;
 use tokio::sync::mpsc::UnboundedSender;
 use zbus::zvariant::{OwnedObjectPath, OwnedValue, Value};
-use zbus_systemd::systemd1::{ManagerProxy, ServiceProxy, UnitProxy, UnitRemoved};
+use zbus_systemd::systemd1::{ManagerProxy, ServiceProxy, UnitProxy};
 
 #[derive(Debug, thiserror::Error)]
 pub enum SystemdError {
@@ -128,18 +129,31 @@ pub struct SystemdBus {
     /// Whether [`Units::get`] reads `AllowedCPUs`: only a host that
     /// dedicates CPUs places units on them.
     read_cpus: bool,
+    /// Fed by one reader of `UnitRemoved` for the connection's life.
+    removals: Removals,
 }
 
 impl SystemdBus {
     pub async fn connect() -> Result<Self, SystemdError> {
         let bus = Bus::system().await?;
-        ManagerProxy::new(bus.connection())
-            .await?
-            .subscribe()
-            .await?;
+        let manager = ManagerProxy::new(bus.connection()).await?;
+        manager.subscribe().await?;
+        let removals = Removals::default();
+        let mut removed = manager.receive_unit_removed().await?;
+        let feed = removals.clone();
+        // Read as they come (an unread stream holds up the connection's
+        // replies); the stream ends with the connection.
+        tokio::spawn(async move {
+            while let Some(sig) = removed.next().await {
+                if let Ok(a) = sig.args() {
+                    feed.removed(&a.id);
+                }
+            }
+        });
         Ok(Self {
             bus,
             read_cpus: true,
+            removals,
         })
     }
 
@@ -220,10 +234,10 @@ impl SystemdBus {
 
     /// Ends the unit's processes as systemd's own stop would (SIGTERM and
     /// SIGCONT), but sent by kvirtd through pidfds, then waits for the unit
-    /// to go inactive or away. The libvirt daemon first: it says
-    /// `STOPPING=1` and exits, leaving its guest running as on any restart,
-    /// and systemd runs no `ExecStop=` (stopping 100 VMs through their stop
-    /// jobs spent a third of the CPU in systemd setting up each unit's mount
+    /// to go away. The libvirt daemon first: it says `STOPPING=1` and
+    /// exits, leaving its guest running as on any restart, and systemd
+    /// runs no `ExecStop=` (stopping 100 VMs through their stop jobs spent
+    /// a third of the CPU in systemd setting up each unit's mount
     /// namespace again for that one command). Then what KillMode=process
     /// left, QEMU. Not both at once: QEMU's exit raced the daemon's own
     /// shutdown, and 2 of 100 daemons then hung until libvirt's 30 s
@@ -231,41 +245,25 @@ impl SystemdBus {
     /// systemd up to half a second to answer. A daemon that does not say
     /// STOPPING=1 (older libvirt) still exits, and systemd then runs
     /// `ExecStop=` as a stop job would.
-    ///
-    /// `seen`, the daemon's pid as the caller saw it, spares two calls:
-    /// 250 VMs stopping at once queued ~2.5 s on the bus before the first
-    /// signal.
     async fn terminate(
         &self,
         unit: &str,
-        path: &OwnedObjectPath,
-        seen: Option<u32>,
+        (daemon, cgroup): (Option<Pidfd>, String),
+        mut removal: Removal,
     ) -> Result<Ended, SystemdError> {
-        let manager = self.manager().await?;
-        // Read throughout (see drain).
-        let mut removed = self.bus.call(manager.receive_unit_removed()).await?;
-        let mut gone = false;
-        let mine = |sig: UnitRemoved| sig.args().is_ok_and(|a| a.id == unit);
-        let (daemon, cgroup) = match seen.and_then(|pid| pidfd::pin_in_unit(pid, unit)) {
-            Some((daemon, cgroup)) => (Some(daemon), cgroup),
-            None => drain(self.processes(path), &mut removed, |s| gone |= mine(s)).await?,
-        };
         let deadline = tokio::time::sleep(TERM_WAIT);
         tokio::pin!(deadline);
         // Where a stop's time goes (KVIRT_LOG=kvirt::host::systemd=debug):
         // the daemon's exit, then QEMU's and the unit's removal.
         let t0 = tokio::time::Instant::now();
+        let mut gone = false;
         if let Some(daemon) = daemon {
             daemon.signal(libc::SIGTERM);
             daemon.signal(libc::SIGCONT);
-            let exited = daemon.exited();
-            tokio::pin!(exited);
-            while !gone {
-                tokio::select! {
-                    _ = &mut exited => break,
-                    Some(sig) = removed.next() => gone = mine(sig),
-                    _ = &mut deadline => return Ok(Ended::No),
-                }
+            tokio::select! {
+                _ = daemon.exited() => {}
+                _ = &mut removal => gone = true,
+                _ = &mut deadline => return Ok(Ended::No),
             }
         }
         let daemon_ms = t0.elapsed().as_millis() as u64;
@@ -273,40 +271,92 @@ impl SystemdBus {
             pidfd::signal_cgroup(&cgroup, libc::SIGTERM);
             pidfd::signal_cgroup(&cgroup, libc::SIGCONT);
         }
-        // A look now and then: a unit kept loaded (something still holds
-        // it) sends no UnitRemoved when it goes inactive. Less and less
-        // often: most units are removed within a second or two, and a look
-        // every second by each of 250 stopping VMs added to the bus calls
-        // the others' stops wait for.
-        let mut wait = Duration::from_secs(2);
-        let look = tokio::time::sleep(wait);
-        tokio::pin!(look);
-        while !gone {
+        let ended = if gone {
+            Ended::Removed
+        } else {
             tokio::select! {
-                Some(sig) = removed.next() => gone = mine(sig),
-                _ = &mut look => {
-                    wait = (wait * 2).min(Duration::from_secs(8));
-                    look.as_mut().reset(tokio::time::Instant::now() + wait);
-                    let now = drain(self.activity_of(unit), &mut removed, |s| gone |= mine(s));
-                    match now.await? {
-                        None => gone = true,
-                        Some(UnitActivity::Inactive | UnitActivity::Failed) => {
-                            tracing::debug!(unit, daemon_ms, ms = t0.elapsed().as_millis() as u64, "stopped, still loaded");
-                            return Ok(Ended::Down)
-                        }
-                        Some(_) => {}
-                    }
-                }
+                ended = self.until_down(unit, &cgroup, &mut removal) => ended?,
                 _ = &mut deadline => return Ok(Ended::No),
             }
+        };
+        let ms = t0.elapsed().as_millis() as u64;
+        tracing::debug!(unit, daemon_ms, ms, ?ended, "stopped");
+        Ok(ended)
+    }
+
+    /// Until the unit is removed, or is down with none of its processes
+    /// left. A look now and then: a unit kept loaded (something still
+    /// holds it) sends no UnitRemoved when it goes inactive. Less and less
+    /// often: most units are removed within a second or two, and a look
+    /// every second by each of 250 stopping VMs added to the bus calls the
+    /// others' stops wait for. Down with processes left is QEMU still
+    /// exiting (KillMode=process: systemd waits for none of it): not yet
+    /// a reason to kill it.
+    async fn until_down(
+        &self,
+        unit: &str,
+        cgroup: &str,
+        removal: &mut Removal,
+    ) -> Result<Ended, SystemdError> {
+        let mut wait = Duration::from_secs(2);
+        loop {
+            tokio::select! {
+                _ = &mut *removal => return Ok(Ended::Removed),
+                _ = tokio::time::sleep(wait) => {}
+            }
+            wait = (wait * 2).min(Duration::from_secs(8));
+            match self.activity_of(unit).await? {
+                None => return Ok(Ended::Removed),
+                Some(UnitActivity::Inactive | UnitActivity::Failed)
+                    if pidfd::pids_of(cgroup).is_empty() =>
+                {
+                    return Ok(Ended::Down)
+                }
+                Some(_) => {}
+            }
         }
-        tracing::debug!(
-            unit,
-            daemon_ms,
-            ms = t0.elapsed().as_millis() as u64,
-            "stopped"
-        );
-        Ok(Ended::Removed)
+    }
+
+    /// After a stop's signals: a stop job where they did not end the
+    /// unit, then whatever is left killed.
+    async fn finish_stop(
+        &self,
+        unit: &str,
+        ended: Result<Ended, SystemdError>,
+    ) -> Result<(), SystemdError> {
+        let ended = ended.unwrap_or_else(|e| {
+            tracing::debug!(unit, "SIGTERM to the unit: {e}; stopping it instead");
+            Ended::No
+        });
+        let name = unit.to_owned();
+        let res = match ended {
+            Ended::Removed => return Ok(()),
+            Ended::Down => Ok(()),
+            Ended::No => match self
+                .run_job(unit, "stop", |m| async move {
+                    m.stop_unit(name, "replace".into()).await
+                })
+                .await
+            {
+                Err(SystemdError::Bus(e)) if no_such_unit(&e) => Ok(()),
+                r => r,
+            },
+        };
+        if let Ok(Some(left)) = self.activity_of(unit).await {
+            let manager = self.manager().await?;
+            // KillMode=process spares QEMU when only the daemon dies; a
+            // stop on purpose leaves nothing, not even a process that
+            // ignored its SIGTERM.
+            let _ = self
+                .bus
+                .call(manager.kill_unit(unit.into(), "all".into(), libc::SIGKILL))
+                .await;
+            // Stopping can leave it failed (e.g. killed by the stop timeout).
+            if left == UnitActivity::Failed {
+                let _ = self.bus.call(manager.reset_failed_unit(unit.into())).await;
+            }
+        }
+        res
     }
 
     /// The unit's main process, pinned by a pidfd (`None` when it has none
@@ -434,6 +484,16 @@ impl Units for SystemdBus {
     }
 
     async fn stop(&self, unit: &str, daemon: Option<u32>) -> Result<(), SystemdError> {
+        // Waited for from before anything is signalled.
+        let removal = self.removals.wait_for(unit);
+        // The daemon the pass saw, still running in the unit's cgroup: the
+        // unit is active, and nothing need be asked of systemd first (its
+        // path and state: 250 VMs' stops queued ~1.8 s on the bus for them
+        // before their signals).
+        if let Some((pinned, cgroup)) = daemon.and_then(|pid| pidfd::pin_in_unit(pid, unit)) {
+            let ended = self.terminate(unit, (Some(pinned), cgroup), removal).await;
+            return self.finish_stop(unit, ended).await;
+        }
         let Some(path) = self.unit_path(unit).await? else {
             return Ok(());
         };
@@ -454,44 +514,14 @@ impl Units for SystemdBus {
             return Ok(());
         }
         let ended = if now == UnitActivity::Active {
-            self.terminate(unit, &path, daemon)
-                .await
-                .unwrap_or_else(|e| {
-                    tracing::debug!(unit, "SIGTERM to the unit: {e}; stopping it instead");
-                    Ended::No
-                })
-        } else {
-            Ended::No
-        };
-        let name = unit.to_owned();
-        let res = match ended {
-            Ended::Removed => return Ok(()),
-            Ended::Down => Ok(()),
-            Ended::No => match self
-                .run_job(unit, "stop", |m| async move {
-                    m.stop_unit(name, "replace".into()).await
-                })
-                .await
-            {
-                Err(SystemdError::Bus(e)) if no_such_unit(&e) => Ok(()),
-                r => r,
-            },
-        };
-        if let Ok(Some(left)) = self.activity_of(unit).await {
-            let manager = self.manager().await?;
-            // KillMode=process spares QEMU when only the daemon dies; a
-            // stop on purpose leaves nothing, not even a process that
-            // ignored its SIGTERM.
-            let _ = self
-                .bus
-                .call(manager.kill_unit(unit.into(), "all".into(), libc::SIGKILL))
-                .await;
-            // Stopping can leave it failed (e.g. killed by the stop timeout).
-            if left == UnitActivity::Failed {
-                let _ = self.bus.call(manager.reset_failed_unit(unit.into())).await;
+            match self.processes(&path).await {
+                Ok(target) => self.terminate(unit, target, removal).await,
+                Err(e) => Err(e),
             }
-        }
-        res
+        } else {
+            Ok(Ended::No)
+        };
+        self.finish_stop(unit, ended).await
     }
 
     async fn get(&self, unit: &str) -> Result<Option<UnitObs>, SystemdError> {
@@ -588,6 +618,7 @@ async fn drain<S: futures::Stream + Unpin, T>(
 }
 
 /// How a `terminate` ended.
+#[derive(Debug)]
 enum Ended {
     /// The unit went away (it is collected).
     Removed,
