@@ -22,6 +22,7 @@ pub mod image;
 pub mod ipam;
 pub mod journal;
 pub mod libvirt;
+pub mod linkreap;
 pub mod logwatch;
 pub mod machined;
 pub mod marks;
