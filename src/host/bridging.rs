@@ -449,10 +449,9 @@ impl SecondaryNets {
         dhcp: &DhcpServers,
         defaults: &LeaseDefaults,
     ) -> Result<(), NetworkError> {
-        let running = dhcp.ids();
         if secondary
             .iter()
-            .all(|s| running.contains(&dhcp_key(id, &s.links)))
+            .all(|s| dhcp.serves(&dhcp_key(id, &s.links)))
             && self.results().contains_key(id)
         {
             return Ok(());
@@ -469,7 +468,7 @@ impl SecondaryNets {
                 continue;
             };
             let key = dhcp_key(id, &s.links);
-            if !running.contains(&key) {
+            if !dhcp.serves(&key) {
                 let mtu = mtu_in(netns, &s.links.bridge).unwrap_or(1500);
                 if let Some(lease) = lease_of(s, &result, i + 1, mtu, defaults) {
                     dhcp.start(&key, netns, &s.links.bridge, lease)

@@ -359,6 +359,11 @@ impl DhcpServers {
     }
 
     /// Ids with a server running, sorted.
+    /// Whether a server runs for `id` (a lookup: every VM's pass asks).
+    pub fn serves(&self, id: &str) -> bool {
+        self.lock().contains_key(id)
+    }
+
     pub fn ids(&self) -> Vec<String> {
         let mut ids: Vec<String> = self.lock().keys().cloned().collect();
         ids.sort();

@@ -762,9 +762,8 @@ impl HostNetwork {
     /// Serves the guest's leases: DHCP, and DHCPv6 when dual-stack. Each
     /// server that runs already is kept.
     async fn attach_pod(&self, id: &str, net: &NetSpec) -> Result<(), NetworkError> {
-        let running = self.dhcp.ids();
         let netns = self.netns_path(id);
-        if !running.iter().any(|i| i == id) {
+        if !self.dhcp.serves(id) {
             let lease = self.lease_config(net);
             self.dhcp
                 .start(id, &netns, VM_BRIDGE, lease)
@@ -772,7 +771,7 @@ impl HostNetwork {
                 .map_err(|e| vm_err(id)(e.to_string()))?;
         }
         let key = dhcp6_key(id);
-        if self.settings.subnet6.is_some() && !running.contains(&key) {
+        if self.settings.subnet6.is_some() && !self.dhcp.serves(&key) {
             let lease = crate::core::dhcp6::Lease6::masquerade(
                 VM_BRIDGE_MAC,
                 Vec::new(),
