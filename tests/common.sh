@@ -45,10 +45,28 @@ kvirt_packaging_tools() {
 # Builds kvirt (debug, for the tests) and its packages: exports KVIRT_DEB,
 # KVIRT_RPM and KVIRT_DEB_NEXT (the same build as a newer revision, for
 # upgrade tests).
+# Cargo's target directory, when the checkout has none yet (CI's clean
+# checkout), is one kept under the test cache: the dependencies' builds
+# are most of a cold build's time and change only with Cargo.lock. One
+# per Cargo.lock (others removed: each is gigabytes), and wiped when it
+# has grown past 20 GiB (kvirt's own crates build anew per checkout path).
+kvirt_target_cache() {
+  [[ -e $top/target || -L $top/target ]] && return 0
+  local dir
+  dir=$TH_CACHE/cargo-target-$(sha256sum "$top/Cargo.lock" | cut -c1-16)
+  mkdir -p "$TH_CACHE"
+  find "$TH_CACHE" -mindepth 1 -maxdepth 1 -name 'cargo-target-*' ! -path "$dir" -exec rm -rf {} +
+  if [[ -d $dir ]] && (($(du -sm "$dir" | cut -f1) > 20480)); then rm -rf "$dir"; fi
+  mkdir -p "$dir"
+  ln -s "$dir" "$top/target"
+  th_log "cargo's target directory: $dir (kept between runs)"
+}
+
 kvirt_build() {
   th_host_deps
   kvirt_rust
   kvirt_packaging_tools
+  kvirt_target_cache
   local t; t=$(th__now)
   (cd "$top" && cargo build --locked --bins >&2)
   local out
