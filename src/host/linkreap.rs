@@ -106,7 +106,14 @@ impl<U: Unlink> LinkReaper<U> {
                 std::mem::take(&mut q.pending)
             };
             let (links, waiters): (Vec<Doomed>, Vec<_>) = batch.into_iter().unzip();
-            let mut results = self.unlink.unlink(&links).into_iter();
+            // A panic here must not leave the queue busy with no drain:
+            // every later delete would wait for ever.
+            let unlinked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                self.unlink.unlink(&links)
+            }));
+            let mut results = unlinked
+                .unwrap_or_else(|_| vec![Err("deleting the link panicked".into()); links.len()])
+                .into_iter();
             for w in waiters {
                 // A waiter that went away (its teardown was cancelled) is
                 // fine: the link is gone all the same.
@@ -322,6 +329,23 @@ mod tests {
         until("the drain ended", || !reaper.queue.lock().unwrap().busy).await;
         assert_eq!(reaper.delete(doomed(9, "d")).await, Ok(()));
         assert_eq!(rec.batches.lock().unwrap().len(), 3);
+    }
+
+    struct Panicky;
+
+    impl Unlink for Panicky {
+        fn unlink(&self, links: &[Doomed]) -> Vec<Result<(), String>> {
+            assert!(links.iter().all(|l| l.name != "boom"), "boom");
+            links.iter().map(|_| Ok(())).collect()
+        }
+    }
+
+    #[tokio::test]
+    async fn a_delete_that_panics_fails_alone_and_the_next_goes_on() {
+        let reaper = LinkReaper::new(Panicky);
+        let failed = reaper.delete(doomed(1, "boom")).await;
+        assert!(failed.is_err_and(|e| e.contains("panicked")));
+        assert_eq!(reaper.delete(doomed(2, "a")).await, Ok(()));
     }
 
     /// Tier 2, root: the kernel's side in a throwaway namespace standing
